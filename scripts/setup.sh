@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch 2.13.0 first (so nothing pulls a CUDA build), then
+# zerostack and its test tools. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[dev]"

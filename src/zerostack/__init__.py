@@ -1,0 +1,176 @@
+"""zerostack: ZeRO, tensor and pipeline parallelism on torch.distributed, with DeepSpeed's API.
+
+Switching from DeepSpeed is one import::
+
+    import zerostack as deepspeed
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), training_data=dataset, config="ds.json"
+    )
+    for x, y in loader:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .comm import Comm, CommLog
+from .config import ConfigError, ZeroStackConfig, load_config
+from .engine import Engine
+from .optim import build_lr_scheduler, build_optimizer
+from .topology import Topology, init_distributed
+
+__version__ = "0.1.0"
+__all__ = [
+    "Comm",
+    "CommLog",
+    "ConfigError",
+    "Engine",
+    "Topology",
+    "ZeroStackConfig",
+    "init_distributed",
+    "initialize",
+    "load_config",
+]
+
+
+def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+    """Trainable parameters as optimizer groups, from the optimizer, model_parameters or model."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("optimizer: it already has state; pass a freshly built optimizer")
+        raw = optimizer.param_groups
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        raw = items if items and isinstance(items[0], dict) else [{"params": items}]
+    else:
+        raw = [{"params": list(model.parameters())}]
+    in_model = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    groups = []
+    for i, group in enumerate(raw):
+        if "params" not in group:
+            raise ValueError(f"model_parameters[{i}]: a parameter group needs a 'params' entry")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        kept = []
+        for p in params:
+            if id(p) not in in_model:
+                raise ValueError(
+                    f"model_parameters[{i}]: a parameter of shape {tuple(p.shape)} "
+                    "is not in the model"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"model_parameters[{i}]: parameter {in_model[id(p)]!r} is in two groups"
+                )
+            seen.add(id(p))
+            if p.requires_grad:
+                kept.append(p)
+        groups.append({**group, "params": kept})
+    return groups
+
+
+def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
+    """A function from flat fp32 groups to the optimizer that steps them."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both as an argument and in the config; pass only one")
+    if isinstance(optimizer, torch.optim.Optimizer):
+
+        def rebind(flat_groups):  # keep the user's object (and any scheduler built on it)
+            for group, flat in zip(optimizer.param_groups, flat_groups, strict=True):
+                group["params"] = flat["params"]
+            return optimizer
+
+        return rebind
+    if callable(optimizer):
+        return optimizer
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer: none given; pass optimizer= or set an optimizer block")
+    return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups)
+
+
+def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both as an argument and in the config; pass only one")
+    if lr_scheduler is not None:
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        params = cfg.scheduler.params.model_dump()
+        return lambda opt: build_lr_scheduler(opt, cfg.scheduler.type, params)
+    return None
+
+
+def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
+    topo, cfg = engine.topology, engine.config
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=topo.dp,
+        rank=topo.dp_rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=cfg.dataloader_drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data: Dataset | None = None,
+    lr_scheduler=None,
+    distributed_port: int | None = None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+    topology: Topology | None = None,
+):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``config`` is a dict, a JSON file path or a JSON string (also read from
+    ``args.deepspeed_config``). ``optimizer`` may be a torch optimizer built over the model's
+    parameters, or a callable taking parameter groups; else the config's ``optimizer`` block is
+    used. ``lr_scheduler`` likewise (an object or a callable taking the optimizer).
+    """
+    if model is None:
+        raise ValueError("model: initialize needs a model")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    cfg = load_config(config)
+    if mpu is not None:
+        raise ConfigError("mpu: model parallelism is not implemented yet in this version")
+    groups = _param_groups(model, optimizer, model_parameters)
+    opt_factory = _optimizer_factory(optimizer, cfg)
+    sched = _scheduler_factory(lr_scheduler, cfg)
+    if dist_init_required is not False:
+        init_distributed()
+    topo = topology or Topology.build()
+    cfg.resolve_batch(topo.dp)  # batch errors before any work
+    engine = Engine(
+        module=model,
+        config=cfg,
+        topology=topo,
+        param_groups=groups,
+        optimizer_factory=opt_factory,
+        lr_scheduler=sched,
+    )
+    loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,230 @@
+"""``zerostack train``: the demo, and a thin caller of the same ``initialize`` a user script calls.
+
+    zerostack train                       # 2 ranks on CPU, the bundled corpus, a few minutes
+    zerostack train --nproc 4 --steps 100 --zero-stage 0 --bf16
+    zerostack train --config ds_config.json
+
+Without a launcher it re-executes itself under torchrun with ``--nproc`` ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULTS = dict(
+    steps=300,
+    micro_batch=8,
+    grad_accum=1,
+    lr=3e-3,
+    n_layer=4,
+    d_model=128,
+    n_head=4,
+    block_size=128,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerostack", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser(
+        "train",
+        help="train the reference GPT on the bundled corpus",
+        description="Train the reference GPT (byte-level) on the bundled public-domain corpus "
+        "(Genesis, KJV) with data parallelism, and report loss, speed and bytes per rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--nproc", type=int, default=2, help="ranks to launch under torchrun")
+    t.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps to run")
+    t.add_argument(
+        "--config",
+        type=str,
+        default=None,
+        help="a DeepSpeed-style config JSON; options given on this command line override it",
+    )
+    t.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per rank per micro-step"
+    )
+    t.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
+    t.add_argument(
+        "--zero-stage", type=int, default=None, help="ZeRO stage (0 = plain data parallel)"
+    )
+    prec = t.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
+    prec.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    t.add_argument(
+        "--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)"
+    )
+    t.add_argument("--n-layer", type=int, default=DEFAULTS["n_layer"], help="transformer blocks")
+    t.add_argument("--d-model", type=int, default=DEFAULTS["d_model"], help="model width")
+    t.add_argument("--n-head", type=int, default=DEFAULTS["n_head"], help="attention heads")
+    t.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="sequence length")
+    t.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
+    t.add_argument("--out", type=str, default="runs/demo", help="folder for the CSV log and plot")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    return p
+
+
+def _build_config(args) -> dict:
+    cfg: dict = {}
+    if args.config:
+        cfg = json.loads(Path(args.config).read_text())
+    cfg.pop("train_batch_size", None) if args.micro_batch or args.grad_accum else None
+    cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch or DEFAULTS["micro_batch"])
+    if args.micro_batch:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.grad_accum or "gradient_accumulation_steps" not in cfg:
+        cfg["gradient_accumulation_steps"] = args.grad_accum or DEFAULTS["grad_accum"]
+    lr = args.lr or DEFAULTS["lr"]
+    if "optimizer" not in cfg or args.lr:
+        params = {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}
+        cfg["optimizer"] = {"type": "AdamW", "params": params}
+    if "scheduler" not in cfg:
+        warm = max(2, args.steps // 10)
+        cfg["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.steps,
+                "warmup_num_steps": warm,
+                "warmup_type": "linear",
+            },
+        }
+    cfg.setdefault("gradient_clipping", args.clip)
+    cfg.setdefault("steps_per_print", max(1, args.steps // 10))
+    cfg.setdefault("seed", args.seed)
+    if args.zero_stage is not None:
+        cfg.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.fp16:
+        cfg["fp16"] = {"enabled": True}
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _relaunch(argv: list[str], nproc: int) -> int:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "zerostack.cli",
+        *argv,
+    ]
+    return subprocess.call(cmd, env=env)
+
+
+def train(args) -> dict:
+    import torch
+
+    import zerostack
+    from zerostack.data import corpus_datasets
+    from zerostack.models import GPT, GPTConfig
+    from zerostack.monitor import RunMonitor
+
+    zerostack.init_distributed()
+    torch.manual_seed(args.seed)
+    model_cfg = GPTConfig(
+        block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model
+    )
+    model = GPT(model_cfg)
+    train_set, val_set = corpus_datasets(args.block_size)
+    engine, _, loader, _ = zerostack.initialize(
+        model=model, training_data=train_set, config=_build_config(args)
+    )
+    rank0 = engine.global_rank == 0
+    monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
+    tokens_per_step = engine.train_batch_size() * args.block_size
+    batches, epoch = iter(loader), 0
+    loss_sum = torch.zeros(1)
+    t_start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss_sum.zero_()
+        for _ in range(engine.gradient_accumulation_steps()):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                epoch += 1
+                loader.sampler.set_epoch(epoch)
+                batches = iter(loader)
+                x, y = next(batches)
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float().cpu()
+        engine.comm.all_reduce(loss_sum, axis="dp")
+        mean_loss = loss_sum.item() / (engine.gradient_accumulation_steps() * engine.dp_world_size)
+        monitor.log(
+            step=engine.global_steps,
+            loss=mean_loss,
+            lr=engine.get_lr()[0],
+            loss_scale=engine.loss_scale,
+            grad_norm=engine.get_global_grad_norm(),
+            tokens_per_s=tokens_per_step / (time.perf_counter() - t0),
+        )
+    elapsed = time.perf_counter() - t_start
+    val_loss = _evaluate(engine, val_set, args.block_size)
+    summary = {
+        "world_size": engine.world_size,
+        "zero_stage": engine.config.zero_optimization.stage,
+        "precision": engine.precision.name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": args.steps,
+        "first_loss": monitor.rows[0]["loss"] if monitor.rows else None,
+        "final_loss": monitor.recent_loss(),
+        "val_loss": val_loss,
+        "tokens_per_s": tokens_per_step * args.steps / elapsed,
+        "bytes_per_rank": engine.memory_breakdown(),
+        "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
+    }
+    monitor.finish(summary)
+    return summary
+
+
+def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
+    import torch
+
+    engine.eval()
+    micro = engine.train_micro_batch_size_per_gpu()
+    n = min(len(dataset), batches * micro * engine.dp_world_size)
+    idx = list(range(engine.topology.dp_rank, n, engine.dp_world_size))
+    total = torch.zeros(2)
+    with torch.no_grad():
+        for i in range(0, len(idx), micro):
+            pairs = [dataset[j] for j in idx[i : i + micro]]
+            x = torch.stack([p[0] for p in pairs]).to(engine.device)
+            y = torch.stack([p[1] for p in pairs]).to(engine.device)
+            xs = pairs
+            total += torch.tensor([engine(x, y).float().item() * len(xs), len(xs)])
+    engine.comm.all_reduce(total, axis="dp")
+    engine.train()
+    return float(total[0] / total[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if not launched and args.nproc > 1:
+            return _relaunch(argv, args.nproc)
+        train(args)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

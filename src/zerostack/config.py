@@ -1,0 +1,654 @@
+"""Typed, strict zerostack configuration, with DeepSpeed's JSON key names and defaults.
+
+Usage::
+
+    from zerostack.config import load_config
+
+    cfg = load_config({
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "bf16": {"enabled": True},
+    })                                          # or a JSON file path, or a JSON string
+    cfg.optimizer.params.lr                     # 0.0003
+    cfg.resolve_batch(dp_world_size=8)          # (64, 4, 2)
+
+Every problem surfaces as one :class:`ConfigError` whose one-line message starts with the dotted
+JSON key path, e.g. ``fp16.initial_scale_powr: unknown key (did you mean 'initial_scale_power'?)``.
+Keys documented as "accepted for DeepSpeed compatibility; no effect yet" are validated but not used.
+"""
+
+import difflib
+import json
+import math
+import os
+from typing import Annotated, Any, ClassVar, Literal, NoReturn
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+SUPPORTED_ZERO_STAGES: frozenset[int] = frozenset({0})
+"""ZeRO stages this version implements; widen as stages land (checked in `_check_implemented`)."""
+
+_SUPPORTED_OFFLOAD_DEVICES = frozenset({"none"})
+
+
+class ConfigError(ValueError):
+    """A bad config. The message is one line: ``"<dotted.key.path>: <what is wrong>"``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+# --- error plumbing -------------------------------------------------------------------------
+
+
+def _fail(msg: str, *paths: str) -> NoReturn:
+    """Fail validation; ``paths`` name the keys at fault, relative to the model being validated."""
+    raise PydanticCustomError("zerostack", "{msg}", {"msg": msg, "paths": paths})
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _describe(err: Any) -> str:
+    where, kind, ctx = _dotted(err["loc"]), err["type"], err.get("ctx") or {}
+    if kind == "zerostack":
+        paths = ctx.get("paths") or ("",)
+        where = ", ".join(".".join(p for p in (where, rel) if p) for rel in paths)
+        msg = ctx["msg"]
+    elif kind == "missing":
+        msg = "required key is missing"
+    elif kind == "extra_forbidden":
+        msg = "unknown key"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        msg = f"must be a JSON object (got {_show(err['input'])})"
+    else:
+        msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be", 1)
+        msg = f"{msg} (got {_show(err['input'])})"
+    return f"{where or 'config'}: {msg}"
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    return ConfigError("; ".join(_describe(e) for e in exc.errors()))
+
+
+# --- value types ----------------------------------------------------------------------------
+
+
+def _integral(v: Any) -> Any:
+    # DeepSpeed configs write sizes as 5e8: accept integral floats, reject 2.5.
+    if isinstance(v, float):
+        if not v.is_integer():
+            _fail(f"must be an integer (got {v!r})")
+        return int(v)
+    return v
+
+
+def _auto_is_none(v: Any) -> Any:
+    # HF Trainer writes "auto" for values it fills in itself; here it means "not given".
+    return None if v == "auto" else v
+
+
+def _list_to_tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[Int, Field(gt=0)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+BatchSize = Annotated[PositiveInt | None, BeforeValidator(_auto_is_none)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Ratio = Annotated[float, Field(ge=0, le=1)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+WarmupType = Literal["log", "linear"]
+
+
+def _aliases(default: Any, *names: str) -> Any:
+    return Field(default, validation_alias=AliasChoices(*names))
+
+
+class _Model(BaseModel):
+    # Strict: JSON is typed, so "16" for an int or 1 for a bool is a mistake, not a value.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        allow_inf_nan=False,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_keys(cls, data: Any) -> Any:
+        """Rename alias keys to the canonical name; report unknown keys with a suggestion."""
+        if not isinstance(data, dict):
+            return data
+        canonical: dict[str, str] = {}
+        for name, field in cls.model_fields.items():
+            canonical[name] = name
+            if isinstance(field.validation_alias, AliasChoices):
+                canonical.update(
+                    (a, name) for a in field.validation_alias.choices if isinstance(a, str)
+                )
+        out: dict[str, Any] = {}
+        seen_as: dict[str, str] = {}
+        errors: list[InitErrorDetails] = []
+        for key, value in data.items():
+            name = canonical.get(key) if isinstance(key, str) else None
+            if name is None:
+                close = difflib.get_close_matches(str(key), list(canonical), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                msg = f"unknown key{hint}"
+                loc = (str(key),)
+            elif name in out:
+                msg, loc = f"given twice (as {seen_as[name]!r} and {key!r})", (name,)
+            else:
+                out[name], seen_as[name] = value, key
+                continue
+            err = PydanticCustomError("zerostack", "{msg}", {"msg": msg, "paths": ()})
+            errors.append(InitErrorDetails(type=err, loc=loc, input=value))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return out
+
+
+# --- optimizer and scheduler ----------------------------------------------------------------
+
+
+class AdamParams(_Model):
+    """``optimizer.params`` for Adam and AdamW (DeepSpeed's FusedAdam arguments)."""
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: PositiveFloat = 1e-8
+    """Term added to the denominator for numerical stability."""
+    weight_decay: NonNegFloat = 0.0
+    """Weight decay coefficient."""
+    adam_w_mode: bool = True
+    """As in DeepSpeed: with type "Adam", true (the default) means decoupled weight decay
+    (AdamW) and false means L2 regularisation (classic Adam). Type "AdamW" is always decoupled."""
+    torch_adam: bool = False
+    """Use torch.optim's implementation instead of a fused one."""
+    amsgrad: bool = False
+    """Use the AMSGrad variant."""
+
+
+class SGDParams(_Model):
+    """``optimizer.params`` for SGD (torch.optim.SGD arguments)."""
+
+    lr: NonNegFloat
+    """Learning rate (required)."""
+    momentum: NonNegFloat = 0.0
+    """Momentum factor."""
+    dampening: float = 0.0
+    """Dampening for momentum."""
+    weight_decay: NonNegFloat = 0.0
+    """Weight decay (L2 penalty)."""
+    nesterov: bool = False
+    """Nesterov momentum; needs momentum > 0 and dampening 0."""
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> "SGDParams":
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            _fail("requires momentum > 0 and dampening 0", "nesterov")
+        return self
+
+
+class WarmupLRParams(_Model):
+    """``scheduler.params`` for WarmupLR."""
+
+    warmup_min_lr: NonNegFloat = 0.0
+    """Learning rate at the start of the warmup."""
+    warmup_max_lr: NonNegFloat = 0.001
+    """Learning rate at the end of the warmup."""
+    warmup_num_steps: NonNegInt = 1000
+    """Number of warmup steps (the scheduler uses at least 2, as DeepSpeed does)."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup: "log" or "linear"."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """``scheduler.params`` for WarmupDecayLR: WarmupLR, then linear decay to 0."""
+
+    total_num_steps: PositiveInt
+    """Step at which the learning rate reaches 0 (required, >= warmup_num_steps)."""
+
+    @model_validator(mode="after")
+    def _total_after_warmup(self) -> "WarmupDecayLRParams":
+        if self.total_num_steps < self.warmup_num_steps:
+            msg = f"{self.total_num_steps} is less than warmup_num_steps ({self.warmup_num_steps})"
+            _fail(msg, "total_num_steps")
+        return self
+
+
+class WarmupCosineLRParams(_Model):
+    """``scheduler.params`` for WarmupCosineLR (ratios of each param group's own lr)."""
+
+    total_num_steps: PositiveInt
+    """Total number of training steps (required)."""
+    warmup_min_ratio: Ratio = 0.0
+    """Ratio of the optimizer's lr at the start of the warmup."""
+    warmup_num_steps: NonNegInt = 1000
+    """Number of warmup steps."""
+    cos_min_ratio: Ratio = 0.0001
+    """Ratio of the optimizer's lr at the end of the cosine decay."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup: "log" or "linear"."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
+class _TypedBlock(_Model):
+    """A ``{"type": ..., "params": {...}}`` block whose params model depends on the type."""
+
+    _PARAMS: ClassVar[dict[str, type[_Model]]]
+    _CASE_INSENSITIVE: ClassVar[bool] = False
+
+    @field_validator("type", mode="before", check_fields=False)
+    @classmethod
+    def _known_type(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            for name in cls._PARAMS:
+                if v == name or (cls._CASE_INSENSITIVE and v.lower() == name.lower()):
+                    return name
+        _fail(f"{v!r} is not supported (supported: {', '.join(cls._PARAMS)})")
+
+    @field_validator("params", mode="before", check_fields=False)
+    @classmethod
+    def _typed_params(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if kind is None:  # the bad type is reported; params can't be checked without it
+            return v
+        # A ValidationError raised here is merged into the outer one under "<block>.params".
+        return cls._PARAMS[kind].model_validate({} if v is None else v)
+
+
+class OptimizerConfig(_TypedBlock):
+    """The ``optimizer`` block."""
+
+    _PARAMS = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+    _CASE_INSENSITIVE = True  # DeepSpeed lower-cases optimizer names
+
+    type: Literal["Adam", "AdamW", "SGD"]
+    """Optimizer name, case-insensitive on input ("adamw" becomes "AdamW")."""
+    params: Annotated[AdamParams | SGDParams, SkipValidation] = Field(
+        default=None, validate_default=True
+    )
+    """Optimizer arguments, checked against the type's own keys (AdamParams or SGDParams)."""
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        """True when weight decay is AdamW-style (type AdamW, or Adam with adam_w_mode)."""
+        return self.type == "AdamW" or (self.type == "Adam" and self.params.adam_w_mode)
+
+
+class SchedulerConfig(_TypedBlock):
+    """The ``scheduler`` block."""
+
+    _PARAMS = {
+        "WarmupLR": WarmupLRParams,
+        "WarmupDecayLR": WarmupDecayLRParams,
+        "WarmupCosineLR": WarmupCosineLRParams,
+    }
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    """Scheduler name (case-sensitive, as in DeepSpeed)."""
+    params: Annotated[
+        WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams, SkipValidation
+    ] = Field(default=None, validate_default=True)
+    """Scheduler arguments, checked against the type's own keys."""
+
+
+# --- precision, ZeRO, monitors --------------------------------------------------------------
+
+
+class FP16Config(_Model):
+    """The ``fp16`` block."""
+
+    enabled: bool = False
+    """Train in fp16 with fp32 master weights and loss scaling."""
+    auto_cast: bool = False
+    """Cast the model's floating-point inputs to fp16."""
+    loss_scale: NonNegFloat = 0.0
+    """Static loss scale; 0 means dynamic loss scaling."""
+    initial_scale_power: Annotated[Int, Field(ge=0, le=64)] = 16
+    """The dynamic loss scale starts at 2**initial_scale_power."""
+    loss_scale_window: PositiveInt = 1000
+    """Steps without overflow before the dynamic loss scale is doubled."""
+    hysteresis: PositiveInt = 2
+    """Overflows tolerated before the dynamic loss scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis on every step without overflow."""
+    min_loss_scale: PositiveFloat = 1.0
+    """Lower bound of the dynamic loss scale."""
+
+
+class BF16Config(_Model):
+    """The ``bf16`` block (DeepSpeed also accepts the key ``bfloat16``)."""
+
+    enabled: bool = False
+    """Train in bf16 with fp32 master weights (no loss scaling needed)."""
+    immediate_grad_update: bool = False
+    """Accepted for DeepSpeed compatibility; no effect yet."""
+
+
+class OffloadConfig(_Model):
+    """``zero_optimization.offload_optimizer`` / ``offload_param``. One model serves both, so
+    buffer_count defaults to 4 for both (DeepSpeed's offload_param default is 5)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """Where to offload to; only "none" is implemented yet."""
+    nvme_path: str | None = None
+    """Directory for nvme offload (required when device is "nvme")."""
+    pin_memory: bool = False
+    """Offload to page-locked CPU memory. Accepted for DeepSpeed compatibility; no effect yet."""
+    buffer_count: PositiveInt = 4
+    """Number of nvme swap buffers. Accepted for DeepSpeed compatibility; no effect yet."""
+    buffer_size: PositiveInt = 100_000_000
+    """Size of the nvme swap buffers. Accepted for DeepSpeed compatibility; no effect yet."""
+    max_in_cpu: NonNegInt = 1_000_000_000
+    """Parameter elements kept in CPU memory with nvme. Accepted for DeepSpeed compatibility;
+    no effect yet."""
+    fast_init: bool = False
+    """Fast optimizer init with nvme. Accepted for DeepSpeed compatibility; no effect yet."""
+    ratio: Ratio = 1.0
+    """Fraction of the optimizer offloaded. Accepted for DeepSpeed compatibility; no effect yet."""
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "OffloadConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            _fail("required when device is 'nvme'", "nvme_path")
+        return self
+
+
+def _check_implemented(zero: "ZeroConfig") -> None:
+    """The one place that knows what this version implements: widen it as features land."""
+    if zero.stage not in SUPPORTED_ZERO_STAGES:
+        supported = ", ".join(map(str, sorted(SUPPORTED_ZERO_STAGES)))
+        msg = f"{zero.stage} is not implemented yet in this version of zerostack"
+        _fail(f"{msg} (supported: {supported})", "stage")
+    for name in ("offload_optimizer", "offload_param"):
+        offload = getattr(zero, name)
+        if offload is not None and offload.device not in _SUPPORTED_OFFLOAD_DEVICES:
+            _fail(f"{offload.device!r} is not implemented yet", f"{name}.device")
+
+
+class ZeroConfig(_Model):
+    """The ``zero_optimization`` block."""
+
+    stage: Int = 0
+    """ZeRO stage: 0 (plain data parallel), 1, 2 or 3; see SUPPORTED_ZERO_STAGES."""
+    allgather_partitions: bool = True
+    """All-gather updated partitions (vs. a series of broadcasts). Accepted for DeepSpeed
+    compatibility; no effect yet."""
+    allgather_bucket_size: PositiveInt = 500_000_000
+    """Elements all-gathered at a time. Accepted for DeepSpeed compatibility; no effect yet."""
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with the backward pass (None: the stage's default). Accepted
+    for DeepSpeed compatibility; no effect yet."""
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter (vs. all-reduce). Accepted for DeepSpeed
+    compatibility; no effect yet."""
+    reduce_bucket_size: PositiveInt = 500_000_000
+    """Elements reduced at a time."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer. Accepted for DeepSpeed compatibility; no
+    effect yet."""
+    sub_group_size: PositiveInt = 1_000_000_000
+    """Stage 3 optimizer step granularity. Accepted for DeepSpeed compatibility; no effect yet."""
+    stage3_prefetch_bucket_size: NonNegInt = _aliases(
+        50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size"
+    )
+    """Stage 3 parameter prefetch size (alias prefetch_bucket_size). Accepted for DeepSpeed
+    compatibility; no effect yet."""
+    stage3_param_persistence_threshold: NonNegInt = _aliases(
+        100_000, "stage3_param_persistence_threshold", "param_persistence_threshold"
+    )
+    """Stage 3: parameters smaller than this are not partitioned (alias
+    param_persistence_threshold). Accepted for DeepSpeed compatibility; no effect yet."""
+    stage3_max_live_parameters: NonNegInt = _aliases(
+        1_000_000_000, "stage3_max_live_parameters", "max_live_parameters"
+    )
+    """Stage 3: parameters resident at once (alias max_live_parameters). Accepted for
+    DeepSpeed compatibility; no effect yet."""
+    stage3_max_reuse_distance: NonNegInt = _aliases(
+        1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance"
+    )
+    """Stage 3: keep parameters reused within this distance (alias max_reuse_distance).
+    Accepted for DeepSpeed compatibility; no effect yet."""
+    stage3_gather_16bit_weights_on_model_save: bool = _aliases(
+        False,
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+    )
+    """Stage 3: gather full 16-bit weights when saving the model (aliases
+    stage3_gather_fp16_weights_on_model_save, gather_16bit_weights_on_model_save). Accepted for
+    DeepSpeed compatibility; no effect yet."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 gradient partitioning order. Accepted for DeepSpeed compatibility; no effect
+    yet."""
+    elastic_checkpoint: bool = False
+    """Accepted for DeepSpeed compatibility; no effect yet."""
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that get no gradient. Accepted for DeepSpeed compatibility; no
+    effect yet."""
+    load_from_fp32_weights: bool = True
+    """Restore fp32 master weights from the checkpoint's fp32 copy. Accepted for DeepSpeed
+    compatibility; no effect yet."""
+    offload_optimizer: OffloadConfig | None = None
+    """Offload optimizer state (stages 1-3)."""
+    offload_param: OffloadConfig | None = None
+    """Offload parameters (stage 3 only)."""
+    cpu_offload: bool | None = Field(default=None, exclude=True)
+    """Deprecated DeepSpeed key: true means offload_optimizer.device "cpu". It is translated
+    while parsing, so it always reads None afterwards."""
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_range(cls, v: int) -> int:
+        if v not in range(4):
+            _fail(f"{v} is not one of 0, 1, 2, 3")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ZeroConfig":
+        if self.cpu_offload is not None:
+            if self.offload_optimizer is not None:
+                _fail("deprecated alias of offload_optimizer; give only one", "cpu_offload")
+            if self.cpu_offload:
+                self.offload_optimizer = OffloadConfig(device="cpu")
+            self.cpu_offload = None
+        # Rule errors come before "not implemented yet", so they are seen while it still holds.
+        if self.offload_param is not None and self.stage != 3:
+            _fail(f"only valid with stage 3 (stage is {self.stage})", "offload_param")
+        _check_implemented(self)
+        return self
+
+
+class MonitorConfig(_Model):
+    """The ``tensorboard`` and ``csv_monitor`` blocks."""
+
+    enabled: bool = False
+    """Write training metrics."""
+    output_path: str = ""
+    """Directory for the output ("" means the current directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory / run name under output_path."""
+
+
+# --- top level ------------------------------------------------------------------------------
+
+
+class ZeroStackConfig(_Model):
+    """The whole config. Build it with :func:`load_config`, which turns pydantic's errors
+    into :class:`ConfigError` (constructing it directly raises pydantic's ValidationError)."""
+
+    train_batch_size: BatchSize = None
+    """Global batch size: micro batch * gradient accumulation * data-parallel size ("auto" =
+    not given)."""
+    train_micro_batch_size_per_gpu: BatchSize = None
+    """Batch size of one forward/backward on one rank ("auto" = not given)."""
+    gradient_accumulation_steps: BatchSize = None
+    """Micro batches per optimizer step ("auto" = not given)."""
+    steps_per_print: PositiveInt = 10
+    """Log progress every this many optimizer steps."""
+    gradient_clipping: NonNegFloat = 0.0
+    """Clip the global gradient norm to this value; 0 means no clipping."""
+    seed: NonNegInt = 42
+    """Random seed. Not a DeepSpeed key (DeepSpeed leaves seeding to the user)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step and log the timings."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch in the engine's data loader."""
+    prescale_gradients: bool = False
+    """Divide gradients by the data-parallel size before the all-reduce instead of after."""
+    gradient_predivide_factor: PositiveFloat = 1.0
+    """Divide gradients by this before the all-reduce and by dp_size / factor after."""
+    zero_allow_untested_optimizer: bool = False
+    """Accepted for DeepSpeed compatibility; no effect yet."""
+    memory_breakdown: bool = False
+    """Log memory usage along with the timings."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer built by the engine; None means the caller passes one."""
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate scheduler built by the engine; None means none (or the caller's)."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision."""
+    bf16: BF16Config = Field(
+        default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    """bf16 mixed precision (alias bfloat16)."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO partitioning and offload."""
+    tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
+    """TensorBoard event files."""
+    csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """CSV metric files."""
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> "ZeroStackConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            _fail("only one of fp16 and bf16 can be enabled", "fp16.enabled", "bf16.enabled")
+        return self
+
+    def resolve_batch(self, dp_world_size: int) -> tuple[int, int, int]:
+        """``(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)`` with
+        train_batch_size == micro * gas * dp_world_size; any two given keys fix the third,
+        and a batch size alone implies gas = 1, as in DeepSpeed."""
+        if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int):
+            raise ValueError(f"dp_world_size must be an int, got {dp_world_size!r}")
+        if dp_world_size < 1:
+            raise ValueError(f"dp_world_size must be >= 1, got {dp_world_size}")
+        dp = dp_world_size
+        tbs = self.train_batch_size
+        mbs = self.train_micro_batch_size_per_gpu
+        gas = self.gradient_accumulation_steps
+        keys = "train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps"
+
+        def divide(total: int, by: tuple[int, ...], what: str) -> int:
+            if total % math.prod(by):
+                shown = " * ".join(map(str, by))
+                raise ConfigError(f"{keys}: {total} is not divisible by {shown} ({what})")
+            return total // math.prod(by)
+
+        if tbs is None and mbs is None:
+            raise ConfigError(
+                "train_batch_size: at least one of train_batch_size, "
+                "train_micro_batch_size_per_gpu must be set"
+            )
+        if tbs is not None and mbs is not None and gas is not None:
+            if tbs != mbs * gas * dp:
+                raise ConfigError(
+                    f"{keys}: {tbs} != {mbs} * {gas} * {dp} (micro * gas * data-parallel size)"
+                )
+        elif tbs is not None and mbs is not None:
+            gas = divide(tbs, (mbs, dp), "micro * data-parallel size")
+        elif tbs is not None and gas is not None:
+            mbs = divide(tbs, (gas, dp), "gas * data-parallel size")
+        elif tbs is not None:
+            gas = 1
+            mbs = divide(tbs, (dp,), "data-parallel size, with gas 1")
+        else:
+            gas = 1 if gas is None else gas
+            tbs = mbs * gas * dp
+        return tbs, mbs, gas
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict with DeepSpeed key names; ``load_config`` reads it back."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of duplicated keys silently; DeepSpeed rejects them too.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"config: duplicate key {key!r} in JSON")
+        out[key] = value
+    return out
+
+
+def _parse_json(text: str, source: str = "") -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config: not valid JSON{source}: {exc}") from None
+
+
+def load_config(config: Any) -> ZeroStackConfig:
+    """Validate ``config``: a dict, a ZeroStackConfig (returned as is), a path to a JSON file
+    (str or os.PathLike) or JSON text (a str starting with "{"). Raises only ConfigError."""
+    if isinstance(config, ZeroStackConfig):
+        return config
+    if config is None:
+        raise ConfigError(
+            "config: no config given; pass config=dict, a JSON file path or a JSON string"
+        )
+    if isinstance(config, str) and config.lstrip().startswith(("{", "[")):
+        config = _parse_json(config)
+    elif isinstance(config, str | os.PathLike):
+        path = os.fsdecode(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"config: file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config: cannot read {path}: {exc}") from None
+        config = _parse_json(text, f" in {path}")
+    if not isinstance(config, dict):
+        raise ConfigError(f"config: must be a JSON object (a dict), got {type(config).__name__}")
+    try:
+        return ZeroStackConfig.model_validate(config)
+    except ValidationError as exc:
+        raise _config_error(exc) from None

@@ -1,0 +1,233 @@
+"""The Engine: sequences one training step; the strategies do the work.
+
+A step is ``engine(batch)`` -> ``engine.backward(loss)`` -> ``engine.step()``, called once per
+micro-batch exactly as with DeepSpeed. On the micro-step that closes an accumulation window the
+engine waits for the gradient reduction, unscales (fp16), checks for overflow, clips by global norm,
+steps the optimizer on the fp32 masters, writes them back to the model and steps the LR schedule.
+
+Loss normalisation for gradient accumulation happens in one place, :meth:`Engine.backward`: the
+loss is divided by ``gradient_accumulation_steps`` (and multiplied by the fp16 loss scale), so the
+accumulated gradient is the mean over the global batch, as DeepSpeed computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import ZeroStackConfig
+from .precision import Precision, make_loss_scaler
+from .topology import Topology
+from .zero.stage0 import DataParallelGrads
+
+log = logging.getLogger("zerostack")
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class Engine(nn.Module):
+    """Wraps a model for data-parallel training with DeepSpeed's engine API."""
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        config: ZeroStackConfig,
+        topology: Topology,
+        param_groups: list[dict],
+        optimizer_factory,
+        lr_scheduler=None,
+        comm: Comm | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.topology = topology
+        self.comm = comm or Comm(topology)
+        self.precision = Precision.from_config(config)
+        tbs, micro, gas = config.resolve_batch(topology.dp)
+        self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
+
+        device = topology.device
+        module.to(device)
+        self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
+        zero = config.zero_optimization
+        prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
+        prescale = prescale / config.gradient_predivide_factor
+        self.grads = DataParallelGrads(
+            module,
+            param_groups,
+            comm=self.comm,
+            precision=self.precision,
+            bucket_numel=zero.reduce_bucket_size,
+            prescale=prescale,
+        )
+        if self.precision.mixed:
+            module.to(self.precision.compute_dtype)
+        self.comm.log.step = 0
+        flat_groups = [{"params": [fg.master], **fg.options} for fg in self.grads.groups]
+        self.optimizer = optimizer_factory(flat_groups)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
+        self.loss_scaler = make_loss_scaler(config)
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self.timers: dict[str, float] = defaultdict(float)
+
+    # ------------------------------------------------------------------ DeepSpeed's accessors
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def train_batch_size(self) -> int:
+        return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before any)."""
+        return self._global_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    # ------------------------------------------------------------------ the step
+    def forward(self, *args, **kwargs):
+        """Run the model; floating-point inputs are cast to the compute dtype."""
+        t0 = time.perf_counter()
+        if self.precision.mixed:
+            args = _cast_floats(args, self.precision.compute_dtype)
+            kwargs = _cast_floats(kwargs, self.precision.compute_dtype)
+        out = self.module(*args, **kwargs)
+        self.timers["forward"] += time.perf_counter() - t0
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        if loss.dim() != 0:
+            raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
+        t0 = time.perf_counter()
+        self.grads.boundary = self.is_gradient_accumulation_boundary()
+        scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
+        scaled.backward(retain_graph=retain_graph)
+        self.timers["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self) -> None:
+        """Count the micro-step; on an accumulation boundary, update the weights."""
+        t0 = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+            self.global_samples += self._train_batch_size
+            self.comm.log.next_step()
+            self._maybe_print()
+        self.micro_steps += 1
+        self.timers["step"] += time.perf_counter() - t0
+
+    def _optimizer_step(self) -> None:
+        self.grads.finish_reduction()
+        overflow = self.grads.unscale(
+            self.loss_scaler.loss_scale, check_overflow=self.precision.name == "fp16"
+        )
+        if overflow:
+            self.skipped_steps += 1
+            self._global_grad_norm = float("inf")
+        else:
+            clip = self.config.gradient_clipping
+            norm = self.grads.grad_norm()
+            self._global_grad_norm = float(norm)
+            if clip > 0:
+                coef = clip / (self._global_grad_norm + 1e-6)
+                if coef < 1.0:
+                    self.grads.scale_grads(coef)
+            self.optimizer.step()
+            self.grads.after_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.grads.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Gradients are zeroed after every optimizer step; this exists for API compatibility."""
+        self.grads.zero_grad()
+
+    def _maybe_print(self) -> None:
+        if self.global_rank != 0 or self.global_steps % self.config.steps_per_print:
+            return
+        log.info(
+            "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s",
+            self.global_steps,
+            self.skipped_steps,
+            [f"{lr:.3g}" for lr in self.get_lr()],
+            self.loss_scale,
+            self._global_grad_norm,
+        )
+        if self.config.wall_clock_breakdown:
+            log.info("time (s): %s", {k: round(v, 4) for k, v in self.timers.items()})
+
+    # ------------------------------------------------------------------ reporting
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
+        return self.grads.memory_breakdown(self.optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model weights (every rank holds them at stage 0), in fp32 on the CPU."""
+        master = {}
+        for fg in self.grads.groups:
+            for slot in fg.layout.slots:
+                master[id(fg.params[slot.index])] = fg.master.detach()[slot.offset : slot.end]
+        out = {}
+        for name, p in self.module.named_parameters():
+            src = master.get(id(p))
+            out[name] = (src.view(p.shape) if src is not None else p.detach()).float().cpu().clone()
+        return out

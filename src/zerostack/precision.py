@@ -1,0 +1,136 @@
+"""Mixed-precision policy (one object) and DeepSpeed's dynamic loss scaler for fp16.
+
+The policy says which dtype the model computes in and whether fp32 master weights are kept::
+
+    policy = Precision.from_config(cfg)     # fp32, fp16 or bf16
+    scaler = DynamicLossScaler(initial_scale_power=16, loss_scale_window=1000, hysteresis=2)
+    scaler.update(overflow=True)   # skip the step; halve the scale once hysteresis is spent
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, cfg) -> Precision:
+        if cfg.fp16.enabled:
+            return cls(torch.float16)
+        if cfg.bf16.enabled:
+            return cls(torch.bfloat16)
+        return cls(torch.float32)
+
+    @property
+    def mixed(self) -> bool:
+        """True when the model computes in 16 bits and an fp32 master copy is kept."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def name(self) -> str:
+        return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[
+            self.compute_dtype
+        ]
+
+
+class LossScaler:
+    """A fixed scale (fp16 with ``loss_scale > 0``, or 1.0 when no scaling is needed)."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.cur_scale = float(scale)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"cur_scale": self.cur_scale}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.cur_scale = float(sd["cur_scale"])
+
+
+class DynamicLossScaler(LossScaler):
+    """DeepSpeed's dynamic loss scaling, same knobs, same arithmetic.
+
+    On overflow the step is skipped; the scale halves once ``hysteresis`` overflows have been
+    absorbed (never below ``min_loss_scale``). After ``loss_scale_window`` steps without an overflow
+    the scale doubles and, unless ``consecutive_hysteresis``, the hysteresis budget is refilled.
+    """
+
+    dynamic = True
+
+    def __init__(
+        self,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+        scale_factor: float = 2.0,
+    ) -> None:
+        super().__init__(2.0**initial_scale_power)
+        self.scale_window = loss_scale_window
+        self.min_scale = float(min_loss_scale)
+        self.delayed_shift = hysteresis
+        self.cur_hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.scale_factor = scale_factor
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.cur_scale = float(sd["cur_scale"])
+        self.cur_iter = int(sd["cur_iter"])
+        self.last_overflow_iter = int(sd["last_overflow_iter"])
+        self.cur_hysteresis = int(sd["cur_hysteresis"])
+
+
+def make_loss_scaler(cfg) -> LossScaler:
+    """The scaler the config asks for: dynamic fp16, static fp16, or none (scale 1)."""
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return LossScaler(1.0)
+    if fp16.loss_scale > 0:
+        return LossScaler(fp16.loss_scale)
+    return DynamicLossScaler(
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )

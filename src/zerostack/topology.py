@@ -1,0 +1,152 @@
+"""The process grid: pipeline x data x tensor parallel ranks on one named DeviceMesh.
+
+One :class:`Topology` object is built per job and passed to whatever needs a process group;
+nothing here is a module-level global. Ranks are laid out with tensor parallelism innermost
+(adjacent ranks share a tp group, as Megatron does, so tp traffic stays on one node), then data
+parallelism, then pipeline stages outermost::
+
+    topo = Topology.build(pp=1, dp=2, tp=1)
+    topo.dp_rank, topo.dp_size, topo.group("dp")
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp", "tp")
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class TopologyError(ValueError):
+    """The requested grid does not fit the world (sizes, divisibility)."""
+
+
+def _launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def default_backend() -> str:
+    """NCCL when this process can see a CUDA device, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    **_ignored,
+) -> None:
+    """Initialise ``torch.distributed`` once, from torchrun's environment (DeepSpeed's signature).
+
+    Under ``torchrun`` the rendezvous comes from ``RANK``/``WORLD_SIZE``/``MASTER_*``. A plain
+    ``python script.py`` runs as a world of one with an in-memory store, so scripts need no
+    launcher to try things. Calling again after initialisation does nothing.
+    """
+    if dist.is_initialized():
+        return
+    backend = dist_backend or default_backend()
+    if backend == "nccl" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if init_method is not None or _launched_by_torchrun():
+        dist.init_process_group(
+            backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
+        )
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+
+
+def _set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    # DeviceMesh creates its sub-groups with the backend's default timeout (30 min for gloo), not
+    # the world group's; bring them in line so a stuck collective fails as fast as the user asked.
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
+
+
+@dataclass
+class Topology:
+    """Sizes, this rank's coordinates, and one process group per axis of the pp x dp x tp grid."""
+
+    pp: int
+    dp: int
+    tp: int
+    mesh: DeviceMesh = field(repr=False)
+    timeout: timedelta = DEFAULT_TIMEOUT
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        pp: int = 1,
+        dp: int | None = None,
+        tp: int = 1,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> Topology:
+        """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave."""
+        if not dist.is_initialized():
+            init_distributed(timeout=timeout)
+        world = dist.get_world_size()
+        for name, size in (("pp", pp), ("tp", tp)):
+            if size < 1:
+                raise TopologyError(f"{name}: size must be >= 1, got {size}")
+        if dp is None:
+            if world % (pp * tp):
+                raise TopologyError(f"world size {world} is not divisible by pp * tp = {pp} * {tp}")
+            dp = world // (pp * tp)
+        if pp * dp * tp != world:
+            raise TopologyError(f"pp * dp * tp = {pp} * {dp} * {tp} != world size {world}")
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # size-1 dims warn about reusing the world group
+            mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
+        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout)
+        for axis in AXES:
+            _set_group_timeout(topo.group(axis), timeout)
+        return topo
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` ('pp', 'dp' or 'tp')."""
+        return self.mesh.get_group(axis)
+
+    def size(self, axis: str) -> int:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.mesh.get_local_rank(axis)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    @property
+    def device(self) -> torch.device:
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def coords(self) -> dict[str, int]:
+        return {axis: self.rank(axis) for axis in AXES}

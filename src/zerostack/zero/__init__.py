@@ -1,0 +1,1 @@
+"""ZeRO: partition math and the data-parallel strategies built on it."""

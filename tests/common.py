@@ -1,0 +1,66 @@
+"""Shared pieces of the parity tests: a tiny GPT, deterministic batches, the fp32 reference."""
+
+from __future__ import annotations
+
+import torch
+
+from zerostack.data import load_corpus
+from zerostack.models import GPT, GPTConfig
+
+# bias=False: the attention key bias has a gradient that is zero in exact arithmetic (softmax is
+# invariant to adding the same number to every score of a query), so Adam turns its round-off into
+# full +-lr steps that no two summation orders agree on. Every other parameter is well conditioned.
+TINY = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32, bias=False)
+
+
+def tiny_gpt(seed: int = 0, cfg: GPTConfig = TINY) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def batch(step: int, size: int, block: int = TINY.block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch number ``step``: ``size`` corpus windows, the same in every process."""
+    tokens = load_corpus()
+    g = torch.Generator().manual_seed(1000 + step)
+    starts = torch.randint(0, tokens.numel() - block - 1, (size,), generator=g)
+    x = torch.stack([tokens[s : s + block] for s in starts.tolist()])
+    y = torch.stack([tokens[s + 1 : s + block + 1] for s in starts.tolist()])
+    return x, y
+
+
+def reference_train(
+    steps: int,
+    global_batch: int,
+    *,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    clip: float = 0.0,
+    optimizer: str = "adamw",
+) -> dict[str, torch.Tensor]:
+    """Single-process fp32 training on the whole batch with plain torch.optim: the golden run."""
+    model = tiny_gpt()
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest per-tensor ||a - b|| / ||b|| and the name of that tensor."""
+    if a.keys() != b.keys():
+        raise AssertionError(f"different keys: {sorted(a.keys() ^ b.keys())}")
+    worst, name = 0.0, ""
+    for k in b:
+        d = float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12))
+        if d > worst:
+            worst, name = d, k
+    return worst, name

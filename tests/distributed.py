@@ -1,0 +1,129 @@
+"""Run a test function on N real gloo ranks on 127.0.0.1, and bring back results or failures.
+
+    def _check(rank, world, x):          # module level, so it can be pickled
+        ...
+        return something_picklable
+
+    results = run_distributed(_check, world=2, args=(x,))   # one result per rank
+
+Ranks are forked from a fork server that has already imported torch (a fresh interpreter per rank
+would pay the import each time), each with ``OMP_NUM_THREADS=1`` since the suite runs on few cores.
+A rank's exception fails the test with that rank's traceback; a run that outlives ``timeout``
+fails with the ranks that had not finished, instead of hanging the suite. Collectives inside carry
+their own timeout (``collective_timeout``) so a mismatched collective errors out in the rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerostack"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout)
+        )
+        out = fn(rank, world, *args, **kwargs)
+        # Plain pickle: torch's multiprocessing reductions would pass tensors as shared-memory
+        # handles that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def run_distributed(
+    fn,
+    world: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 180.0,
+    collective_timeout: float = 60.0,
+) -> list:
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; return their results."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world, port, args, kwargs or {}, results, collective_timeout),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors: list[str] = []
+    try:
+        while len(out) + len(errors) < world:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world)) - set(out))
+                raise DistributedTestError(
+                    f"{fn.__name__} on {world} ranks: ranks {missing} did not finish within "
+                    f"{timeout:.0f}s" + ("".join(f"\n--- {e}" for e in errors))
+                ) from None
+            if status == "ok":
+                out[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank}: {payload}")
+                # One failed rank usually leaves the others blocked in a collective until their
+                # collective timeout; wait for them briefly, then report what we have.
+                timeout = min(timeout, collective_timeout + 10)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise DistributedTestError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world)]
