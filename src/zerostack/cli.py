@@ -15,12 +15,10 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 DEFAULTS = dict(
-    steps=300,
+    steps=800,
     micro_batch=8,
-    grad_accum=1,
     lr=3e-3,
     n_layer=4,
     d_model=128,
@@ -74,13 +72,22 @@ def _parser() -> argparse.ArgumentParser:
 def _build_config(args) -> dict:
     cfg: dict = {}
     if args.config:
-        cfg = json.loads(Path(args.config).read_text())
-    cfg.pop("train_batch_size", None) if args.micro_batch or args.grad_accum else None
-    cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch or DEFAULTS["micro_batch"])
+        from zerostack.config import load_config
+
+        cfg = load_config(args.config).to_dict()
+    batch_keys = (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+    )
+    if args.micro_batch or args.grad_accum:
+        cfg.pop("train_batch_size", None)  # the command line fixes the batch; drop the file's
+    elif not any(k in cfg for k in batch_keys):
+        cfg["train_micro_batch_size_per_gpu"] = DEFAULTS["micro_batch"]
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
-    if args.grad_accum or "gradient_accumulation_steps" not in cfg:
-        cfg["gradient_accumulation_steps"] = args.grad_accum or DEFAULTS["grad_accum"]
+    if args.grad_accum:
+        cfg["gradient_accumulation_steps"] = args.grad_accum
     lr = args.lr or DEFAULTS["lr"]
     if "optimizer" not in cfg or args.lr:
         params = {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -107,19 +114,18 @@ def _build_config(args) -> dict:
     return cfg
 
 
+ARGV_ENV = "ZEROSTACK_CLI_ARGV"
+
+
 def _relaunch(argv: list[str], nproc: int) -> int:
+    """Run this command again under torchrun, one process per rank."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "zerostack.cli",
-        *argv,
-    ]
+    # The arguments travel in the environment: torchrun's own parser would otherwise take
+    # abbreviations of its options (--nproc, --config) out of our command line.
+    env[ARGV_ENV] = json.dumps(argv)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "-m", "zerostack.cli"]
     return subprocess.call(cmd, env=env)
 
 
@@ -212,12 +218,21 @@ def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = json.loads(os.environ[ARGV_ENV]) if ARGV_ENV in os.environ else sys.argv[1:]
     args = _parser().parse_args(argv)
     if args.command == "train":
+        from zerostack.config import ConfigError, load_config
+
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        if not launched and args.nproc > 1:
-            return _relaunch(argv, args.nproc)
+        if not launched:
+            try:  # refuse a bad config once, here, rather than once per rank under torchrun
+                load_config(_build_config(args)).resolve_batch(args.nproc)
+            except (ConfigError, OSError, json.JSONDecodeError) as exc:
+                print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                return 2
+            if args.nproc > 1:
+                return _relaunch(argv, args.nproc)
         train(args)
         import torch.distributed as dist
 
