@@ -1,0 +1,163 @@
+"""zerostack.initialize: DeepSpeed's arguments and return values, parameter groups, errors."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from common import batch, max_rel_diff, tiny_gpt
+from distributed import run_distributed
+
+import zerostack
+from zerostack import ConfigError
+
+OPT = {"type": "AdamW", "params": {"lr": 1e-3}}
+
+
+def _groups(model):
+    """Decay on matrices; no decay, a higher lr on norms (DeepSpeed/HF fine-tuning style)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3},
+    ]
+
+
+def _reference_groups(steps, frozen=False):
+    model = tiny_gpt()
+    if frozen:
+        model.blocks[0].requires_grad_(False)
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    for step in range(steps):
+        x, y = batch(step, 8)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train_groups(rank, world, how, frozen=False):
+    model = tiny_gpt()
+    if frozen:
+        model.blocks[0].requires_grad_(False)
+    cfg = {"train_micro_batch_size_per_gpu": 8 // world}
+    if how == "model_parameters":
+        engine, opt, _, _ = zerostack.initialize(
+            model=model, model_parameters=_groups(model), config={**cfg, "optimizer": OPT}
+        )
+    elif how == "optimizer":
+        user_opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+        engine, opt, _, _ = zerostack.initialize(model=model, optimizer=user_opt, config=cfg)
+        assert opt is user_opt  # the user's object, now stepping flat fp32 tensors
+    else:
+        factory = lambda groups: torch.optim.AdamW(groups, lr=1e-3)  # noqa: E731
+        engine, opt, _, _ = zerostack.initialize(
+            model=model, model_parameters=_groups(model), optimizer=factory, config=cfg
+        )
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 3e-3]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    frozen_before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad
+    }
+    n = 8 // world
+    for step in range(4):
+        x, y = batch(step, 8)
+        engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
+        engine.step()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"{name}: a frozen parameter got a gradient buffer"
+            assert torch.equal(p, frozen_before[name]), f"{name}: a frozen parameter changed"
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("how", ["model_parameters", "optimizer", "callable"])
+def test_parameter_groups_keep_their_options(how):
+    ref = _reference_groups(4)
+    got = run_distributed(_train_groups, 2, args=(how,))[0]
+    diff, name = max_rel_diff(got, ref)
+    assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+
+
+def test_frozen_layers_stay_frozen_and_the_rest_matches():
+    ref = _reference_groups(4, frozen=True)
+    got = run_distributed(_train_groups, 2, args=("model_parameters",), kwargs={"frozen": True})[0]
+    diff, name = max_rel_diff(got, ref)
+    assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+
+
+def _loader_indices(rank, world):
+    data = [torch.tensor([i]) for i in range(40)]
+    args = types.SimpleNamespace(deepspeed_config=None)
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": OPT}
+    args.deepspeed_config = cfg  # DeepSpeed's args.deepspeed_config route
+    engine, _, loader, sched = zerostack.initialize(args=args, model=tiny_gpt(), training_data=data)
+    assert sched is None
+    assert engine.train_micro_batch_size_per_gpu() == 8 // (2 * world)
+    assert engine.train_batch_size() == 8 and engine.gradient_accumulation_steps() == 2
+    sizes = {len(b) for b in loader}
+    return sizes, [int(i) for b in loader for i in b.view(-1)]
+
+
+def test_dataloader_shards_the_data_over_dp_ranks():
+    (sizes0, idx0), (sizes1, idx1) = run_distributed(_loader_indices, 2)
+    assert sizes0 == sizes1 == {2}
+    assert not set(idx0) & set(idx1)
+    assert sorted(idx0 + idx1) == list(range(40))
+
+
+def test_scheduler_from_config_steps_with_the_engine():
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": OPT,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+    }
+    got = run_distributed(_lrs, 1, args=(cfg,))[0]
+    assert got == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])
+
+
+def _lrs(rank, world, cfg):
+    engine, opt, _, sched = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    assert sched is engine.lr_scheduler and opt is engine.optimizer
+    lrs = [engine.get_lr()[0]]
+    for step in range(6):
+        x, y = batch(step, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    return lrs
+
+
+def test_optimizer_twice_is_an_error():
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="^optimizer: given both"):
+        zerostack.initialize(
+            model=model, optimizer=opt, config={"train_batch_size": 2, "optimizer": OPT}
+        )
+
+
+def test_no_optimizer_is_an_error():
+    with pytest.raises(ConfigError, match="^optimizer: none given"):
+        zerostack.initialize(model=tiny_gpt(), config={"train_batch_size": 2})
+
+
+def test_foreign_parameter_is_an_error():
+    stray = torch.nn.Parameter(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"model_parameters\[0\]: a parameter of shape \(3, 5\)"):
+        zerostack.initialize(
+            model=tiny_gpt(),
+            model_parameters=[stray],
+            config={"train_batch_size": 2, "optimizer": OPT},
+        )
+
+
+def test_missing_model_is_an_error():
+    with pytest.raises(ValueError, match="^model: "):
+        zerostack.initialize(config={"train_batch_size": 2})
