@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -100,24 +101,36 @@ def run_distributed(
     for p in procs:
         p.start()
     out: dict[int, object] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
     try:
         while len(out) + len(errors) < world:
-            try:
-                rank, status, payload = results.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(range(world)) - set(out))
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(set(range(world)) - set(out) - set(errors))
                 raise DistributedTestError(
                     f"{fn.__name__} on {world} ranks: ranks {missing} did not finish within "
-                    f"{timeout:.0f}s" + ("".join(f"\n--- {e}" for e in errors))
-                ) from None
+                    f"{timeout:.0f}s" + "".join(f"\n--- rank {r}: {e}" for r, e in errors.items())
+                )
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                # A rank that died without reporting (segfault, os._exit) would otherwise cost
+                # the whole timeout; give its last message a moment to arrive, then report it.
+                for r, p in enumerate(procs):
+                    if r in out or r in errors or p.is_alive():
+                        continue
+                    if now - dead_since.setdefault(r, now) > 2.0:
+                        errors[r] = f"exited with code {p.exitcode} without reporting a result"
+                continue
             if status == "ok":
                 out[rank] = pickle.loads(payload)
             else:
-                errors.append(f"rank {rank}: {payload}")
-                # One failed rank usually leaves the others blocked in a collective until their
-                # collective timeout; wait for them briefly, then report what we have.
-                timeout = min(timeout, collective_timeout + 10)
+                errors[rank] = payload
+                # The other ranks are probably blocked in a collective until their collective
+                # timeout; wait for them that long at most, then report what we have.
+                deadline = min(deadline, time.monotonic() + collective_timeout + 10)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -125,5 +138,6 @@ def run_distributed(
                 p.kill()
                 p.join()
     if errors:
-        raise DistributedTestError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(errors))
+        lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
+        raise DistributedTestError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(lines))
     return [out[r] for r in range(world)]

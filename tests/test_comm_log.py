@@ -1,4 +1,10 @@
-"""CommLog: what the data-parallel engine moves per step, counted by the program itself."""
+"""CommLog: what stages 0-2 move per step, counted by the program itself, against the ZeRO paper.
+
+Stage 0 all-reduces the gradient buffer once per optimizer step (psi elements, counted as the
+buffer size); stages 1-2 reduce-scatter it and all-gather the updated parameters: 2 psi, plus one
+scalar all-reduce for the global gradient norm. Stage 2 reduces on every micro-step (it keeps only
+its gradient pieces); stages 0-1 stay silent until the last micro-step of the window.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,12 @@ from zerostack.zero.partition import FlatLayout
 BUCKET = 4096
 
 
-def _comm_per_step(rank, world, gas):
+def _comm_per_step(rank, world, gas, stage):
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": BUCKET},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
     }
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     log = engine.comm.log
@@ -38,17 +44,43 @@ def _comm_per_step(rank, world, gas):
 
 
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
-def test_all_reduce_bytes_and_bucket_count(world, gas):
-    shapes, summaries, per_micro = run_distributed(_comm_per_step, world, args=(gas,))[0]
-    layout = FlatLayout.build(shapes, world=world)
-    grad_bytes = sum(s.numel for s in layout.slots) * 4
+def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
+    shapes, summaries, per_micro = run_distributed(_comm_per_step, world, args=(gas, 0))[0]
+    layout = FlatLayout.build(shapes, world=1, bucket_numel=BUCKET)
+    grad_bytes = layout.numel * 4
     for summary in summaries:
         assert set(summary) == {"all_reduce"}
         ar = summary["all_reduce"]
-        assert ar["calls"] == len(layout.buckets(BUCKET))
-        assert grad_bytes <= ar["bytes"] <= (layout.padded_numel) * 4
+        assert ar["calls"] == len(layout.buckets)
+        assert ar["bytes"] == layout.padded_numel * 4
+        assert grad_bytes <= ar["bytes"] <= grad_bytes + 4 * len(layout.buckets)
     for is_boundary, calls in per_micro:
         if not is_boundary:
             assert calls == 0, "a micro-step inside the accumulation window communicated"
         else:
             assert calls > 0, "no bucket was reduced during the boundary backward (no overlap)"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
+def test_stages_1_2_move_two_psi(stage, world, gas):
+    shapes, summaries, per_micro = run_distributed(_comm_per_step, world, args=(gas, stage))[0]
+    layout = FlatLayout.build(shapes, world=world, bucket_numel=BUCKET)
+    psi_bytes = layout.numel * 4
+    n = len(layout.buckets)
+    reductions = gas if stage == 2 else 1
+    for summary in summaries:
+        assert summary["reduce_scatter"]["calls"] == n * reductions
+        assert summary["reduce_scatter"]["bytes"] == layout.padded_numel * 4 * reductions
+        assert summary["all_gather"]["calls"] == n
+        assert summary["all_gather"]["bytes"] == layout.padded_numel * 4
+        assert summary["all_reduce"] == {"calls": 1, "bytes": 4, "seconds": pytest.approx(0, abs=5)}
+        # The paper's 2 psi per step (reduce-scatter + all-gather); stage 2 with accumulation
+        # reduce-scatters once per micro-step: (gas + 1) psi.
+        total = sum(v["bytes"] for v in summary.values())
+        assert total <= (reductions + 1) * psi_bytes * 1.05, f"{total} bytes for psi={psi_bytes}"
+    for is_boundary, calls in per_micro:
+        if stage == 1 and not is_boundary:
+            assert calls == 0, "stage 1 communicated inside the accumulation window"
+        else:
+            assert calls > 0, "no bucket was reduced during backward (no overlap)"

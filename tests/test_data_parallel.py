@@ -1,4 +1,4 @@
-"""Data-parallel parity: the engine at dp = 1, 2, 4 ends where single-process fp32 training ends.
+"""Parity: ZeRO stages 0-2 at dp = 1, 2, 4 end where single-process fp32 training ends.
 
 Tolerance 1e-5 relative per tensor: the only differences are the order of floating-point sums
 (per-rank means averaged by the all-reduce instead of one mean over the batch, and a flat-buffer
@@ -17,7 +17,7 @@ STEPS = 5
 B = 8  # global batch per micro-step window
 
 
-def _train(rank, world, gas, clip, optimizer="AdamW"):
+def _train(rank, world, gas, clip, optimizer="AdamW", stage=0):
     params = {"lr": 1e-3, "weight_decay": 0.01}
     if optimizer == "SGD":
         params.update(momentum=0.9)
@@ -26,7 +26,7 @@ def _train(rank, world, gas, clip, optimizer="AdamW"):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": optimizer, "params": params},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 5000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
     }
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     per_rank = B // world
@@ -38,24 +38,28 @@ def _train(rank, world, gas, clip, optimizer="AdamW"):
             engine.backward(loss)
             engine.step()
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas
-    return engine.full_state_dict() if rank == 0 else None
+    state = engine.full_state_dict()  # a collective at stages 1-2: every rank calls it
+    return state if rank == 0 else None
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("gas", [1, 2])
-def test_dp_matches_single_process(world, gas):
+def test_matches_single_process(stage, world, gas):
     ref = reference_train(STEPS, B * gas, clip=0.5)
-    got = run_distributed(_train, world, args=(gas, 0.5))[0]
+    got = run_distributed(_train, world, args=(gas, 0.5), kwargs={"stage": stage})[0]
     diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
-def test_dp_without_clipping_and_with_sgd():
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_without_clipping_and_with_sgd(stage):
     ref = reference_train(STEPS, B)
-    diff, name = max_rel_diff(run_distributed(_train, 2, args=(1, 0.0))[0], ref)
+    got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"stage": stage})[0]
+    diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"AdamW {name}: relative difference {diff:.2e}"
     ref = reference_train(STEPS, B, optimizer="sgd")
-    got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"optimizer": "SGD"})[0]
+    got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"optimizer": "SGD", "stage": stage})[0]
     diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"SGD {name}: relative difference {diff:.2e}"
 

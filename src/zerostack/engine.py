@@ -13,6 +13,7 @@ accumulated gradient is the mean over the global batch, as DeepSpeed computes it
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -24,7 +25,7 @@ from .comm import Comm
 from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
 from .topology import Topology
-from .zero.stage0 import DataParallelGrads
+from .zero.sharded_optimizer import ShardedDataParallel
 
 log = logging.getLogger("zerostack")
 
@@ -68,19 +69,19 @@ class Engine(nn.Module):
         zero = config.zero_optimization
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
-        self.grads = DataParallelGrads(
+        self.grads = ShardedDataParallel(
             module,
             param_groups,
             comm=self.comm,
             precision=self.precision,
+            stage=zero.stage,
             bucket_numel=zero.reduce_bucket_size,
             prescale=prescale,
         )
         if self.precision.mixed:
             module.to(self.precision.compute_dtype)
         self.comm.log.step = 0
-        flat_groups = [{"params": [fg.master], **fg.options} for fg in self.grads.groups]
-        self.optimizer = optimizer_factory(flat_groups)
+        self.optimizer = optimizer_factory(self.grads.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
         self.loss_scaler = make_loss_scaler(config)
 
@@ -159,6 +160,7 @@ class Engine(nn.Module):
         self.grads.boundary = self.is_gradient_accumulation_boundary()
         scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
         scaled.backward(retain_graph=retain_graph)
+        self.grads.end_backward()
         self.timers["backward"] += time.perf_counter() - t0
         return loss
 
@@ -175,17 +177,13 @@ class Engine(nn.Module):
         self.timers["step"] += time.perf_counter() - t0
 
     def _optimizer_step(self) -> None:
-        self.grads.finish_reduction()
-        overflow = self.grads.unscale(
-            self.loss_scaler.loss_scale, check_overflow=self.precision.name == "fp16"
-        )
+        norm = float(self.grads.prepare_step(self.loss_scaler.loss_scale))
+        self._global_grad_norm = norm
+        overflow = self.precision.name == "fp16" and not math.isfinite(norm)
         if overflow:
             self.skipped_steps += 1
-            self._global_grad_norm = float("inf")
         else:
             clip = self.config.gradient_clipping
-            norm = self.grads.grad_norm()
-            self._global_grad_norm = float(norm)
             if clip > 0:
                 coef = clip / (self._global_grad_norm + 1e-6)
                 if coef < 1.0:
@@ -221,13 +219,10 @@ class Engine(nn.Module):
         return self.grads.memory_breakdown(self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model weights (every rank holds them at stage 0), in fp32 on the CPU."""
-        master = {}
-        for fg in self.grads.groups:
-            for slot in fg.layout.slots:
-                master[id(fg.params[slot.index])] = fg.master.detach()[slot.offset : slot.end]
+        """The full model weights in fp32 on the CPU (a collective: call it on every rank)."""
+        master = self.grads.full_master()
         out = {}
         for name, p in self.module.named_parameters():
-            src = master.get(id(p))
-            out[name] = (src.view(p.shape) if src is not None else p.detach()).float().cpu().clone()
+            src = master.get(p)
+            out[name] = (src if src is not None else p.detach()).float().cpu().clone()
         return out

@@ -66,6 +66,17 @@ def init_distributed(
         )
 
 
+def world_timeout() -> timedelta:
+    """The timeout the world group was initialised with (torch keeps it on the backend)."""
+    group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return DEFAULT_TIMEOUT
+
+
 def _set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     # DeviceMesh creates its sub-groups with the backend's default timeout (30 min for gloo), not
     # the world group's; bring them in line so a stuck collective fails as fast as the user asked.
@@ -91,11 +102,15 @@ class Topology:
         pp: int = 1,
         dp: int | None = None,
         tp: int = 1,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        timeout: timedelta | None = None,
     ) -> Topology:
-        """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave."""
+        """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave.
+
+        Every axis group gets ``timeout``; by default, the world group's own timeout.
+        """
         if not dist.is_initialized():
-            init_distributed(timeout=timeout)
+            init_distributed(timeout=timeout or DEFAULT_TIMEOUT)
+        timeout = timeout or world_timeout()
         world = dist.get_world_size()
         for name, size in (("pp", pp), ("tp", tp)):
             if size < 1:

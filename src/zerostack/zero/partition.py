@@ -1,14 +1,17 @@
-"""Pure math for flat parameter buffers: where each parameter lives, buckets, rank slices.
+"""Pure math for flat parameter buffers: where each parameter lives, buckets, rank pieces.
 
 Parameters of one optimizer group are packed end to end into one flat buffer, in the order their
-gradients are expected to become ready (reverse registration order, as backward visits them), so a
-bucket of ready gradients is one contiguous range and is reduced without a copy. The buffer is
-padded to a multiple of ``world * align`` elements so it splits into equal rank slices::
+gradients are expected to become ready (reverse registration order, as backward visits them), and
+cut at parameter boundaries into buckets of at least ``bucket_numel`` elements. Each bucket is
+padded to a multiple of the data-parallel size ``world`` so that it splits into ``world`` equal
+pieces: a bucket of ready gradients is one contiguous range, all-reduced (stage 0) or
+reduce-scattered (stages 1-2) without a copy, and rank ``r`` owns piece ``r`` of every bucket.
+A rank's shard is its pieces of all buckets, end to end::
 
-    layout = FlatLayout.build([(4, 3), (3,)], world=2)
-    layout.padded_numel            # 16: 15 elements padded to a multiple of 2
-    layout.shard_range(rank=1)     # (8, 16)
-    layout.buckets(bucket_numel=8) # [Bucket(start=0, end=3, ...), Bucket(start=3, end=16, ...)]
+    layout = FlatLayout.build([(4, 3), (3,)], world=2, bucket_numel=3)
+    [(b.start, b.end) for b in layout.buckets]   # [(0, 4), (4, 16)]: padded to multiples of 2
+    layout.piece(layout.buckets[1], rank=1)      # (10, 16): rank 1's piece of bucket 1
+    layout.shard_numel                           # 8 = 2 + 6
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A contiguous range ``[start, end)`` of the flat buffer and the slots it covers."""
+    """A contiguous, padded range ``[start, end)`` of the flat buffer and the slots it holds.
+
+    ``shard_offset`` is where this bucket's piece starts inside every rank's shard.
+    """
 
     start: int
     end: int
     slots: tuple[int, ...]  # positions in FlatLayout.slots
+    piece_numel: int
+    shard_offset: int
 
     @property
     def numel(self) -> int:
@@ -47,56 +55,81 @@ class Bucket:
 @dataclass(frozen=True)
 class FlatLayout:
     slots: tuple[Slot, ...]
-    numel: int
-    padded_numel: int
+    buckets: tuple[Bucket, ...]
     world: int
 
     @classmethod
     def build(
-        cls, shapes: list[tuple[int, ...]], *, world: int = 1, align: int = 1, reverse=True
+        cls,
+        shapes: list[tuple[int, ...]],
+        *,
+        world: int = 1,
+        bucket_numel: int | None = None,
+        reverse: bool = True,
     ) -> FlatLayout:
-        """Pack parameters of the given shapes; ``reverse`` puts the last parameter first."""
-        if world < 1 or align < 1:
-            raise ValueError(f"world and align must be >= 1, got {world} and {align}")
-        order = range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes))
-        slots, offset = [], 0
+        """Pack parameters of the given shapes; ``reverse`` puts the last parameter first.
+
+        ``bucket_numel=None`` makes one bucket of everything. A bucket closes as soon as it holds
+        ``bucket_numel`` elements (so a large parameter closes the bucket it lands in, as in torch
+        DDP). An empty group still gets one (all-padding) bucket so every rank has a shard.
+        """
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        if bucket_numel is not None and bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+        order = list(range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes)))
+        limit = bucket_numel or math.inf
+        groups: list[list[int]] = [[]]
+        size = 0
         for i in order:
-            n = math.prod(shapes[i])
-            slots.append(Slot(i, offset, n, tuple(shapes[i])))
-            offset += n
-        unit = world * align
-        padded = max(unit, -(-offset // unit) * unit)
-        return cls(tuple(slots), offset, padded, world)
+            if groups[-1] and size >= limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += math.prod(shapes[i])
+        slots: list[Slot] = []
+        buckets: list[Bucket] = []
+        start = shard_offset = 0
+        for members in groups:
+            offset = start
+            positions = []
+            for i in members:
+                n = math.prod(shapes[i])
+                positions.append(len(slots))
+                slots.append(Slot(i, offset, n, tuple(shapes[i])))
+                offset += n
+            padded = max(world, -(-(offset - start) // world) * world)
+            piece = padded // world
+            buckets.append(Bucket(start, start + padded, tuple(positions), piece, shard_offset))
+            start += padded
+            shard_offset += piece
+        return cls(tuple(slots), tuple(buckets), world)
+
+    @property
+    def numel(self) -> int:
+        """Elements of real parameters (no padding)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.buckets[-1].end
 
     @property
     def shard_numel(self) -> int:
+        """Elements each rank owns: its piece of every bucket."""
         return self.padded_numel // self.world
 
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """The ``[start, end)`` range of the flat buffer owned by ``rank``."""
+    def piece(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        """The ``[start, end)`` range of the flat buffer that ``rank`` owns within ``bucket``."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} out of range for world {self.world}")
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+        lo = bucket.start + rank * bucket.piece_numel
+        return lo, lo + bucket.piece_numel
 
-    def buckets(self, bucket_numel: int) -> list[Bucket]:
-        """Split at parameter boundaries into ranges of at least ``bucket_numel`` elements.
-
-        A parameter larger than the bucket size gets a bucket of its own; the last bucket also
-        covers the padding, so the buckets tile the whole buffer.
-        """
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-        out: list[Bucket] = []
-        start, members = 0, []
-        for pos, slot in enumerate(self.slots):
-            members.append(pos)
-            if slot.end - start >= bucket_numel:
-                out.append(Bucket(start, slot.end, tuple(members)))
-                start, members = slot.end, []
-        if members or start < self.padded_numel:
-            if members or not out:
-                out.append(Bucket(start, self.padded_numel, tuple(members)))
-            else:  # only padding left: fold it into the last bucket
-                last = out.pop()
-                out.append(Bucket(last.start, self.padded_numel, last.slots))
+    def shard_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(flat_start, flat_end, shard_start)`` for each piece ``rank`` owns, bucket order."""
+        out = []
+        for b in self.buckets:
+            lo, hi = self.piece(b, rank)
+            out.append((lo, hi, b.shard_offset))
         return out

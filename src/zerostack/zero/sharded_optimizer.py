@@ -1,0 +1,356 @@
+"""ZeRO stages 0, 1 and 2: flat buffers, bucketed overlapped gradient reduction, sharded masters.
+
+Each optimizer group's trainable parameters become views into one flat buffer in the compute
+dtype (see :mod:`.partition` for the layout: buckets padded to a multiple of the dp size, rank
+``r`` owning piece ``r`` of each bucket). A post-accumulate-grad hook counts the ready parameters
+of each bucket and launches its collective asynchronously while backward goes on. Buckets launch
+strictly in order, so every rank issues the same collectives in the same order even when gradients
+become ready in a different order.
+
+========  ==========================  ===============================  =========================
+stage     gradients held              reduction                        fp32 master + optimizer
+========  ==========================  ===============================  =========================
+0         full, compute dtype         all-reduce, on the boundary      full
+1         full, compute dtype         reduce-scatter, on the boundary  this rank's pieces
+2         this rank's pieces, fp32    reduce-scatter, every micro-step this rank's pieces
+========  ==========================  ===============================  =========================
+
+The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (with the default
+bucket size that is one tensor per group). In fp32 training at stages 0-2 those tensors are views of
+the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate fp32 masters
+made from the original fp32 weights. After a step at stages 1-2 the updated pieces are all-gathered
+into every rank's parameter buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm, Handle
+from ..precision import Precision
+from .partition import Bucket, FlatLayout
+
+
+@dataclass
+class _BucketState:
+    group: int
+    bucket: Bucket
+    master: nn.Parameter
+    pending: int = 0
+    handle: Handle | None = None
+    staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
+    piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer group: its parameters and buffers."""
+
+    params: list[nn.Parameter]
+    options: dict
+    layout: FlatLayout
+    params_flat: torch.Tensor
+    grads_flat: torch.Tensor | None  # stages 0-1
+    grad_shard: torch.Tensor | None  # stage 2, fp32
+    buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
+
+
+class ShardedDataParallel:
+    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: list[dict],
+        *,
+        comm: Comm,
+        precision: Precision,
+        stage: int,
+        bucket_numel: int,
+        prescale: float = 1.0,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ShardedDataParallel handles ZeRO stages 0-2, not {stage}")
+        self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
+        self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
+        self.prescale = prescale
+        self.groups: list[FlatGroup] = []
+        self.buckets: list[_BucketState] = []
+        # param -> (bucket state index, its range in the group's flat buffer)
+        self._where: dict[nn.Parameter, tuple[int, slice]] = {}
+        self._ready: set[nn.Parameter] = set()
+        self._next_launch = 0
+        self.boundary = True
+        device = next(module.parameters()).device
+        dtype = precision.compute_dtype
+        shard_world = 1 if stage == 0 else self.dp
+        shard_rank = 0 if stage == 0 else self.rank
+
+        for g, group in enumerate(groups):
+            params = list(group["params"])
+            layout = FlatLayout.build(
+                [tuple(p.shape) for p in params], world=shard_world, bucket_numel=bucket_numel
+            )
+            full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+            for slot in layout.slots:
+                full[slot.offset : slot.end].copy_(params[slot.index].detach().reshape(-1))
+            if self.dp > 1:
+                comm.broadcast(full, src=0, axis="dp")
+            params_flat = full if dtype == torch.float32 else full.to(dtype)
+            grads_flat = grad_shard = None
+            if stage < 2:
+                grads_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            else:
+                grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+            for slot in layout.slots:
+                p = params[slot.index]
+                p.data = params_flat[slot.offset : slot.end].view(slot.shape)
+                p.grad = (
+                    None
+                    if grads_flat is None
+                    else grads_flat[slot.offset : slot.end].view(slot.shape)
+                )
+            options = {k: v for k, v in group.items() if k != "params"}
+            fg = FlatGroup(params, options, layout, params_flat, grads_flat, grad_shard)
+            for bucket in layout.buckets:
+                lo, hi = layout.piece(bucket, shard_rank)
+                # fp32: the master *is* this rank's piece of the parameter buffer (a view).
+                master = nn.Parameter(
+                    full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
+                )
+                fg.buckets.append(len(self.buckets))
+                for pos in bucket.slots:
+                    slot = layout.slots[pos]
+                    self._where[params[slot.index]] = (
+                        len(self.buckets),
+                        slice(slot.offset, slot.end),
+                    )
+                self.buckets.append(_BucketState(g, bucket, master))
+            self.groups.append(fg)
+
+        self._sync_untracked(dtype)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
+        ]
+        self._reset_pending()
+
+    def _sync_untracked(self, dtype) -> None:
+        """Broadcast frozen parameters and buffers from dp rank 0, then cast them to the dtype."""
+        others = [p for p in self.module.parameters() if p not in self._where]
+        others += list(self.module.buffers())
+        for t in others:
+            if self.dp > 1:
+                self.comm.broadcast(t.data, src=0, axis="dp")
+            if t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+
+    # ----------------------------------------------------------------------------- backward
+    def _reset_pending(self) -> None:
+        for st in self.buckets:
+            st.pending = len(st.bucket.slots)
+            st.handle = None
+        self._next_launch = 0
+        self._ready.clear()
+
+    @property
+    def _communicates_now(self) -> bool:
+        """Stage 2 reduces every micro-step (only pieces are kept); 0-1 only on the boundary."""
+        return self.dp > 1 and (self.stage == 2 or self.boundary)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b, rng = self._where[p]
+        st = self.buckets[b]
+        fg = self.groups[st.group]
+        if fg.grads_flat is not None:
+            view = fg.grads_flat[rng].view_as(p)
+            if p.grad.data_ptr() != view.data_ptr():
+                # Someone replaced .grad (e.g. set it to None): fold it back into the flat buffer.
+                view.add_(p.grad)
+                p.grad = view
+        if not self._communicates_now and self.stage < 2:
+            return
+        if p in self._ready:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} got its gradient twice in one backward "
+                "(reentrant activation checkpointing?); use use_reentrant=False"
+            )
+        self._ready.add(p)
+        if self.stage == 2:
+            if st.staging is None:
+                st.staging = torch.zeros(st.bucket.numel, dtype=p.grad.dtype, device=p.device)
+            st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
+                p.grad.view(-1)
+            )
+            p.grad = None  # the full-size gradient does not outlive its bucket
+        st.pending -= 1
+        if self._communicates_now:
+            self._launch_ready()
+
+    def _launch(self, st: _BucketState) -> None:
+        fg = self.groups[st.group]
+        if self.stage == 2:
+            if st.staging is None:  # no parameter of this bucket got a gradient
+                st.staging = torch.zeros(
+                    st.bucket.numel,
+                    dtype=self.precision.compute_dtype,
+                    device=fg.params_flat.device,
+                )
+            chunk = st.staging
+        else:
+            chunk = fg.grads_flat[st.bucket.start : st.bucket.end]
+        if self.prescale != 1.0:
+            chunk.mul_(self.prescale)
+        if self.stage == 0:
+            st.handle = self.comm.all_reduce(chunk, axis="dp", async_op=True)
+        else:
+            st.piece = chunk.new_empty(st.bucket.piece_numel)
+            st.handle = self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
+
+    def _launch_ready(self) -> None:
+        while (
+            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0
+        ):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _flush(self) -> None:
+        """Launch buckets whose parameters got no gradient, then wait for every collective."""
+        if self.dp > 1:
+            while self._next_launch < len(self.buckets):
+                self._launch(self.buckets[self._next_launch])
+                self._next_launch += 1
+            for st in self.buckets:
+                st.handle.wait()
+        self._reset_pending()
+
+    def end_backward(self) -> None:
+        """Stage 2: finish this micro-step's reduction and add the pieces into the fp32 shard."""
+        if self.stage != 2:
+            return
+        if self.dp == 1:  # nothing to reduce: the staged bucket is the whole piece
+            for st in self.buckets:
+                st.piece, st.staging = st.staging, None
+        self._flush()
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            if st.piece is not None:
+                off = st.bucket.shard_offset
+                fg.grad_shard[off : off + st.bucket.piece_numel].add_(st.piece)
+            st.piece = st.staging = None
+        self._reset_pending()
+
+    # ----------------------------------------------------------------------------- step
+    def master_params(self) -> list[nn.Parameter]:
+        return [st.master for st in self.buckets]
+
+    def optimizer_groups(self) -> list[dict]:
+        return [
+            {"params": [self.buckets[b].master for b in fg.buckets], **fg.options}
+            for fg in self.groups
+        ]
+
+    def _grad_piece(self, st: _BucketState) -> torch.Tensor:
+        """This rank's summed gradient for the bucket (fp32 where the master can take it as is)."""
+        fg = self.groups[st.group]
+        if self.stage == 2:
+            off = st.bucket.shard_offset
+            return fg.grad_shard[off : off + st.bucket.piece_numel]
+        if self.stage == 1 and self.dp > 1:
+            return st.piece
+        return fg.grads_flat[st.bucket.start : st.bucket.end]
+
+    def prepare_step(self, loss_scale: float) -> torch.Tensor:
+        """Wait for the reduction, give each master its averaged, unscaled fp32 gradient.
+
+        Returns the global gradient norm (inf/nan when a gradient overflowed); one scalar
+        all-reduce over dp when gradients are sharded, none at stage 0 (they are replicated).
+        """
+        if self.stage < 2:
+            self._flush()
+        post = 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
+        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].params_flat.device)
+        for st in self.buckets:
+            grad = self._grad_piece(st)
+            grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
+            st.master.grad = grad.mul_(post) if post != 1.0 else grad
+            st.piece = None
+            sq += torch.linalg.vector_norm(st.master.grad, dtype=torch.float32).square()
+        if self.stage > 0 and self.dp > 1:
+            self.comm.all_reduce(sq, axis="dp")
+        return sq.sqrt()
+
+    def scale_grads(self, factor: float) -> None:
+        for st in self.buckets:
+            st.master.grad.mul_(factor)
+
+    def after_step(self) -> None:
+        """Bring the updated masters into every rank's compute-dtype parameter buffer."""
+        handles = []
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            full = fg.params_flat[st.bucket.start : st.bucket.end]
+            if self.stage == 0:
+                if st.master.data_ptr() != full.data_ptr():
+                    full.copy_(st.master.detach())
+            elif self.dp == 1:
+                if st.master.data_ptr() != full.data_ptr():
+                    full.copy_(st.master.detach())
+            else:
+                # A copy even in fp32, where the master is a view into ``full``: gather's input
+                # must not overlap its output.
+                src = st.master.detach().to(full.dtype, copy=True)
+                handles.append(self.comm.all_gather(full, src, axis="dp", async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        for fg in self.groups:
+            for buf in (fg.grads_flat, fg.grad_shard):
+                if buf is not None:
+                    buf.zero_()
+        for st in self.buckets:
+            st.master.grad = None
+
+    # ----------------------------------------------------------------------------- state
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2)."""
+        out = {}
+        for fg in self.groups:
+            full = torch.empty(
+                fg.layout.padded_numel, dtype=torch.float32, device=fg.params_flat.device
+            )
+            for b in fg.buckets:
+                st = self.buckets[b]
+                region = full[st.bucket.start : st.bucket.end]
+                if self.stage == 0 or self.dp == 1:
+                    region.copy_(st.master.detach())
+                else:
+                    self.comm.all_gather(region, st.master.detach().clone(), axis="dp")
+            for slot in fg.layout.slots:
+                out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
+        return out
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients, fp32 master weights, optimizer state."""
+        params = sum(fg.params_flat.nbytes for fg in self.groups)
+        params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
+        grads = sum(
+            buf.nbytes
+            for fg in self.groups
+            for buf in (fg.grads_flat, fg.grad_shard)
+            if buf is not None
+        )
+        master = 0
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            base = fg.params_flat
+            inside = base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes
+            master += 0 if inside else st.master.nbytes
+        state = 0
+        if optimizer is not None:
+            for s in optimizer.state.values():
+                state += sum(t.nbytes for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        return {"params": params, "grads": grads, "master": master, "optimizer": state}

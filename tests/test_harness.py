@@ -1,0 +1,141 @@
+"""The test harness itself: results per rank, and failures that name the rank instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import DistributedTestError, run_distributed
+
+# Whatever goes wrong, a failing run must come back well within this (a guard against hangs).
+BOUND = 60.0
+
+
+def _report(rank, world, scale, *, offset=0):
+    time.sleep((world - 1 - rank) * 0.3)  # higher ranks finish first
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]),
+        "threads": torch.get_num_threads(),
+        "dist": (dist.get_rank(), dist.get_world_size(), dist.get_backend()),
+        "sum": t.item(),
+        "tensor": torch.arange(4, dtype=torch.float32) * rank * scale + offset,
+        "nested": [torch.full((2, 2), rank, dtype=torch.int64)],
+    }
+
+
+def test_results_come_back_in_rank_order():
+    world = 3
+    results = run_distributed(_report, world, args=(2.0,), kwargs={"offset": 1}, timeout=60)
+    assert len(results) == world
+    for rank, r in enumerate(results):
+        assert r["rank"] == rank
+        assert r["env"] == (str(rank), str(world), str(rank))
+        assert r["threads"] == 1
+        assert r["dist"] == (rank, world, "gloo")
+        assert r["sum"] == 6.0
+        assert torch.equal(r["tensor"], torch.arange(4, dtype=torch.float32) * rank * 2.0 + 1)
+        assert torch.equal(r["nested"][0], torch.full((2, 2), rank, dtype=torch.int64))
+
+
+def _none(rank, world):
+    return None
+
+
+def test_world_of_one_and_none_results():
+    assert run_distributed(_none, 1, timeout=60) == [None]
+
+
+def _raises_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError(f"boom from rank {rank}")
+    return rank
+
+
+def test_rank_exception_names_rank_type_message_and_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raises_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - t0 < BOUND
+    msg = str(info.value)
+    assert "_raises_on_rank_one on 2 ranks failed" in msg
+    assert "rank 1: ValueError: boom from rank 1" in msg
+    assert "Traceback (most recent call last)" in msg
+    assert 'raise ValueError(f"boom from rank {rank}")' in msg  # the failing source line
+    assert "rank 0:" not in msg
+    assert isinstance(info.value, AssertionError)  # pytest reports it as a test failure
+
+
+def _raises_while_peer_waits(rank, world):
+    if rank == 1:
+        raise RuntimeError("rank 1 gave up before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a partner that never comes
+    return rank
+
+
+def test_exception_with_a_peer_stuck_in_a_collective_is_bounded():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raises_while_peer_waits, 2, timeout=60, collective_timeout=5)
+    assert time.monotonic() - t0 < BOUND
+    assert "rank 1: RuntimeError: rank 1 gave up before the all_reduce" in str(info.value)
+
+
+def _hangs_on_rank_one(rank, world):
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+def _missing_ranks(msg):
+    m = re.search(r"ranks \[([\d, ]*)\] did not finish within (\d+)s", msg)
+    assert m, msg
+    return [int(r) for r in m.group(1).split(",")], int(m.group(2))
+
+
+def test_hanging_rank_fails_naming_the_missing_rank():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_hangs_on_rank_one, 2, timeout=5)
+    elapsed = time.monotonic() - t0
+    assert 4.5 <= elapsed < BOUND, elapsed
+    msg = str(info.value)
+    assert msg.startswith("_hangs_on_rank_one on 2 ranks")
+    assert _missing_ranks(msg) == ([1], 5)
+
+
+def _dies_on_rank_one(rank, world):
+    if rank == 1:
+        os._exit(3)  # no exception, no result: the process is simply gone
+    return rank
+
+
+def test_dead_rank_fails_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_dies_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - t0 < 30, "a dead rank must be noticed, not waited out"
+    assert "rank 1: exited with code 3 without reporting a result" in str(info.value)
+
+
+def _raises_on_zero_hangs_on_one(rank, world):
+    if rank == 0:
+        raise KeyError("first failure")
+    time.sleep(120)
+
+
+def test_error_and_hang_together_report_both():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raises_on_zero_hangs_on_one, 2, timeout=3)
+    assert time.monotonic() - t0 < BOUND
+    msg = str(info.value)
+    missing, _ = _missing_ranks(msg)
+    assert 1 in missing
+    assert "rank 0: KeyError: 'first failure'" in msg

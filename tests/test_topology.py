@@ -1,0 +1,242 @@
+"""Topology: the pp x dp x tp grid on real gloo ranks (sizes, coordinates, groups, timeouts)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from itertools import product
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+import zerostack
+from zerostack.comm import Comm
+from zerostack.topology import AXES, Topology, TopologyError
+
+# (pp, tp) grids per world size; dp is what they leave.
+GRIDS = {
+    1: [(1, 1)],
+    2: [(1, 1), (1, 2), (2, 1)],
+    4: [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (1, 4)],
+    8: [(2, 2)],
+}
+TIMEOUT = timedelta(seconds=60)  # so a mismatch in these tests never waits the 30 min default
+
+
+def _pg_timeout(group) -> timedelta:
+    """The timeout a gloo process group applies to its collectives (what _set_pg_timeout sets)."""
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def _expected(world, pp, tp):
+    """rank -> coords under the documented layout: tp innermost, then dp, then pp."""
+    dp = world // (pp * tp)
+    coords = {}
+    for p, d, t in product(range(pp), range(dp), range(tp)):
+        coords[(p * dp + d) * tp + t] = {"pp": p, "dp": d, "tp": t}
+    assert sorted(coords) == list(range(world))
+    return dp, coords
+
+
+def _grid_facts(rank, world, grids):
+    out = []
+    for pp, tp in grids:
+        topo = Topology.build(pp=pp, tp=tp, timeout=TIMEOUT)
+        comm = Comm(topo)
+        facts = {
+            "sizes": (topo.pp, topo.dp, topo.tp),
+            "size": {axis: topo.size(axis) for axis in AXES},
+            "world_size": topo.world_size,
+            "global_rank": topo.global_rank,
+            "coords": topo.coords(),
+            "dp": (topo.dp_rank, topo.dp_size),
+            "device": str(topo.device),
+            "members": {},
+            "sums": {},
+        }
+        for axis in AXES:
+            facts["members"][axis] = dist.get_process_group_ranks(topo.group(axis))
+            t = torch.tensor([1 << rank, rank, 1], dtype=torch.int64)
+            comm.all_reduce(t, axis=axis)
+            facts["sums"][axis] = t.tolist()
+        facts["log"] = [(r.op, r.axis, r.bytes) for r in comm.log.records]
+        out.append(facts)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_grid_coordinates_groups_and_all_reduce(world):
+    grids = GRIDS[world]
+    per_rank = run_distributed(_grid_facts, world, args=(grids,), timeout=120)
+    for (pp, tp), i in zip(grids, range(len(grids)), strict=True):
+        dp, coords = _expected(world, pp, tp)
+        for rank, facts in enumerate(r[i] for r in per_rank):
+            where = f"world {world} pp={pp} tp={tp} rank {rank}"
+            assert facts["sizes"] == (pp, dp, tp), where
+            assert facts["size"] == {"pp": pp, "dp": dp, "tp": tp}, where
+            assert facts["world_size"] == pp * dp * tp == world, where
+            assert facts["global_rank"] == rank, where
+            c = facts["coords"]
+            assert c == coords[rank], where
+            assert rank == (c["pp"] * dp + c["dp"]) * tp + c["tp"], where
+            assert facts["dp"] == (c["dp"], dp), where
+            assert facts["device"] == "cpu", where
+            for axis in AXES:
+                # Members: the ranks that agree with this one on the other two coordinates.
+                members = sorted(
+                    r for r, rc in coords.items() if all(rc[a] == c[a] for a in AXES if a != axis)
+                )
+                assert len(members) == facts["size"][axis], where
+                assert facts["members"][axis] == members, (where, axis)
+                expected_sum = [sum(1 << m for m in members), sum(members), len(members)]
+                assert facts["sums"][axis] == expected_sum, (where, axis)
+            assert facts["log"] == [("all_reduce", axis, 3 * 8) for axis in AXES], where
+
+
+def _bad_sizes(rank, world):
+    cases = [
+        {"tp": 3},
+        {"pp": 3},
+        {"pp": 2, "tp": 3},
+        {"dp": 3},
+        {"pp": 2, "dp": 1},
+        {"dp": 0},
+        {"tp": 0},
+        {"pp": -1},
+    ]
+    messages = []
+    for kwargs in cases:
+        try:
+            Topology.build(timeout=TIMEOUT, **kwargs)
+        except TopologyError as exc:
+            messages.append((kwargs, str(exc)))
+        else:
+            messages.append((kwargs, None))
+    # Every check happens before any group is created, so the world is still in step.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return messages, t.item()
+
+
+def test_bad_sizes_raise_topology_error_naming_them():
+    assert issubclass(TopologyError, ValueError)
+    for messages, total in run_distributed(_bad_sizes, 4, timeout=60):
+        assert total == 4
+        got = {tuple(sorted(k.items())): m for k, m in messages}
+        assert None not in got.values(), got
+        assert "world size 4" in got[(("tp", 3),)] and "1 * 3" in got[(("tp", 3),)]
+        assert "world size 4" in got[(("pp", 3),)] and "3 * 1" in got[(("pp", 3),)]
+        assert "2 * 3" in got[(("pp", 2), ("tp", 3))]
+        assert "1 * 3 * 1" in got[(("dp", 3),)] and "4" in got[(("dp", 3),)]
+        assert "2 * 1 * 1" in got[(("dp", 1), ("pp", 2))]
+        assert "1 * 0 * 1" in got[(("dp", 0),)]
+        assert "tp" in got[(("tp", 0),)] and "0" in got[(("tp", 0),)]
+        assert "pp" in got[(("pp", -1),)] and "-1" in got[(("pp", -1),)]
+
+
+def _group_timeouts(rank, world):
+    before = _pg_timeout(dist.group.WORLD)
+    topo = Topology.build(pp=1, tp=2, timeout=timedelta(seconds=7))
+    after = {axis: _pg_timeout(topo.group(axis)) for axis in AXES}
+    return before, after, _pg_timeout(dist.group.WORLD), topo.timeout
+
+
+def test_axis_groups_get_the_topology_timeout():
+    # world 4, tp=2: no axis spans the whole world, so the world group must keep its own timeout.
+    for before, after, world_after, topo_timeout in run_distributed(
+        _group_timeouts, 4, timeout=60, collective_timeout=45
+    ):
+        assert before == timedelta(seconds=45)
+        assert after == {axis: timedelta(seconds=7) for axis in AXES}
+        assert world_after == timedelta(seconds=45)
+        assert topo_timeout == timedelta(seconds=7)
+
+
+def _mismatched_dp_collective(rank, world, seconds):
+    topo = Topology.build(pp=1, tp=2, timeout=timedelta(seconds=seconds))
+    error, elapsed = None, None
+    if rank == 0:  # its dp partner (rank 2) never joins
+        t0 = time.monotonic()
+        try:
+            Comm(topo).all_reduce(torch.ones(4), axis="dp")
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        elapsed = time.monotonic() - t0
+    # On the world group (45 s): keeps rank 2 alive, its connections open, until rank 0 is done.
+    dist.barrier()
+    return error, elapsed
+
+
+def test_mismatched_collective_fails_after_the_group_timeout():
+    seconds = 3
+    results = run_distributed(
+        _mismatched_dp_collective, 4, args=(seconds,), timeout=90, collective_timeout=45
+    )
+    error, elapsed = results[0]
+    assert error is not None, "a collective only one member joined did not fail"
+    assert "timed out" in error.lower(), error
+    assert 0.8 * seconds <= elapsed <= 2 * seconds + 2, (elapsed, error)
+    assert all(r == (None, None) for r in results[1:])
+
+
+def _default_timeout_keeps_world(rank, world):
+    Topology.build()
+    return _pg_timeout(dist.group.WORLD)
+
+
+def test_default_build_keeps_the_world_timeout():
+    for timeout in run_distributed(_default_timeout_keeps_world, 2, collective_timeout=45):
+        assert timeout == timedelta(seconds=45)
+
+
+def _already_initialised(rank, world):
+    group = dist.group.WORLD
+    zerostack.init_distributed()  # a second call does nothing
+    same = dist.group.WORLD is group
+    topo = Topology.build(timeout=TIMEOUT)
+    comm = Comm(topo)
+    sums = {}
+    for axis in AXES:
+        t = torch.tensor([5.0])
+        comm.all_reduce(t, axis=axis)
+        sums[axis] = t.item()
+    return same, (topo.pp, topo.dp, topo.tp), topo.coords(), sums
+
+
+def test_world_of_one_with_launcher_environment():
+    [(same, sizes, coords, sums)] = run_distributed(_already_initialised, 1, timeout=60)
+    assert same
+    assert sizes == (1, 1, 1)
+    assert coords == {"pp": 0, "dp": 0, "tp": 0}
+    assert sums == {"pp": 5.0, "dp": 5.0, "tp": 5.0}
+
+
+def _no_launcher(rank, world):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+    zerostack.init_distributed()
+    first = (dist.get_world_size(), dist.get_rank(), dist.get_backend())
+    topo = Topology.build(timeout=TIMEOUT)
+    t = torch.tensor([3.0])
+    Comm(topo).all_reduce(t)
+    first += ((topo.pp, topo.dp, topo.tp), t.item())
+    dist.destroy_process_group()
+
+    # Topology.build initialises the world itself when nobody has, with its own timeout.
+    topo = Topology.build(timeout=timedelta(seconds=7))
+    second = (dist.get_world_size(), dist.get_backend(), (topo.pp, topo.dp, topo.tp))
+    second += (_pg_timeout(dist.group.WORLD),)
+    return first, second
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-launcher default is gloo on CPU")
+def test_no_launcher_runs_as_a_world_of_one():
+    [(first, second)] = run_distributed(_no_launcher, 1, timeout=60)
+    assert first == (1, 0, "gloo", (1, 1, 1), 3.0)
+    assert second == (1, "gloo", (1, 1, 1), timedelta(seconds=7))
