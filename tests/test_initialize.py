@@ -38,11 +38,11 @@ def _reference_groups(steps, frozen=False):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train_groups(rank, world, how, frozen=False):
+def _train_groups(rank, world, how, frozen=False, stage=0):
     model = tiny_gpt()
     if frozen:
         model.blocks[0].requires_grad_(False)
-    cfg = {"train_micro_batch_size_per_gpu": 8 // world}
+    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "zero_optimization": {"stage": stage}}
     if how == "model_parameters":
         engine, opt, _, _ = zerostack.initialize(
             model=model, model_parameters=_groups(model), config={**cfg, "optimizer": OPT}
@@ -74,17 +74,21 @@ def _train_groups(rank, world, how, frozen=False):
     return engine.full_state_dict()
 
 
-@pytest.mark.parametrize("how", ["model_parameters", "optimizer", "callable"])
-def test_parameter_groups_keep_their_options(how):
+@pytest.mark.parametrize(
+    "how,stage", [("model_parameters", 0), ("optimizer", 1), ("callable", 2), ("optimizer", 2)]
+)
+def test_parameter_groups_keep_their_options(how, stage):
     ref = _reference_groups(4)
-    got = run_distributed(_train_groups, 2, args=(how,))[0]
+    got = run_distributed(_train_groups, 2, args=(how,), kwargs={"stage": stage})[0]
     diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
-def test_frozen_layers_stay_frozen_and_the_rest_matches():
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_frozen_layers_stay_frozen_and_the_rest_matches(stage):
     ref = _reference_groups(4, frozen=True)
-    got = run_distributed(_train_groups, 2, args=("model_parameters",), kwargs={"frozen": True})[0]
+    kwargs = {"frozen": True, "stage": stage}
+    got = run_distributed(_train_groups, 2, args=("model_parameters",), kwargs=kwargs)[0]
     diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
