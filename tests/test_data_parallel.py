@@ -1,4 +1,4 @@
-"""Parity: ZeRO stages 0-2 at dp = 1, 2, 4 end where single-process fp32 training ends.
+"""Parity: ZeRO stages 0-3 at dp = 1, 2, 4 end where single-process fp32 training ends.
 
 Tolerance 1e-5 relative per tensor: the only differences are the order of floating-point sums
 (per-rank means averaged by the all-reduce instead of one mean over the batch, and a flat-buffer
@@ -17,7 +17,7 @@ STEPS = 5
 B = 8  # global batch per micro-step window
 
 
-def _train(rank, world, gas, clip, optimizer="AdamW", stage=0):
+def _train(rank, world, gas, clip, optimizer="AdamW", stage=0, persist=0):
     params = {"lr": 1e-3, "weight_decay": 0.01}
     if optimizer == "SGD":
         params.update(momentum=0.9)
@@ -26,7 +26,12 @@ def _train(rank, world, gas, clip, optimizer="AdamW", stage=0):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": optimizer, "params": params},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 5000,
+            "stage3_param_persistence_threshold": persist,
+            "stage3_prefetch_bucket_size": 3000,
+        },
     }
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     per_rank = B // world
@@ -42,7 +47,7 @@ def _train(rank, world, gas, clip, optimizer="AdamW", stage=0):
     return state if rank == 0 else None
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("gas", [1, 2])
 def test_matches_single_process(stage, world, gas):
@@ -52,7 +57,7 @@ def test_matches_single_process(stage, world, gas):
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_without_clipping_and_with_sgd(stage):
     ref = reference_train(STEPS, B)
     got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"stage": stage})[0]
@@ -62,6 +67,14 @@ def test_without_clipping_and_with_sgd(stage):
     got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"optimizer": "SGD", "stage": stage})[0]
     diff, name = max_rel_diff(got, ref)
     assert diff <= 1e-5, f"SGD {name}: relative difference {diff:.2e}"
+
+
+def test_stage3_with_small_parameters_kept_whole():
+    """stage3_param_persistence_threshold above the LayerNorm sizes: those stay gathered."""
+    ref = reference_train(STEPS, B * 2, clip=0.5)
+    got = run_distributed(_train, 2, args=(2, 0.5), kwargs={"stage": 3, "persist": 100})[0]
+    diff, name = max_rel_diff(got, ref)
+    assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
 def test_clipping_changes_the_result():

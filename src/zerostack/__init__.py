@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from . import zero
 from .comm import Comm, CommLog
 from .config import ConfigError, ZeroStackConfig, load_config
 from .engine import Engine
@@ -37,6 +38,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "zero",
 ]
 
 

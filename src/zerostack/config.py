@@ -38,7 +38,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-SUPPORTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2})
+SUPPORTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
 """ZeRO stages this version implements; widen as stages land (checked in `_check_implemented`)."""
 
 _SUPPORTED_OFFLOAD_DEVICES = frozenset({"none"})

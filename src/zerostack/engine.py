@@ -26,6 +26,7 @@ from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
 from .topology import Topology
 from .zero.sharded_optimizer import ShardedDataParallel
+from .zero.stage3 import Stage3
 
 log = logging.getLogger("zerostack")
 
@@ -69,17 +70,26 @@ class Engine(nn.Module):
         zero = config.zero_optimization
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
-        self.grads = ShardedDataParallel(
-            module,
-            param_groups,
-            comm=self.comm,
-            precision=self.precision,
-            stage=zero.stage,
-            bucket_numel=zero.reduce_bucket_size,
-            prescale=prescale,
-        )
-        if self.precision.mixed:
-            module.to(self.precision.compute_dtype)
+        if zero.stage == 3:
+            self.grads = Stage3(
+                module,
+                param_groups,
+                comm=self.comm,
+                precision=self.precision,
+                prefetch_numel=zero.stage3_prefetch_bucket_size,
+                persistence_threshold=zero.stage3_param_persistence_threshold,
+                prescale=prescale,
+            )
+        else:
+            self.grads = ShardedDataParallel(
+                module,
+                param_groups,
+                comm=self.comm,
+                precision=self.precision,
+                stage=zero.stage,
+                bucket_numel=zero.reduce_bucket_size,
+                prescale=prescale,
+            )
         self.comm.log.step = 0
         self.optimizer = optimizer_factory(self.grads.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler

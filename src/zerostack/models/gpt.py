@@ -42,12 +42,34 @@ class GPTConfig:
         return self.vocab_size * d + self.block_size * d + L * per_block + (d + d * b)
 
 
+def _linear(cfg: GPTConfig, d_in: int, d_out: int, *, residual: bool = False) -> nn.Linear:
+    """GPT-2 init, applied as each layer is built: normal(0.02) weights, zero biases, and the
+    residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream keeps variance ~1.
+    Initialising in the constructor (not in a pass over the finished model) means a model built
+    under ``zerostack.zero.Init``, whose layers are sharded as soon as they exist, gets the same
+    values as one built whole."""
+    layer = nn.Linear(d_in, d_out, bias=cfg.bias)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+    with torch.no_grad():
+        nn.init.normal_(layer.weight, mean=0.0, std=std)
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _embedding(n: int, d: int) -> nn.Embedding:
+    emb = nn.Embedding(n, d)
+    with torch.no_grad():
+        nn.init.normal_(emb.weight, mean=0.0, std=0.02)
+    return emb
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model)
+        self.proj = _linear(cfg, cfg.d_model, cfg.d_model, residual=True)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +85,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.fc = _linear(cfg, cfg.d_model, 4 * cfg.d_model)
+        self.proj = _linear(cfg, 4 * cfg.d_model, cfg.d_model, residual=True)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,26 +110,12 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.wte = _embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = _embedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied: one parameter, two uses
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual projections so the residual stream's variance stays ~1.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, t = idx.shape

@@ -1,0 +1,278 @@
+"""Stage-3 parameter shards: ``zero.Init`` builds a model already sharded, ``GatheredParameters``
+gathers some of it back for a moment.
+
+A sharded parameter keeps its full shape in ``p._zs`` (a :class:`ShardState`) and holds in
+``p.data`` an empty tensor until gathered. Every rank stores piece ``r`` of the parameter,
+flattened and padded to a multiple of the dp size::
+
+    with zerostack.zero.Init():
+        model = GPT(cfg)               # each layer is sharded as soon as its constructor returns
+    with zerostack.zero.GatheredParameters(model.wte.weight, modifier_rank=0):
+        if rank == 0:
+            model.wte.weight[0].zero_()  # written back to every rank's shard on exit
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..topology import Topology
+
+
+class StorageMeter:
+    """Bytes of parameter storage held (shards and gathered copies), and the peak.
+
+    Counted where zerostack allocates and frees parameter storage, so the figure is what the
+    program holds, not an estimate from the allocator and not the process RSS.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+@dataclass
+class ShardState:
+    """What a stage-3 parameter is when it is not gathered."""
+
+    shape: torch.Size
+    numel: int
+    piece: torch.Tensor  # this rank's piece of the flattened, padded parameter
+    persistent: bool = False  # small parameters stay gathered (stage3_param_persistence_threshold)
+    active: int = 0  # how many gathers hold it (a tied parameter can be held by two modules)
+    held_bytes: int = 0  # bytes of the gathered copy, while there is one
+    master: torch.Tensor | None = None  # fp32 view into the group's master shard (engine)
+    grad: torch.Tensor | None = None  # fp32 view into the group's gradient shard (engine)
+
+    @property
+    def gathered(self) -> bool:
+        return self.active > 0 or self.persistent
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "_zs")
+
+
+def empty_like_released(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def hold(p: nn.Parameter, full: torch.Tensor, meter: StorageMeter | None, copied: bool) -> None:
+    """Point ``p`` at its gathered value (counted in ``meter`` when it is a fresh copy)."""
+    p.data = full
+    if meter is not None and p._zs.held_bytes:
+        meter.sub(p._zs.held_bytes)
+        p._zs.held_bytes = 0
+    if copied and meter is not None:
+        p._zs.held_bytes = full.nbytes
+        meter.add(full.nbytes)
+
+
+def release(p: nn.Parameter, meter: StorageMeter | None) -> None:
+    """Drop ``p``'s gathered value, keeping only the shard."""
+    p.data = empty_like_released(p)
+    if meter is not None:
+        meter.sub(p._zs.held_bytes)
+    p._zs.held_bytes = 0
+
+
+def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) -> ShardState:
+    """Replace ``p``'s data by this rank's piece (after broadcasting dp rank 0's values)."""
+    n, world, rank = p.numel(), comm.topo.dp, comm.topo.dp_rank
+    full = p.data
+    if world > 1:
+        full = full.contiguous()
+        comm.broadcast(full, src=0, axis="dp")
+    piece_numel = max(1, -(-n // world))
+    padded = torch.zeros(piece_numel * world, dtype=full.dtype, device=full.device)
+    padded[:n].copy_(full.reshape(-1))
+    piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
+    if meter is not None:
+        meter.add(piece.nbytes)
+    state = ShardState(p.shape, n, piece)
+    p._zs = state
+    p._zs_comm = comm
+    p._zs_meter = meter
+    p.data = empty_like_released(p)
+    return state
+
+
+def gather_full(states: list[ShardState], comm: Comm, dtype=None, async_op=False):
+    """All-gather several parameters in one collective; returns their full tensors.
+
+    With ``async_op`` returns a function that waits and returns them.
+    """
+    world = comm.topo.dp
+    pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
+    if world == 1:
+        fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
+        return (lambda: fulls) if async_op else fulls
+    flat = torch.cat(pieces)
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    handle = comm.all_gather(out, flat, axis="dp", async_op=True)
+
+    def finish() -> list[torch.Tensor]:
+        handle.wait()
+        rows = out.view(world, flat.numel())
+        fulls, off = [], 0
+        for s in states:
+            pn = s.piece.numel()
+            fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape).clone())
+            off += pn
+        return fulls
+
+    return finish if async_op else finish()
+
+
+def _all_module_classes() -> list[type]:
+    seen, stack = [], [nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return seen
+
+
+class Init:
+    """Build a model with every parameter sharded across the dp ranks as soon as it exists.
+
+    Inside the context, the constructor of every ``nn.Module`` class is wrapped: when the outermost
+    constructor of a module returns, its own parameters (children are already done) are broadcast
+    from dp rank 0 and cut to this rank's piece. So at most one module's parameters are ever whole.
+    Initialise weights inside each layer's constructor: a pass over the finished model would see
+    empty tensors. Everything is restored on exit.
+
+    DeepSpeed's keyword arguments are accepted; ``enabled=False`` makes it a no-op.
+    """
+
+    def __init__(self, module=None, *, topology: Topology | None = None, enabled: bool = True,
+                 **_deepspeed_kwargs) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.topology = topology
+        self.meter = StorageMeter()
+        self._saved: dict[type, object] = {}
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        self.comm = Comm(self.topology or Topology.build())
+        self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        for cls in _all_module_classes():
+            self._wrap(cls)
+        init = self
+
+        def init_subclass(cls, **kwargs):  # classes defined inside the context are wrapped too
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            init._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def _wrap(self, cls: type) -> None:
+        if "__init__" not in cls.__dict__ or cls in self._saved:
+            return
+        original = cls.__dict__["__init__"]
+        self._saved[cls] = original
+        init = self
+
+        def wrapped(module, *args, **kwargs):
+            depth = module.__dict__.get("_zs_depth", 0)
+            module.__dict__["_zs_depth"] = depth + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                module.__dict__["_zs_depth"] = depth
+            if depth == 0:
+                del module.__dict__["_zs_depth"]
+                init._shard_module(module)
+
+        wrapped.__wrapped__ = original
+        cls.__init__ = wrapped
+
+    def _shard_module(self, module: nn.Module) -> None:
+        todo = [p for p in module.parameters(recurse=False) if not is_sharded(p)]
+        whole = sum(p.untyped_storage().nbytes() for p in todo)
+        self.meter.add(whole)  # this module's parameters are whole right now
+        for p in todo:
+            shard_param(p, self.comm, self.meter)
+        self.meter.live -= whole
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        for cls, original in self._saved.items():
+            cls.__init__ = original
+        self._saved.clear()
+        if self._saved_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._saved_init_subclass
+
+
+@contextlib.contextmanager
+def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None, enabled=True):
+    """Gather sharded parameters for reading, or for changing on ``modifier_rank``.
+
+    On exit the values of ``modifier_rank`` (a dp rank) are broadcast and written back into every
+    rank's piece (and into the engine's fp32 master, if the parameter is being trained). Parameters
+    that are not sharded pass through untouched.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in params if is_sharded(p)] if enabled else []
+    if not params:
+        yield
+        return
+    comm = _comm_of(params[0])
+    states = [p._zs for p in params]
+    fulls = gather_full(states, comm)
+    for p, full in zip(params, fulls, strict=True):
+        if not p._zs.gathered:
+            hold(
+                p, full.clone() if comm.topo.dp == 1 else full, getattr(p, "_zs_meter", None), True
+            )
+        p._zs.active += 1
+    try:
+        yield
+    finally:
+        for p in params:
+            st = p._zs
+            if modifier_rank is not None:
+                data = p.data.contiguous()
+                if comm.topo.dp > 1:
+                    comm.broadcast(data, src=modifier_rank, axis="dp")
+                _write_back(st, data, comm)
+            st.active -= 1
+            if not st.gathered:
+                release(p, getattr(p, "_zs_meter", None))
+
+
+def _write_back(st: ShardState, full: torch.Tensor, comm: Comm) -> None:
+    pn, rank = st.piece.numel(), comm.topo.dp_rank
+    flat = torch.zeros(pn * comm.topo.dp, dtype=torch.float32, device=full.device)
+    flat[: st.numel].copy_(full.reshape(-1))
+    mine = flat[rank * pn : (rank + 1) * pn]
+    st.piece.copy_(mine)
+    if st.master is not None and st.master.data_ptr() != st.piece.data_ptr():
+        st.master.copy_(mine)
+
+
+def _comm_of(p: torch.Tensor) -> Comm:
+    comm = getattr(p, "_zs_comm", None)
+    if comm is None:
+        raise RuntimeError("a sharded parameter has lost its communicator")
+    return comm

@@ -1,0 +1,375 @@
+"""ZeRO stage 3: parameters sharded too, gathered per module just before use, freed right after.
+
+Every parameter is stored as this rank's piece (see :mod:`.init`). A *unit* is a module that owns
+parameters directly; a forward pre-hook all-gathers its parameters (one coalesced collective) and a
+forward hook frees them again, after attaching a hook to the module's outputs that gathers them
+once more when backward reaches the module. When every trainable parameter of a unit has its
+gradient (post-accumulate-grad hooks), the unit is freed and its gradients are reduce-scattered,
+asynchronously, into this rank's fp32 gradient shard. Parameters smaller than
+``stage3_param_persistence_threshold`` elements stay whole and are refreshed after each step.
+
+Prefetch: the first forward + backward records the order in which units are gathered; later passes
+launch the next units' gathers (up to ``stage3_prefetch_bucket_size`` elements ahead) while the
+current module computes. Every rank runs the same graph, so every rank issues the same collectives
+in the same order.
+
+The optimizer sees one fp32 tensor per group: the concatenation of this rank's pieces of the
+group's parameters (in fp32 training, the parameter pieces themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..comm import Comm, Handle
+from ..precision import Precision
+from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
+
+
+@dataclass
+class _Group:
+    params: list[nn.Parameter]
+    options: dict
+    master: nn.Parameter  # fp32, this rank's pieces end to end
+    pieces: torch.Tensor  # compute dtype (the master itself in fp32 training)
+    grad_shard: torch.Tensor  # fp32
+
+
+class _Gather:
+    """An in-flight coalesced all-gather of some parameters."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
+        self.params = params
+        self.meter = meter
+        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
+        self._finish = gather_full([p._zs for p in params], comm, async_op=True)
+        self.done = False
+
+    def resolve(self) -> None:
+        if self.done:
+            return
+        for p, full in zip(self.params, self._finish(), strict=True):
+            hold(p, full, self.meter, self.copies)
+        self.done = True
+
+
+class Stage3:
+    """Owns the parameter shards, gradient shards and fp32 masters at ZeRO stage 3."""
+
+    stage = 3
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: list[dict],
+        *,
+        comm: Comm,
+        precision: Precision,
+        prefetch_numel: int,
+        persistence_threshold: int,
+        prescale: float = 1.0,
+        meter: StorageMeter | None = None,
+    ) -> None:
+        self.module, self.comm, self.precision = module, comm, precision
+        self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
+        self.prescale = prescale
+        self.prefetch_numel = prefetch_numel
+        self.meter = meter or StorageMeter()
+        self.boundary = True
+        dtype = precision.compute_dtype
+        everything = list(dict.fromkeys(module.parameters()))
+        trainable = [p for g in groups for p in g["params"]]
+        self._trainable = set(trainable)
+        for p in everything:
+            if not is_sharded(p):
+                shard_param(p, comm, self.meter)
+            else:  # built under zero.Init: count its piece here too
+                self.meter.add(p._zs.piece.nbytes)
+            p._zs_comm, p._zs_meter = comm, self.meter
+
+        self.groups: list[_Group] = []
+        for group in groups:
+            params = list(group["params"])
+            total = sum(p._zs.piece.numel() for p in params) or 1
+            master = torch.zeros(total, dtype=torch.float32, device=comm.topo.device)
+            grad_shard = torch.zeros_like(master)
+            off = 0
+            for p in params:
+                pn = p._zs.piece.numel()
+                master[off : off + pn].copy_(p._zs.piece)
+                off += pn
+            pieces = master if dtype == torch.float32 else master.to(dtype)
+            self.meter.add(pieces.nbytes - sum(p._zs.piece.nbytes for p in params))
+            off = 0
+            for p in params:
+                st, pn = p._zs, p._zs.piece.numel()
+                st.piece, st.master, st.grad = (
+                    pieces[off : off + pn],
+                    master[off : off + pn],
+                    grad_shard[off : off + pn],
+                )
+                off += pn
+            options = {k: v for k, v in group.items() if k != "params"}
+            self.groups.append(_Group(params, options, nn.Parameter(master), pieces, grad_shard))
+        for p in everything:
+            if p not in self._trainable and p._zs.piece.dtype != dtype:
+                old = p._zs.piece.nbytes
+                p._zs.piece = p._zs.piece.to(dtype)
+                self.meter.add(p._zs.piece.nbytes - old)
+            p.data = torch.empty(0, dtype=dtype, device=p.device)
+        for b in module.buffers():
+            if self.dp > 1:
+                comm.broadcast(b.data, src=0, axis="dp")
+            if b.is_floating_point():
+                b.data = b.data.to(dtype)
+
+        self._persistent = [p for p in everything if p._zs.numel < persistence_threshold]
+        for p in self._persistent:
+            p._zs.persistent = True
+        self._refresh_persistent(self._persistent)
+
+        # Units, their owners (a tied parameter is reduced once, by the first module holding it).
+        self.units: list[list[nn.Parameter]] = []
+        self._units_of: dict[nn.Parameter, list[int]] = {}
+        owner: dict[nn.Parameter, int] = {}
+        module.register_forward_pre_hook(self._begin_pass, prepend=True)
+        for m in module.modules():
+            ps = list(dict.fromkeys(m.parameters(recurse=False)))
+            if not ps:
+                continue
+            u = len(self.units)
+            self.units.append(ps)
+            for p in ps:
+                owner.setdefault(p, u)
+                self._units_of.setdefault(p, []).append(u)
+            m.register_forward_pre_hook(partial(self._pre_forward, u))
+            m.register_forward_hook(partial(self._post_forward, u))
+        self._owner = owner
+        self._owned = [
+            [p for p in ps if owner[p] == u and p in self._trainable]
+            for u, ps in enumerate(self.units)
+        ]
+        self._bwd_need = [sum(p in self._trainable for p in ps) for ps in self.units]
+        # Reduce in reverse construction order: roughly the order backward finishes units.
+        self._rs_order = [u for u in reversed(range(len(self.units))) if self._owned[u]]
+        self._rs_pos = {u: i for i, u in enumerate(self._rs_order)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+
+        self._trace: list[int] | None = None
+        self._recording: list[int] = []
+        self._ptr = 0
+        self._prefetching = False
+        self._inflight: dict[nn.Parameter, _Gather] = {}
+        self._reset_backward()
+
+    # ----------------------------------------------------------------------------- gathering
+    def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
+        if params:
+            _Gather(params, self.comm, self.meter).resolve()
+
+    def _begin_pass(self, module, args) -> None:
+        if self._trace is None and self._recording:
+            self._trace = self._recording
+        self._drop_inflight()
+        self._ptr = 0
+        self._prefetching = self._trace is not None and torch.is_grad_enabled()
+
+    def _gather(self, u: int) -> None:
+        ps = self.units[u]
+        need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
+        if need:
+            g = _Gather(need, self.comm, self.meter)
+            for p in need:
+                self._inflight[p] = g
+        self._advance_trace(u)
+        for p in ps:
+            pending = self._inflight.pop(p, None)
+            if pending is not None:
+                pending.resolve()
+            p._zs.active += 1
+
+    def _advance_trace(self, u: int) -> None:
+        if self._trace is None:
+            self._recording.append(u)
+            return
+        if not self._prefetching:
+            return
+        if self._ptr >= len(self._trace) or self._trace[self._ptr] != u:
+            self._prefetching = False  # this pass differs from the recorded one
+            return
+        self._ptr += 1
+        budget = self.prefetch_numel
+        for nxt in self._trace[self._ptr :]:
+            if budget <= 0:
+                break
+            need = [p for p in self.units[nxt] if not p._zs.gathered and p not in self._inflight]
+            if need:
+                g = _Gather(need, self.comm, self.meter)
+                for p in need:
+                    self._inflight[p] = g
+                budget -= sum(p._zs.numel for p in need)
+
+    def _release(self, u: int) -> None:
+        for p in self.units[u]:
+            st = p._zs
+            st.active -= 1
+            if not st.gathered:
+                release(p, self.meter)
+
+    def _drop_inflight(self) -> None:
+        for p, g in list(self._inflight.items()):
+            g.resolve()
+            if not p._zs.gathered:
+                release(p, self.meter)
+        self._inflight.clear()
+
+    def _pre_forward(self, u: int, module, args) -> None:
+        self._gather(u)
+
+    def _post_forward(self, u: int, module, args, output) -> None:
+        self._release(u)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, u))
+
+    def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
+        if u not in self._bwd_held:
+            self._bwd_held[u] = self._bwd_need[u]
+            self._gather(u)
+
+    # ----------------------------------------------------------------------------- reducing
+    def _reset_backward(self) -> None:
+        self._bwd_held: dict[int, int] = {}
+        self._staging: dict[int, torch.Tensor] = {}
+        self._arrived = [0] * len(self.units)
+        self._next_rs = 0
+        self._rs_handles: list[tuple[int, torch.Tensor, Handle | None]] = []
+
+    def _offsets(self, u: int) -> list[int]:
+        offs, off = [], 0
+        for p in self._owned[u]:
+            offs.append(off)
+            off += p._zs.piece.numel()
+        return offs + [off]
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        u = self._owner[p]
+        offs = self._offsets(u)
+        if u not in self._staging:
+            self._staging[u] = torch.zeros(self.dp, offs[-1], dtype=p.grad.dtype, device=p.device)
+        i = self._owned[u].index(p)
+        pn = p._zs.piece.numel()
+        padded = torch.zeros(pn * self.dp, dtype=p.grad.dtype, device=p.device)
+        padded[: p._zs.numel].copy_(p.grad.reshape(-1))
+        self._staging[u][:, offs[i] : offs[i] + pn].copy_(padded.view(self.dp, pn))
+        p.grad = None  # the full gradient does not outlive this hook
+        self._arrived[u] += 1
+        for held in self._units_of[p]:
+            if held in self._bwd_held:
+                self._bwd_held[held] -= 1
+                if self._bwd_held[held] == 0:
+                    del self._bwd_held[held]
+                    self._release(held)
+        self._launch_ready()
+
+    def _launch(self, u: int) -> None:
+        offs = self._offsets(u)
+        staging = self._staging.pop(u, None)
+        if staging is None:
+            staging = torch.zeros(self.dp, offs[-1], dtype=self.precision.compute_dtype,
+                                  device=self.comm.topo.device)  # fmt: skip
+        if self.prescale != 1.0:
+            staging.mul_(self.prescale)
+        if self.dp == 1:
+            self._rs_handles.append((u, staging.view(-1), None))
+            return
+        out = staging.new_empty(offs[-1])
+        handle = self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
+        self._rs_handles.append((u, out, handle))
+
+    def _launch_ready(self) -> None:
+        while self._next_rs < len(self._rs_order):
+            u = self._rs_order[self._next_rs]
+            if self._arrived[u] < len(self._owned[u]):
+                return
+            self._launch(u)
+            self._next_rs += 1
+
+    def end_backward(self) -> None:
+        """Reduce what is left, add this rank's pieces into the fp32 shard, free everything."""
+        while self._next_rs < len(self._rs_order):
+            self._launch(self._rs_order[self._next_rs])
+            self._next_rs += 1
+        for u, out, handle in self._rs_handles:
+            if handle is not None:
+                handle.wait()
+            offs = self._offsets(u)
+            for i, p in enumerate(self._owned[u]):
+                p._zs.grad.add_(out[offs[i] : offs[i + 1]])
+        for u in list(self._bwd_held):
+            self._release(u)
+        self._drop_inflight()
+        self._reset_backward()
+
+    # ----------------------------------------------------------------------------- step
+    def optimizer_groups(self) -> list[dict]:
+        return [{"params": [g.master], **g.options} for g in self.groups]
+
+    def prepare_step(self, loss_scale: float) -> torch.Tensor:
+        post = 1.0 / (loss_scale * self.prescale * self.dp)
+        sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
+        for g in self.groups:
+            g.master.grad = g.grad_shard.mul_(post) if post != 1.0 else g.grad_shard
+            sq += torch.linalg.vector_norm(g.master.grad).square()
+        if self.dp > 1:
+            self.comm.all_reduce(sq, axis="dp")
+        return sq.sqrt()
+
+    def scale_grads(self, factor: float) -> None:
+        for g in self.groups:
+            g.master.grad.mul_(factor)
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            if g.pieces.data_ptr() != g.master.data_ptr():
+                g.pieces.copy_(g.master.detach())
+        self._refresh_persistent([p for p in self._persistent if p in self._trainable])
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad_shard.zero_()
+            g.master.grad = None
+
+    # ----------------------------------------------------------------------------- state
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full value, fp32 for trained ones (a collective over dp)."""
+        out = {}
+        params = list(self._owner)
+        states = [p._zs for p in params]
+        masters = [
+            type(st)(st.shape, st.numel, st.master if st.master is not None else st.piece.float())
+            for st in states
+        ]
+        for p, full in zip(params, gather_full(masters, self.comm), strict=True):
+            out[p] = full
+        return out
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        params = sum(g.pieces.nbytes for g in self.groups)
+        params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
+        params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
+        master = sum(
+            g.master.nbytes for g in self.groups if g.pieces.data_ptr() != g.master.data_ptr()
+        )
+        state = 0
+        if optimizer is not None:
+            for s in optimizer.state.values():
+                state += sum(t.nbytes for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        grads = sum(g.grad_shard.nbytes for g in self.groups)
+        return {"params": params, "grads": grads, "master": master, "optimizer": state}
