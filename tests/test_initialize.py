@@ -42,7 +42,8 @@ def _train_groups(rank, world, how, frozen=False, stage=0):
     model = tiny_gpt()
     if frozen:
         model.blocks[0].requires_grad_(False)
-    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "zero_optimization": {"stage": stage}}
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "zero_optimization": zero}
     if how == "model_parameters":
         engine, opt, _, _ = zerostack.initialize(
             model=model, model_parameters=_groups(model), config={**cfg, "optimizer": OPT}
@@ -59,23 +60,29 @@ def _train_groups(rank, world, how, frozen=False, stage=0):
     assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 3e-3]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    frozen_before = {
-        n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad
-    }
+    initial = dict(tiny_gpt().named_parameters())
     n = 8 // world
     for step in range(4):
         x, y = batch(step, 8)
         engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
         engine.step()
+    state = engine.full_state_dict()
     for name, p in model.named_parameters():
         if not p.requires_grad:
             assert p.grad is None, f"{name}: a frozen parameter got a gradient buffer"
-            assert torch.equal(p, frozen_before[name]), f"{name}: a frozen parameter changed"
-    return engine.full_state_dict()
+            assert torch.equal(state[name], initial[name]), f"{name}: a frozen parameter changed"
+            if stage == 3:
+                assert p.numel() == 0, f"{name}: a frozen parameter is not sharded at stage 3"
+    if frozen:
+        assert engine.memory_breakdown()["grads"] < 4 * sum(
+            p.numel() for p in initial.values()
+        ) // (world if stage >= 2 else 1), "frozen parameters got gradient storage"
+    return state
 
 
 @pytest.mark.parametrize(
-    "how,stage", [("model_parameters", 0), ("optimizer", 1), ("callable", 2), ("optimizer", 2)]
+    "how,stage",
+    [("model_parameters", 0), ("optimizer", 1), ("callable", 2), ("optimizer", 3), ("callable", 3)],
 )
 def test_parameter_groups_keep_their_options(how, stage):
     ref = _reference_groups(4)
@@ -84,7 +91,7 @@ def test_parameter_groups_keep_their_options(how, stage):
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_frozen_layers_stay_frozen_and_the_rest_matches(stage):
     ref = _reference_groups(4, frozen=True)
     kwargs = {"frozen": True, "stage": stage}

@@ -42,26 +42,35 @@ class GPTConfig:
         return self.vocab_size * d + self.block_size * d + L * per_block + (d + d * b)
 
 
-def _linear(cfg: GPTConfig, d_in: int, d_out: int, *, residual: bool = False) -> nn.Linear:
-    """GPT-2 init, applied as each layer is built: normal(0.02) weights, zero biases, and the
-    residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream keeps variance ~1.
-    Initialising in the constructor (not in a pass over the finished model) means a model built
-    under ``zerostack.zero.Init``, whose layers are sharded as soon as they exist, gets the same
-    values as one built whole."""
-    layer = nn.Linear(d_in, d_out, bias=cfg.bias)
+class InitLinear(nn.Linear):
+    """``nn.Linear`` with GPT-2's init: normal(0, std) weights and zero biases.
+
+    The init runs inside the constructor, not in a pass over the finished model, so a model built
+    under ``zerostack.zero.Init`` (which shards each module as its outermost constructor returns)
+    gets exactly the values of one built whole.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float) -> None:
+        super().__init__(d_in, d_out, bias=bias)
+        with torch.no_grad():
+            nn.init.normal_(self.weight, mean=0.0, std=std)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+
+class InitEmbedding(nn.Embedding):
+    """``nn.Embedding`` with normal(0, 0.02) weights, initialised in the constructor."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__(n, d)
+        with torch.no_grad():
+            nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def _linear(cfg: GPTConfig, d_in: int, d_out: int, *, residual: bool = False) -> InitLinear:
+    # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the stream keeps variance ~1.
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
-    with torch.no_grad():
-        nn.init.normal_(layer.weight, mean=0.0, std=std)
-        if layer.bias is not None:
-            nn.init.zeros_(layer.bias)
-    return layer
-
-
-def _embedding(n: int, d: int) -> nn.Embedding:
-    emb = nn.Embedding(n, d)
-    with torch.no_grad():
-        nn.init.normal_(emb.weight, mean=0.0, std=0.02)
-    return emb
+    return InitLinear(d_in, d_out, bias=cfg.bias, std=std)
 
 
 class CausalSelfAttention(nn.Module):
@@ -110,12 +119,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = _embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = _embedding(cfg.block_size, cfg.d_model)
+        self.wte = InitEmbedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = InitEmbedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied: one parameter, two uses
+        # Tied: one parameter, two uses. Built on "meta" so no weight is allocated only to be
+        # thrown away (it would also cost a whole vocab x d_model matrix under zero.Init).
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
+        self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, t = idx.shape

@@ -15,6 +15,7 @@ flattened and padded to a multiple of the dp size::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,12 @@ class StorageMeter:
 
     def sub(self, nbytes: int) -> None:
         self.live -= nbytes
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` until its Python object is freed (for shards, which nothing else holds)."""
+        self.add(t.nbytes)
+        weakref.finalize(t, self.sub, t.nbytes)
+        return t
 
 
 @dataclass
@@ -100,7 +107,7 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     padded[:n].copy_(full.reshape(-1))
     piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
     if meter is not None:
-        meter.add(piece.nbytes)
+        meter.track(piece)
     state = ShardState(p.shape, n, piece)
     p._zs = state
     p._zs_comm = comm
@@ -204,7 +211,8 @@ class Init:
         cls.__init__ = wrapped
 
     def _shard_module(self, module: nn.Module) -> None:
-        todo = [p for p in module.parameters(recurse=False) if not is_sharded(p)]
+        # Meta parameters hold no storage and are about to be replaced (e.g. a tied weight).
+        todo = [p for p in module.parameters(recurse=False) if not is_sharded(p) and not p.is_meta]
         whole = sum(p.untyped_storage().nbytes() for p in todo)
         self.meter.add(whole)  # this module's parameters are whole right now
         for p in todo:

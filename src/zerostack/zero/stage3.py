@@ -89,7 +89,7 @@ class Stage3:
             if not is_sharded(p):
                 shard_param(p, comm, self.meter)
             else:  # built under zero.Init: count its piece here too
-                self.meter.add(p._zs.piece.nbytes)
+                self.meter.track(p._zs.piece)
             p._zs_comm, p._zs_meter = comm, self.meter
 
         self.groups: list[_Group] = []
@@ -103,8 +103,8 @@ class Stage3:
                 pn = p._zs.piece.numel()
                 master[off : off + pn].copy_(p._zs.piece)
                 off += pn
-            pieces = master if dtype == torch.float32 else master.to(dtype)
-            self.meter.add(pieces.nbytes - sum(p._zs.piece.nbytes for p in params))
+            # The group's pieces, end to end; the per-parameter pieces they replace are freed.
+            pieces = self.meter.track(master if dtype == torch.float32 else master.to(dtype))
             off = 0
             for p in params:
                 st, pn = p._zs, p._zs.piece.numel()
@@ -118,9 +118,7 @@ class Stage3:
             self.groups.append(_Group(params, options, nn.Parameter(master), pieces, grad_shard))
         for p in everything:
             if p not in self._trainable and p._zs.piece.dtype != dtype:
-                old = p._zs.piece.nbytes
-                p._zs.piece = p._zs.piece.to(dtype)
-                self.meter.add(p._zs.piece.nbytes - old)
+                p._zs.piece = self.meter.track(p._zs.piece.to(dtype))
             p.data = torch.empty(0, dtype=dtype, device=p.device)
         for b in module.buffers():
             if self.dp > 1:
@@ -155,6 +153,13 @@ class Stage3:
             for u, ps in enumerate(self.units)
         ]
         self._bwd_need = [sum(p in self._trainable for p in ps) for ps in self.units]
+        # Where each owned parameter's piece sits in its unit's reduce-scatter buffer.
+        self._rs_size = [0] * len(self.units)
+        self._rs_at: dict[nn.Parameter, int] = {}
+        for u, owned in enumerate(self._owned):
+            for p in owned:
+                self._rs_at[p] = self._rs_size[u]
+                self._rs_size[u] += p._zs.piece.numel()
         # Reduce in reverse construction order: roughly the order backward finishes units.
         self._rs_order = [u for u in reversed(range(len(self.units))) if self._owned[u]]
         self._rs_pos = {u: i for i, u in enumerate(self._rs_order)}
@@ -165,6 +170,7 @@ class Stage3:
         self._ptr = 0
         self._prefetching = False
         self._inflight: dict[nn.Parameter, _Gather] = {}
+        self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
         self._reset_backward()
 
     # ----------------------------------------------------------------------------- gathering
@@ -213,6 +219,7 @@ class Stage3:
                 for p in need:
                     self._inflight[p] = g
                 budget -= sum(p._zs.numel for p in need)
+                self.prefetched += 1
 
     def _release(self, u: int) -> None:
         for p in self.units[u]:
@@ -251,23 +258,15 @@ class Stage3:
         self._next_rs = 0
         self._rs_handles: list[tuple[int, torch.Tensor, Handle | None]] = []
 
-    def _offsets(self, u: int) -> list[int]:
-        offs, off = [], 0
-        for p in self._owned[u]:
-            offs.append(off)
-            off += p._zs.piece.numel()
-        return offs + [off]
-
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u = self._owner[p]
-        offs = self._offsets(u)
         if u not in self._staging:
-            self._staging[u] = torch.zeros(self.dp, offs[-1], dtype=p.grad.dtype, device=p.device)
-        i = self._owned[u].index(p)
-        pn = p._zs.piece.numel()
+            size = (self.dp, self._rs_size[u])
+            self._staging[u] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
+        at, pn = self._rs_at[p], p._zs.piece.numel()
         padded = torch.zeros(pn * self.dp, dtype=p.grad.dtype, device=p.device)
         padded[: p._zs.numel].copy_(p.grad.reshape(-1))
-        self._staging[u][:, offs[i] : offs[i] + pn].copy_(padded.view(self.dp, pn))
+        self._staging[u][:, at : at + pn].copy_(padded.view(self.dp, pn))
         p.grad = None  # the full gradient does not outlive this hook
         self._arrived[u] += 1
         for held in self._units_of[p]:
@@ -279,17 +278,16 @@ class Stage3:
         self._launch_ready()
 
     def _launch(self, u: int) -> None:
-        offs = self._offsets(u)
         staging = self._staging.pop(u, None)
-        if staging is None:
-            staging = torch.zeros(self.dp, offs[-1], dtype=self.precision.compute_dtype,
+        if staging is None:  # no parameter of this unit got a gradient in this backward
+            staging = torch.zeros(self.dp, self._rs_size[u], dtype=self.precision.compute_dtype,
                                   device=self.comm.topo.device)  # fmt: skip
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
         if self.dp == 1:
             self._rs_handles.append((u, staging.view(-1), None))
             return
-        out = staging.new_empty(offs[-1])
+        out = staging.new_empty(self._rs_size[u])
         handle = self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
         self._rs_handles.append((u, out, handle))
 
@@ -309,9 +307,9 @@ class Stage3:
         for u, out, handle in self._rs_handles:
             if handle is not None:
                 handle.wait()
-            offs = self._offsets(u)
-            for i, p in enumerate(self._owned[u]):
-                p._zs.grad.add_(out[offs[i] : offs[i + 1]])
+            for p in self._owned[u]:
+                at = self._rs_at[p]
+                p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
         for u in list(self._bwd_held):
             self._release(u)
         self._drop_inflight()
