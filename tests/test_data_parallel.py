@@ -81,3 +81,33 @@ def test_clipping_changes_the_result():
     """Guards the parity test itself: with clip 0.5 the norm is above it, so clipping acts."""
     diff, _ = max_rel_diff(reference_train(STEPS, B, clip=0.5), reference_train(STEPS, B))
     assert diff > 1e-3
+
+
+def _accumulate(rank, world, micro, gas, stage):
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    assert engine.train_batch_size() == 16
+    for step in range(3):
+        x, y = batch(step, 16)
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            engine.backward(engine(x[lo : lo + micro], y[lo : lo + micro]))
+            engine.step()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gradient_accumulation_invariance(stage):
+    """The same global batch of 16 as micro 8 x GAS 1, micro 2 x GAS 4, micro 1 x GAS 8 (dp=2)
+    gives the parameters of one step on all 16 sequences: the loss is normalised once."""
+    ref = reference_train(3, 16, clip=0.5)
+    for micro, gas in [(8, 1), (2, 4), (1, 8)]:
+        got = run_distributed(_accumulate, 2, args=(micro, gas, stage))[0]
+        diff, name = max_rel_diff(got, ref)
+        assert diff <= 1e-5, f"micro {micro} x gas {gas}: {name} differs by {diff:.2e}"

@@ -37,7 +37,12 @@ def _parser() -> argparse.ArgumentParser:
         "(Genesis, KJV) with data parallelism, and report loss, speed and bytes per rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    t.add_argument("--nproc", type=int, default=2, help="ranks to launch under torchrun")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to launch under torchrun (default: one per GPU, or 2 on a CPU machine)",
+    )
     t.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps to run")
     t.add_argument(
         "--config",
@@ -223,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         from zerostack.config import ConfigError, load_config
+
+        if args.nproc is None:
+            import torch
+
+            args.nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
 
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if not launched:

@@ -408,30 +408,33 @@ class ZeroConfig(_Model):
     """All-gather updated partitions (vs. a series of broadcasts). Accepted for DeepSpeed
     compatibility; no effect yet."""
     allgather_bucket_size: PositiveInt = 500_000_000
-    """Elements all-gathered at a time. Accepted for DeepSpeed compatibility; no effect yet."""
+    """Elements all-gathered at a time. Accepted for DeepSpeed compatibility; no effect: stages
+    1-2 all-gather updated parameters per reduce bucket, stage 3 per module."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with the backward pass (None: the stage's default). Accepted
-    for DeepSpeed compatibility; no effect yet."""
+    for DeepSpeed compatibility; no effect: reduction always overlaps backward."""
     reduce_scatter: bool = True
     """Reduce gradients with reduce-scatter (vs. all-reduce). Accepted for DeepSpeed
-    compatibility; no effect yet."""
+    compatibility; no effect: stages 1-3 always reduce-scatter, stage 0 all-reduces."""
     reduce_bucket_size: PositiveInt = 500_000_000
-    """Elements reduced at a time."""
+    """Elements per gradient bucket at stages 0-2: each bucket is reduced (and, at stages 1-2,
+    its updated parameters all-gathered) as one collective, launched during backward."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer. Accepted for DeepSpeed compatibility; no
-    effect yet."""
+    effect: gradients always live in contiguous flat buffers."""
     sub_group_size: PositiveInt = 1_000_000_000
-    """Stage 3 optimizer step granularity. Accepted for DeepSpeed compatibility; no effect yet."""
+    """Optimizer step granularity for NVMe offload. Accepted for DeepSpeed compatibility; no
+    effect yet (no offload)."""
     stage3_prefetch_bucket_size: NonNegInt = _aliases(
         50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size"
     )
-    """Stage 3 parameter prefetch size (alias prefetch_bucket_size). Accepted for DeepSpeed
-    compatibility; no effect yet."""
+    """Stage 3: elements of parameters whose all-gather is launched ahead of use, in the order
+    recorded on the first step (alias prefetch_bucket_size); 0 disables prefetching."""
     stage3_param_persistence_threshold: NonNegInt = _aliases(
         100_000, "stage3_param_persistence_threshold", "param_persistence_threshold"
     )
-    """Stage 3: parameters smaller than this are not partitioned (alias
-    param_persistence_threshold). Accepted for DeepSpeed compatibility; no effect yet."""
+    """Stage 3: parameters with fewer elements than this stay gathered between uses and are
+    refreshed after each step (alias param_persistence_threshold)."""
     stage3_max_live_parameters: NonNegInt = _aliases(
         1_000_000_000, "stage3_max_live_parameters", "max_live_parameters"
     )

@@ -1,0 +1,239 @@
+"""zerostack's ZeRO stages vs torch DDP, torch FSDP2 and DeepSpeed: step time and peak memory.
+
+    python benchmarks/zero.py                          # reference ~19M GPT, 2 ranks on CPU
+    python benchmarks/zero.py --d-model 128 --n-layer 2 --steps 4 --sides ddp,zerostack_stage1
+    DS_ACCELERATOR=cpu .peers/bin/python benchmarks/zero.py --repeats 3 --out zero.json
+
+Peak RSS is per process, so every side runs in its own torchrun launch: this (parent) process
+loops over the sides, re-launching itself with ``--side NAME``, and reads one JSON line from
+rank 0. Rounds visit the sides in alternating order so machine noise hits all alike; per side the
+round with the lowest median is kept. DeepSpeed sides run when ``import deepspeed`` works in this
+interpreter (see shared/PEERS.md). Prints one JSON object: per side the median seconds per step
+(slowest rank per step), peak RSS (MiB, max over ranks) and for zerostack engine.memory_breakdown().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import zerostack
+except ImportError:  # e.g. the DeepSpeed peers venv: use this checkout's source
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    import zerostack
+from zerostack.models import GPT, GPTConfig
+
+ZS = [f"zerostack_stage{s}" for s in range(4)] + ["zerostack_stage3_split"]
+DS = [f"deepspeed_stage{s}" for s in range(4)]
+SIDES = ["ddp", "fsdp2", *ZS, *DS]
+# (numerator, denominator) pairs reported when both sides ran.
+RATIOS = [("zerostack_stage3", "fsdp2"), ("zerostack_stage3_split", "fsdp2")]
+RATIOS += [(f"zerostack_stage{s}", "ddp") for s in (1, 2, 0)]
+RATIOS += [(f"zerostack_stage{s}", f"deepspeed_stage{s}") for s in range(4)]
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per side")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="rounds over all sides")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--sides", default=",".join(SIDES), help="comma list, a subset of the default")
+    p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
+    return p.parse_args(argv)
+
+
+def _config(args) -> GPTConfig:
+    return GPTConfig(
+        block_size=args.block_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head
+    )
+
+
+def _batch(args, rank: int, step: int):
+    # Seeded by (rank, step) alone, so every side trains on exactly the same tokens.
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    t = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _ds_config(args, stage: int, **zero) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": stage, **zero},
+    }
+
+
+def _build(side: str, args, model: torch.nn.Module):
+    """The side's step function and, for zerostack, its engine; None if the side is skipped."""
+    if side == "ddp" or side == "fsdp2":
+        if side == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def torch_step(x, y):
+            model(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        return torch_step, None
+    stage = int(side.split("_stage")[1][0])
+    split = {"stage3_param_persistence_threshold": 0} if side.endswith("_split") else {}
+    if side.startswith("deepspeed"):
+        import deepspeed
+
+        cfg = _ds_config(args, stage, **split)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    else:
+        engine, *_ = zerostack.initialize(model=model, config=_ds_config(args, stage, **split))
+
+    def engine_step(x, y):
+        engine.backward(engine(x, y))
+        engine.step()
+
+    return engine_step, engine if side.startswith("zerostack") else None
+
+
+def run_side(args) -> None:
+    """One side on this rank (under torchrun): warm up, time, print one JSON line on rank 0."""
+    side = args.side
+    if side.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        zerostack.init_distributed("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(_config(args))
+    result: dict = {"side": side}
+    try:
+        step, engine = _build(side, args, model)
+    except Exception as e:  # FSDP2 may not support CPU/gloo: record it rather than crash
+        if side != "fsdp2":
+            raise
+        step, result["skipped"] = None, f"{type(e).__name__}: {e}".splitlines()[0]
+    if step is not None:
+        for i in range(args.warmup):
+            step(*_batch(args, rank, i))
+        times = []
+        for i in range(args.warmup, args.warmup + args.steps):
+            dist.barrier()  # each step starts together, so the max over ranks is its real cost
+            t0 = time.perf_counter()
+            step(*_batch(args, rank, i))
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+        rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+        result["median_s"] = round(statistics.median(t.tolist()), 5)
+        result["peak_rss_mib"] = round(rss.item() / 1024, 1)  # ru_maxrss is KiB on Linux
+        result["threads_per_rank"] = torch.get_num_threads()
+        if engine is not None:
+            result["memory_breakdown"] = engine.memory_breakdown()
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def _launch(args, side: str, env: dict) -> dict:
+    """Run one side in a fresh pair of processes; an error is recorded, never raised."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *sys.argv[1:]]
+    cmd += ["--side", side]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    err = [ln for ln in p.stderr.splitlines() if ln.strip()] or [f"exit code {p.returncode}"]
+    return {"side": side, "error": err[-1].strip()}
+
+
+def main(args) -> dict:
+    wanted = [s for s in args.sides.split(",") if s]
+    unknown = sorted(set(wanted) - set(SIDES))
+    if unknown:
+        sys.exit(f"--sides: unknown {unknown}; choose from {SIDES}")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    env.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed looks for CUDA and fails
+    results: dict[str, dict] = {}
+    ds_skip = None
+    if any(s in DS for s in wanted):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:
+            ds_skip = f"not importable: {type(e).__name__}: {e}".splitlines()[0]
+    runnable = [s for s in wanted if not (s in DS and ds_skip)]
+    results.update({s: {"side": s, "skipped": ds_skip} for s in wanted if s not in runnable})
+    for r in range(args.repeats):
+        for side in runnable if r % 2 == 0 else runnable[::-1]:
+            res = _launch(args, side, env)
+            print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
+            best = results.get(side)
+            if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
+                results[side] = res
+    ratios = {}
+    for a, b in RATIOS:
+        ra, rb = results.get(a, {}), results.get(b, {})
+        if "median_s" in ra and "median_s" in rb:
+            ratios[f"{a}/{b}"] = {
+                "time": round(ra["median_s"] / rb["median_s"], 4),
+                "peak_rss": round(ra["peak_rss_mib"] / rb["peak_rss_mib"], 4),
+            }
+    cfg = _config(args)
+    threads = {r["threads_per_rank"] for r in results.values() if "threads_per_rank" in r}
+    out = {
+        "benchmark": "zero",
+        "world_size": args.nproc,
+        "model": vars(cfg),
+        "parameters": cfg.num_params,
+        "micro_batch": args.micro_batch,
+        "tokens_per_step": args.micro_batch * args.block_size * args.nproc,
+        "steps_timed": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "threads_per_rank": threads.pop() if len(threads) == 1 else sorted(threads),
+        "sides": {s: {k: v for k, v in results[s].items() if k != "side"} for s in wanted},
+        "ratios": ratios,
+    }
+    print(json.dumps(out), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    a = _args()
+    if a.side is not None:
+        run_side(a)
+    else:
+        main(a)
