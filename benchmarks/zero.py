@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from zerostack.models import GPT, GPTConfig
 ZS = [f"zerostack_stage{s}" for s in range(4)] + ["zerostack_stage3_split"]
 DS = [f"deepspeed_stage{s}" for s in range(4)]
 SIDES = ["ddp", "fsdp2", *ZS, *DS]
+_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 # (numerator, denominator) pairs reported when both sides ran.
 RATIOS = [("zerostack_stage3", "fsdp2"), ("zerostack_stage3_split", "fsdp2")]
 RATIOS += [(f"zerostack_stage{s}", "ddp") for s in (1, 2, 0)]
@@ -55,6 +58,7 @@ def _args(argv=None):
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--sides", default=",".join(SIDES), help="comma list, a subset of the default")
     p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--side-timeout", type=float, default=1800, help="seconds per side launch")
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
     return p.parse_args(argv)
 
@@ -69,7 +73,7 @@ def _batch(args, rank: int, step: int):
     # Seeded by (rank, step) alone, so every side trains on exactly the same tokens.
     g = torch.Generator().manual_seed(10_000 * rank + step)
     t = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()  # next-token targets
 
 
 def _ds_config(args, stage: int, **zero) -> dict:
@@ -167,12 +171,21 @@ def _launch(args, side: str, env: dict) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *sys.argv[1:]]
     cmd += ["--side", side]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    # A new session, so that a hung side's workers can be killed with their launcher.
+    p = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, **_PIPES)
+    try:
+        stdout, stderr = p.communicate(timeout=args.side_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return {"side": side, "error": f"timed out after {args.side_timeout} s"}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if p.returncode == 0 and lines:
         return json.loads(lines[-1])
-    err = [ln for ln in p.stderr.splitlines() if ln.strip()] or [f"exit code {p.returncode}"]
-    return {"side": side, "error": err[-1].strip()}
+    # The worker's own exception line, not the summary banner torchrun prints after it.
+    err = [m[1] for m in re.finditer(r"^\[rank\d+\]: (\S.*)$", stderr, re.M)]
+    err = err or [ln for ln in stderr.splitlines() if ln.strip() and ln.strip()[0] not in "=-"]
+    return {"side": side, "error": (err or [f"exit code {p.returncode}"])[-1].strip()}
 
 
 def main(args) -> dict:

@@ -264,9 +264,10 @@ class Stage3:
             size = (self.dp, self._rs_size[u])
             self._staging[u] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
         at, pn = self._rs_at[p], p._zs.piece.numel()
-        padded = torch.zeros(pn * self.dp, dtype=p.grad.dtype, device=p.device)
-        padded[: p._zs.numel].copy_(p.grad.reshape(-1))
-        self._staging[u][:, at : at + pn].copy_(padded.view(self.dp, pn))
+        grad = p.grad.reshape(-1)
+        if grad.numel() != pn * self.dp:  # pad to whole pieces first
+            grad = torch.cat([grad, grad.new_zeros(pn * self.dp - grad.numel())])
+        self._staging[u][:, at : at + pn].copy_(grad.view(self.dp, pn))
         p.grad = None  # the full gradient does not outlive this hook
         self._arrived[u] += 1
         for held in self._units_of[p]:
