@@ -2,7 +2,7 @@
 
     python benchmarks/zero.py                          # reference ~19M GPT, 2 ranks on CPU
     python benchmarks/zero.py --d-model 128 --n-layer 2 --steps 4 --sides ddp,zerostack_stage1
-    DS_ACCELERATOR=cpu .peers/bin/python benchmarks/zero.py --repeats 3 --out zero.json
+    . .peers/bin/activate && python benchmarks/zero.py --repeats 3 --out zero.json  # + DeepSpeed
 
 Peak RSS is per process, so every side runs in its own torchrun launch: this (parent) process
 loops over the sides, re-launching itself with ``--side NAME``, and reads one JSON line from
@@ -19,7 +19,6 @@ import json
 import os
 import re
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,6 @@ from zerostack.models import GPT, GPTConfig
 ZS = [f"zerostack_stage{s}" for s in range(4)] + ["zerostack_stage3_split"]
 DS = [f"deepspeed_stage{s}" for s in range(4)]
 SIDES = ["ddp", "fsdp2", *ZS, *DS]
-_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 # (numerator, denominator) pairs reported when both sides ran.
 RATIOS = [("zerostack_stage3", "fsdp2"), ("zerostack_stage3_split", "fsdp2")]
 RATIOS += [(f"zerostack_stage{s}", "ddp") for s in (1, 2, 0)]
@@ -171,13 +169,12 @@ def _launch(args, side: str, env: dict) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *sys.argv[1:]]
     cmd += ["--side", side]
-    # A new session, so that a hung side's workers can be killed with their launcher.
-    p = subprocess.Popen(cmd, env=env, text=True, start_new_session=True, **_PIPES)
+    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = p.communicate(timeout=args.side_timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
+        p.terminate()  # torchrun passes SIGTERM on to its workers (they are in other sessions)
+        p.communicate(timeout=60)
         return {"side": side, "error": f"timed out after {args.side_timeout} s"}
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if p.returncode == 0 and lines:
