@@ -57,8 +57,16 @@ def _args(argv=None):
     p.add_argument("--sides", default=",".join(SIDES), help="comma list, a subset of the default")
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--side-timeout", type=float, default=1800, help="seconds per side launch")
+    p.add_argument(
+        "--zero",
+        default="{}",
+        help="extra zero_optimization keys (JSON) for the zerostack and DeepSpeed sides, e.g. "
+        "'{\"reduce_bucket_size\": 4000000}'",
+    )
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.zero_extra = json.loads(args.zero)
+    return args
 
 
 def _config(args) -> GPTConfig:
@@ -79,7 +87,7 @@ def _ds_config(args, stage: int, **zero) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": stage, **zero},
+        "zero_optimization": {"stage": stage, **zero, **args.zero_extra},
     }
 
 

@@ -36,9 +36,10 @@ def reference_train(
     weight_decay: float = 0.01,
     clip: float = 0.0,
     optimizer: str = "adamw",
+    cfg: GPTConfig = TINY,
 ) -> dict[str, torch.Tensor]:
     """Single-process fp32 training on the whole batch with plain torch.optim: the golden run."""
-    model = tiny_gpt()
+    model = tiny_gpt(cfg=cfg)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     else:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 DEFAULTS = dict(
     steps=800,
@@ -79,7 +80,8 @@ def _build_config(args) -> dict:
     if args.config:
         from zerostack.config import load_config
 
-        cfg = load_config(args.config).to_dict()
+        load_config(args.config)  # a bad file is a ConfigError naming the key, before anything
+        cfg = json.loads(Path(args.config).read_text())  # as written: unset keys stay unset
     batch_keys = (
         "train_batch_size",
         "train_micro_batch_size_per_gpu",

@@ -38,6 +38,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+DEFAULT_BUCKET_NUMEL = 4_000_000
+"""Gradient bucket size when ``reduce_bucket_size`` is not given (torch DDP uses 25 MB)."""
 SUPPORTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
 """ZeRO stages this version implements; widen as stages land (checked in `_check_implemented`)."""
 
@@ -418,7 +420,10 @@ class ZeroConfig(_Model):
     compatibility; no effect: stages 1-3 always reduce-scatter, stage 0 all-reduces."""
     reduce_bucket_size: PositiveInt = 500_000_000
     """Elements per gradient bucket at stages 0-2: each bucket is reduced (and, at stages 1-2,
-    its updated parameters all-gathered) as one collective, launched during backward."""
+    its updated parameters all-gathered) as one collective, launched during backward. When the
+    key is not given, buckets hold 4M elements (see ``effective_reduce_bucket_size``): DeepSpeed's
+    default of 5e8 makes one bucket of any model under 500M parameters, which leaves nothing to
+    overlap with backward."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer. Accepted for DeepSpeed compatibility; no
     effect: gradients always live in contiguous flat buffers."""
@@ -472,6 +477,13 @@ class ZeroConfig(_Model):
     cpu_offload: bool | None = Field(default=None, exclude=True)
     """Deprecated DeepSpeed key: true means offload_optimizer.device "cpu". It is translated
     while parsing, so it always reads None afterwards."""
+
+    @property
+    def effective_reduce_bucket_size(self) -> int:
+        """``reduce_bucket_size`` if given, else 4M elements (16 MB of fp32 gradients)."""
+        if "reduce_bucket_size" in self.model_fields_set:
+            return self.reduce_bucket_size
+        return DEFAULT_BUCKET_NUMEL
 
     @field_validator("stage")
     @classmethod

@@ -67,31 +67,33 @@ class Engine(nn.Module):
         device = topology.device
         module.to(device)
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
-        zero = config.zero_optimization
+        zcfg = config.zero_optimization
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
-        if zero.stage == 3:
-            self.grads = Stage3(
+        # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
+        self.zero: Stage3 | ShardedDataParallel
+        if zcfg.stage == 3:
+            self.zero = Stage3(
                 module,
                 param_groups,
                 comm=self.comm,
                 precision=self.precision,
-                prefetch_numel=zero.stage3_prefetch_bucket_size,
-                persistence_threshold=zero.stage3_param_persistence_threshold,
+                prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+                persistence_threshold=zcfg.stage3_param_persistence_threshold,
                 prescale=prescale,
             )
         else:
-            self.grads = ShardedDataParallel(
+            self.zero = ShardedDataParallel(
                 module,
                 param_groups,
                 comm=self.comm,
                 precision=self.precision,
-                stage=zero.stage,
-                bucket_numel=zero.reduce_bucket_size,
+                stage=zcfg.stage,
+                bucket_numel=zcfg.effective_reduce_bucket_size,
                 prescale=prescale,
             )
         self.comm.log.step = 0
-        self.optimizer = optimizer_factory(self.grads.optimizer_groups())
+        self.optimizer = optimizer_factory(self.zero.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
         self.loss_scaler = make_loss_scaler(config)
 
@@ -167,10 +169,10 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = time.perf_counter()
-        self.grads.boundary = self.is_gradient_accumulation_boundary()
+        self.zero.boundary = self.is_gradient_accumulation_boundary()
         scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
         scaled.backward(retain_graph=retain_graph)
-        self.grads.end_backward()
+        self.zero.end_backward()
         self.timers["backward"] += time.perf_counter() - t0
         return loss
 
@@ -187,7 +189,7 @@ class Engine(nn.Module):
         self.timers["step"] += time.perf_counter() - t0
 
     def _optimizer_step(self) -> None:
-        norm = float(self.grads.prepare_step(self.loss_scaler.loss_scale))
+        norm = float(self.zero.prepare_step(self.loss_scaler.loss_scale))
         self._global_grad_norm = norm
         overflow = self.precision.name == "fp16" and not math.isfinite(norm)
         if overflow:
@@ -197,17 +199,17 @@ class Engine(nn.Module):
             if clip > 0:
                 coef = clip / (self._global_grad_norm + 1e-6)
                 if coef < 1.0:
-                    self.grads.scale_grads(coef)
+                    self.zero.scale_grads(coef)
             self.optimizer.step()
-            self.grads.after_step()
+            self.zero.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
-        self.grads.zero_grad()
+        self.zero.zero_grad()
 
     def zero_grad(self) -> None:
         """Gradients are zeroed after every optimizer step; this exists for API compatibility."""
-        self.grads.zero_grad()
+        self.zero.zero_grad()
 
     def _maybe_print(self) -> None:
         if self.global_rank != 0 or self.global_steps % self.config.steps_per_print:
@@ -226,11 +228,11 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ reporting
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
-        return self.grads.memory_breakdown(self.optimizer)
+        return self.zero.memory_breakdown(self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU (a collective: call it on every rank)."""
-        master = self.grads.full_master()
+        master = self.zero.full_master()
         out = {}
         for name, p in self.module.named_parameters():
             src = master.get(p)

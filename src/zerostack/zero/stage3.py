@@ -186,40 +186,47 @@ class Stage3:
         self._prefetching = self._trace is not None and torch.is_grad_enabled()
 
     def _gather(self, u: int) -> None:
+        """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
         ps = self.units[u]
         need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
-        if need:
-            g = _Gather(need, self.comm, self.meter)
-            for p in need:
+        ahead = self._plan_prefetch(u, exclude=set(need))
+        if need or ahead:
+            g = _Gather(need + ahead, self.comm, self.meter)
+            for p in need + ahead:
                 self._inflight[p] = g
-        self._advance_trace(u)
         for p in ps:
             pending = self._inflight.pop(p, None)
             if pending is not None:
                 pending.resolve()
             p._zs.active += 1
 
-    def _advance_trace(self, u: int) -> None:
+    def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
+        """Parameters of the units that come next in the recorded order, within the budget."""
         if self._trace is None:
             self._recording.append(u)
-            return
+            return []
         if not self._prefetching:
-            return
+            return []
         if self._ptr >= len(self._trace) or self._trace[self._ptr] != u:
             self._prefetching = False  # this pass differs from the recorded one
-            return
+            return []
         self._ptr += 1
-        budget = self.prefetch_numel
+        room = self.prefetch_numel - sum(p._zs.numel for p in self._inflight)
+        ahead: list[nn.Parameter] = []
         for nxt in self._trace[self._ptr :]:
-            if budget <= 0:
+            if room <= 0:
                 break
-            need = [p for p in self.units[nxt] if not p._zs.gathered and p not in self._inflight]
-            if need:
-                g = _Gather(need, self.comm, self.meter)
-                for p in need:
-                    self._inflight[p] = g
-                budget -= sum(p._zs.numel for p in need)
+            new = [
+                p
+                for p in self.units[nxt]
+                if not p._zs.gathered and p not in self._inflight and p not in exclude
+            ]
+            if new:
+                ahead += new
+                exclude.update(new)
+                room -= sum(p._zs.numel for p in new)
                 self.prefetched += 1
+        return ahead
 
     def _release(self, u: int) -> None:
         for p in self.units[u]:
