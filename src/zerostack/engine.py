@@ -196,10 +196,8 @@ class Engine(nn.Module):
             self.skipped_steps += 1
         else:
             clip = self.config.gradient_clipping
-            if clip > 0:
-                coef = clip / (self._global_grad_norm + 1e-6)
-                if coef < 1.0:
-                    self.zero.scale_grads(coef)
+            coef = clip / (norm + 1e-6) if clip > 0 else 1.0
+            self.zero.scale_grads(min(coef, 1.0))  # also averages over dp and unscales
             self.optimizer.step()
             self.zero.after_step()
             if self.lr_scheduler is not None:

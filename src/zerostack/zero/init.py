@@ -136,7 +136,9 @@ def gather_full(states: list[ShardState], comm: Comm, dtype=None, async_op=False
         fulls, off = [], 0
         for s in states:
             pn = s.piece.numel()
-            fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape).clone())
+            # One copy: reshape of the strided column block makes a fresh contiguous tensor
+            # (or, for a unit of one parameter, is a view of the fresh ``out``).
+            fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape))
             off += pn
         return fulls
 

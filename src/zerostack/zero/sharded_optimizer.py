@@ -263,28 +263,34 @@ class ShardedDataParallel:
         return fg.grads_flat[st.bucket.start : st.bucket.end]
 
     def prepare_step(self, loss_scale: float) -> torch.Tensor:
-        """Wait for the reduction, give each master its averaged, unscaled fp32 gradient.
+        """Wait for the reduction and hand each master its fp32 gradient, still summed and scaled.
 
-        Returns the global gradient norm (inf/nan when a gradient overflowed); one scalar
-        all-reduce over dp when gradients are sharded, none at stage 0 (they are replicated).
+        Returns the global norm of the averaged, unscaled gradient (inf/nan on overflow); one
+        scalar all-reduce over dp when gradients are sharded, none at stage 0 (replicated).
+        Averaging and unscaling are left to :meth:`scale_grads`, so that with clipping the
+        gradient is rescaled in one pass instead of two.
         """
         if self.stage < 2:
             self._flush()
-        post = 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
+        self._post = (
+            1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
+        )
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].params_flat.device)
         for st in self.buckets:
             grad = self._grad_piece(st)
-            grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
-            st.master.grad = grad.mul_(post) if post != 1.0 else grad
+            st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
             sq += torch.linalg.vector_norm(st.master.grad, dtype=torch.float32).square()
         if self.stage > 0 and self.dp > 1:
             self.comm.all_reduce(sq, axis="dp")
-        return sq.sqrt()
+        return sq.sqrt() * self._post
 
-    def scale_grads(self, factor: float) -> None:
-        for st in self.buckets:
-            st.master.grad.mul_(factor)
+    def scale_grads(self, factor: float = 1.0) -> None:
+        """Average, unscale and multiply by ``factor`` (the clip coefficient) in one pass."""
+        total = self._post * factor
+        if total != 1.0:
+            for st in self.buckets:
+                st.master.grad.mul_(total)
 
     def after_step(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""

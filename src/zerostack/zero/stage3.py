@@ -328,18 +328,23 @@ class Stage3:
         return [{"params": [g.master], **g.options} for g in self.groups]
 
     def prepare_step(self, loss_scale: float) -> torch.Tensor:
-        post = 1.0 / (loss_scale * self.prescale * self.dp)
+        """Hand each master its summed, scaled fp32 gradient shard; return the global norm of
+        the averaged, unscaled gradient (see ShardedDataParallel.prepare_step)."""
+        self._post = 1.0 / (loss_scale * self.prescale * self.dp)
         sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
         for g in self.groups:
-            g.master.grad = g.grad_shard.mul_(post) if post != 1.0 else g.grad_shard
+            g.master.grad = g.grad_shard
             sq += torch.linalg.vector_norm(g.master.grad).square()
         if self.dp > 1:
             self.comm.all_reduce(sq, axis="dp")
-        return sq.sqrt()
+        return sq.sqrt() * self._post
 
-    def scale_grads(self, factor: float) -> None:
-        for g in self.groups:
-            g.master.grad.mul_(factor)
+    def scale_grads(self, factor: float = 1.0) -> None:
+        """Average, unscale and multiply by ``factor`` (the clip coefficient) in one pass."""
+        total = self._post * factor
+        if total != 1.0:
+            for g in self.groups:
+                g.master.grad.mul_(total)
 
     def after_step(self) -> None:
         for g in self.groups:
