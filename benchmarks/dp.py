@@ -119,7 +119,7 @@ def main(args) -> dict:
     }
     if rank == 0:
         print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    zerostack.shutdown()  # barrier first: no rank tears gloo down under a running peer
     return result
 
 

@@ -169,7 +169,7 @@ def run_side(args) -> None:
             result["memory_breakdown"] = engine.memory_breakdown()
     if rank == 0:
         print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    zerostack.shutdown()  # barrier first: no rank tears gloo down under a running peer
 
 
 def _launch(args, side: str, env: dict) -> dict:

@@ -48,6 +48,7 @@ def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    results_ok = False
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -64,11 +65,14 @@ def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
         # Plain pickle: torch's multiprocessing reductions would pass tensors as shared-memory
         # handles that die with this process.
         results.put((rank, "ok", pickle.dumps(out)))
+        results_ok = True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            try:
+            try:  # after a success, tear down together (see zerostack.topology.shutdown)
+                if results_ok:
+                    dist.barrier()
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass

@@ -25,7 +25,7 @@ from .comm import Comm, CommLog
 from .config import ConfigError, ZeroStackConfig, load_config
 from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
-from .topology import Topology, init_distributed
+from .topology import Topology, init_distributed, shutdown
 
 __version__ = "0.1.0"
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "shutdown",
     "zero",
 ]
 

@@ -246,10 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.nproc > 1:
                 return _relaunch(argv, args.nproc)
         train(args)
-        import torch.distributed as dist
+        from zerostack.topology import shutdown
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
     return 0
 
 

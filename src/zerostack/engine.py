@@ -189,15 +189,26 @@ class Engine(nn.Module):
         self.timers["step"] += time.perf_counter() - t0
 
     def _optimizer_step(self) -> None:
-        norm = float(self.zero.prepare_step(self.loss_scaler.loss_scale))
+        # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
+        # those, and averaging, unscaling and clipping are then one multiply.
+        post = self.zero.prepare_step(self.loss_scaler.loss_scale)
+        masters = self.zero.masters()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m in masters:
+            sq += torch.linalg.vector_norm(m.grad, dtype=torch.float32).square()
+        if self.zero.grads_sharded:
+            self.comm.all_reduce(sq, axis="dp")
+        norm = float(sq.sqrt()) * post
         self._global_grad_norm = norm
         overflow = self.precision.name == "fp16" and not math.isfinite(norm)
         if overflow:
             self.skipped_steps += 1
         else:
             clip = self.config.gradient_clipping
-            coef = clip / (norm + 1e-6) if clip > 0 else 1.0
-            self.zero.scale_grads(min(coef, 1.0))  # also averages over dp and unscales
+            total = post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else post
+            if total != 1.0:
+                for m in masters:
+                    m.grad.mul_(total)
             self.optimizer.step()
             self.zero.after_step()
             if self.lr_scheduler is not None:
@@ -226,7 +237,13 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ reporting
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
-        return self.zero.memory_breakdown(self.optimizer)
+        state = sum(
+            t.nbytes
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0  # step counters are scalars
+        )
+        return {**self.zero.memory_breakdown(), "optimizer": state}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU (a collective: call it on every rank)."""

@@ -66,6 +66,20 @@ def init_distributed(
         )
 
 
+def shutdown() -> None:
+    """Tear the process groups down together: a barrier, then ``destroy_process_group``.
+
+    A rank that destroys its gloo group while a peer is still running (say, rank 0 writing its
+    summary) can abort at exit with "terminate called without an active exception"; the barrier
+    makes every rank arrive first.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def world_timeout() -> timedelta:
     """The timeout the world group was initialised with (torch keeps it on the backend)."""
     group = dist.group.WORLD

@@ -243,9 +243,6 @@ class ShardedDataParallel:
         self._reset_pending()
 
     # ----------------------------------------------------------------------------- step
-    def master_params(self) -> list[nn.Parameter]:
-        return [st.master for st in self.buckets]
-
     def optimizer_groups(self) -> list[dict]:
         return [
             {"params": [self.buckets[b].master for b in fg.buckets], **fg.options}
@@ -262,35 +259,24 @@ class ShardedDataParallel:
             return st.piece
         return fg.grads_flat[st.bucket.start : st.bucket.end]
 
-    def prepare_step(self, loss_scale: float) -> torch.Tensor:
-        """Wait for the reduction and hand each master its fp32 gradient, still summed and scaled.
+    @property
+    def grads_sharded(self) -> bool:
+        """Whether each rank holds a different part of the gradient (the norm needs a reduce)."""
+        return self.stage > 0 and self.dp > 1
 
-        Returns the global norm of the averaged, unscaled gradient (inf/nan on overflow); one
-        scalar all-reduce over dp when gradients are sharded, none at stage 0 (replicated).
-        Averaging and unscaling are left to :meth:`scale_grads`, so that with clipping the
-        gradient is rescaled in one pass instead of two.
-        """
+    def masters(self) -> list[nn.Parameter]:
+        return [st.master for st in self.buckets]
+
+    def prepare_step(self, loss_scale: float) -> float:
+        """Wait for the reduction and hand each master its fp32 gradient, still summed over dp
+        and scaled; return the factor that averages and unscales it."""
         if self.stage < 2:
             self._flush()
-        self._post = (
-            1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
-        )
-        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].params_flat.device)
         for st in self.buckets:
             grad = self._grad_piece(st)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
-            sq += torch.linalg.vector_norm(st.master.grad, dtype=torch.float32).square()
-        if self.stage > 0 and self.dp > 1:
-            self.comm.all_reduce(sq, axis="dp")
-        return sq.sqrt() * self._post
-
-    def scale_grads(self, factor: float = 1.0) -> None:
-        """Average, unscale and multiply by ``factor`` (the clip coefficient) in one pass."""
-        total = self._post * factor
-        if total != 1.0:
-            for st in self.buckets:
-                st.master.grad.mul_(total)
+        return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
 
     def after_step(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""
@@ -339,8 +325,8 @@ class ShardedDataParallel:
                 out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
         return out
 
-    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients, fp32 master weights, optimizer state."""
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and separate fp32 master weights."""
         params = sum(fg.params_flat.nbytes for fg in self.groups)
         params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
         grads = sum(
@@ -355,8 +341,4 @@ class ShardedDataParallel:
             base = fg.params_flat
             inside = base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes
             master += 0 if inside else st.master.nbytes
-        state = 0
-        if optimizer is not None:
-            for s in optimizer.state.values():
-                state += sum(t.nbytes for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"params": params, "grads": grads, "master": master, "optimizer": state}
+        return {"params": params, "grads": grads, "master": master}

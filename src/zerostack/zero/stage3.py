@@ -327,24 +327,19 @@ class Stage3:
     def optimizer_groups(self) -> list[dict]:
         return [{"params": [g.master], **g.options} for g in self.groups]
 
-    def prepare_step(self, loss_scale: float) -> torch.Tensor:
-        """Hand each master its summed, scaled fp32 gradient shard; return the global norm of
-        the averaged, unscaled gradient (see ShardedDataParallel.prepare_step)."""
-        self._post = 1.0 / (loss_scale * self.prescale * self.dp)
-        sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
+    @property
+    def grads_sharded(self) -> bool:
+        return self.dp > 1
+
+    def masters(self) -> list[nn.Parameter]:
+        return [g.master for g in self.groups]
+
+    def prepare_step(self, loss_scale: float) -> float:
+        """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
+        averages and unscales it (see ShardedDataParallel.prepare_step)."""
         for g in self.groups:
             g.master.grad = g.grad_shard
-            sq += torch.linalg.vector_norm(g.master.grad).square()
-        if self.dp > 1:
-            self.comm.all_reduce(sq, axis="dp")
-        return sq.sqrt() * self._post
-
-    def scale_grads(self, factor: float = 1.0) -> None:
-        """Average, unscale and multiply by ``factor`` (the clip coefficient) in one pass."""
-        total = self._post * factor
-        if total != 1.0:
-            for g in self.groups:
-                g.master.grad.mul_(total)
+        return 1.0 / (loss_scale * self.prescale * self.dp)
 
     def after_step(self) -> None:
         for g in self.groups:
@@ -371,16 +366,14 @@ class Stage3:
             out[p] = full
         return out
 
-    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
+        separate fp32 masters."""
         params = sum(g.pieces.nbytes for g in self.groups)
         params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
         params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
         master = sum(
             g.master.nbytes for g in self.groups if g.pieces.data_ptr() != g.master.data_ptr()
         )
-        state = 0
-        if optimizer is not None:
-            for s in optimizer.state.values():
-                state += sum(t.nbytes for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         grads = sum(g.grad_shard.nbytes for g in self.groups)
-        return {"params": params, "grads": grads, "master": master, "optimizer": state}
+        return {"params": params, "grads": grads, "master": master}
