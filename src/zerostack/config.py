@@ -419,8 +419,9 @@ class ZeroConfig(_Model):
     """Reduce gradients with reduce-scatter (vs. all-reduce). Accepted for DeepSpeed
     compatibility; no effect: stages 1-3 always reduce-scatter, stage 0 all-reduces."""
     reduce_bucket_size: PositiveInt = 500_000_000
-    """Elements per gradient bucket at stages 0-2: each bucket is reduced (and, at stages 1-2,
-    its updated parameters all-gathered) as one collective, launched during backward. When the
+    """Elements per gradient bucket: each bucket is reduced (and, at stages 1-2, its updated
+    parameters all-gathered) as one collective, launched during backward; at stage 3 a bucket
+    groups whole modules' gradients into one reduce-scatter. When the
     key is not given, buckets hold 4M elements (see ``effective_reduce_bucket_size``): DeepSpeed's
     default of 5e8 makes one bucket of any model under 500M parameters, which leaves nothing to
     overlap with backward."""

@@ -80,6 +80,7 @@ class Engine(nn.Module):
                 precision=self.precision,
                 prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                 persistence_threshold=zcfg.stage3_param_persistence_threshold,
+                reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
                 prescale=prescale,
             )
         else:

@@ -72,6 +72,7 @@ class Stage3:
         precision: Precision,
         prefetch_numel: int,
         persistence_threshold: int,
+        reduce_bucket_numel: int = 4_000_000,
         prescale: float = 1.0,
         meter: StorageMeter | None = None,
     ) -> None:
@@ -153,16 +154,24 @@ class Stage3:
             for u, ps in enumerate(self.units)
         ]
         self._bwd_need = [sum(p in self._trainable for p in ps) for ps in self.units]
-        # Where each owned parameter's piece sits in its unit's reduce-scatter buffer.
-        self._rs_size = [0] * len(self.units)
+        # Reduce buckets: owner units in reverse construction order (roughly the order backward
+        # finishes them), grouped up to ``reduce_bucket_numel`` elements so that a few large
+        # reduce-scatters replace one per module. ``_rs_at[p]`` is where p's piece sits.
+        self._rs_params: list[list[nn.Parameter]] = []
+        self._rs_width: list[int] = []
+        self._rs_bucket: dict[nn.Parameter, int] = {}
         self._rs_at: dict[nn.Parameter, int] = {}
-        for u, owned in enumerate(self._owned):
-            for p in owned:
-                self._rs_at[p] = self._rs_size[u]
-                self._rs_size[u] += p._zs.piece.numel()
-        # Reduce in reverse construction order: roughly the order backward finishes units.
-        self._rs_order = [u for u in reversed(range(len(self.units))) if self._owned[u]]
-        self._rs_pos = {u: i for i, u in enumerate(self._rs_order)}
+        for u in reversed(range(len(self.units))):
+            if not self._owned[u]:
+                continue
+            if not self._rs_params or self._rs_width[-1] * self.dp >= reduce_bucket_numel:
+                self._rs_params.append([])
+                self._rs_width.append(0)
+            for p in self._owned[u]:
+                self._rs_bucket[p] = len(self._rs_params) - 1
+                self._rs_at[p] = self._rs_width[-1]
+                self._rs_params[-1].append(p)
+                self._rs_width[-1] += p._zs.piece.numel()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
         self._trace: list[int] | None = None
@@ -261,22 +270,22 @@ class Stage3:
     def _reset_backward(self) -> None:
         self._bwd_held: dict[int, int] = {}
         self._staging: dict[int, torch.Tensor] = {}
-        self._arrived = [0] * len(self.units)
+        self._arrived = [0] * len(self._rs_params)
         self._next_rs = 0
         self._rs_handles: list[tuple[int, torch.Tensor, Handle | None]] = []
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        u = self._owner[p]
-        if u not in self._staging:
-            size = (self.dp, self._rs_size[u])
-            self._staging[u] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
+        b = self._rs_bucket[p]
+        if b not in self._staging:
+            size = (self.dp, self._rs_width[b])
+            self._staging[b] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
         at, pn = self._rs_at[p], p._zs.piece.numel()
         grad = p.grad.reshape(-1)
         if grad.numel() != pn * self.dp:  # pad to whole pieces first
             grad = torch.cat([grad, grad.new_zeros(pn * self.dp - grad.numel())])
-        self._staging[u][:, at : at + pn].copy_(grad.view(self.dp, pn))
+        self._staging[b][:, at : at + pn].copy_(grad.view(self.dp, pn))
         p.grad = None  # the full gradient does not outlive this hook
-        self._arrived[u] += 1
+        self._arrived[b] += 1
         for held in self._units_of[p]:
             if held in self._bwd_held:
                 self._bwd_held[held] -= 1
@@ -285,37 +294,37 @@ class Stage3:
                     self._release(held)
         self._launch_ready()
 
-    def _launch(self, u: int) -> None:
-        staging = self._staging.pop(u, None)
-        if staging is None:  # no parameter of this unit got a gradient in this backward
-            staging = torch.zeros(self.dp, self._rs_size[u], dtype=self.precision.compute_dtype,
+    def _launch(self, b: int) -> None:
+        staging = self._staging.pop(b, None)
+        if staging is None:  # no parameter of this bucket got a gradient in this backward
+            staging = torch.zeros(self.dp, self._rs_width[b], dtype=self.precision.compute_dtype,
                                   device=self.comm.topo.device)  # fmt: skip
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
         if self.dp == 1:
-            self._rs_handles.append((u, staging.view(-1), None))
+            self._rs_handles.append((b, staging.view(-1), None))
             return
-        out = staging.new_empty(self._rs_size[u])
+        out = staging.new_empty(self._rs_width[b])
         handle = self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
-        self._rs_handles.append((u, out, handle))
+        self._rs_handles.append((b, out, handle))
 
     def _launch_ready(self) -> None:
-        while self._next_rs < len(self._rs_order):
-            u = self._rs_order[self._next_rs]
-            if self._arrived[u] < len(self._owned[u]):
+        while self._next_rs < len(self._rs_params):
+            b = self._next_rs
+            if self._arrived[b] < len(self._rs_params[b]):
                 return
-            self._launch(u)
+            self._launch(b)
             self._next_rs += 1
 
     def end_backward(self) -> None:
         """Reduce what is left, add this rank's pieces into the fp32 shard, free everything."""
-        while self._next_rs < len(self._rs_order):
-            self._launch(self._rs_order[self._next_rs])
+        while self._next_rs < len(self._rs_params):
+            self._launch(self._next_rs)
             self._next_rs += 1
-        for u, out, handle in self._rs_handles:
+        for b, out, handle in self._rs_handles:
             if handle is not None:
                 handle.wait()
-            for p in self._owned[u]:
+            for p in self._rs_params[b]:
                 at = self._rs_at[p]
                 p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
         for u in list(self._bwd_held):
