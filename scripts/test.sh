@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
-ruff check src tests benchmarks
+ruff check src tests benchmarks examples
 python -m pytest -q

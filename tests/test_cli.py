@@ -46,3 +46,16 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert proc.stderr == (
         "ConfigError: gradient_clippng: unknown key (did you mean 'gradient_clipping'?)\n"
     )
+
+
+def test_example_script_runs_under_torchrun():
+    """examples/train_gpt.py: a DeepSpeed script with the import changed, ZeRO-3 from a JSON."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [os.path.join(root, "examples", "train_gpt.py"), "--steps", "3", "--deepspeed_config"]
+    cmd += [os.path.join(root, "examples", "ds_config_zero3.json")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 3: loss" in proc.stdout
+    assert proc.stdout.count("'params'") == 2  # both ranks report their (sharded) bytes
