@@ -72,26 +72,23 @@ class Engine(nn.Module):
         prescale = prescale / config.gradient_predivide_factor
         # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
         self.zero: Stage3 | ShardedDataParallel
+        common = dict(comm=self.comm, precision=self.precision, prescale=prescale)
         if zcfg.stage == 3:
             self.zero = Stage3(
                 module,
                 param_groups,
-                comm=self.comm,
-                precision=self.precision,
                 prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                 persistence_threshold=zcfg.stage3_param_persistence_threshold,
                 reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
-                prescale=prescale,
+                **common,
             )
         else:
             self.zero = ShardedDataParallel(
                 module,
                 param_groups,
-                comm=self.comm,
-                precision=self.precision,
                 stage=zcfg.stage,
                 bucket_numel=zcfg.effective_reduce_bucket_size,
-                prescale=prescale,
+                **common,
             )
         self.comm.log.step = 0
         self.optimizer = optimizer_factory(self.zero.optimizer_groups())

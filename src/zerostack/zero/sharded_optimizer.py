@@ -34,6 +34,16 @@ from ..precision import Precision
 from .partition import Bucket, FlatLayout
 
 
+def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
+    """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
+    so every rank starts alike, and cast the floating-point ones to the compute dtype."""
+    for t in tensors:
+        if comm.topo.dp > 1:
+            comm.broadcast(t.data, src=0, axis="dp")
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+
+
 @dataclass
 class _BucketState:
     group: int
@@ -138,14 +148,8 @@ class ShardedDataParallel:
         self._reset_pending()
 
     def _sync_untracked(self, dtype) -> None:
-        """Broadcast frozen parameters and buffers from dp rank 0, then cast them to the dtype."""
         others = [p for p in self.module.parameters() if p not in self._where]
-        others += list(self.module.buffers())
-        for t in others:
-            if self.dp > 1:
-                self.comm.broadcast(t.data, src=0, axis="dp")
-            if t.is_floating_point() and t.dtype != dtype:
-                t.data = t.data.to(dtype)
+        sync_from_rank0(others + list(self.module.buffers()), self.comm, dtype)
 
     # ----------------------------------------------------------------------------- backward
     def _reset_pending(self) -> None:

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm, Handle
 from ..precision import Precision
 from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
+from .sharded_optimizer import sync_from_rank0
 
 
 @dataclass
@@ -121,11 +122,7 @@ class Stage3:
             if p not in self._trainable and p._zs.piece.dtype != dtype:
                 p._zs.piece = self.meter.track(p._zs.piece.to(dtype))
             p.data = torch.empty(0, dtype=dtype, device=p.device)
-        for b in module.buffers():
-            if self.dp > 1:
-                comm.broadcast(b.data, src=0, axis="dp")
-            if b.is_floating_point():
-                b.data = b.data.to(dtype)
+        sync_from_rank0(list(module.buffers()), comm, dtype)
 
         self._persistent = [p for p in everything if p._zs.numel < persistence_threshold]
         for p in self._persistent:
