@@ -80,6 +80,88 @@ def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
     return groups
 
 
+def _model_topology(model: nn.Module) -> Topology | None:
+    """The topology the model's tensor-parallel layers were built on (None for a plain model)."""
+    for m in model.modules():
+        topo = getattr(m, "topology", None)
+        if isinstance(topo, Topology):
+            return topo
+    return None
+
+
+def _mpu_sizes(mpu) -> tuple[int, int]:
+    """(tp, pp) from a Megatron/DeepSpeed-style ``mpu`` object."""
+
+    def ask(*names: str) -> int | None:
+        for name in names:
+            fn = getattr(mpu, name, None)
+            if callable(fn):
+                return int(fn())
+        return None
+
+    tp = ask("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    if tp is None:
+        raise ConfigError("mpu: it has no get_model_parallel_world_size() (or the tensor_ form)")
+    return tp, ask("get_pipeline_model_parallel_world_size") or 1
+
+
+def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology:
+    """The one grid of the job: given, or the model's, or built from ``mpu`` / the config; every
+    source that names a tp size must agree, and a plain model is split here if tp > 1."""
+    built = _model_topology(model)
+    want_tp = cfg.tensor_parallel.autotp_size or None
+    sources = []
+    if want_tp:
+        sources.append(("tensor_parallel.autotp_size", want_tp))
+    if mpu is not None:
+        mpu_tp, mpu_pp = _mpu_sizes(mpu)
+        sources.append(("mpu.get_model_parallel_world_size()", mpu_tp))
+    topo = topology or built
+    if topo is not None:
+        sources.append(("the topology", topo.tp))
+    for name, size in sources[1:]:
+        if size != sources[0][1]:
+            raise ConfigError(
+                f"{sources[0][0]}: tensor-parallel size {sources[0][1]} disagrees with "
+                f"{name} ({size})"
+            )
+    if topo is None:
+        tp = sources[0][1] if sources else 1
+        topo = Topology.build(tp=tp, pp=mpu_pp if mpu is not None else 1)
+    if mpu is not None:
+        _check_mpu_groups(mpu, topo)
+    if built is not None and built.tp != topo.tp:
+        raise ConfigError(
+            f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
+            f"tp={topo.tp}"
+        )
+    if built is None and topo.tp > 1:
+        if not callable(getattr(model, "parallelize", None)):
+            raise ConfigError(
+                f"tensor_parallel.autotp_size: tp={topo.tp} needs a tensor-parallel model: build "
+                "it from zerostack.tensor_parallel layers or give it a parallelize(topology) method"
+            )
+        model.parallelize(topo)
+    return topo
+
+
+def _check_mpu_groups(mpu, topo: Topology) -> None:
+    import torch.distributed as dist
+
+    get = getattr(mpu, "get_tensor_model_parallel_group", None) or getattr(
+        mpu, "get_model_parallel_group", None
+    )
+    if get is None:
+        return
+    theirs = dist.get_process_group_ranks(get())
+    ours = dist.get_process_group_ranks(topo.group("tp"))
+    if sorted(theirs) != sorted(ours):
+        raise ConfigError(
+            f"mpu: its tensor-parallel group of this rank is ranks {sorted(theirs)}, zerostack's "
+            f"grid (tp innermost) puts it at {sorted(ours)}; build the mpu with tp innermost"
+        )
+
+
 def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
     """A function from flat fp32 groups to the optimizer that steps them."""
     if optimizer is not None and cfg.optimizer is not None:
@@ -158,14 +240,12 @@ def initialize(
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
     cfg = load_config(config)
-    if mpu is not None:
-        raise ConfigError("mpu: model parallelism is not implemented yet in this version")
+    if dist_init_required is not False:
+        init_distributed()
+    topo = _topology(model, cfg, topology, mpu)
     groups = _param_groups(model, optimizer, model_parameters)
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
-    if dist_init_required is not False:
-        init_distributed()
-    topo = topology or Topology.build()
     cfg.resolve_batch(topo.dp)  # batch errors before any work
     engine = Engine(
         module=model,

@@ -508,6 +508,15 @@ class ZeroConfig(_Model):
         return self
 
 
+class TensorParallelConfig(_Model):
+    """The ``tensor_parallel`` block (DeepSpeed's AutoTP training key)."""
+
+    autotp_size: NonNegInt = 0
+    """Tensor-parallel ranks per model replica; 0 means not set (the topology's or the model's
+    size is used). A plain model is split at ``initialize`` through its ``parallelize(topology)``
+    method (the reference GPT has one)."""
+
+
 class MonitorConfig(_Model):
     """The ``tensorboard`` and ``csv_monitor`` blocks."""
 
@@ -563,6 +572,8 @@ class ZeroStackConfig(_Model):
     """bf16 mixed precision (alias bfloat16)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO partitioning and offload."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor (Megatron-style) parallelism."""
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     """TensorBoard event files."""
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)

@@ -24,6 +24,7 @@ from torch import nn
 from .comm import Comm
 from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
+from .tensor_parallel import join_tensors, partition_spec
 from .topology import Topology
 from .zero.sharded_optimizer import ShardedDataParallel
 from .zero.stage3 import Stage3
@@ -59,7 +60,7 @@ class Engine(nn.Module):
         self.module = module
         self.config = config
         self.topology = topology
-        self.comm = comm or Comm(topology)
+        self.comm = comm or topology.comm
         self.precision = Precision.from_config(config)
         tbs, micro, gas = config.resolve_batch(topology.dp)
         self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
@@ -67,6 +68,12 @@ class Engine(nn.Module):
         device = topology.device
         module.to(device)
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
+        # Parameters not split by tensor parallelism are replicas on the tp ranks: start them
+        # alike, and count them once in the gradient norm (tp rank 0 counts them).
+        replicas = [p for p in module.parameters() if partition_spec(p) is None]
+        self._tp_replicas = set(replicas)
+        if topology.tp > 1:
+            self._sync_tp_replicas(replicas)
         zcfg = config.zero_optimization
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
@@ -101,6 +108,11 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self.timers: dict[str, float] = defaultdict(float)
+
+    def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
+        for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
+            if not hasattr(t, "_zs"):  # zero.Init shards are broadcast when they are made
+                self.comm.broadcast(t.data, src=0, axis="tp")
 
     # ------------------------------------------------------------------ DeepSpeed's accessors
     @property
@@ -191,11 +203,14 @@ class Engine(nn.Module):
         # those, and averaging, unscaling and clipping are then one multiply.
         post = self.zero.prepare_step(self.loss_scaler.loss_scale)
         masters = self.zero.masters()
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for m in masters:
-            sq += torch.linalg.vector_norm(m.grad, dtype=torch.float32).square()
+        topo = self.topology
+        # Each tp-split parameter is counted by every tp rank (its own slice), each replica once.
+        skip = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
+        sq = self.zero.grad_norm_sq(skip)
         if self.zero.grads_sharded:
             self.comm.all_reduce(sq, axis="dp")
+        if topo.tp > 1:
+            self.comm.all_reduce(sq, axis="tp")
         norm = float(sq.sqrt()) * post
         self._global_grad_norm = norm
         overflow = self.precision.name == "fp16" and not math.isfinite(norm)
@@ -244,10 +259,19 @@ class Engine(nn.Module):
         return {**self.zero.memory_breakdown(), "optimizer": state}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model weights in fp32 on the CPU (a collective: call it on every rank)."""
+        """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
+        call it on every rank)."""
         master = self.zero.full_master()
+        tp = self.topology.tp
         out = {}
         for name, p in self.module.named_parameters():
             src = master.get(p)
-            out[name] = (src if src is not None else p.detach()).float().cpu().clone()
+            t = (src if src is not None else p.detach()).float()
+            spec = partition_spec(p)
+            if tp > 1 and spec is not None:
+                t = t.contiguous()
+                parts = t.new_empty((tp, *t.shape))
+                self.comm.all_gather(parts.view(-1), t.view(-1), axis="tp")
+                t = join_tensors(list(parts.unbind(0)), dim=spec[0], chunks=spec[1])
+            out[name] = t.cpu().clone()
         return out

@@ -15,6 +15,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,7 @@ class Topology:
     tp: int
     mesh: DeviceMesh = field(repr=False)
     timeout: timedelta = DEFAULT_TIMEOUT
+    _comm: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -143,6 +145,16 @@ class Topology:
         for axis in AXES:
             _set_group_timeout(topo.group(axis), timeout)
         return topo
+
+    @property
+    def comm(self):
+        """The job's :class:`~zerostack.comm.Comm` on this grid, one per topology, so every
+        collective (tensor-parallel layers, ZeRO, the engine) lands in one ``CommLog``."""
+        if self._comm is None:
+            from .comm import Comm  # comm imports this module
+
+            self._comm = Comm(self)
+        return self._comm
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis`` ('pp', 'dp' or 'tp')."""

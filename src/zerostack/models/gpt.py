@@ -5,16 +5,42 @@ computed in fp32 whatever the compute dtype, so fp16/bf16 runs report comparable
 
     model = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, block_size=64))
     loss = model(x, y)
+
+Tensor-parallel from the same config (Megatron's split: attention heads and the MLP's hidden
+features across the tp ranks, a vocabulary-split embedding tied to the head, the loss computed
+on vocabulary-split logits), optionally with sequence parallelism::
+
+    model = GPT(cfg, topology=topo, sequence_parallel=True)    # or GPT(cfg).parallelize(topo)
+
+The model is built whole and each rank keeps its slices, so with the same seed the shards are
+exactly the slices of the plain model (:func:`split_state_dict` / :func:`join_state_dicts` convert
+between the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    ensure_seeded,
+    gather_from_tp,
+    get_rng_tracker,
+    join_tensors,
+    split_tensor,
+    vocab_parallel_cross_entropy,
+)
+from ..topology import Topology
 
 
 @dataclass
@@ -73,22 +99,33 @@ def _linear(cfg: GPTConfig, d_in: int, d_out: int, *, residual: bool = False) ->
     return InitLinear(d_in, d_out, bias=cfg.bias, std=std)
 
 
+def _split_rng(split: bool):
+    """Dropout on tp-split data (a rank's heads, a sequence shard) draws a mask per tp rank."""
+    return get_rng_tracker().fork() if split else contextlib.nullcontext()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head = cfg.n_head  # heads on this rank: n_head / tp once parallelized
+        self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model)
         self.proj = _linear(cfg, cfg.d_model, cfg.d_model, residual=True)
         self.dropout = cfg.dropout
+        self.heads_split = False  # set by GPT.parallelize
+        self.sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        width = self.n_head * self.head_dim
+        q, k, v = self.qkv(x).split(width, dim=2)  # full sequence, even when x is a shard
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
-        return F.dropout(self.proj(y), p, self.training)
+        with _split_rng(self.heads_split and p > 0):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, width)
+        with _split_rng(self.sequence_parallel and p > 0):
+            return F.dropout(self.proj(y), p, self.training)
 
 
 class MLP(nn.Module):
@@ -97,9 +134,12 @@ class MLP(nn.Module):
         self.fc = _linear(cfg, cfg.d_model, 4 * cfg.d_model)
         self.proj = _linear(cfg, 4 * cfg.d_model, cfg.d_model, residual=True)
         self.dropout = cfg.dropout
+        self.sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
+        y = self.proj(F.gelu(self.fc(x)))
+        with _split_rng(self.sequence_parallel and self.training and self.dropout > 0):
+            return F.dropout(y, self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -115,10 +155,24 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class PositionShards(nn.Embedding):
+    """The position table under sequence parallelism: replicated, looked up for this rank's
+    part of the sequence, so its gradient is all-reduced over tp."""
+
+    topology: Topology
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return F.embedding(pos, copy_to_tp(self.weight, self.topology.comm))
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(
+        self, cfg: GPTConfig, *, topology: Topology | None = None, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.topology: Topology | None = None  # set by parallelize
+        self.sequence_parallel = False
         self.wte = InitEmbedding(cfg.vocab_size, cfg.d_model)
         self.wpe = InitEmbedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -127,16 +181,113 @@ class GPT(nn.Module):
         # thrown away (it would also cost a whole vocab x d_model matrix under zero.Init).
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
         self.head.weight = self.wte.weight
+        if topology is not None:
+            self.parallelize(topology, sequence_parallel=sequence_parallel)
+
+    def parallelize(self, topology: Topology, *, sequence_parallel: bool = False) -> GPT:
+        """Keep this rank's tp slices of every split layer (in place); returns the model."""
+        tp, cfg = topology.tp, self.cfg
+        if self.topology is not None:
+            raise ValueError("GPT.parallelize: the model is already tensor-parallel")
+        if any(hasattr(p, "_zs") for p in self.parameters()):
+            raise ValueError(
+                "GPT.parallelize: the model was built under zero.Init; build it "
+                "with GPT(cfg, topology=topo) inside zero.Init instead"
+            )
+        if cfg.n_head % tp:
+            raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
+        if cfg.vocab_size % tp:
+            raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
+        ensure_seeded(topology)
+        sp = dict(topology=topology, sequence_parallel=sequence_parallel)
+
+        def norm(ln: nn.LayerNorm) -> nn.LayerNorm:
+            if not sequence_parallel:
+                return ln
+            return SequenceParallelLayerNorm.from_layer_norm(ln, topology=topology)
+
+        self.wte = VocabParallelEmbedding.from_embedding(self.wte, **sp)
+        self.head = ColumnParallelLinear.from_linear(self.head, **sp)
+        self.head.weight = self.wte.weight
+        if sequence_parallel:
+            pos = PositionShards(cfg.block_size, cfg.d_model)
+            pos.weight = self.wpe.weight
+            pos.topology = topology
+            self.wpe = pos
+        for block in self.blocks:
+            block.ln1, block.ln2 = norm(block.ln1), norm(block.ln2)
+            attn, mlp = block.attn, block.mlp
+            attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, chunks=3, **sp)
+            attn.proj = RowParallelLinear.from_linear(attn.proj, **sp)
+            attn.n_head = cfg.n_head // tp
+            attn.heads_split = tp > 1
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
+            mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
+            attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
+        self.ln_f = norm(self.ln_f)
+        self.topology, self.sequence_parallel = topology, sequence_parallel
+        return self
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, t = idx.shape
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        topo = self.topology
+        if self.sequence_parallel:
+            if t % topo.tp:
+                raise ValueError(
+                    f"sequence length {t} does not split into {topo.tp} tp ranks "
+                    "(sequence_parallel)"
+                )
+            n = t // topo.tp
+            pos = torch.arange(topo.rank("tp") * n, (topo.rank("tp") + 1) * n, device=idx.device)
+        else:
+            pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
+        if topo is None:
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            return gather_from_tp(logits, topo.comm)
+        return vocab_parallel_cross_entropy(logits, targets, topo.comm).mean()
+
+
+def tp_spec(name: str) -> tuple[int, int] | None:
+    """How parameter ``name`` of the GPT is split under tp: ``(dim, chunks)``, None if whole."""
+    if name in ("wte.weight", "head.weight") or name.endswith((".mlp.fc.weight", ".mlp.fc.bias")):
+        return 0, 1
+    if name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
+        return 0, 3
+    if name.endswith((".attn.proj.weight", ".mlp.proj.weight")):
+        return 1, 1
+    return None
+
+
+def split_state_dict(state: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """A plain GPT's state dict as the ``tp`` state dicts of its tensor-parallel ranks."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, t in state.items():
+        spec = tp_spec(name)
+        for r in range(tp):
+            out[r][name] = (
+                t.clone()
+                if spec is None
+                else split_tensor(t, parts=tp, rank=r, dim=spec[0], chunks=spec[1])
+            )
+    return out
+
+
+def join_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The plain GPT's state dict from its tp ranks' state dicts (in tp-rank order)."""
+    out = {}
+    for name in shards[0]:
+        spec = tp_spec(name)
+        parts = [s[name] for s in shards]
+        out[name] = (
+            parts[0].clone() if spec is None else join_tensors(parts, dim=spec[0], chunks=spec[1])
+        )
+    return out

@@ -53,6 +53,8 @@ class _BucketState:
     handle: Handle | None = None
     staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
     piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
+    # (start, end, param) of each parameter's elements inside ``master``
+    segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
 
 
 @dataclass
@@ -132,13 +134,17 @@ class ShardedDataParallel:
                     full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
                 )
                 fg.buckets.append(len(self.buckets))
+                segments = []
                 for pos in bucket.slots:
                     slot = layout.slots[pos]
                     self._where[params[slot.index]] = (
                         len(self.buckets),
                         slice(slot.offset, slot.end),
                     )
-                self.buckets.append(_BucketState(g, bucket, master))
+                    a, b = max(slot.offset, lo), min(slot.end, hi)
+                    if a < b:
+                        segments.append((a - lo, b - lo, params[slot.index]))
+                self.buckets.append(_BucketState(g, bucket, master, segments=segments))
             self.groups.append(fg)
 
         self._sync_untracked(dtype)
@@ -270,6 +276,20 @@ class ShardedDataParallel:
 
     def masters(self) -> list[nn.Parameter]:
         return [st.master for st in self.buckets]
+
+    def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
+        """Sum of squares of this rank's master gradients, leaving out the parameters in
+        ``skip`` (tp replicas counted on another rank)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
+        for st in self.buckets:
+            g = st.master.grad
+            if not skip or not any(p in skip for _, _, p in st.segments):
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                continue
+            for lo, hi, p in st.segments:
+                if p not in skip:
+                    sq += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).square()
+        return sq
 
     def prepare_step(self, loss_scale: float) -> float:
         """Wait for the reduction and hand each master its fp32 gradient, still summed over dp

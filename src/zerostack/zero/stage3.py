@@ -340,6 +340,19 @@ class Stage3:
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
 
+    def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
+        """Sum of squares of this rank's gradient shards, leaving out the parameters in ``skip``
+        (tp replicas counted on another rank)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
+        for g in self.groups:
+            if not skip or not any(p in skip for p in g.params):
+                sq += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32).square()
+                continue
+            for p in g.params:
+                if p not in skip:
+                    sq += torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
+        return sq
+
     def prepare_step(self, loss_scale: float) -> float:
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel.prepare_step)."""
