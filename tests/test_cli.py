@@ -8,16 +8,22 @@ import os
 import subprocess
 import sys
 
+import pytest
 
-def test_train_runs_and_loss_falls(tmp_path):
+
+@pytest.mark.parametrize(
+    "grid,banner",
+    [([], "2 ranks, ZeRO"), (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq")],
+)
+def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--steps", "20"]
     cmd += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "32"]
-    cmd += ["--micro-batch", "4", "--out", str(out), "--no-progress"]
+    cmd += ["--micro-batch", "4", "--out", str(out), "--no-progress", *grid]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "zerostack train: 2 ranks" in proc.stdout
+    assert f"zerostack train: {banner}" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
@@ -46,6 +52,13 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert proc.stderr == (
         "ConfigError: gradient_clippng: unknown key (did you mean 'gradient_clipping'?)\n"
     )
+
+
+def test_grid_that_does_not_fit_is_one_clear_line():
+    cmd = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--tp", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "ValueError: --tp 4 does not divide --nproc 2\n"
 
 
 def test_example_script_runs_under_torchrun():

@@ -2,6 +2,7 @@
 
     zerostack train                       # 2 ranks on CPU, the bundled corpus, a few minutes
     zerostack train --nproc 4 --steps 100 --zero-stage 0 --bf16
+    zerostack train --nproc 4 --tp 2 --sequence-parallel --zero-stage 2
     zerostack train --config ds_config.json
 
 Without a launcher it re-executes itself under torchrun with ``--nproc`` ranks.
@@ -58,6 +59,19 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     t.add_argument(
         "--zero-stage", type=int, default=None, help="ZeRO stage (0 = plain data parallel)"
+    )
+    t.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per model replica (Megatron-style split of heads and MLP); "
+        "data parallelism gets nproc / tp",
+    )
+    t.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: layer norms and dropout on sequence shards (all-gather + reduce-scatter "
+        "instead of all-reduce)",
     )
     prec = t.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
@@ -145,14 +159,17 @@ def train(args) -> dict:
     from zerostack.monitor import RunMonitor
 
     zerostack.init_distributed()
+    topo = zerostack.Topology.build(tp=args.tp)
     torch.manual_seed(args.seed)
     model_cfg = GPTConfig(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model
     )
     model = GPT(model_cfg)
+    if args.tp > 1:
+        model.parallelize(topo, sequence_parallel=args.sequence_parallel)
     train_set, val_set = corpus_datasets(args.block_size)
     engine, _, loader, _ = zerostack.initialize(
-        model=model, training_data=train_set, config=_build_config(args)
+        model=model, training_data=train_set, config=_build_config(args), topology=topo
     )
     rank0 = engine.global_rank == 0
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
@@ -189,9 +206,13 @@ def train(args) -> dict:
     val_loss = _evaluate(engine, val_set, args.block_size)
     summary = {
         "world_size": engine.world_size,
+        "tp": engine.topology.tp,
+        "dp": engine.dp_world_size,
+        "sequence_parallel": args.sequence_parallel,
         "zero_stage": engine.config.zero_optimization.stage,
         "precision": engine.precision.name,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": model_cfg.num_params,
+        "parameters_per_rank": sum(p.numel() for p in model.parameters()),
         "steps": args.steps,
         "first_loss": monitor.rows[0]["loss"] if monitor.rows else None,
         "final_loss": monitor.recent_loss(),
@@ -224,6 +245,17 @@ def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
     return float(total[0] / total[1])
 
 
+def _check_grid(args) -> None:
+    if args.tp < 1 or args.nproc % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide --nproc {args.nproc}")
+    if args.n_head % args.tp:
+        raise ValueError(f"--n-head {args.n_head} does not split into --tp {args.tp}")
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp > 1")
+    if args.sequence_parallel and args.block_size % args.tp:
+        raise ValueError(f"--block-size {args.block_size} does not split into --tp {args.tp}")
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = json.loads(os.environ[ARGV_ENV]) if ARGV_ENV in os.environ else sys.argv[1:]
@@ -239,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if not launched:
             try:  # refuse a bad config once, here, rather than once per rank under torchrun
-                load_config(_build_config(args)).resolve_batch(args.nproc)
-            except (ConfigError, OSError, json.JSONDecodeError) as exc:
+                _check_grid(args)
+                load_config(_build_config(args)).resolve_batch(args.nproc // args.tp)
+            except (ConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
                 print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
                 return 2
             if args.nproc > 1:

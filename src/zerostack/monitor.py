@@ -88,9 +88,14 @@ class RunMonitor:
         plot = self._plot()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         mem = summary.get("bytes_per_rank", {})
+        grid = ""
+        if summary.get("tp", 1) > 1:
+            sp = ", sequence parallel" if summary.get("sequence_parallel") else ""
+            grid = f" (tp {summary['tp']} x dp {summary['dp']}{sp})"
         lines = [
             "",
-            f"zerostack train: {summary['world_size']} ranks, ZeRO stage {summary['zero_stage']}, "
+            f"zerostack train: {summary['world_size']} ranks{grid}, "
+            f"ZeRO stage {summary['zero_stage']}, "
             f"{summary['precision']}, {summary['parameters']:,} parameters",
             f"  loss            {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
             f"(mean of last 10 steps); validation {summary['val_loss']:.4f}",

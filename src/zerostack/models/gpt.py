@@ -191,8 +191,8 @@ class GPT(nn.Module):
             raise ValueError("GPT.parallelize: the model is already tensor-parallel")
         if any(hasattr(p, "_zs") for p in self.parameters()):
             raise ValueError(
-                "GPT.parallelize: the model was built under zero.Init; build it "
-                "with GPT(cfg, topology=topo) inside zero.Init instead"
+                "GPT.parallelize: tensor parallelism with zero.Init is not supported yet; "
+                "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         if cfg.n_head % tp:
             raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
@@ -250,7 +250,7 @@ class GPT(nn.Module):
         if topo is None:
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
         if targets is None:
             return gather_from_tp(logits, topo.comm)
         return vocab_parallel_cross_entropy(logits, targets, topo.comm).mean()

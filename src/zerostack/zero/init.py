@@ -178,7 +178,7 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        self.comm = Comm(self.topology or Topology.build())
+        self.comm = (self.topology or Topology.build()).comm
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._wrap(cls)
