@@ -13,7 +13,11 @@ import pytest
 
 @pytest.mark.parametrize(
     "grid,banner",
-    [([], "2 ranks, ZeRO"), (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq")],
+    [
+        ([], "2 ranks, ZeRO"),
+        (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
+        (["--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"], "2 ranks (pp 2 (inter"),
+    ],
 )
 def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     out = tmp_path / "run"

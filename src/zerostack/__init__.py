@@ -25,6 +25,7 @@ from .comm import Comm, CommLog
 from .config import ConfigError, ZeroStackConfig, load_config
 from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
+from .pipeline import PipelineEngine, PipelineModule
 from .topology import Topology, init_distributed, shutdown
 
 __version__ = "0.1.0"
@@ -247,7 +248,10 @@ def initialize(
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     cfg.resolve_batch(topo.dp)  # batch errors before any work
-    engine = Engine(
+    engine_cls = Engine
+    if isinstance(model, PipelineModule):
+        engine_cls = PipelineEngine
+    engine = engine_cls(
         module=model,
         config=cfg,
         topology=topo,
@@ -256,4 +260,6 @@ def initialize(
         lr_scheduler=sched,
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
+    if isinstance(engine, PipelineEngine):
+        engine.set_dataloader(loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -3,6 +3,7 @@
     zerostack train                       # 2 ranks on CPU, the bundled corpus, a few minutes
     zerostack train --nproc 4 --steps 100 --zero-stage 0 --bf16
     zerostack train --nproc 4 --tp 2 --sequence-parallel --zero-stage 2
+    zerostack train --nproc 4 --pp 2 --tp 2 --schedule interleaved --grad-accum 4
     zerostack train --config ds_config.json
 
 Without a launcher it re-executes itself under torchrun with ``--nproc`` ranks.
@@ -73,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
         help="with --tp: layer norms and dropout on sequence shards (all-gather + reduce-scatter "
         "instead of all-reduce)",
     )
+    t.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (the GPT as a PipelineModule)"
+    )
+    t.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe", "interleaved"],
+        default=None,
+        help="pipeline schedule with --pp (default 1f1b; interleaved runs 2 chunks per stage)",
+    )
     prec = t.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     prec.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
@@ -132,6 +142,10 @@ def _build_config(args) -> dict:
         cfg["fp16"] = {"enabled": True}
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if args.schedule is not None:
+        pipe = cfg.setdefault("pipeline", {})
+        pipe["schedule"] = args.schedule
+        pipe["virtual_stages"] = 2 if args.schedule == "interleaved" else 1
     return cfg
 
 
@@ -159,17 +173,21 @@ def train(args) -> dict:
     from zerostack.monitor import RunMonitor
 
     zerostack.init_distributed()
-    topo = zerostack.Topology.build(tp=args.tp)
+    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp)
     torch.manual_seed(args.seed)
     model_cfg = GPTConfig(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model
     )
-    model = GPT(model_cfg)
-    if args.tp > 1:
-        model.parallelize(topo, sequence_parallel=args.sequence_parallel)
+    config = _build_config(args)
+    if args.pp > 1:
+        model = _pipeline_model(model_cfg, topo, args, config)
+    else:
+        model = GPT(model_cfg)
+        if args.tp > 1:
+            model.parallelize(topo, sequence_parallel=args.sequence_parallel)
     train_set, val_set = corpus_datasets(args.block_size)
     engine, _, loader, _ = zerostack.initialize(
-        model=model, training_data=train_set, config=_build_config(args), topology=topo
+        model=model, training_data=train_set, config=config, topology=topo
     )
     rank0 = engine.global_rank == 0
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
@@ -180,7 +198,10 @@ def train(args) -> dict:
     for _ in range(args.steps):
         t0 = time.perf_counter()
         loss_sum.zero_()
-        for _ in range(engine.gradient_accumulation_steps()):
+        if args.pp > 1:  # the pipeline engine runs the whole batch and averages over dp
+            loss_sum += engine.train_batch().cpu() * engine.gradient_accumulation_steps()
+            loss_sum *= engine.dp_world_size
+        for _ in range(engine.gradient_accumulation_steps() if args.pp == 1 else 0):
             try:
                 x, y = next(batches)
             except StopIteration:
@@ -192,7 +213,8 @@ def train(args) -> dict:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float().cpu()
-        engine.comm.all_reduce(loss_sum, axis="dp")
+        if args.pp == 1:
+            engine.comm.all_reduce(loss_sum, axis="dp")
         mean_loss = loss_sum.item() / (engine.gradient_accumulation_steps() * engine.dp_world_size)
         monitor.log(
             step=engine.global_steps,
@@ -207,12 +229,14 @@ def train(args) -> dict:
     summary = {
         "world_size": engine.world_size,
         "tp": engine.topology.tp,
+        "pp": engine.topology.pp,
         "dp": engine.dp_world_size,
         "sequence_parallel": args.sequence_parallel,
         "zero_stage": engine.config.zero_optimization.stage,
         "precision": engine.precision.name,
         "parameters": model_cfg.num_params,
         "parameters_per_rank": sum(p.numel() for p in model.parameters()),
+        "schedule": engine.config.pipeline.schedule if args.pp > 1 else None,
         "steps": args.steps,
         "first_loss": monitor.rows[0]["loss"] if monitor.rows else None,
         "final_loss": monitor.recent_loss(),
@@ -225,13 +249,45 @@ def train(args) -> dict:
     return summary
 
 
+def _pipeline_model(model_cfg, topo, args, config: dict):
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+    from zerostack.pipeline import PipelineModule
+
+    pipe = config.get("pipeline", {})
+    layers = gpt_layers(model_cfg, topology=topo, sequence_parallel=args.sequence_parallel)
+    return PipelineModule(
+        layers,
+        topology=topo,
+        loss_fn=GPTLoss(topo),
+        partition_method=pipe.get("partition", "type:Block"),
+        activation_checkpoint_interval=pipe.get("activation_checkpoint_interval", 0),
+        seed_layers=pipe.get("seed_layers", False),
+        virtual_stages=pipe.get("virtual_stages", 1),
+    )
+
+
 def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
     import torch
+
+    from zerostack.pipeline import PipelineEngine
 
     engine.eval()
     micro = engine.train_micro_batch_size_per_gpu()
     n = min(len(dataset), batches * micro * engine.dp_world_size)
     idx = list(range(engine.topology.dp_rank, n, engine.dp_world_size))
+    if isinstance(engine, PipelineEngine):
+        gas = engine.gradient_accumulation_steps()
+        rounds = max(1, len(idx) // (micro * gas))
+        it = (
+            (
+                torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
+                torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
+            )
+            for i in range(0, rounds * micro * gas, micro)
+        )
+        loss = sum(engine.eval_batch(it).item() for _ in range(rounds)) / rounds
+        engine.train()
+        return loss
     total = torch.zeros(2)
     with torch.no_grad():
         for i in range(0, len(idx), micro):
@@ -252,6 +308,10 @@ def _check_grid(args) -> None:
         raise ValueError(f"--n-head {args.n_head} does not split into --tp {args.tp}")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1")
+    if args.pp < 1 or args.nproc % (args.pp * args.tp):
+        raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide --nproc {args.nproc}")
+    if args.schedule is not None and args.pp == 1:
+        raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:
         raise ValueError(f"--block-size {args.block_size} does not split into --tp {args.tp}")
 
@@ -272,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if not launched:
             try:  # refuse a bad config once, here, rather than once per rank under torchrun
                 _check_grid(args)
-                load_config(_build_config(args)).resolve_batch(args.nproc // args.tp)
+                load_config(_build_config(args)).resolve_batch(args.nproc // (args.tp * args.pp))
             except (ConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
                 print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
                 return 2

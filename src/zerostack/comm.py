@@ -179,5 +179,31 @@ class Comm:
             False,
         )
 
+    def p2p(self, ops: list[tuple[str, torch.Tensor, int]], *, axis: str = "pp") -> None:
+        """Post point-to-point ops together and wait for all of them (``batch_isend_irecv``).
+
+        ``ops`` holds ``("send" | "recv", tensor, peer)`` with ``peer`` a coordinate along
+        ``axis``. Posting a batch at once lets two ranks that both send and receive proceed.
+        """
+        if not ops:
+            return
+        group = self.topo.group(axis)
+        t0 = time.perf_counter()
+        p2p_ops = [
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv,
+                t,
+                dist.get_global_rank(group, peer),
+                group=group,
+            )
+            for kind, t, peer in ops
+        ]
+        works = dist.batch_isend_irecv(p2p_ops)
+        for w in works:
+            w.wait()
+        seconds = time.perf_counter() - t0
+        for kind, t, _ in ops:
+            self.log.add(kind, axis, t.numel() * t.element_size(), seconds / len(ops))
+
     def barrier(self, *, axis: str = "dp") -> None:
         self._run("barrier", axis, 0, lambda g, a: dist.barrier(group=g, async_op=a), False)

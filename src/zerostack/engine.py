@@ -80,7 +80,8 @@ class Engine(nn.Module):
         # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
         self.zero: Stage3 | ShardedDataParallel
         common = dict(comm=self.comm, precision=self.precision, prescale=prescale)
-        if zcfg.stage == 3:
+        stage = self._zero_stage(zcfg.stage)
+        if stage == 3:
             self.zero = Stage3(
                 module,
                 param_groups,
@@ -93,7 +94,7 @@ class Engine(nn.Module):
             self.zero = ShardedDataParallel(
                 module,
                 param_groups,
-                stage=zcfg.stage,
+                stage=stage,
                 bucket_numel=zcfg.effective_reduce_bucket_size,
                 **common,
             )
@@ -108,6 +109,15 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self.timers: dict[str, float] = defaultdict(float)
+
+    def _zero_stage(self, stage: int) -> int:
+        """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""
+        return stage
+
+    def _norm_skip(self) -> set[nn.Parameter]:
+        """Parameters another rank counts in the global gradient norm: tp replicas off tp rank 0."""
+        topo = self.topology
+        return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
 
     def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
         for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
@@ -204,13 +214,14 @@ class Engine(nn.Module):
         post = self.zero.prepare_step(self.loss_scaler.loss_scale)
         masters = self.zero.masters()
         topo = self.topology
-        # Each tp-split parameter is counted by every tp rank (its own slice), each replica once.
-        skip = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
-        sq = self.zero.grad_norm_sq(skip)
+        # Each tp-split parameter is counted by every tp rank (its own slice), each replica once,
+        # each pipeline stage its own layers.
+        sq = self.zero.grad_norm_sq(self._norm_skip())
         if self.zero.grads_sharded:
             self.comm.all_reduce(sq, axis="dp")
-        if topo.tp > 1:
-            self.comm.all_reduce(sq, axis="tp")
+        for axis in ("tp", "pp"):
+            if topo.size(axis) > 1:
+                self.comm.all_reduce(sq, axis=axis)
         norm = float(sq.sqrt()) * post
         self._global_grad_norm = norm
         overflow = self.precision.name == "fp16" and not math.isfinite(norm)

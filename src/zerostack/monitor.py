@@ -89,9 +89,12 @@ class RunMonitor:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         mem = summary.get("bytes_per_rank", {})
         grid = ""
-        if summary.get("tp", 1) > 1:
+        if summary.get("tp", 1) > 1 or summary.get("pp", 1) > 1:
             sp = ", sequence parallel" if summary.get("sequence_parallel") else ""
-            grid = f" (tp {summary['tp']} x dp {summary['dp']}{sp})"
+            pp = ""
+            if summary.get("pp", 1) > 1:
+                pp = f"pp {summary['pp']} ({summary['schedule']}) x "
+            grid = f" ({pp}tp {summary['tp']} x dp {summary['dp']}{sp})"
         lines = [
             "",
             f"zerostack train: {summary['world_size']} ranks{grid}, "

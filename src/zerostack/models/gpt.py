@@ -54,10 +54,16 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     bias: bool = True
+    checkpoint_every: int = 0
+    """Activation checkpointing: run each ``checkpoint_every`` consecutive blocks through
+    ``zerostack.checkpointing.checkpoint`` (their input kept, the rest recomputed in backward);
+    0 = off."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
     @property
     def num_params(self) -> int:
@@ -155,6 +161,36 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def check_tp_split(cfg: GPTConfig, topology: Topology) -> None:
+    tp = topology.tp
+    if cfg.n_head % tp:
+        raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
+    if cfg.vocab_size % tp:
+        raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
+
+
+def sp_norm(ln: nn.LayerNorm, topology: Topology, sequence_parallel: bool) -> nn.LayerNorm:
+    """The layer norm as it runs on sequence shards (itself without sequence parallelism)."""
+    if not sequence_parallel:
+        return ln
+    return SequenceParallelLayerNorm.from_layer_norm(ln, topology=topology)
+
+
+def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bool) -> None:
+    """Split a block's attention heads and MLP features across the tp ranks (in place)."""
+    sp = dict(topology=topology, sequence_parallel=sequence_parallel)
+    block.ln1 = sp_norm(block.ln1, topology, sequence_parallel)
+    block.ln2 = sp_norm(block.ln2, topology, sequence_parallel)
+    attn, mlp = block.attn, block.mlp
+    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, chunks=3, **sp)
+    attn.proj = RowParallelLinear.from_linear(attn.proj, **sp)
+    attn.n_head //= topology.tp
+    attn.heads_split = topology.tp > 1
+    mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
+    mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
+    attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
+
+
 class PositionShards(nn.Embedding):
     """The position table under sequence parallelism: replicated, looked up for this rank's
     part of the sequence, so its gradient is all-reduced over tp."""
@@ -186,7 +222,7 @@ class GPT(nn.Module):
 
     def parallelize(self, topology: Topology, *, sequence_parallel: bool = False) -> GPT:
         """Keep this rank's tp slices of every split layer (in place); returns the model."""
-        tp, cfg = topology.tp, self.cfg
+        cfg = self.cfg
         if self.topology is not None:
             raise ValueError("GPT.parallelize: the model is already tensor-parallel")
         if any(hasattr(p, "_zs") for p in self.parameters()):
@@ -194,18 +230,9 @@ class GPT(nn.Module):
                 "GPT.parallelize: tensor parallelism with zero.Init is not supported yet; "
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
-        if cfg.n_head % tp:
-            raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
-        if cfg.vocab_size % tp:
-            raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
+        check_tp_split(cfg, topology)
         ensure_seeded(topology)
         sp = dict(topology=topology, sequence_parallel=sequence_parallel)
-
-        def norm(ln: nn.LayerNorm) -> nn.LayerNorm:
-            if not sequence_parallel:
-                return ln
-            return SequenceParallelLayerNorm.from_layer_norm(ln, topology=topology)
-
         self.wte = VocabParallelEmbedding.from_embedding(self.wte, **sp)
         self.head = ColumnParallelLinear.from_linear(self.head, **sp)
         self.head.weight = self.wte.weight
@@ -215,16 +242,8 @@ class GPT(nn.Module):
             pos.topology = topology
             self.wpe = pos
         for block in self.blocks:
-            block.ln1, block.ln2 = norm(block.ln1), norm(block.ln2)
-            attn, mlp = block.attn, block.mlp
-            attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, chunks=3, **sp)
-            attn.proj = RowParallelLinear.from_linear(attn.proj, **sp)
-            attn.n_head = cfg.n_head // tp
-            attn.heads_split = tp > 1
-            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
-            mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
-            attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
-        self.ln_f = norm(self.ln_f)
+            parallelize_block(block, topology, sequence_parallel=sequence_parallel)
+        self.ln_f = sp_norm(self.ln_f, topology, sequence_parallel)
         self.topology, self.sequence_parallel = topology, sequence_parallel
         return self
 
@@ -244,8 +263,27 @@ class GPT(nn.Module):
         else:
             pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        every = self.cfg.checkpoint_every
+        if every > 0 and torch.is_grad_enabled():
+            from .. import checkpointing  # checkpointing imports tensor_parallel, as we do
+
+            if self.sequence_parallel and checkpointing.settings().partitions:
+                raise ValueError(
+                    "GPT: activation_checkpointing.partition_activations does not combine with "
+                    "sequence_parallel (a block's input is already this rank's sequence shard)"
+                )
+
+            def run(x: torch.Tensor, blocks: list[nn.Module]) -> torch.Tensor:
+                for block in blocks:
+                    x = block(x)
+                return x
+
+            blocks = list(self.blocks)
+            for i in range(0, len(blocks), every):
+                x = checkpointing.checkpoint(run, x, blocks[i : i + every])
+        else:
+            for block in self.blocks:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if topo is None:
             if targets is None:

@@ -1,0 +1,191 @@
+"""Pipeline schedules measured: per-stage busy and idle time against the bubble formula.
+
+    python benchmarks/pipeline.py                     # pp = 2 and 4, m = 8, every schedule, CPU
+    python benchmarks/pipeline.py --d-model 256 --out pipeline.json
+
+Each (pp, schedule) runs in its own torchrun launch of pp ranks, plus a pp=1 baseline. The
+executor times forward/backward (busy), point-to-point waits and the optimizer step on every rank;
+idle = batch time - step time - busy. The measured bubble (mean idle / (batch - step) over stages)
+is printed beside the formula with equal forward/backward costs: (p-1)/(m+p-1) for GPipe and 1F1B,
+(p-1)/(v*m+p-1) for interleaved 1F1B with v chunks per rank. The step time is compared with pp=1
+on the same global batch. On a CPU machine with fewer cores than ranks the ranks share cores, so
+the bubble shows as idle time only when pp <= cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import zerostack
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    import zerostack
+from zerostack.models import GPTConfig
+from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+from zerostack.pipeline import PipelineModule
+
+RUNS = [(1, "1f1b")] + [(p, s) for p in (2, 4) for s in ("gpipe", "1f1b", "interleaved")]
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="timed batches per run")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--bench-run", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _cfg(args) -> GPTConfig:
+    return GPTConfig(
+        block_size=args.block_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head
+    )
+
+
+def run_one(args) -> None:
+    pp, schedule = args.bench_run.split(":")
+    pp = int(pp)
+    chunks = 2 if schedule == "interleaved" else 1
+    zerostack.init_distributed("gloo")
+    topo = zerostack.Topology.build(pp=pp)
+    torch.manual_seed(0)
+    model = PipelineModule(
+        gpt_layers(_cfg(args)),
+        topology=topo,
+        loss_fn=GPTLoss(),
+        partition_method="type:Block",
+        virtual_stages=chunks,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.micro_batches,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "pipeline": {"schedule": schedule, "virtual_stages": chunks},
+    }
+    engine, *_ = zerostack.initialize(model=model, config=config)
+
+    def data(i):
+        g = torch.Generator().manual_seed(i)
+        for _ in range(args.micro_batches):
+            t = torch.randint(0, 256, (args.micro_batch, args.block_size + 1), generator=g)
+            yield t[:, :-1], t[:, 1:]
+
+    rows = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(data(i))
+        wall = time.perf_counter() - t0
+        if i >= args.warmup:
+            rows.append({**engine.executor.stats, "wall_s": wall})
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    mine = torch.tensor(
+        [med["compute_s"], med["comm_s"], med["step_s"], med["total_s"]], dtype=torch.float64
+    )
+    every = [torch.zeros_like(mine) for _ in range(pp)]
+    dist.all_gather(every, mine, group=topo.group("pp"))
+    if dist.get_rank() == 0:
+        stages = []
+        for s, t in enumerate(every):
+            compute, comm, step, total = t.tolist()
+            stages.append(
+                {
+                    "stage": s,
+                    "busy_s": round(compute, 5),
+                    "p2p_wait_s": round(comm, 5),
+                    "idle_s": round(total - step - compute, 5),
+                    "step_s": round(step, 5),
+                    "batch_s": round(total, 5),
+                }
+            )
+        bubble = statistics.mean(st["idle_s"] / (st["batch_s"] - st["step_s"]) for st in stages)
+        m, v = args.micro_batches, chunks
+        formula = (pp - 1) / (v * m + pp - 1)
+        print(
+            json.dumps(
+                {
+                    "pp": pp,
+                    "schedule": schedule,
+                    "chunks": chunks,
+                    "batch_s": round(statistics.median(r["wall_s"] for r in rows), 5),
+                    "bubble_measured": round(bubble, 4),
+                    "bubble_formula": round(formula, 4),
+                    "stages": stages,
+                }
+            ),
+            flush=True,
+        )
+    zerostack.shutdown()
+
+
+def main(args) -> dict:
+    results = []
+    for pp, schedule in RUNS:
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // pp)))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={pp}",
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+            "--bench-run",
+            f"{pp}:{schedule}",
+        ]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode == 0 and lines:
+            res = json.loads(lines[-1])
+        else:
+            err = [
+                ln for ln in p.stderr.splitlines() if ln.startswith("[rank0]:") and "Error" in ln
+            ]
+            res = {"pp": pp, "schedule": schedule, "error": (err or [f"exit {p.returncode}"])[-1]}
+        results.append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "stages"}), file=sys.stderr)
+    base = next((r for r in results if r["pp"] == 1 and "batch_s" in r), None)
+    if base:
+        for r in results:
+            if "batch_s" in r:
+                r["batch_time_vs_pp1"] = round(r["batch_s"] / base["batch_s"], 3)
+    cfg = _cfg(args)
+    out = {
+        "benchmark": "pipeline",
+        "model": vars(cfg),
+        "parameters": cfg.num_params,
+        "micro_batches": args.micro_batches,
+        "micro_batch": args.micro_batch,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "runs": results,
+    }
+    print(json.dumps(out), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    a = _args()
+    if a.bench_run is not None:
+        run_one(a)
+    else:
+        main(a)

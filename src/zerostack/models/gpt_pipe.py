@@ -1,0 +1,179 @@
+"""The reference GPT as a pipeline layer list, and its weights to and from the plain GPT's.
+
+    layers = gpt_layers(cfg, topology=topo)       # token embedding (tied to the head), blocks, ...
+    model = PipelineModule(layers, topology=topo, loss_fn=GPTLoss(topo),
+                           partition_method="type:Block")
+    load_plain_state(model, GPT(cfg).state_dict(), cfg)  # the plain weights, this rank's part
+
+Layer ``0`` is the token embedding (tie key ``"embed"``), ``1`` adds positions, ``2 .. L+1`` are
+the blocks, ``L+2`` the final layer norm and ``L+3`` the head: the tied embedding used as a
+(column-parallel) linear layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from ..tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_sp,
+    split_tensor,
+    vocab_parallel_cross_entropy,
+)
+from ..topology import Topology
+from .gpt import (
+    Block,
+    GPTConfig,
+    InitEmbedding,
+    PositionShards,
+    check_tp_split,
+    parallelize_block,
+    sp_norm,
+    tp_spec,
+)
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False) -> None:
+        super().__init__()
+        self.wte = InitEmbedding(cfg.vocab_size, cfg.d_model)
+        self.topology, self.sequence_parallel = topology, sp
+        if topology is not None:
+            check_tp_split(cfg, topology)
+            self.wte = VocabParallelEmbedding.from_embedding(
+                self.wte, topology=topology, sequence_parallel=sp
+            )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)
+
+
+def head_forward(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied embedding as the output layer: logits (vocabulary-split under tp)."""
+    topo = embedding.topology
+    if topo is not None:
+        x = (
+            gather_from_sp(x, topo.comm)
+            if embedding.sequence_parallel
+            else copy_to_tp(x, topo.comm)
+        )
+    return F.linear(x, embedding.wte.weight)
+
+
+class AddPositions(nn.Module):
+    def __init__(self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False) -> None:
+        super().__init__()
+        self.wpe = InitEmbedding(cfg.block_size, cfg.d_model)
+        self.topology, self.sequence_parallel = topology, sp
+        if sp:
+            pos = PositionShards(cfg.block_size, cfg.d_model)
+            pos.weight, pos.topology = self.wpe.weight, topology
+            self.wpe = pos
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]  # this rank's part of the sequence under sequence parallelism
+        start = self.topology.rank("tp") * n if self.sequence_parallel else 0
+        return x + self.wpe(torch.arange(start, start + n, device=x.device))
+
+
+class PipeBlock(Block):
+    def __init__(self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False) -> None:
+        super().__init__(cfg)
+        if topology is not None:
+            parallelize_block(self, topology, sequence_parallel=sp)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False) -> None:
+        super().__init__()
+        self.ln = sp_norm(nn.LayerNorm(cfg.d_model, bias=cfg.bias), topology, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x)
+
+
+class GPTLoss:
+    """Mean next-token cross-entropy of (vocabulary-split) logits, in fp32."""
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        self.topology = topology
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.topology is None or self.topology.tp == 1:
+            return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
+        return vocab_parallel_cross_entropy(logits, targets, self.topology.comm).mean()
+
+
+def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_parallel=False):
+    """The GPT as a layer list for :class:`~zerostack.pipeline.PipelineModule`."""
+    tp = topology if topology is not None and topology.tp > 1 else None
+    extra = (tp, sequence_parallel and tp is not None)
+    return [
+        TiedLayerSpec("embed", TokenEmbedding, cfg, *extra, tied_weight_attr="wte.weight"),
+        LayerSpec(AddPositions, cfg, *extra),
+        *[LayerSpec(PipeBlock, cfg, *extra) for _ in range(cfg.n_layer)],
+        LayerSpec(FinalNorm, cfg, *extra),
+        TiedLayerSpec(
+            "embed",
+            TokenEmbedding,
+            cfg,
+            *extra,
+            forward_fn=head_forward,
+            tied_weight_attr="wte.weight",
+        ),
+    ]
+
+
+def pipeline_name(name: str, cfg: GPTConfig) -> str:
+    """The name a plain GPT parameter has in the pipeline module."""
+    if name == "wte.weight":
+        return "tied_modules.embed.wte.weight"
+    if name == "wpe.weight":
+        return "1.wpe.weight"
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"{2 + int(i)}.{rest}"
+    if name.startswith("ln_f."):
+        return f"{cfg.n_layer + 2}.ln.{name[5:]}"
+    raise KeyError(f"{name}: not a parameter of the GPT")
+
+
+def plain_name(name: str, cfg: GPTConfig) -> str:
+    """The inverse of :func:`pipeline_name`."""
+    if name == "tied_modules.embed.wte.weight":
+        return "wte.weight"
+    head, rest = name.split(".", 1)
+    idx = int(head)
+    if idx == 1:
+        return "wpe.weight"
+    if idx == cfg.n_layer + 2:
+        return f"ln_f.{rest[3:]}"
+    return f"blocks.{idx - 2}.{rest}"
+
+
+def load_plain_state(model: PipelineModule, state: dict[str, torch.Tensor], cfg: GPTConfig):
+    """Copy a plain GPT's weights into this rank's layers (its tp slice of split ones)."""
+    topo = model.topology
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = state[plain_name(name, cfg)]
+            spec = tp_spec(plain_name(name, cfg))
+            if topo.tp > 1 and spec is not None:
+                src = split_tensor(
+                    src, parts=topo.tp, rank=topo.rank("tp"), dim=spec[0], chunks=spec[1]
+                )
+            p.copy_(src)
+
+
+__all__ = [
+    "GPTLoss",
+    "PipelineModule",
+    "gpt_layers",
+    "load_plain_state",
+    "pipeline_name",
+    "plain_name",
+]

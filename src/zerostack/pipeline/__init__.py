@@ -1,0 +1,13 @@
+"""Pipeline parallelism: DeepSpeed's ``PipelineModule`` API, pure schedules, and their executor.
+
+* :mod:`.module`: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``, partitioning.
+* :mod:`.schedule`: GPipe, 1F1B and interleaved 1F1B as per-stage instruction streams, and a
+  simulator that checks them for deadlock and measures their bubble.
+* :mod:`.executor`: runs a stream with batched point-to-point ops.
+* :mod:`.engine`: ``PipelineEngine.train_batch`` / ``eval_batch``.
+"""
+
+from .engine import PipelineEngine
+from .module import LayerSpec, PipelineModule, TiedLayerSpec, partition_layers
+
+__all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "TiedLayerSpec", "partition_layers"]

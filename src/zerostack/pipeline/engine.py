@@ -1,0 +1,181 @@
+"""The engine for a :class:`PipelineModule`: ``train_batch`` runs a whole global batch.
+
+As in DeepSpeed, one ``engine.train_batch(data_iter)`` call pulls ``gradient_accumulation_steps``
+micro-batches, runs them through the pipeline by the configured schedule (1F1B by default, GPipe,
+or interleaved 1F1B with virtual stages), and steps the optimizer; it returns the loss averaged over
+the micro-batches, on every stage. Gradients are reduced over dp once per batch, after the last
+micro-batch (so ZeRO stage 2 holds full gradients during the batch, then reduce-scatters into its
+fp32 slices, like stage 1: a pipeline would otherwise reduce each micro-batch's gradients).
+Tied weights (a ``TiedLayerSpec`` on several stages) get their gradients all-reduced between the
+owning stages first. The gradient norm counts every stage's parameters once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ZeroStackConfig
+from ..engine import Engine
+from ..topology import Topology
+from .executor import PipelineExecutor, forward_only
+from .module import PipelineModule
+from .schedule import build_schedule
+
+
+def _check_config(module: PipelineModule, cfg: ZeroStackConfig) -> None:
+    pcfg, fields = cfg.pipeline, cfg.pipeline.model_fields_set
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError("zero_optimization.stage: pipeline parallelism runs with stages 0-2")
+    if pcfg.stages != "auto" and pcfg.stages != module.num_stages:
+        raise ConfigError(
+            f"pipeline.stages: {pcfg.stages} but the PipelineModule has {module.num_stages} stages"
+        )
+    if pcfg.virtual_stages != module.virtual_stages:
+        raise ConfigError(
+            f"pipeline.virtual_stages: {pcfg.virtual_stages} but the "
+            f"PipelineModule has {module.virtual_stages}"
+        )
+    if "partition" in fields and pcfg.partition != module.partition_method:
+        raise ConfigError(
+            f"pipeline.partition: {pcfg.partition!r} but the PipelineModule was "
+            f"partitioned by {module.partition_method!r}"
+        )
+    interval = module.activation_checkpoint_interval
+    if (
+        "activation_checkpoint_interval" in fields
+        and pcfg.activation_checkpoint_interval != interval
+    ):
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval: "
+            f"{pcfg.activation_checkpoint_interval} but the PipelineModule has "
+            f"{interval}"
+        )
+
+
+class PipelineEngine(Engine):
+    """DeepSpeed's ``PipelineEngine``: ``train_batch`` / ``eval_batch`` over a pipeline grid."""
+
+    def __init__(
+        self, *, module: PipelineModule, config: ZeroStackConfig, topology: Topology, **kwargs
+    ) -> None:
+        _check_config(module, config)
+        super().__init__(module=module, config=config, topology=topology, **kwargs)
+        self.schedule = config.pipeline.schedule
+        self.executor = PipelineExecutor(module, self.comm, self.precision.compute_dtype)
+        self._tied_copies = module.tied_copies()
+        self.training_dataloader = None
+        self._data_iter = None
+
+    def _zero_stage(self, stage: int) -> int:
+        return min(stage, 1)  # gradients are reduced once per batch: stage 2 runs as stage 1
+
+    def _norm_skip(self) -> set[nn.Parameter]:
+        return super()._norm_skip() | self._tied_copies
+
+    # ------------------------------------------------------------------ DeepSpeed's API
+    def is_first_stage(self) -> bool:
+        return self.module.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.module.is_last_stage
+
+    def set_dataloader(self, loader) -> None:
+        self.training_dataloader = loader
+        self._data_iter = None
+
+    def _default_iter(self):
+        if self.training_dataloader is None:
+            return None
+        if self._data_iter is None:  # repeat the loader forever, as DeepSpeed's RepeatingLoader
+
+            def repeat():
+                for epoch in itertools.count():
+                    sampler = getattr(self.training_dataloader, "sampler", None)
+                    if hasattr(sampler, "set_epoch"):
+                        sampler.set_epoch(epoch)
+                    yield from self.training_dataloader
+
+            self._data_iter = repeat()
+        return self._data_iter
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One global batch: ``gradient_accumulation_steps`` micro-batches, then the optimizer
+        step. Returns the mean loss over the micro-batches on every stage."""
+        self.module.train()
+        gas = self._gas
+        stream = build_schedule(
+            self.schedule,
+            self.module.num_stages,
+            gas,
+            self.module.stage_id,
+            chunks=self.module.virtual_stages,
+        )
+        self.zero.boundary = False  # no dp reduction inside the batch: prepare_step does it
+        losses = self.executor.run(
+            stream,
+            data_iter if data_iter is not None else self._default_iter(),
+            loss_scale=self.loss_scaler.loss_scale,
+            micro_batches=gas,
+            train=True,
+            on_tied=self._reduce_tied_grads,
+            on_step=self._optimizer_step,
+        )
+        self.micro_steps += gas
+        self.global_steps += 1
+        self.global_samples += self._train_batch_size
+        self.comm.log.next_step()
+        self._maybe_print()
+        return self._mean_loss(losses, gas)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter=None) -> torch.Tensor:
+        """The mean loss over ``gradient_accumulation_steps`` micro-batches, no update."""
+        self.module.eval()
+        gas = self._gas
+        stream = forward_only(
+            self.module.num_stages, gas, self.module.stage_id, self.module.virtual_stages
+        )
+        losses = self.executor.run(
+            stream,
+            data_iter if data_iter is not None else self._default_iter(),
+            loss_scale=1.0,
+            micro_batches=gas,
+            train=False,
+        )
+        self.module.train()
+        return self._mean_loss(losses, gas)
+
+    def _mean_loss(self, losses: list[torch.Tensor], gas: int) -> torch.Tensor:
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.module.is_last_stage:
+            loss += torch.stack(losses).sum() / gas
+            if self.topology.dp > 1:  # the global batch's mean, as DeepSpeed reports it
+                self.comm.all_reduce(loss, axis="dp")
+                loss /= self.topology.dp
+        if self.topology.pp > 1:
+            self.comm.broadcast(loss, src=self.topology.pp - 1, axis="pp")
+        return loss
+
+    def _reduce_tied_grads(self) -> None:
+        for tie in self.module.ties:
+            if tie.group is None:
+                continue
+            for p in self.module.tied_parameters(tie):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                t0 = time.perf_counter()
+                torch.distributed.all_reduce(p.grad, group=tie.group)
+                self.comm.log.add("all_reduce", "tied", p.grad.nbytes, time.perf_counter() - t0)

@@ -1,0 +1,257 @@
+"""Runs one rank's instruction stream: forward and backward of its chunks, point-to-point traffic.
+
+A maximal run of consecutive send/receive instructions is posted as one batch
+(``batch_isend_irecv``) and waited for as a whole, which is the model the schedule simulator checks
+for deadlock. Activations and their gradients travel in the dtype the layers produce (the compute
+dtype). The shape and dtype of the activation crossing each boundary is sent once, in a small
+header batched ahead of the first transfer; a later activation of another shape is an error (the
+receiver sizes its buffer from the header). Gradients need no header: they have the shape of the
+activation the receiver sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..comm import Comm
+from .module import PipelineModule
+from .schedule import (
+    Backward,
+    Forward,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+
+_COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # [ndim, dtype code, up to 8 sizes]
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(f"pipeline: cannot send a {t.dtype} activation of shape {tuple(t.shape)}")
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape)
+    return h
+
+
+def forward_only(stages: int, micro_batches: int, stage: int, chunks: int) -> list:
+    """The evaluation stream: every micro-batch through every chunk in order, no backward."""
+    last = stages * chunks - 1
+    out: list = []
+    for mb in range(micro_batches):
+        if stage in (0, last % stages):
+            out.append(LoadMicroBatch(mb))
+        for c in range(chunks):
+            vs = c * stages + stage
+            if vs > 0:
+                out.append(RecvActivation(mb, c))
+            out.append(Forward(mb, c))
+            if vs < last:
+                out.append(SendActivation(mb, c))
+    return out
+
+
+class PipelineExecutor:
+    """Executes instruction streams for one rank of a :class:`PipelineModule`.
+
+    ``stats`` after a run: seconds in forward/backward (``compute_s``), in waiting on
+    point-to-point batches (``comm_s``), in the optimizer step (``step_s``) and in all
+    (``total_s``).
+    """
+
+    def __init__(self, module: PipelineModule, comm: Comm, compute_dtype: torch.dtype) -> None:
+        self.module, self.comm, self.dtype = module, comm, compute_dtype
+        self.p, self.stage, self.v = module.num_stages, module.stage_id, module.virtual_stages
+        self.last_vs = self.p * self.v - 1
+        self._meta_in: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk received
+        self._meta_out: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk sent
+
+    def _vs(self, chunk: int) -> int:
+        return chunk * self.p + self.stage
+
+    def _peer(self, chunk: int, step: int) -> tuple[int, int]:
+        """(pp rank, chunk) of the virtual stage ``step`` away from this chunk's."""
+        vs = self._vs(chunk) + step
+        return vs % self.p, vs // self.p
+
+    def run(
+        self,
+        instructions: list,
+        data_iter: Iterator | None,
+        *,
+        loss_scale: float,
+        micro_batches: int,
+        train: bool,
+        on_tied: Callable[[], None] | None = None,
+        on_step: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Run the stream; returns this rank's per-micro-batch losses (last stage only)."""
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.grad_out: dict[tuple[int, int], torch.Tensor] = {}
+        self.grad_in: dict[tuple[int, int], torch.Tensor] = {}
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.batches: dict[int, tuple] = {}
+        losses: list[torch.Tensor] = []
+        self.stats = {"compute_s": 0.0, "comm_s": 0.0, "step_s": 0.0, "total_s": 0.0}
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(train):
+            self._run(instructions, data_iter, losses, loss_scale / micro_batches, on_tied, on_step)
+        self.stats["total_s"] = time.perf_counter() - t0
+        return losses
+
+    def _run(self, instructions, data_iter, losses, scale, on_tied, on_step) -> None:
+        i = 0
+        while i < len(instructions):
+            ins = instructions[i]
+            if isinstance(ins, _COMM):
+                j = i
+                while j < len(instructions) and isinstance(instructions[j], _COMM):
+                    j += 1
+                t0 = time.perf_counter()
+                self._exchange(instructions[i:j])
+                self.stats["comm_s"] += time.perf_counter() - t0
+                i = j
+                continue
+            if isinstance(ins, LoadMicroBatch):
+                if data_iter is None:
+                    raise ValueError("train_batch: no data iterator (pass one or training_data)")
+                self.batches[ins.micro] = next(data_iter)
+            elif isinstance(ins, (Forward, Backward)):
+                t0 = time.perf_counter()
+                if isinstance(ins, Forward):
+                    self._forward(ins.micro, ins.chunk, losses)
+                else:
+                    self._backward(ins.micro, ins.chunk, scale)
+                self.stats["compute_s"] += time.perf_counter() - t0
+            elif isinstance(ins, ReduceTiedGrads):
+                if on_tied is not None:
+                    on_tied()
+            elif isinstance(ins, OptimizerStep):
+                t0 = time.perf_counter()
+                if on_step is not None:
+                    on_step()
+                self.stats["step_s"] += time.perf_counter() - t0
+            elif not isinstance(ins, ReduceGrads):  # dp reduction happens in the optimizer step
+                raise TypeError(f"pipeline: unknown instruction {ins!r}")
+            i += 1
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, mb: int, chunk: int, losses: list) -> None:
+        vs = self._vs(chunk)
+        if vs == 0:
+            x = self.batches[mb][0]
+            if torch.is_tensor(x):
+                x = x.to(self.comm.topo.device)
+                if x.is_floating_point():
+                    x = x.to(self.dtype)
+        else:
+            x = self.inputs[(mb, chunk)]
+        out = self.module.forward_chunk(chunk, x)
+        if vs == self.last_vs:
+            labels = self.batches.pop(mb)[1]
+            if torch.is_tensor(labels):
+                labels = labels.to(self.comm.topo.device)
+            loss = self.module.loss_fn(out, labels) if self.module.loss_fn else out
+            if loss.dim() != 0:
+                raise ValueError(f"pipeline: the loss must be a scalar, got {tuple(loss.shape)}")
+            losses.append(loss.detach().float())
+            out = loss
+        elif vs == 0 and self.stage != self.last_vs % self.p:
+            self.batches.pop(mb)  # the last stage (another rank) reads the labels
+        self.outputs[(mb, chunk)] = out
+        if not torch.is_grad_enabled():
+            self.inputs.pop((mb, chunk), None)
+
+    def _backward(self, mb: int, chunk: int, scale: float) -> None:
+        out = self.outputs.pop((mb, chunk))
+        if self._vs(chunk) == self.last_vs:
+            (out.float() * scale).backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=self.grad_out.pop((mb, chunk)))
+        if self._vs(chunk) > 0:
+            inp = self.inputs.pop((mb, chunk))
+            self.grad_in[(mb, chunk)] = inp.grad
+
+    # ------------------------------------------------------------------ communication
+    def _exchange(self, batch: list) -> None:
+        headers, payload, after = [], [], []
+        for ins in batch:
+            key = (ins.micro, ins.chunk)
+            if isinstance(ins, SendActivation):
+                t = self.outputs[key].detach().contiguous()
+                rank, peer_chunk = self._peer(ins.chunk, +1)
+                meta = (t.shape, t.dtype)
+                if ins.chunk not in self._meta_out:
+                    self._meta_out[ins.chunk] = meta
+                    headers.append(("send", _header(t), rank))
+                elif self._meta_out[ins.chunk] != meta:
+                    raise ValueError(
+                        f"pipeline: stage {self.stage} chunk {ins.chunk} sends an activation of "
+                        f"{tuple(t.shape)} {t.dtype}, earlier ones were "
+                        f"{tuple(self._meta_out[ins.chunk][0])} {self._meta_out[ins.chunk][1]}; "
+                        "every micro-batch must have the same shape"
+                    )
+                if rank == self.stage:
+                    self.local[("act", ins.micro, peer_chunk)] = t
+                else:
+                    payload.append(("send", t, rank))
+            elif isinstance(ins, RecvActivation):
+                rank, _ = self._peer(ins.chunk, -1)
+                if rank == self.stage:
+                    after.append(("act", key, self.local.pop(("act", ins.micro, ins.chunk))))
+                    continue
+                if ins.chunk not in self._meta_in:
+                    h = torch.zeros(_HEADER, dtype=torch.int64)
+                    headers.append(("recv", h, rank))
+                    after.append(("meta", ins.chunk, h))
+                payload.append(("recv", None, rank, key))
+            elif isinstance(ins, SendGrad):
+                g = self.grad_in.pop(key)
+                rank, peer_chunk = self._peer(ins.chunk, -1)
+                if rank == self.stage:
+                    self.local[("grad", ins.micro, peer_chunk)] = g
+                else:
+                    payload.append(("send", g.contiguous(), rank))
+            elif isinstance(ins, RecvGrad):
+                rank, _ = self._peer(ins.chunk, +1)
+                if rank == self.stage:
+                    self.grad_out[key] = self.local.pop(("grad", ins.micro, ins.chunk))
+                    continue
+                out = self.outputs[key]
+                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+                payload.append(("recv", buf, rank))
+                self.grad_out[key] = buf
+        if headers:
+            self.comm.p2p(headers, axis="pp")
+            for _, chunk, h in [a for a in after if a[0] == "meta"]:
+                ndim = int(h[0])
+                self._meta_in[chunk] = (torch.Size(h[2 : 2 + ndim].tolist()), _DTYPES[int(h[1])])
+        ops = []
+        for op in payload:
+            if op[0] == "recv" and op[1] is None:  # an activation: sized from its header
+                shape, dtype = self._meta_in[op[3][1]]
+                buf = torch.empty(shape, dtype=dtype, device=self.comm.topo.device)
+                if buf.is_floating_point() and torch.is_grad_enabled():
+                    buf.requires_grad_(True)
+                self.inputs[op[3]] = buf
+                ops.append(("recv", buf.detach() if buf.requires_grad else buf, op[2]))
+            else:
+                ops.append(op[:3])
+        self.comm.p2p(ops, axis="pp")
+        for _, key, t in [a for a in after if a[0] == "act"]:
+            t = t.detach()
+            if t.is_floating_point() and torch.is_grad_enabled():
+                t.requires_grad_(True)
+            self.inputs[key] = t

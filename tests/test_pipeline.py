@@ -1,0 +1,217 @@
+"""The GPT as a PipelineModule, alone and on the full pp x dp x tp grid, against single-process
+fp32 training; partitioning; the engine's pipeline API.
+
+Parity tolerance 1e-5 relative per tensor after 5 AdamW steps with clipping: the pipeline changes
+where layers run and how the batch's gradient is summed (micro-batch by micro-batch), ~1e-7 per
+step in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import batch, max_rel_diff, reference_train, tiny_gpt
+from distributed import run_distributed
+from torch import nn
+
+import zerostack
+from zerostack import ConfigError, Topology
+from zerostack.models import GPTConfig
+from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state, plain_name
+from zerostack.pipeline import LayerSpec, PipelineModule, partition_layers
+
+CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=32, bias=False)
+STEPS, B, GAS, CLIP = 5, 8, 4, 0.5
+
+
+def _config(micro: int, stage: int, **pipeline) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},
+        "pipeline": pipeline,
+    }
+
+
+def _micro_batches(step: int, topo: Topology, micro: int):
+    x, y = batch(step, B)
+    for m in range(GAS):
+        lo = (m * topo.dp + topo.dp_rank) * micro
+        yield x[lo : lo + micro], y[lo : lo + micro]
+
+
+def _train(rank, world, pp, tp, stage, schedule, chunks=1, sp=False, interval=0):
+    topo = Topology.build(pp=pp, tp=tp)
+    layers = gpt_layers(CFG, topology=topo, sequence_parallel=sp)
+    model = PipelineModule(
+        layers,
+        topology=topo,
+        loss_fn=GPTLoss(topo),
+        partition_method="type:Block",
+        virtual_stages=chunks,
+        activation_checkpoint_interval=interval,
+    )
+    load_plain_state(model, tiny_gpt(cfg=CFG).state_dict(), CFG)
+    micro = B // (topo.dp * GAS)
+    engine, *_ = zerostack.initialize(
+        model=model,
+        config=_config(micro, stage, schedule=schedule, virtual_stages=chunks),
+    )
+    losses = []
+    for step in range(STEPS):
+        losses.append(engine.train_batch(_micro_batches(step, topo, micro)).item())
+    state = {plain_name(k, CFG): v for k, v in engine.full_state_dict().items()}
+    return state, losses, topo.rank("pp")
+
+
+def _merged(results) -> dict[str, torch.Tensor]:
+    """The whole model from every stage's parameters (the tied embedding from stage 0)."""
+    out: dict[str, torch.Tensor] = {}
+    for state, _, _ in sorted(results, key=lambda r: r[2]):
+        for k, v in state.items():
+            out.setdefault(k, v)
+    return out
+
+
+def _reference_losses() -> list[float]:
+    model = tiny_gpt(cfg=CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, B)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    "world,pp,tp,stage,schedule,chunks,extra",
+    [
+        (2, 2, 1, 0, "gpipe", 1, {}),
+        (2, 2, 1, 0, "1f1b", 1, {}),
+        (2, 2, 1, 0, "interleaved", 2, {}),
+        (4, 4, 1, 0, "gpipe", 1, {}),
+        (4, 4, 1, 0, "1f1b", 1, {}),
+        (4, 4, 1, 0, "interleaved", 2, {}),
+        (4, 2, 1, 1, "1f1b", 1, {}),
+        (4, 2, 1, 2, "1f1b", 1, {}),
+        (4, 2, 2, 0, "1f1b", 1, {}),
+        (4, 2, 2, 0, "interleaved", 2, {"sp": True, "interval": 1}),
+        (8, 2, 2, 1, "1f1b", 1, {}),
+    ],
+)
+def test_gpt_pipeline_matches_single_process(world, pp, tp, stage, schedule, chunks, extra):
+    ref = reference_train(STEPS, B, clip=CLIP, cfg=CFG)
+    results = run_distributed(_train, world, args=(pp, tp, stage, schedule, chunks), kwargs=extra)
+    diff, name = max_rel_diff(_merged(results), ref)
+    assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+    ref_losses = _reference_losses()
+    for _, losses, _ in results:  # the batch's mean loss, on every stage
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # the tied embedding (and its gradient) stayed equal on the first and last stage
+    first = [r[0] for r in results if r[2] == 0][0]
+    last = [r[0] for r in results if r[2] == pp - 1][0]
+    assert torch.equal(first["wte.weight"], last["wte.weight"])
+
+
+def _mixed(rank, world, precision, stage):
+    topo = Topology.build(pp=2)
+    model = PipelineModule(
+        gpt_layers(CFG), topology=topo, loss_fn=GPTLoss(), partition_method="type:Block"
+    )
+    load_plain_state(model, tiny_gpt(cfg=CFG).state_dict(), CFG)
+    micro = B // (topo.dp * GAS)
+    cfg = {**_config(micro, stage), precision: {"enabled": True}, "gradient_clipping": 1.0}
+    cfg["optimizer"]["params"]["lr"] = 3e-3
+    engine, *_ = zerostack.initialize(model=model, config=cfg)
+    losses = [engine.train_batch(_micro_batches(s % 2, topo, micro)).item() for s in range(8)]
+    dtypes = {p.dtype for p in model.parameters()}
+    return losses, dtypes, engine.loss_scale
+
+
+@pytest.mark.parametrize("precision,world,stage", [("bf16", 2, 0), ("fp16", 4, 2)])
+def test_pipeline_trains_in_mixed_precision(precision, world, stage):
+    results = run_distributed(_mixed, world, args=(precision, stage))
+    losses, dtypes, _ = results[0]
+    assert dtypes == {torch.bfloat16 if precision == "bf16" else torch.float16}
+    assert all(r[0] == losses for r in results)  # the same mean loss on every stage and dp rank
+    assert sum(losses[-2:]) < sum(losses[:2]) - 0.3, losses
+
+
+# ------------------------------------------------------------------------ partitioning
+class Block(nn.Linear):
+    pass
+
+
+class Other(nn.Linear):
+    pass
+
+
+def test_partition_methods():
+    layers = [
+        LayerSpec(Other, 4, 100),
+        *[LayerSpec(Block, 10, 10) for _ in range(6)],
+        LayerSpec(Other, 10, 4),
+    ]
+    # type:Block: two blocks a stage; the weightless ends go to the first and last stage
+    assert partition_layers(layers, 3, "type:Block") == [0, 3, 5, 8]
+    assert partition_layers(layers, 4, "uniform") == [0, 2, 4, 6, 8]
+    # parameters: 500, 110 x 6, 44 -> the heaviest stage is as light as it can be
+    bounds = partition_layers(layers, 2, "parameters")
+    counts = [500, *[110] * 6, 44]
+    loads = [sum(counts[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds == [0, 2, 8] and max(loads) == 610  # 500 + 110 | 5 x 110 + 44
+    assert partition_layers(layers, 2, [0, 1, 8]) == [0, 1, 8]
+
+
+@pytest.mark.parametrize(
+    "parts,method,message",
+    [
+        (9, "uniform", "partition: 9 stages (x virtual stages) but only 8 layers"),
+        (2, "best", "partition_method: 'best' is not one of"),
+        (2, "type:Attention", "no layer's class matches 'Attention'"),
+        (2, [0, 8, 8], "must rise strictly from 0 to 8 in 3 steps"),
+    ],
+)
+def test_partition_errors(parts, method, message):
+    layers = [LayerSpec(Block, 2, 2) for _ in range(8)]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        partition_layers(layers, parts, method)
+
+
+def _errors(rank, world):
+    topo = Topology.build(pp=2)
+    layers = gpt_layers(CFG)
+    model = PipelineModule(layers, topology=topo, loss_fn=GPTLoss())
+    out = {}
+    for name, cfg in {
+        "stage 3": _config(2, 3),
+        "stages": _config(2, 0, stages=4),
+        "chunks": _config(2, 0, schedule="interleaved", virtual_stages=2),
+    }.items():
+        try:
+            zerostack.initialize(model=model, config=cfg)
+        except ConfigError as exc:
+            out[name] = str(exc)
+    engine, *_ = zerostack.initialize(model=model, config=_config(1, 0))
+    try:
+        engine(torch.zeros(1, 4, dtype=torch.long))
+    except RuntimeError as exc:
+        out["forward"] = str(exc)
+    out["eval"] = engine.eval_batch(_micro_batches(0, topo, 2)).item()
+    return out
+
+
+def test_pipeline_engine_errors_and_eval():
+    out = run_distributed(_errors, 2)
+    assert out[0]["stage 3"] == "zero_optimization.stage: pipeline parallelism runs with stages 0-2"
+    assert out[0]["stages"] == "pipeline.stages: 4 but the PipelineModule has 2 stages"
+    assert out[0]["chunks"] == "pipeline.virtual_stages: 2 but the PipelineModule has 1"
+    assert "use engine.train_batch()" in out[0]["forward"]
+    assert out[0]["eval"] == out[1]["eval"] and 5.0 < out[0]["eval"] < 6.0  # ~ln(256), untrained
