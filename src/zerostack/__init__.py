@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import zero
+from . import checkpointing, zero
 from .comm import Comm, CommLog
 from .config import ConfigError, ZeroStackConfig, load_config
 from .engine import Engine
@@ -36,6 +36,7 @@ __all__ = [
     "Engine",
     "Topology",
     "ZeroStackConfig",
+    "checkpointing",
     "init_distributed",
     "initialize",
     "load_config",
@@ -248,6 +249,8 @@ def initialize(
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     cfg.resolve_batch(topo.dp)  # batch errors before any work
+    if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
+        checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
     engine_cls = Engine
     if isinstance(model, PipelineModule):
         engine_cls = PipelineEngine

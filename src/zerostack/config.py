@@ -43,7 +43,7 @@ DEFAULT_BUCKET_NUMEL = 4_000_000
 SUPPORTED_ZERO_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
 """ZeRO stages this version implements; widen as stages land (checked in `_check_implemented`)."""
 
-_SUPPORTED_OFFLOAD_DEVICES = frozenset({"none"})
+_SUPPORTED_OFFLOAD_DEVICES = frozenset({"none", "cpu", "nvme"})
 
 
 class ConfigError(ValueError):
@@ -365,13 +365,14 @@ class OffloadConfig(_Model):
     buffer_count defaults to 4 for both (DeepSpeed's offload_param default is 5)."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
-    """Where to offload to; only "none" is implemented yet."""
+    """Where to offload to: host memory ("cpu") or files under nvme_path ("nvme")."""
     nvme_path: str | None = None
-    """Directory for nvme offload (required when device is "nvme")."""
+    """Directory for nvme offload (required when device is "nvme"); each rank writes its files
+    in its own subdirectory, removed at the end."""
     pin_memory: bool = False
-    """Offload to page-locked CPU memory. Accepted for DeepSpeed compatibility; no effect yet."""
+    """Page-locked host buffers (only matters with a GPU)."""
     buffer_count: PositiveInt = 4
-    """Number of nvme swap buffers. Accepted for DeepSpeed compatibility; no effect yet."""
+    """Sub-groups (optimizer) or parameter shards held in host memory at once with nvme."""
     buffer_size: PositiveInt = 100_000_000
     """Size of the nvme swap buffers. Accepted for DeepSpeed compatibility; no effect yet."""
     max_in_cpu: NonNegInt = 1_000_000_000
@@ -502,8 +503,12 @@ class ZeroConfig(_Model):
                 self.offload_optimizer = OffloadConfig(device="cpu")
             self.cpu_offload = None
         # Rule errors come before "not implemented yet", so they are seen while it still holds.
-        if self.offload_param is not None and self.stage != 3:
-            _fail(f"only valid with stage 3 (stage is {self.stage})", "offload_param")
+        if self.offload_param is not None and self.offload_param.device != "none":
+            if self.stage != 3:
+                _fail(f"only valid with stage 3 (stage is {self.stage})", "offload_param")
+        if self.offload_optimizer is not None and self.offload_optimizer.device != "none":
+            if self.stage == 0:
+                _fail("needs ZeRO stage 1, 2 or 3 (stage is 0)", "offload_optimizer")
         _check_implemented(self)
         return self
 

@@ -81,6 +81,9 @@ class Engine(nn.Module):
         self.zero: Stage3 | ShardedDataParallel
         common = dict(comm=self.comm, precision=self.precision, prescale=prescale)
         stage = self._zero_stage(zcfg.stage)
+        offload = zcfg.offload_optimizer
+        if offload is not None and offload.device != "none":
+            common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
         if stage == 3:
             self.zero = Stage3(
                 module,
@@ -216,7 +219,7 @@ class Engine(nn.Module):
         topo = self.topology
         # Each tp-split parameter is counted by every tp rank (its own slice), each replica once,
         # each pipeline stage its own layers.
-        sq = self.zero.grad_norm_sq(self._norm_skip())
+        sq = self.zero.grad_norm_sq(self._norm_skip()).to(self.device)
         if self.zero.grads_sharded:
             self.comm.all_reduce(sq, axis="dp")
         for axis in ("tp", "pp"):
@@ -233,7 +236,7 @@ class Engine(nn.Module):
             if total != 1.0:
                 for m in masters:
                     m.grad.mul_(total)
-            self.optimizer.step()
+            self.zero.step_optimizer(self.optimizer)
             self.zero.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -268,6 +271,10 @@ class Engine(nn.Module):
             if torch.is_tensor(t) and t.dim() > 0  # step counters are scalars
         )
         return {**self.zero.memory_breakdown(), "optimizer": state}
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside the process (NVMe offload files)."""
+        self.zero.close()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..comm import Comm, Handle
 from ..precision import Precision
+from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
 from .partition import Bucket, FlatLayout
 
 
@@ -55,6 +56,8 @@ class _BucketState:
     piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
     # (start, end, param) of each parameter's elements inside ``master``
     segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
+    host_grad: torch.Tensor | None = None  # offload: the fp32 gradient piece, in host memory
+    updated: torch.Tensor | None = None  # nvme: the stepped piece in the compute dtype
 
 
 @dataclass
@@ -83,9 +86,16 @@ class ShardedDataParallel:
         stage: int,
         bucket_numel: int,
         prescale: float = 1.0,
+        offload=None,
+        sub_group_numel: int | None = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ShardedDataParallel handles ZeRO stages 0-2, not {stage}")
+        # offload_optimizer: fp32 masters and optimizer state in host memory ("cpu") or files
+        # ("nvme"); the optimizer steps on the host either way.
+        self.offload = offload.device if offload is not None else "none"
+        self._pin = bool(offload is not None and offload.pin_memory)
+        self.host_meter = HostMeter()
         self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
@@ -100,6 +110,10 @@ class ShardedDataParallel:
         dtype = precision.compute_dtype
         shard_world = 1 if stage == 0 else self.dp
         shard_rank = 0 if stage == 0 else self.rank
+        if self.offload == "nvme" and sub_group_numel:
+            # a rank's piece of a bucket is one sub-group: the unit swapped to and from the disk
+            bucket_numel = min(bucket_numel, sub_group_numel * shard_world)
+        host = host_device()
 
         for g, group in enumerate(groups):
             params = list(group["params"])
@@ -116,7 +130,11 @@ class ShardedDataParallel:
             if stage < 2:
                 grads_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
             else:
-                grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+                grad_shard = torch.zeros(
+                    layout.shard_numel,
+                    dtype=torch.float32,
+                    device=host if self.offload != "none" else device,
+                )
             for slot in layout.slots:
                 p = params[slot.index]
                 p.data = params_flat[slot.offset : slot.end].view(slot.shape)
@@ -129,10 +147,14 @@ class ShardedDataParallel:
             fg = FlatGroup(params, options, layout, params_flat, grads_flat, grad_shard)
             for bucket in layout.buckets:
                 lo, hi = layout.piece(bucket, shard_rank)
-                # fp32: the master *is* this rank's piece of the parameter buffer (a view).
-                master = nn.Parameter(
-                    full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
-                )
+                # fp32: the master *is* this rank's piece of the parameter buffer (a view);
+                # offloaded, it is a host copy whatever the dtype.
+                if self.offload != "none":
+                    master = nn.Parameter(to_host(full[lo:hi], self._pin))
+                else:
+                    master = nn.Parameter(
+                        full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
+                    )
                 fg.buckets.append(len(self.buckets))
                 segments = []
                 for pos in bucket.slots:
@@ -147,6 +169,13 @@ class ShardedDataParallel:
                 self.buckets.append(_BucketState(g, bucket, master, segments=segments))
             self.groups.append(fg)
 
+        self.swapper = None
+        if self.offload == "nvme":
+            masters = [st.master for st in self.buckets]
+            need = sum(m.numel() for m in masters) * 4 * 3  # master + two Adam moments
+            what = "zero_optimization.offload_optimizer"
+            store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
+            self.swapper = OptimizerSwapper(masters, store, offload.buffer_count, self.host_meter)
         self._sync_untracked(dtype)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
@@ -298,9 +327,32 @@ class ShardedDataParallel:
             self._flush()
         for st in self.buckets:
             grad = self._grad_piece(st)
+            if self.offload != "none" and self.stage < 2:  # stage 2's shard is on the host
+                if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
+                    st.host_grad = torch.empty(
+                        grad.numel(),
+                        dtype=torch.float32,
+                        device=host_device(),
+                        pin_memory=self._pin and torch.cuda.is_available(),
+                    )
+                grad = st.host_grad.copy_(grad)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
         return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
+
+    def step_optimizer(self, optimizer) -> None:
+        """``optimizer.step()`` on the masters (sub-group by sub-group when they are on NVMe)."""
+        if self.swapper is None:
+            optimizer.step()
+            return
+        bucket_of = {st.master: st for st in self.buckets}
+
+        def keep(master: nn.Parameter, value: torch.Tensor) -> None:
+            st = bucket_of[master]
+            dtype = self.groups[st.group].params_flat.dtype
+            st.updated = value.to(device=self.comm.topo.device, dtype=dtype, copy=True)
+
+        self.swapper.step(optimizer, keep)
 
     def after_step(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""
@@ -308,16 +360,15 @@ class ShardedDataParallel:
         for st in self.buckets:
             fg = self.groups[st.group]
             full = fg.params_flat[st.bucket.start : st.bucket.end]
-            if self.stage == 0:
-                if st.master.data_ptr() != full.data_ptr():
-                    full.copy_(st.master.detach())
-            elif self.dp == 1:
-                if st.master.data_ptr() != full.data_ptr():
-                    full.copy_(st.master.detach())
+            master = st.updated if st.updated is not None else st.master.detach()
+            st.updated = None
+            if self.stage == 0 or self.dp == 1:
+                if master.data_ptr() != full.data_ptr():
+                    full.copy_(master)
             else:
                 # A copy even in fp32, where the master is a view into ``full``: gather's input
                 # must not overlap its output.
-                src = st.master.detach().to(full.dtype, copy=True)
+                src = master.to(device=full.device, dtype=full.dtype, copy=True)
                 handles.append(self.comm.all_gather(full, src, axis="dp", async_op=True))
         for h in handles:
             h.wait()
@@ -341,16 +392,27 @@ class ShardedDataParallel:
             for b in fg.buckets:
                 st = self.buckets[b]
                 region = full[st.bucket.start : st.bucket.end]
+                master = self.master_value(st.master).to(full.device)
                 if self.stage == 0 or self.dp == 1:
-                    region.copy_(st.master.detach())
+                    region.copy_(master)
                 else:
-                    self.comm.all_gather(region, st.master.detach().clone(), axis="dp")
+                    self.comm.all_gather(region, master.clone(), axis="dp")
             for slot in fg.layout.slots:
                 out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
         return out
 
+    def master_value(self, master: nn.Parameter) -> torch.Tensor:
+        """A master's current fp32 value (read back from its file when it is on NVMe)."""
+        return self.swapper.read(master) if self.swapper is not None else master.detach()
+
+    def close(self) -> None:
+        """Remove the NVMe files (also done at process exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
+
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients and separate fp32 master weights."""
+        """Bytes this rank holds in parameters, gradients and separate fp32 master weights
+        (offloaded masters count as host bytes; on NVMe only those swapped in right now)."""
         params = sum(fg.params_flat.nbytes for fg in self.groups)
         params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
         grads = sum(
@@ -359,6 +421,7 @@ class ShardedDataParallel:
             for buf in (fg.grads_flat, fg.grad_shard)
             if buf is not None
         )
+        grads += sum(st.host_grad.nbytes for st in self.buckets if st.host_grad is not None)
         master = 0
         for st in self.buckets:
             fg = self.groups[st.group]

@@ -29,16 +29,36 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm, Handle
 from ..precision import Precision
 from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
+from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
 from .sharded_optimizer import sync_from_rank0
 
 
 @dataclass
 class _Group:
+    """A sub-group of one optimizer group's parameters (the whole group unless on NVMe)."""
+
     params: list[nn.Parameter]
     options: dict
     master: nn.Parameter  # fp32, this rank's pieces end to end
     pieces: torch.Tensor  # compute dtype (the master itself in fp32 training)
     grad_shard: torch.Tensor  # fp32
+    index: int = 0  # the optimizer group it belongs to
+
+
+def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Parameter]]:
+    """Consecutive runs of parameters whose pieces add up to at most ``limit`` elements."""
+    if not limit:
+        return [params]
+    out: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        n = p._zs.piece.numel()
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
 
 
 class _Gather:
@@ -76,8 +96,15 @@ class Stage3:
         reduce_bucket_numel: int = 4_000_000,
         prescale: float = 1.0,
         meter: StorageMeter | None = None,
+        offload=None,
+        sub_group_numel: int | None = None,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
+        # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
+        # or, masters and state, in files ("nvme"); the optimizer steps on the host.
+        self.offload = offload.device if offload is not None else "none"
+        pin = bool(offload is not None and offload.pin_memory)
+        self.host_meter = HostMeter()
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
         self.prefetch_numel = prefetch_numel
@@ -95,29 +122,21 @@ class Stage3:
             p._zs_comm, p._zs_meter = comm, self.meter
 
         self.groups: list[_Group] = []
-        for group in groups:
-            params = list(group["params"])
-            total = sum(p._zs.piece.numel() for p in params) or 1
-            master = torch.zeros(total, dtype=torch.float32, device=comm.topo.device)
-            grad_shard = torch.zeros_like(master)
-            off = 0
-            for p in params:
-                pn = p._zs.piece.numel()
-                master[off : off + pn].copy_(p._zs.piece)
-                off += pn
-            # The group's pieces, end to end; the per-parameter pieces they replace are freed.
-            pieces = self.meter.track(master if dtype == torch.float32 else master.to(dtype))
-            off = 0
-            for p in params:
-                st, pn = p._zs, p._zs.piece.numel()
-                st.piece, st.master, st.grad = (
-                    pieces[off : off + pn],
-                    master[off : off + pn],
-                    grad_shard[off : off + pn],
-                )
-                off += pn
+        limit = sub_group_numel if self.offload == "nvme" else None
+        for index, group in enumerate(groups):
             options = {k: v for k, v in group.items() if k != "params"}
-            self.groups.append(_Group(params, options, nn.Parameter(master), pieces, grad_shard))
+            for params in _sub_groups(list(group["params"]), limit):
+                self.groups.append(self._make_group(params, options, index, dtype, pin))
+        self.swapper = None
+        if self.offload == "nvme":
+            masters = [g.master for g in self.groups]
+            need = sum(m.numel() for m in masters) * 4 * 3  # master + two Adam moments
+            what = "zero_optimization.offload_optimizer"
+            store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
+            for g in self.groups:  # the masters live in files now, not in views of them
+                for p in g.params:
+                    p._zs.master = None
+            self.swapper = OptimizerSwapper(masters, store, offload.buffer_count, self.host_meter)
         for p in everything:
             if p not in self._trainable and p._zs.piece.dtype != dtype:
                 p._zs.piece = self.meter.track(p._zs.piece.to(dtype))
@@ -178,6 +197,31 @@ class Stage3:
         self._inflight: dict[nn.Parameter, _Gather] = {}
         self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
         self._reset_backward()
+
+    def _make_group(self, params, options, index, dtype, pin) -> _Group:
+        device = self.comm.topo.device
+        total = sum(p._zs.piece.numel() for p in params) or 1
+        master = torch.zeros(total, dtype=torch.float32, device=device)
+        off = 0
+        for p in params:
+            pn = p._zs.piece.numel()
+            master[off : off + pn].copy_(p._zs.piece)
+            off += pn
+        # The group's pieces, end to end; the per-parameter pieces they replace are freed.
+        pieces = self.meter.track(master if dtype == torch.float32 else master.to(dtype))
+        if self.offload != "none":
+            master = to_host(master, pin)  # a host copy, separate even in fp32
+        grad_shard = torch.zeros_like(master)
+        off = 0
+        for p in params:
+            st, pn = p._zs, p._zs.piece.numel()
+            st.piece, st.master, st.grad = (
+                pieces[off : off + pn],
+                master[off : off + pn],
+                grad_shard[off : off + pn],
+            )
+            off += pn
+        return _Group(params, options, nn.Parameter(master), pieces, grad_shard, index)
 
     # ----------------------------------------------------------------------------- gathering
     def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
@@ -321,6 +365,8 @@ class Stage3:
         for b, out, handle in self._rs_handles:
             if handle is not None:
                 handle.wait()
+            if self.offload != "none":
+                out = out.to(host_device())  # the reduced pieces go to the host shard
             for p in self._rs_params[b]:
                 at = self._rs_at[p]
                 p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
@@ -331,7 +377,12 @@ class Stage3:
 
     # ----------------------------------------------------------------------------- step
     def optimizer_groups(self) -> list[dict]:
-        return [{"params": [g.master], **g.options} for g in self.groups]
+        out: list[dict] = []
+        for g in self.groups:
+            if len(out) <= g.index:
+                out.append({"params": [], **g.options})
+            out[g.index]["params"].append(g.master)
+        return out
 
     @property
     def grads_sharded(self) -> bool:
@@ -343,11 +394,10 @@ class Stage3:
     def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards, leaving out the parameters in ``skip``
         (tp replicas counted on another rank)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
+        # Parameter by parameter, so the sum does not depend on how groups are cut into
+        # sub-groups (NVMe offload): offloaded or not, the clipping factor is the same number.
+        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad_shard.device)
         for g in self.groups:
-            if not skip or not any(p in skip for p in g.params):
-                sq += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32).square()
-                continue
             for p in g.params:
                 if p not in skip:
                     sq += torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
@@ -360,9 +410,18 @@ class Stage3:
             g.master.grad = g.grad_shard
         return 1.0 / (loss_scale * self.prescale * self.dp)
 
+    def step_optimizer(self, optimizer) -> None:
+        """``optimizer.step()`` on the masters (sub-group by sub-group when they are on NVMe,
+        each written into the compute-dtype pieces while it is in memory)."""
+        if self.swapper is None:
+            optimizer.step()
+            return
+        group_of = {g.master: g for g in self.groups}
+        self.swapper.step(optimizer, lambda m, value: group_of[m].pieces.copy_(value))
+
     def after_step(self) -> None:
         for g in self.groups:
-            if g.pieces.data_ptr() != g.master.data_ptr():
+            if self.swapper is None and g.pieces.data_ptr() != g.master.data_ptr():
                 g.pieces.copy_(g.master.detach())
         self._refresh_persistent([p for p in self._persistent if p in self._trainable])
 
@@ -377,13 +436,27 @@ class Stage3:
         out = {}
         params = list(self._owner)
         states = [p._zs for p in params]
-        masters = [
-            type(st)(st.shape, st.numel, st.master if st.master is not None else st.piece.float())
-            for st in states
-        ]
+        from_files: dict[nn.Parameter, torch.Tensor] = {}
+        if self.swapper is not None:
+            for g in self.groups:
+                value, off = self.swapper.read(g.master), 0
+                for p in g.params:
+                    from_files[p] = value[off : off + p._zs.piece.numel()]
+                    off += p._zs.piece.numel()
+        device = self.comm.topo.device
+        masters = []
+        for p, st in zip(params, states, strict=True):
+            m = from_files.get(p, st.master)
+            m = (m if m is not None else st.piece.float()).to(device)
+            masters.append(type(st)(st.shape, st.numel, m))
         for p, full in zip(params, gather_full(masters, self.comm), strict=True):
             out[p] = full
         return out
+
+    def close(self) -> None:
+        """Remove the NVMe files (also done at process exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
@@ -393,6 +466,6 @@ class Stage3:
         params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
         master = sum(
             g.master.nbytes for g in self.groups if g.pieces.data_ptr() != g.master.data_ptr()
-        )
+        )  # on NVMe the masters hold no storage between steps
         grads = sum(g.grad_shard.nbytes for g in self.groups)
         return {"params": params, "grads": grads, "master": master}

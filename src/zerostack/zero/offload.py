@@ -1,0 +1,225 @@
+"""Optimizer state and parameter shards off the device: host memory (CPU offload) or files (NVMe).
+
+ZeRO-Offload keeps the fp32 master slices and the optimizer state in host memory and steps the
+optimizer on the CPU; ZeRO-Infinity moves them, and the stage-3 parameter shards, to files on a
+fast disk. :class:`NVMeStore` is one rank's folder of files under ``nvme_path`` (created with a
+free-space check before training starts, removed at ``close()`` or process exit).
+:class:`OptimizerSwapper` steps a torch optimizer one sub-group at a time: while sub-group ``i``
+steps, sub-group ``i + 1`` is read and ``i - 1`` written on background threads, and at most
+``buffer_count`` sub-groups are in host memory at once (counted by :class:`HostMeter`, not RSS).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+
+
+class HostMeter:
+    """Bytes of offloaded state held in host memory right now, and the peak (thread-safe: the
+    swap threads count too)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+    def sub(self, n: int) -> None:
+        with self._lock:
+            self.live -= n
+
+
+def host_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host copy of ``t`` (page-locked when a GPU is present and ``pin``)."""
+    out = torch.empty(
+        t.shape,
+        dtype=dtype or t.dtype,
+        device=host_device(),
+        pin_memory=pin and torch.cuda.is_available(),
+    )
+    return out.copy_(t)
+
+
+class NVMeStore:
+    """One rank's files under ``root``; removed on :meth:`close` or at interpreter exit."""
+
+    def __init__(self, root: str, rank: int, need_bytes: int, what: str) -> None:
+        if not root:
+            raise ConfigError(f"{what}.nvme_path: required when device is 'nvme'")
+        if not os.path.isdir(root):
+            raise ConfigError(f"{what}.nvme_path: {root!r} is not a directory")
+        if not os.access(root, os.W_OK):
+            raise ConfigError(f"{what}.nvme_path: {root!r} is not writable")
+        free = shutil.disk_usage(root).free
+        if free < need_bytes:
+            raise ConfigError(
+                f"{what}.nvme_path: {root!r} has {free / 2**30:.2f} GiB free, this "
+                f"rank needs {need_bytes / 2**30:.2f} GiB"
+            )
+        self.dir = tempfile.mkdtemp(prefix=f"zerostack-rank{rank}-", dir=root)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        atexit.register(self._cleanup)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, f"{key}.bin")
+
+    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+        with open(self.path(key), "wb") as f:
+            for t in tensors:
+                view = t.detach().contiguous().view(torch.uint8).numpy()
+                f.write(memoryview(view))
+                self.bytes_written += view.nbytes
+
+    def read_into(self, key: str, tensors: list[torch.Tensor]) -> None:
+        with open(self.path(key), "rb") as f:
+            for t in tensors:
+                view = t.view(torch.uint8).numpy()
+                got = f.readinto(memoryview(view))
+                if got != view.nbytes:
+                    raise OSError(f"{self.path(key)}: short read ({got} of {view.nbytes} bytes)")
+                self.bytes_read += got
+
+    def close(self) -> None:
+        self._cleanup()
+
+    @property
+    def closed(self) -> bool:
+        return not self._cleanup.alive
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A tensor of p's shape backed by one element (stride 0): a swapped-out master keeps its
+    shape, so its gradient can still be assigned, without holding its storage."""
+    return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+
+class OptimizerSwapper:
+    """Master sub-groups (one parameter each) and their optimizer state kept in an NVMeStore.
+
+    Between steps a master holds no storage (``p.data`` is a one-element placeholder of its
+    shape); its gradient stays in host memory. :meth:`step` swaps each sub-group in, steps the
+    optimizer on it alone (the others' gradients are hidden, so torch optimizers skip them), hands
+    it to ``on_updated`` and swaps it out again.
+    """
+
+    def __init__(
+        self, masters: list[nn.Parameter], store: NVMeStore, buffer_count: int, meter: HostMeter
+    ) -> None:
+        self.masters, self.store, self.meter = masters, store, meter
+        self.buffer_count = max(1, buffer_count)
+        self.numel = {p: p.numel() for p in masters}
+        self.shape = {p: p.shape for p in masters}
+        self.state_keys: dict[nn.Parameter, list[tuple[str, torch.dtype]]] = {}
+        self.key = {p: f"sub{i}" for i, p in enumerate(masters)}
+        for p in masters:
+            store.write(self.key[p], [p.data])
+            p.data = _placeholder(p)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerostack-nvme")
+
+    # ------------------------------------------------------------------ swapping
+    def _tensors(self, p: nn.Parameter) -> list[torch.Tensor]:
+        n = self.numel[p]
+        out = [torch.empty(n, dtype=torch.float32)]
+        out += [torch.empty(n, dtype=dt) for _, dt in self.state_keys.get(p, [])]
+        return out
+
+    def _swap_in(self, p: nn.Parameter) -> list[torch.Tensor]:
+        tensors = self._tensors(p)
+        self.meter.add(sum(t.nbytes for t in tensors))
+        self.store.read_into(self.key[p], tensors)
+        return tensors
+
+    def _swap_out(self, p: nn.Parameter, tensors: list[torch.Tensor]) -> None:
+        self.store.write(self.key[p], tensors)
+        self.meter.sub(sum(t.nbytes for t in tensors))
+
+    def _install(self, p: nn.Parameter, tensors: list[torch.Tensor], optimizer) -> None:
+        p.data = tensors[0].view(self.shape[p])
+        state = optimizer.state.get(p)
+        for (name, _), t in zip(self.state_keys.get(p, []), tensors[1:], strict=True):
+            state[name] = t.view(self.shape[p])
+
+    def _uninstall(self, p: nn.Parameter, optimizer) -> list[torch.Tensor]:
+        """This sub-group's tensors (master, then state tensors), detached from p and state."""
+        state = optimizer.state.get(p, {})
+        keys = [
+            (k, v.dtype)
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.numel() == self.numel[p] and v.dim() > 0
+        ]
+        created = not self.state_keys.get(p)  # the optimizer made its state in this step
+        self.state_keys[p] = keys
+        tensors = [p.data.reshape(-1)] + [state[k].reshape(-1) for k, _ in keys]
+        if created:
+            self.meter.add(sum(t.nbytes for t in tensors[1:]))
+        for k, _ in keys:
+            state[k] = torch.empty(0, dtype=state[k].dtype)
+        p.data = _placeholder(p)
+        return tensors
+
+    def step(self, optimizer, on_updated: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+        """Step every master that has a gradient, sub-group by sub-group."""
+        todo = [p for p in self.masters if p.grad is not None]
+        grads = {p: p.grad for p in todo}
+        for p in todo:
+            p.grad = None
+        reads: dict[nn.Parameter, Future] = {}
+        writes: list[Future] = []
+
+        def prefetch(i: int, holding: int) -> None:
+            """Read sub-group i ahead if a buffer is free (waiting for old writes first)."""
+            if i >= len(todo) or todo[i] in reads:
+                return
+            while writes and holding + len(reads) + len(writes) + 1 > self.buffer_count:
+                writes.pop(0).result()
+            if holding + len(reads) + len(writes) + 1 <= self.buffer_count:
+                reads[todo[i]] = self._pool.submit(self._swap_in, todo[i])
+
+        try:
+            for i, p in enumerate(todo):
+                prefetch(i, 0)
+                tensors = reads.pop(p).result()
+                prefetch(i + 1, 1)  # overlaps this sub-group's step
+                self._install(p, tensors, optimizer)
+                p.grad = grads[p]
+                optimizer.step()
+                p.grad = None
+                on_updated(p, p.data)
+                writes.append(self._pool.submit(self._swap_out, p, self._uninstall(p, optimizer)))
+            for w in writes:
+                w.result()
+        finally:
+            for p in todo:
+                p.grad = grads[p]
+
+    def read(self, p: nn.Parameter) -> torch.Tensor:
+        """The master's current value (the head of its file)."""
+        t = torch.empty(self.numel[p], dtype=torch.float32)
+        self.store.read_into(self.key[p], [t])
+        return t.view(self.shape[p])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,104 @@
+"""ZeRO-Offload and ZeRO-Infinity: the optimizer state in host memory or in files, same results.
+
+Each rank trains the same model twice in one process, without and with offload, and compares the
+parameters: the offloaded step runs the same arithmetic on the same fp32 values (on this machine
+host and device are both the CPU, and the same code path copies between them), so they must
+agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from common import TINY, batch, tiny_gpt
+from distributed import run_distributed
+
+import zerostack
+
+STEPS, B = 5, 8
+
+
+def _config(world, stage, offload=None, **zero):
+    zcfg = {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0}
+    if offload is not None:
+        zcfg["offload_optimizer"] = offload
+    return {
+        "train_micro_batch_size_per_gpu": B // world,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {**zcfg, **zero},
+    }
+
+
+def _run(rank, world, cfg):
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    per = B // world
+    seen = {"files": 0, "host_peak": 0}
+    for step in range(STEPS):
+        x, y = batch(step, 2 * B)
+        for m in range(2):
+            lo = m * B + rank * per
+            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+            engine.step()
+        swapper = getattr(engine.zero, "swapper", None)
+        if swapper is not None:
+            seen["files"] = max(seen["files"], len(os.listdir(swapper.store.dir)))
+            seen["dir"] = swapper.store.dir
+            sizes = [n * 4 * 3 for n in swapper.numel.values()]  # fp32 master + two moments
+            seen["sub_groups"], seen["largest"], seen["total"] = len(sizes), max(sizes), sum(sizes)
+    seen["host_peak"] = engine.zero.host_meter.peak
+    state = engine.full_state_dict()
+    engine.destroy()
+    return state, seen, engine.optimizer.__class__.__name__
+
+
+def _compare(rank, world, stage, device, nvme_root):
+    base, _, _ = _run(rank, world, _config(world, stage))
+    offload = {"device": device}
+    if device == "nvme":
+        offload.update(nvme_path=nvme_root, buffer_count=3)
+    # sub-groups of 1/8 of the parameters (whole parameters each, so a large one stands alone)
+    sub = sum(p.numel() for p in tiny_gpt().parameters()) // 8
+    got, seen, opt = _run(rank, world, _config(world, stage, offload, sub_group_size=sub))
+    same = all(torch.equal(got[k], base[k]) for k in base)
+    worst = max(float((got[k] - base[k]).norm() / base[k].norm()) for k in base)
+    return same, worst, seen, opt
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_training_matches(stage, device, world, tmp_path):
+    results = run_distributed(_compare, world, args=(stage, device, str(tmp_path)))
+    for rank, (same, worst, seen, opt) in enumerate(results):
+        assert same, f"rank {rank}: {opt} differs from the run without offload by {worst:.2e}"
+        if device == "nvme":
+            # files existed during training, one per sub-group, and are gone after destroy()
+            assert seen["files"] == seen["sub_groups"] >= 4, seen
+            assert not os.path.exists(seen["dir"])
+            # host memory for the state: at most buffer_count (3) sub-groups at once, well
+            # below the whole state
+            assert 0 < seen["host_peak"] <= 3 * seen["largest"], seen
+            assert seen["host_peak"] < 0.8 * seen["total"], seen
+    assert os.listdir(tmp_path) == []
+
+
+def _bad_path(rank, world, path):
+    cfg = _config(1, 2, {"device": "nvme", "nvme_path": path})
+    try:
+        zerostack.initialize(model=tiny_gpt(), config=cfg)
+    except zerostack.ConfigError as exc:
+        return str(exc)
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path):
+    missing = str(tmp_path / "nope")
+    msg = run_distributed(_bad_path, 1, args=(missing,))[0]
+    assert msg == f"zero_optimization.offload_optimizer.nvme_path: {missing!r} is not a directory"
+
+
+def test_tiny_is_what_the_parity_tests_use():
+    assert TINY.bias is False  # see common.py: keeps Adam's updates well conditioned
