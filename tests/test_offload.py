@@ -86,6 +86,49 @@ def test_offloaded_training_matches(stage, device, world, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _params_offloaded(rank, world, device, nvme_root):
+    base, _, _ = _run(rank, world, _config(world, 3))
+    place = {"device": device}
+    if device == "nvme":
+        place["nvme_path"] = nvme_root
+    both = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 3}
+    sub = sum(p.numel() for p in tiny_gpt().parameters()) // 8
+    out = {}
+    for name, opt in (("params", None), ("params+optimizer", both)):
+        cfg = _config(world, 3, opt, sub_group_size=sub, offload_param=place)
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+        files = len(os.listdir(engine.zero.param_swapper.store.dir)) if device == "nvme" else 0
+        resident = engine.memory_breakdown()["params"]
+        per = B // world
+        for step in range(STEPS):
+            x, y = batch(step, 2 * B)
+            for m in range(2):
+                lo = m * B + rank * per
+                engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+                engine.step()
+        got = engine.full_state_dict()
+        engine.destroy()
+        out[name] = (all(torch.equal(got[k], base[k]) for k in base), files, resident)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_stage3_parameters_offloaded(device, world, tmp_path):
+    """offload_param: each rank's parameter pieces in files (or host memory), read in for each
+    gather; alone and with the optimizer on NVMe too, the run is the run without offload."""
+    n_params = sum(1 for _ in tiny_gpt().parameters())
+    for rank, out in enumerate(
+        run_distributed(_params_offloaded, world, args=(device, str(tmp_path)))
+    ):
+        for name, (same, files, resident) in out.items():
+            assert same, f"rank {rank}, {name}: differs from the run without offload"
+            assert resident == 0, f"{name}: {resident} bytes of parameter pieces stay in memory"
+            if device == "nvme":
+                assert files == n_params  # one file per parameter piece
+    assert os.listdir(tmp_path) == []
+
+
 def _bad_path(rank, world, path):
     cfg = _config(1, 2, {"device": "nvme", "nvme_path": path})
     try:

@@ -85,6 +85,8 @@ class Engine(nn.Module):
         if offload is not None and offload.device != "none":
             common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
         if stage == 3:
+            if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
+                common.update(offload_param=zcfg.offload_param)
             self.zero = Stage3(
                 module,
                 param_groups,

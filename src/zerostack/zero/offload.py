@@ -115,6 +115,28 @@ def _placeholder(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
 
 
+class HostStore:
+    """NVMeStore's interface over host memory: offload_param "cpu" keeps the shards here."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.tensors: dict[str, list[torch.Tensor]] = {}
+        self.bytes_read = self.bytes_written = 0
+        self.dir = None
+
+    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+        self.tensors[key] = [to_host(t.detach().reshape(-1), self.pin) for t in tensors]
+        self.bytes_written += sum(t.nbytes for t in tensors)
+
+    def read_into(self, key: str, tensors: list[torch.Tensor]) -> None:
+        for dst, src in zip(tensors, self.tensors[key], strict=False):
+            dst.view(-1).copy_(src)
+            self.bytes_read += dst.nbytes
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
 class OptimizerSwapper:
     """Master sub-groups (one parameter each) and their optimizer state kept in an NVMeStore.
 
@@ -222,4 +244,45 @@ class OptimizerSwapper:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.store.close()
+
+
+class ParamSwapper:
+    """Stage-3 parameter shards (this rank's pieces, compute dtype) in an NVMeStore.
+
+    A swapped-out piece is a placeholder of its size; :meth:`fetch` reads pieces in for a gather
+    (counted in the meter until :meth:`drop`), :meth:`update` writes a stepped piece back.
+    """
+
+    def __init__(
+        self, params: list[nn.Parameter], store: NVMeStore, meter: HostMeter, device: torch.device
+    ) -> None:
+        self.store, self.meter, self.device = store, meter, device
+        self.key = {p: f"param{i}" for i, p in enumerate(params)}
+        for p in params:
+            store.write(self.key[p], [p._zs.piece])
+            p._zs.piece = _placeholder(p._zs.piece)
+
+    def holds(self, p: nn.Parameter) -> bool:
+        return p in self.key
+
+    def fetch(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p in self.key and p._zs.piece.stride() == (0,):
+                st = p._zs
+                buf = torch.empty(st.piece.numel(), dtype=st.piece.dtype)
+                self.store.read_into(self.key[p], [buf])
+                self.meter.add(buf.nbytes)
+                st.piece = buf.to(self.device)
+
+    def drop(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p in self.key and p._zs.piece.stride() != (0,):
+                self.meter.sub(p._zs.piece.nbytes)
+                p._zs.piece = _placeholder(p._zs.piece)
+
+    def update(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        self.store.write(self.key[p], [value.to(dtype=p._zs.piece.dtype, device="cpu")])
+
+    def close(self) -> None:
         self.store.close()

@@ -29,7 +29,15 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm, Handle
 from ..precision import Precision
 from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
-from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
+from .offload import (
+    HostMeter,
+    HostStore,
+    NVMeStore,
+    OptimizerSwapper,
+    ParamSwapper,
+    host_device,
+    to_host,
+)
 from .sharded_optimizer import sync_from_rank0
 
 
@@ -62,13 +70,24 @@ def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.P
 
 
 class _Gather:
-    """An in-flight coalesced all-gather of some parameters."""
+    """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
+    when the parameters are offloaded)."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        comm: Comm,
+        meter: StorageMeter,
+        swapper: ParamSwapper | None = None,
+    ) -> None:
         self.params = params
         self.meter = meter
         self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
+        if swapper is not None:
+            swapper.fetch(params)
         self._finish = gather_full([p._zs for p in params], comm, async_op=True)
+        if swapper is not None:  # the collective has its own copy (or, at dp = 1, the views)
+            swapper.drop(params)
         self.done = False
 
     def resolve(self) -> None:
@@ -98,6 +117,7 @@ class Stage3:
         meter: StorageMeter | None = None,
         offload=None,
         sub_group_numel: int | None = None,
+        offload_param=None,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -147,6 +167,20 @@ class Stage3:
         for p in self._persistent:
             p._zs.persistent = True
         self._refresh_persistent(self._persistent)
+        # offload_param: every non-persistent piece lives in a file ("nvme") or in host memory
+        # ("cpu"), and is read in for each gather
+        self.param_swapper: ParamSwapper | None = None
+        if offload_param is not None and offload_param.device != "none":
+            swapped = [p for p in everything if not p._zs.persistent]
+            need = sum(p._zs.piece.nbytes for p in swapped)
+            what = "zero_optimization.offload_param"
+            if offload_param.device == "nvme":
+                store = NVMeStore(offload_param.nvme_path, comm.topo.global_rank, need, what)
+            else:
+                store = HostStore(offload_param.pin_memory)
+            self.param_swapper = ParamSwapper(swapped, store, self.host_meter, comm.topo.device)
+            for g in self.groups:  # the pieces live in the files; only persistent ones stay
+                g.pieces = None
 
         # Units, their owners (a tied parameter is reduced once, by the first module holding it).
         self.units: list[list[nn.Parameter]] = []
@@ -228,6 +262,20 @@ class Stage3:
         if params:
             _Gather(params, self.comm, self.meter).resolve()
 
+    def _write_pieces(self, g: _Group, value: torch.Tensor) -> None:
+        """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
+        if self.param_swapper is None:
+            g.pieces.copy_(value)
+            return
+        off = 0
+        for p in g.params:
+            pn = p._zs.piece.numel()
+            if self.param_swapper.holds(p):
+                self.param_swapper.update(p, value[off : off + pn])
+            else:
+                p._zs.piece.copy_(value[off : off + pn])
+            off += pn
+
     def _begin_pass(self, module, args) -> None:
         if self._trace is None and self._recording:
             self._trace = self._recording
@@ -241,7 +289,7 @@ class Stage3:
         need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
         ahead = self._plan_prefetch(u, exclude=set(need))
         if need or ahead:
-            g = _Gather(need + ahead, self.comm, self.meter)
+            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper)
             for p in need + ahead:
                 self._inflight[p] = g
         for p in ps:
@@ -338,8 +386,12 @@ class Stage3:
     def _launch(self, b: int) -> None:
         staging = self._staging.pop(b, None)
         if staging is None:  # no parameter of this bucket got a gradient in this backward
-            staging = torch.zeros(self.dp, self._rs_width[b], dtype=self.precision.compute_dtype,
-                                  device=self.comm.topo.device)  # fmt: skip
+            staging = torch.zeros(
+                self.dp,
+                self._rs_width[b],
+                dtype=self.precision.compute_dtype,
+                device=self.comm.topo.device,
+            )
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
         if self.dp == 1:
@@ -417,12 +469,14 @@ class Stage3:
             optimizer.step()
             return
         group_of = {g.master: g for g in self.groups}
-        self.swapper.step(optimizer, lambda m, value: group_of[m].pieces.copy_(value))
+        self.swapper.step(optimizer, lambda m, value: self._write_pieces(group_of[m], value))
 
     def after_step(self) -> None:
         for g in self.groups:
-            if self.swapper is None and g.pieces.data_ptr() != g.master.data_ptr():
-                g.pieces.copy_(g.master.detach())
+            if self.swapper is not None:
+                continue  # written while each sub-group was in memory
+            if g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr():
+                self._write_pieces(g, g.master.detach())
         self._refresh_persistent([p for p in self._persistent if p in self._trainable])
 
     def zero_grad(self) -> None:
@@ -444,6 +498,8 @@ class Stage3:
                     from_files[p] = value[off : off + p._zs.piece.numel()]
                     off += p._zs.piece.numel()
         device = self.comm.topo.device
+        if self.param_swapper is not None:
+            self.param_swapper.fetch([p for p in params if p not in self._trainable])
         masters = []
         for p, st in zip(params, states, strict=True):
             m = from_files.get(p, st.master)
@@ -451,21 +507,29 @@ class Stage3:
             masters.append(type(st)(st.shape, st.numel, m))
         for p, full in zip(params, gather_full(masters, self.comm), strict=True):
             out[p] = full
+        if self.param_swapper is not None:
+            self.param_swapper.drop([p for p in params if p not in self._trainable])
         return out
 
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""
-        if self.swapper is not None:
-            self.swapper.close()
+        for swapper in (self.swapper, self.param_swapper):
+            if swapper is not None:
+                swapper.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
         separate fp32 masters."""
-        params = sum(g.pieces.nbytes for g in self.groups)
-        params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
+        if self.param_swapper is None:
+            params = sum(g.pieces.nbytes for g in self.groups)
+            params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
+        else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
+            params = sum(p._zs.piece.nbytes for p in self._owner if p._zs.piece.stride() != (0,))
         params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
         master = sum(
-            g.master.nbytes for g in self.groups if g.pieces.data_ptr() != g.master.data_ptr()
+            g.master.nbytes
+            for g in self.groups
+            if g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
         )  # on NVMe the masters hold no storage between steps
         grads = sum(g.grad_shard.nbytes for g in self.groups)
         return {"params": params, "grads": grads, "master": master}
