@@ -17,6 +17,10 @@ import pytest
         ([], "2 ranks, ZeRO"),
         (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
         (["--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"], "2 ranks (pp 2 (inter"),
+        (
+            ["--zero-stage", "3", "--offload", "cpu", "--activation-checkpointing"],
+            "2 ranks, ZeRO stage 3 + cpu offload + activation checkpointing",
+        ),
     ],
 )
 def test_train_runs_and_loss_falls(tmp_path, grid, banner):

@@ -83,6 +83,19 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="pipeline schedule with --pp (default 1f1b; interleaved runs 2 chunks per stage)",
     )
+    t.add_argument(
+        "--offload",
+        choices=["cpu", "nvme"],
+        default=None,
+        help="ZeRO-Offload: fp32 masters and optimizer state in host memory (cpu) or in files "
+        "(nvme, with --nvme-path); with --zero-stage 3 the parameter shards too",
+    )
+    t.add_argument("--nvme-path", default=None, help="folder for --offload nvme files")
+    t.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each transformer block in backward instead of keeping its activations",
+    )
     prec = t.add_mutually_exclusive_group()
     prec.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     prec.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
@@ -142,6 +155,15 @@ def _build_config(args) -> dict:
         cfg["fp16"] = {"enabled": True}
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if args.offload is not None:
+        zero = cfg.setdefault("zero_optimization", {})
+        zero.setdefault("stage", 2)  # offload needs stage >= 1
+        place = {"device": args.offload}
+        if args.nvme_path:
+            place["nvme_path"] = args.nvme_path
+        zero["offload_optimizer"] = dict(place)
+        if zero["stage"] == 3:
+            zero["offload_param"] = dict(place)
     if args.schedule is not None:
         pipe = cfg.setdefault("pipeline", {})
         pipe["schedule"] = args.schedule
@@ -176,7 +198,11 @@ def train(args) -> dict:
     topo = zerostack.Topology.build(pp=args.pp, tp=args.tp)
     torch.manual_seed(args.seed)
     model_cfg = GPTConfig(
-        block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        checkpoint_every=1 if args.activation_checkpointing else 0,
     )
     config = _build_config(args)
     if args.pp > 1:
@@ -233,6 +259,8 @@ def train(args) -> dict:
         "dp": engine.dp_world_size,
         "sequence_parallel": args.sequence_parallel,
         "zero_stage": engine.config.zero_optimization.stage,
+        "offload": args.offload,
+        "activation_checkpointing": args.activation_checkpointing,
         "precision": engine.precision.name,
         "parameters": model_cfg.num_params,
         "parameters_per_rank": sum(p.numel() for p in model.parameters()),
@@ -246,6 +274,7 @@ def train(args) -> dict:
         "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
     }
     monitor.finish(summary)
+    engine.destroy()  # NVMe offload files go now, not at interpreter exit
     return summary
 
 
@@ -255,12 +284,13 @@ def _pipeline_model(model_cfg, topo, args, config: dict):
 
     pipe = config.get("pipeline", {})
     layers = gpt_layers(model_cfg, topology=topo, sequence_parallel=args.sequence_parallel)
+    interval = 1 if args.activation_checkpointing else 0
     return PipelineModule(
         layers,
         topology=topo,
         loss_fn=GPTLoss(topo),
         partition_method=pipe.get("partition", "type:Block"),
-        activation_checkpoint_interval=pipe.get("activation_checkpoint_interval", 0),
+        activation_checkpoint_interval=pipe.get("activation_checkpoint_interval", interval),
         seed_layers=pipe.get("seed_layers", False),
         virtual_stages=pipe.get("virtual_stages", 1),
     )
@@ -310,6 +340,8 @@ def _check_grid(args) -> None:
         raise ValueError("--sequence-parallel needs --tp > 1")
     if args.pp < 1 or args.nproc % (args.pp * args.tp):
         raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide --nproc {args.nproc}")
+    if args.offload == "nvme" and not args.nvme_path:
+        raise ValueError("--offload nvme needs --nvme-path")
     if args.schedule is not None and args.pp == 1:
         raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:

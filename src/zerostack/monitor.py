@@ -98,7 +98,10 @@ class RunMonitor:
         lines = [
             "",
             f"zerostack train: {summary['world_size']} ranks{grid}, "
-            f"ZeRO stage {summary['zero_stage']}, "
+            f"ZeRO stage {summary['zero_stage']}"
+            + (f" + {summary['offload']} offload" if summary.get("offload") else "")
+            + (" + activation checkpointing" if summary.get("activation_checkpointing") else "")
+            + ", "
             f"{summary['precision']}, {summary['parameters']:,} parameters",
             f"  loss            {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
             f"(mean of last 10 steps); validation {summary['val_loss']:.4f}",
