@@ -180,7 +180,9 @@ def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
         return optimizer
     if cfg.optimizer is None:
         raise ConfigError("optimizer: none given; pass optimizer= or set an optimizer block")
-    return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups)
+    offload = cfg.zero_optimization.offload_optimizer
+    offloaded = offload is not None and offload.device != "none"
+    return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups, offload=offloaded)
 
 
 def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):

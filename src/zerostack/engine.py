@@ -217,7 +217,6 @@ class Engine(nn.Module):
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
         # those, and averaging, unscaling and clipping are then one multiply.
         post = self.zero.prepare_step(self.loss_scaler.loss_scale)
-        masters = self.zero.masters()
         topo = self.topology
         # Each tp-split parameter is counted by every tp rank (its own slice), each replica once,
         # each pipeline stage its own layers.
@@ -236,8 +235,7 @@ class Engine(nn.Module):
             clip = self.config.gradient_clipping
             total = post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else post
             if total != 1.0:
-                for m in masters:
-                    m.grad.mul_(total)
+                self.zero.scale_grads(total)
             self.zero.step_optimizer(self.optimizer)
             self.zero.after_step()
             if self.lr_scheduler is not None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_adam import CPUAdam
 from .lr_schedules import SCHEDULERS, build_lr_scheduler
 
-__all__ = ["SCHEDULERS", "build_lr_scheduler", "build_optimizer"]
+__all__ = ["SCHEDULERS", "CPUAdam", "build_lr_scheduler", "build_optimizer"]
 
 
 def _fused_ok(groups: list[dict]) -> bool:
@@ -14,16 +15,27 @@ def _fused_ok(groups: list[dict]) -> bool:
     return all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
 
 
-def build_optimizer(spec, groups: list[dict]) -> torch.optim.Optimizer:
+def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch.optim.Optimizer:
     """A torch optimizer over ``groups`` from the config's ``optimizer`` block.
 
     DeepSpeed's meaning of ``type``: "Adam" steps with decoupled weight decay (AdamW) unless
     ``adam_w_mode`` is false, "AdamW" always does. The fused implementation is used where torch
-    has one for the device (on CPU it is several times faster than the default loop).
+    has one for the device (on CPU it is several times faster than the default loop). With the
+    optimizer offloaded, Adam and AdamW are :class:`CPUAdam` (as DeepSpeed uses its CPU Adam).
     """
     p = spec.params
     if spec.type in ("Adam", "AdamW"):
         decoupled = spec.type == "AdamW" or p.adam_w_mode
+        if offload:
+            return CPUAdam(
+                groups,
+                lr=p.lr,
+                betas=tuple(p.betas),
+                eps=p.eps,
+                weight_decay=p.weight_decay,
+                amsgrad=p.amsgrad,
+                adamw_mode=decoupled,
+            )
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         kwargs = dict(
             lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay, amsgrad=p.amsgrad

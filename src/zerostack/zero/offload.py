@@ -149,16 +149,26 @@ class OptimizerSwapper:
     def __init__(
         self, masters: list[nn.Parameter], store: NVMeStore, buffer_count: int, meter: HostMeter
     ) -> None:
-        self.masters, self.store, self.meter = masters, store, meter
+        self.masters: list[nn.Parameter] = []
+        self.store, self.meter = store, meter
         self.buffer_count = max(1, buffer_count)
-        self.numel = {p: p.numel() for p in masters}
-        self.shape = {p: p.shape for p in masters}
+        self.numel: dict[nn.Parameter, int] = {}
+        self.shape: dict[nn.Parameter, torch.Size] = {}
         self.state_keys: dict[nn.Parameter, list[tuple[str, torch.dtype]]] = {}
-        self.key = {p: f"sub{i}" for i, p in enumerate(masters)}
+        self.key: dict[nn.Parameter, str] = {}
+        # grad_source(master) -> its fp32 gradient, when gradients are kept in files too
+        self.grad_source: Callable[[nn.Parameter], torch.Tensor] | None = None
         for p in masters:
-            store.write(self.key[p], [p.data])
-            p.data = _placeholder(p)
+            self.add(p)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerostack-nvme")
+
+    def add(self, p: nn.Parameter) -> None:
+        """Write a new master to its file and drop its storage."""
+        self.masters.append(p)
+        self.numel[p], self.shape[p] = p.numel(), p.shape
+        self.key[p] = f"sub{len(self.key)}"
+        self.store.write(self.key[p], [p.data])
+        p.data = _placeholder(p)
 
     # ------------------------------------------------------------------ swapping
     def _tensors(self, p: nn.Parameter) -> list[torch.Tensor]:
@@ -167,11 +177,12 @@ class OptimizerSwapper:
         out += [torch.empty(n, dtype=dt) for _, dt in self.state_keys.get(p, [])]
         return out
 
-    def _swap_in(self, p: nn.Parameter) -> list[torch.Tensor]:
+    def _swap_in(self, p: nn.Parameter) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         tensors = self._tensors(p)
         self.meter.add(sum(t.nbytes for t in tensors))
         self.store.read_into(self.key[p], tensors)
-        return tensors
+        grad = self.grad_source(p) if self.grad_source is not None else None
+        return tensors, grad
 
     def _swap_out(self, p: nn.Parameter, tensors: list[torch.Tensor]) -> None:
         self.store.write(self.key[p], tensors)
@@ -222,10 +233,10 @@ class OptimizerSwapper:
         try:
             for i, p in enumerate(todo):
                 prefetch(i, 0)
-                tensors = reads.pop(p).result()
+                tensors, grad = reads.pop(p).result()
                 prefetch(i + 1, 1)  # overlaps this sub-group's step
                 self._install(p, tensors, optimizer)
-                p.grad = grads[p]
+                p.grad = grads[p] if grad is None else grad
                 optimizer.step()
                 p.grad = None
                 on_updated(p, p.data)
@@ -255,13 +266,34 @@ class ParamSwapper:
     """
 
     def __init__(
-        self, params: list[nn.Parameter], store: NVMeStore, meter: HostMeter, device: torch.device
+        self, params: list[nn.Parameter], store, meter: HostMeter, device: torch.device
     ) -> None:
         self.store, self.meter, self.device = store, meter, device
-        self.key = {p: f"param{i}" for i, p in enumerate(params)}
+        self.key: dict[nn.Parameter, str] = {}
+        self.fetched = 0  # bytes read in for gathers (I/O per step, for reports)
+        self._count = 0
         for p in params:
-            store.write(self.key[p], [p._zs.piece])
-            p._zs.piece = _placeholder(p._zs.piece)
+            self.add(p)
+
+    def add(self, p: nn.Parameter) -> None:
+        """Write p's piece to its file and drop it from memory."""
+        self.key[p] = f"param{self._count}"
+        self._count += 1
+        self.store.write(self.key[p], [p._zs.piece])
+        p._zs.piece = _placeholder(p._zs.piece)
+
+    def keep(self, p: nn.Parameter) -> None:
+        """Bring p's piece back into memory for good (a persistent parameter)."""
+        self.fetch([p])
+        self.meter.sub(p._zs.piece.nbytes)
+        del self.key[p]
+
+    def rewrite(self, p: nn.Parameter, value: torch.Tensor, dtype: torch.dtype) -> None:
+        """Store ``value`` as p's piece in ``dtype`` and drop it from memory."""
+        if p._zs.piece.stride() != (0,):
+            self.meter.sub(p._zs.piece.nbytes)
+        self.store.write(self.key[p], [value.to(dtype=dtype, device="cpu")])
+        p._zs.piece = torch.zeros((), dtype=dtype, device=self.device).expand(value.numel())
 
     def holds(self, p: nn.Parameter) -> bool:
         return p in self.key
@@ -273,6 +305,7 @@ class ParamSwapper:
                 buf = torch.empty(st.piece.numel(), dtype=st.piece.dtype)
                 self.store.read_into(self.key[p], [buf])
                 self.meter.add(buf.nbytes)
+                self.fetched += buf.nbytes
                 st.piece = buf.to(self.device)
 
     def drop(self, params: list[nn.Parameter]) -> None:

@@ -340,6 +340,10 @@ class ShardedDataParallel:
             st.piece = None
         return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
 
+    def scale_grads(self, factor: float) -> None:
+        for st in self.buckets:
+            st.master.grad.mul_(factor)
+
     def step_optimizer(self, optimizer) -> None:
         """``optimizer.step()`` on the masters (sub-group by sub-group when they are on NVMe)."""
         if self.swapper is None:

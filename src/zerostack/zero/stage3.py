@@ -141,24 +141,35 @@ class Stage3:
                 self.meter.track(p._zs.piece)
             p._zs_comm, p._zs_meter = comm, self.meter
 
+        # Parameters zero.Init already put in files (remote_device="nvme") stay there.
+        self.param_swapper: ParamSwapper | None = getattr(everything[0], "_zs_swapper", None)
+        if self.param_swapper is not None:
+            self.param_swapper.meter, self.param_swapper.device = self.host_meter, comm.topo.device
+        # offload_optimizer "nvme": masters, optimizer state and fp32 gradients live in files,
+        # built sub-group by sub-group so the whole state is never in memory at once.
+        self.swapper = None
+        self._grad_written: set[nn.Parameter] = set()
+        self._sq: dict[nn.Parameter, torch.Tensor] = {}
+        self._grad_scale = 1.0
+        if self.offload == "nvme":
+            need = sum(p._zs.piece.numel() for p in trainable) * 4 * 4  # master, 2 moments, grad
+            what = "zero_optimization.offload_optimizer"
+            store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
+            self.swapper = OptimizerSwapper([], store, offload.buffer_count, self.host_meter)
+            self.swapper.grad_source = self._load_grad
+            self._grad_key = {p: f"grad{i}" for i, p in enumerate(trainable)}
         self.groups: list[_Group] = []
         limit = sub_group_numel if self.offload == "nvme" else None
         for index, group in enumerate(groups):
             options = {k: v for k, v in group.items() if k != "params"}
             for params in _sub_groups(list(group["params"]), limit):
                 self.groups.append(self._make_group(params, options, index, dtype, pin))
-        self.swapper = None
-        if self.offload == "nvme":
-            masters = [g.master for g in self.groups]
-            need = sum(m.numel() for m in masters) * 4 * 3  # master + two Adam moments
-            what = "zero_optimization.offload_optimizer"
-            store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
-            for g in self.groups:  # the masters live in files now, not in views of them
-                for p in g.params:
-                    p._zs.master = None
-            self.swapper = OptimizerSwapper(masters, store, offload.buffer_count, self.host_meter)
         for p in everything:
-            if p not in self._trainable and p._zs.piece.dtype != dtype:
+            if self.param_swapper is not None and self.param_swapper.holds(p):
+                if p not in self._trainable:
+                    self.param_swapper.fetch([p])
+                    self.param_swapper.rewrite(p, p._zs.piece, dtype)
+            elif p not in self._trainable and p._zs.piece.dtype != dtype:
                 p._zs.piece = self.meter.track(p._zs.piece.to(dtype))
             p.data = torch.empty(0, dtype=dtype, device=p.device)
         sync_from_rank0(list(module.buffers()), comm, dtype)
@@ -166,11 +177,13 @@ class Stage3:
         self._persistent = [p for p in everything if p._zs.numel < persistence_threshold]
         for p in self._persistent:
             p._zs.persistent = True
+            if self.param_swapper is not None and self.param_swapper.holds(p):
+                self.param_swapper.keep(p)
         self._refresh_persistent(self._persistent)
         # offload_param: every non-persistent piece lives in a file ("nvme") or in host memory
         # ("cpu"), and is read in for each gather
-        self.param_swapper: ParamSwapper | None = None
-        if offload_param is not None and offload_param.device != "none":
+        wanted = offload_param is not None and offload_param.device != "none"
+        if self.param_swapper is None and wanted:
             swapped = [p for p in everything if not p._zs.persistent]
             need = sum(p._zs.piece.nbytes for p in swapped)
             what = "zero_optimization.offload_param"
@@ -234,6 +247,9 @@ class Stage3:
 
     def _make_group(self, params, options, index, dtype, pin) -> _Group:
         device = self.comm.topo.device
+        swapped = [p for p in params if self.param_swapper and self.param_swapper.holds(p)]
+        if swapped:
+            self.param_swapper.fetch(swapped)
         total = sum(p._zs.piece.numel() for p in params) or 1
         master = torch.zeros(total, dtype=torch.float32, device=device)
         off = 0
@@ -242,20 +258,57 @@ class Stage3:
             master[off : off + pn].copy_(p._zs.piece)
             off += pn
         # The group's pieces, end to end; the per-parameter pieces they replace are freed.
-        pieces = self.meter.track(master if dtype == torch.float32 else master.to(dtype))
+        pieces = master if dtype == torch.float32 else master.to(dtype)
         if self.offload != "none":
             master = to_host(master, pin)  # a host copy, separate even in fp32
-        grad_shard = torch.zeros_like(master)
+        grad_shard = None if self.swapper is not None else torch.zeros_like(master)
         off = 0
         for p in params:
             st, pn = p._zs, p._zs.piece.numel()
-            st.piece, st.master, st.grad = (
-                pieces[off : off + pn],
-                master[off : off + pn],
-                grad_shard[off : off + pn],
-            )
+            if p in swapped:  # back to its file, in the compute dtype
+                self.param_swapper.rewrite(p, pieces[off : off + pn], dtype)
+                st.master = st.grad = None
+            else:
+                st.piece, st.master = pieces[off : off + pn], master[off : off + pn]
+                st.grad = None if grad_shard is None else grad_shard[off : off + pn]
             off += pn
-        return _Group(params, options, nn.Parameter(master), pieces, grad_shard, index)
+        if swapped:
+            pieces = None
+        else:
+            self.meter.track(pieces)
+        group = _Group(params, options, nn.Parameter(master), pieces, grad_shard, index)
+        if self.swapper is not None:
+            for p in params:
+                p._zs.master = None  # the master lives in a file now, not in views of it
+            self.swapper.add(group.master)
+        return group
+
+    # ----------------------------------------------------------------------------- gradients
+    def _save_grad(self, p: nn.Parameter, reduced: torch.Tensor) -> None:
+        """Add this micro-step's reduced piece into p's gradient file (NVMe optimizer)."""
+        store = self.swapper.store
+        if p in self._grad_written:
+            acc = torch.empty(reduced.numel(), dtype=torch.float32)
+            store.read_into(self._grad_key[p], [acc])
+            acc += reduced
+        else:
+            acc = reduced.to(torch.float32, copy=True)
+        store.write(self._grad_key[p], [acc])
+        self._grad_written.add(p)
+        if self.boundary:  # the final value: its share of the global norm
+            self._sq[p] = torch.linalg.vector_norm(acc, dtype=torch.float32).square()
+
+    def _load_grad(self, master: nn.Parameter) -> torch.Tensor:
+        """The sub-group's gradient, read from the files and scaled (the optimizer's input)."""
+        g = next(g for g in self.groups if g.master is master)
+        out = torch.zeros(master.numel(), dtype=torch.float32)
+        off = 0
+        for p in g.params:
+            pn = p._zs.piece.numel()
+            if p in self._grad_written:
+                self.swapper.store.read_into(self._grad_key[p], [out[off : off + pn]])
+            off += pn
+        return out.mul_(self._grad_scale)
 
     # ----------------------------------------------------------------------------- gathering
     def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
@@ -421,7 +474,10 @@ class Stage3:
                 out = out.to(host_device())  # the reduced pieces go to the host shard
             for p in self._rs_params[b]:
                 at = self._rs_at[p]
-                p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
+                if self.swapper is not None:
+                    self._save_grad(p, out[at : at + p._zs.piece.numel()])
+                else:
+                    p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
         for u in list(self._bwd_held):
             self._release(u)
         self._drop_inflight()
@@ -448,10 +504,14 @@ class Stage3:
         (tp replicas counted on another rank)."""
         # Parameter by parameter, so the sum does not depend on how groups are cut into
         # sub-groups (NVMe offload): offloaded or not, the clipping factor is the same number.
-        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad_shard.device)
+        sq = torch.zeros((), dtype=torch.float32, device=host_device())
         for g in self.groups:
             for p in g.params:
-                if p not in skip:
+                if p in skip:
+                    continue
+                if self.swapper is not None:  # kept as each gradient file was written
+                    sq += self._sq.get(p, 0.0)
+                else:
                     sq += torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
         return sq
 
@@ -459,8 +519,19 @@ class Stage3:
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel.prepare_step)."""
         for g in self.groups:
-            g.master.grad = g.grad_shard
+            if self.swapper is not None:  # in files: a stand-in marks "has a gradient"
+                g.master.grad = torch.zeros((), dtype=torch.float32).expand(g.master.shape)
+            else:
+                g.master.grad = g.grad_shard
         return 1.0 / (loss_scale * self.prescale * self.dp)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the masters' gradients (on NVMe: as each sub-group is read for the step)."""
+        if self.swapper is not None:
+            self._grad_scale = factor
+            return
+        for g in self.groups:
+            g.master.grad.mul_(factor)
 
     def step_optimizer(self, optimizer) -> None:
         """``optimizer.step()`` on the masters (sub-group by sub-group when they are on NVMe,
@@ -481,8 +552,12 @@ class Stage3:
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.grad_shard.zero_()
+            if g.grad_shard is not None:
+                g.grad_shard.zero_()
             g.master.grad = None
+        self._grad_written.clear()
+        self._sq.clear()
+        self._grad_scale = 1.0
 
     # ----------------------------------------------------------------------------- state
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -531,5 +606,5 @@ class Stage3:
             for g in self.groups
             if g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
         )  # on NVMe the masters hold no storage between steps
-        grads = sum(g.grad_shard.nbytes for g in self.groups)
+        grads = sum(g.grad_shard.nbytes for g in self.groups if g.grad_shard is not None)
         return {"params": params, "grads": grads, "master": master}
