@@ -132,6 +132,39 @@ def test_stage3_parameters_offloaded(device, world, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _infinity(rank, world, nvme_root):
+    base, _, _ = _run(rank, world, _config(world, 3))
+    nvme = {"device": "nvme", "nvme_path": nvme_root, "buffer_count": 3}
+    sub = sum(p.numel() for p in tiny_gpt().parameters()) // 8
+    cfg = _config(world, 3, nvme, sub_group_size=sub, offload_param=nvme)
+    with zerostack.zero.Init(remote_device="nvme", config_dict_or_path=cfg) as init:
+        model = tiny_gpt()
+    in_memory = sum(p._zs.piece.untyped_storage().nbytes() for p in model.parameters())
+    files_at_init = len(os.listdir(init.swapper.store.dir))
+    engine, *_ = zerostack.initialize(model=model, config=cfg)
+    per = B // world
+    for step in range(STEPS):
+        x, y = batch(step, 2 * B)
+        for m in range(2):
+            lo = m * B + rank * per
+            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+            engine.step()
+    got = engine.full_state_dict()
+    engine.destroy()
+    return all(torch.equal(got[k], base[k]) for k in base), in_memory, files_at_init
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_init_straight_to_nvme(world, tmp_path):
+    """zero.Init(remote_device="nvme"): pieces go to files as the model is built (a byte per
+    piece stays in memory, the stride-0 placeholder), and the engine trains from those files."""
+    n_params = sum(1 for _ in tiny_gpt().parameters())
+    for same, in_memory, files in run_distributed(_infinity, world, args=(str(tmp_path),)):
+        assert same
+        assert in_memory <= 4 * n_params and files == n_params
+    assert os.listdir(tmp_path) == []
+
+
 def _bad_path(rank, world, path):
     cfg = _config(1, 2, {"device": "nvme", "nvme_path": path})
     try:

@@ -165,20 +165,42 @@ class Init:
     Initialise weights inside each layer's constructor: a pass over the finished model would see
     empty tensors. Everything is restored on exit.
 
-    DeepSpeed's keyword arguments are accepted; ``enabled=False`` makes it a no-op.
+    ``remote_device="nvme"`` (ZeRO-Infinity) writes each piece to a file under the config's
+    ``zero_optimization.offload_param.nvme_path`` as soon as it is cut, so not even this rank's
+    shard of the model is ever in memory; ``"cpu"`` keeps the pieces in (pinned) host memory. The
+    engine's stage 3 takes the files over. DeepSpeed's other keyword arguments are accepted;
+    ``enabled=False`` makes it a no-op.
     """
 
-    def __init__(self, module=None, *, topology: Topology | None = None, enabled: bool = True,
-                 **_deepspeed_kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module=None,
+        *,
+        topology: Topology | None = None,
+        enabled: bool = True,
+        remote_device: str | None = None,
+        config_dict_or_path=None,
+        pin_memory: bool = False,
+        config=None,
+        **_deepspeed_kwargs,
+    ) -> None:
         self.enabled = enabled
         self.topology = topology
         self.meter = StorageMeter()
         self._saved: dict[type, object] = {}
+        self.remote_device = remote_device if remote_device not in (None, "none") else None
+        if self.remote_device not in (None, "cpu", "nvme"):
+            raise ValueError(f"zero.Init: remote_device {remote_device!r} is not 'cpu' or 'nvme'")
+        self._config = config_dict_or_path if config_dict_or_path is not None else config
+        self._pin = pin_memory
+        self.swapper = None
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         self.comm = (self.topology or Topology.build()).comm
+        if self.remote_device is not None:
+            self.swapper = self._make_swapper()
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._wrap(cls)
@@ -219,7 +241,28 @@ class Init:
         self.meter.add(whole)  # this module's parameters are whole right now
         for p in todo:
             shard_param(p, self.comm, self.meter)
+            if self.swapper is not None:
+                self.swapper.add(p)
+                p._zs_swapper = self.swapper
         self.meter.live -= whole
+
+    def _make_swapper(self):
+        from ..config import ConfigError, load_config
+        from .offload import HostMeter, HostStore, NVMeStore, ParamSwapper
+
+        if self.remote_device == "cpu":
+            store = HostStore(self._pin)
+        else:
+            cfg = load_config(self._config) if self._config is not None else None
+            offload = cfg.zero_optimization.offload_param if cfg is not None else None
+            if offload is None or not offload.nvme_path:
+                raise ConfigError(
+                    "zero_optimization.offload_param.nvme_path: zero.Init(remote_device='nvme') "
+                    "needs it (pass config_dict_or_path=)"
+                )
+            what = "zero_optimization.offload_param"
+            store = NVMeStore(offload.nvme_path, self.comm.topo.global_rank, 0, what)
+        return ParamSwapper([], store, HostMeter(), self.comm.topo.device)
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:

@@ -60,6 +60,26 @@ def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> tor
     return out.copy_(t)
 
 
+_MMAP_SET = False
+
+
+def _mmap_large_buffers() -> None:
+    """Have glibc serve buffers of 1 MiB and more with mmap, so a freed swap buffer goes back to
+    the OS. Left alone, glibc raises this threshold to the largest buffer freed so far (up to
+    32 MiB) and keeps freed buffers in its heap: the process's memory then grows with every
+    sub-group swapped instead of staying at ``buffer_count`` of them. No-op off glibc."""
+    global _MMAP_SET
+    if _MMAP_SET:
+        return
+    _MMAP_SET = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 class NVMeStore:
     """One rank's files under ``root``; removed on :meth:`close` or at interpreter exit."""
 
@@ -76,6 +96,7 @@ class NVMeStore:
                 f"{what}.nvme_path: {root!r} has {free / 2**30:.2f} GiB free, this "
                 f"rank needs {need_bytes / 2**30:.2f} GiB"
             )
+        _mmap_large_buffers()
         self.dir = tempfile.mkdtemp(prefix=f"zerostack-rank{rank}-", dir=root)
         self.bytes_read = 0
         self.bytes_written = 0

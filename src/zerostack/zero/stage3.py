@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -67,6 +68,40 @@ def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.P
         out[-1].append(p)
         size += n
     return out
+
+
+class _LinearSavingWeight(torch.autograd.Function):
+    """``F.linear`` that saves the weight *parameter* for backward, not a view of its storage.
+
+    torch's linear saves ``weight.t()``, a view that keeps the gathered storage alive until
+    backward even after the module releases the parameter, so a stage-3 forward would end up
+    holding every layer's full weights. Saved as the parameter itself, the weight is whatever the
+    parameter holds when backward unpacks it: empty after the release, gathered again by the
+    pre-backward hook.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gy.matmul(weight)
+        flat = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = flat.t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = flat.sum(0)
+        return gx, gw, gb
+
+
+def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _LinearSavingWeight.apply(x, module.weight, module.bias)
 
 
 class _Gather:
@@ -212,6 +247,9 @@ class Stage3:
             m.register_forward_pre_hook(partial(self._pre_forward, u))
             m.register_forward_hook(partial(self._post_forward, u))
         self._owner = owner
+        for m in module.modules():  # see _LinearSavingWeight
+            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+                m.forward = partial(_linear_forward, m)
         self._owned = [
             [p for p in ps if owner[p] == u and p in self._trainable]
             for u, ps in enumerate(self.units)
@@ -250,6 +288,7 @@ class Stage3:
         swapped = [p for p in params if self.param_swapper and self.param_swapper.holds(p)]
         if swapped:
             self.param_swapper.fetch(swapped)
+        swapped = set(swapped)
         total = sum(p._zs.piece.numel() for p in params) or 1
         master = torch.zeros(total, dtype=torch.float32, device=device)
         off = 0
@@ -447,8 +486,8 @@ class Stage3:
             )
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
-        if self.dp == 1:
-            self._rs_handles.append((b, staging.view(-1), None))
+        if self.dp == 1:  # nothing to reduce: into the shard now, not held until the end
+            self._accumulate(b, staging.view(-1))
             return
         out = staging.new_empty(self._rs_width[b])
         handle = self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
@@ -462,6 +501,17 @@ class Stage3:
             self._launch(b)
             self._next_rs += 1
 
+    def _accumulate(self, b: int, out: torch.Tensor) -> None:
+        """Add reduce bucket ``b``'s pieces into the fp32 gradient shard (or its files)."""
+        if self.offload != "none":
+            out = out.to(host_device())  # the reduced pieces go to the host shard
+        for p in self._rs_params[b]:
+            at = self._rs_at[p]
+            if self.swapper is not None:
+                self._save_grad(p, out[at : at + p._zs.piece.numel()])
+            else:
+                p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
+
     def end_backward(self) -> None:
         """Reduce what is left, add this rank's pieces into the fp32 shard, free everything."""
         while self._next_rs < len(self._rs_params):
@@ -470,14 +520,7 @@ class Stage3:
         for b, out, handle in self._rs_handles:
             if handle is not None:
                 handle.wait()
-            if self.offload != "none":
-                out = out.to(host_device())  # the reduced pieces go to the host shard
-            for p in self._rs_params[b]:
-                at = self._rs_at[p]
-                if self.swapper is not None:
-                    self._save_grad(p, out[at : at + p._zs.piece.numel()])
-                else:
-                    p._zs.grad.add_(out[at : at + p._zs.piece.numel()])
+            self._accumulate(b, out)
         for u in list(self._bwd_held):
             self._release(u)
         self._drop_inflight()
