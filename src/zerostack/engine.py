@@ -272,6 +272,29 @@ class Engine(nn.Module):
         )
         return {**self.zero.memory_breakdown(), "optimizer": state}
 
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest=True):
+        """DeepSpeed's save: every rank writes its own slices (a collective); default tag
+        ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path."""
+        from .checkpoint import save
+
+        return save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag=None,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
+        """DeepSpeed's load (``tag=None``: the ``latest`` one), on any ZeRO stage and dp size;
+        returns ``(path, client_state)``."""
+        from .checkpoint import load
+
+        return load(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
     def destroy(self) -> None:
         """Release what the engine holds outside the process (NVMe offload files)."""
         self.zero.close()

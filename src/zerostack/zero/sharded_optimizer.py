@@ -405,6 +405,24 @@ class ShardedDataParallel:
                 out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
         return out
 
+    @property
+    def owns_replica(self) -> bool:
+        """Whether this rank writes the (replicated) state at stage 0: dp rank 0 does."""
+        return self.stage > 0 or self.rank == 0
+
+    def owned_slices(self):
+        """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
+        the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
+        if self.swapper is not None:
+            raise RuntimeError("checkpoints with offload_optimizer 'nvme' are not supported yet")
+        shard_rank = 0 if self.stage == 0 else self.rank
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            piece_lo, _ = fg.layout.piece(st.bucket, shard_rank)
+            for a, b, p in st.segments:
+                start = self._where[p][1].start
+                yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
+
     def master_value(self, master: nn.Parameter) -> torch.Tensor:
         """A master's current fp32 value (read back from its file when it is on NVMe)."""
         return self.swapper.read(master) if self.swapper is not None else master.detach()

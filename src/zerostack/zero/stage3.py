@@ -629,6 +629,22 @@ class Stage3:
             self.param_swapper.drop([p for p in params if p not in self._trainable])
         return out
 
+    owns_replica = True
+
+    def owned_slices(self):
+        """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
+        the flattened parameter at ``master[a:b]`` (padding excluded)."""
+        if self.swapper is not None or self.param_swapper is not None:
+            raise RuntimeError("checkpoints with nvme/cpu offload at stage 3 are not supported yet")
+        for g in self.groups:
+            off = 0
+            for p in g.params:
+                pn, n = p._zs.piece.numel(), p._zs.numel
+                lo = min(self.rank * pn, n)
+                hi = min(lo + pn, n)
+                yield p, lo, hi, g.master, off, off + (hi - lo)
+                off += pn
+
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""
         for swapper in (self.swapper, self.param_swapper):

@@ -1,0 +1,9 @@
+"""Training checkpoints: sharded, atomic, verified, and loadable on another ZeRO stage / dp size.
+
+``engine.save_checkpoint(dir)`` / ``engine.load_checkpoint(dir)`` call :func:`.state.save` and
+:func:`.state.load`; see :mod:`.state` for the format.
+"""
+
+from .state import CheckpointError, load, read_manifest, save
+
+__all__ = ["CheckpointError", "load", "read_manifest", "save"]

@@ -1,0 +1,364 @@
+"""Sharded checkpoints: every rank writes its own slices, a manifest says where everything is.
+
+A tag folder holds one safetensors file per rank and ``manifest.json``::
+
+    global_step40/
+      manifest.json           layout, counters, loss scaler, LR schedule, optimizer groups,
+                              and per file: size, and per tensor: sha256
+      rank00000.safetensors   master/<name>@<lo>, exp_avg/<name>@<lo>, ... rng/cpu, buffer/...
+
+A tensor ``<kind>/<name>@<lo>`` holds elements ``[lo, hi)`` of parameter ``name`` flattened (its
+fp32 master value or an optimizer moment), so a checkpoint is independent of the ZeRO stage and
+dp size that wrote it: a rank of any other layout reads just the tensors that overlap its own
+slices, checks their sha256, and copies the overlap. Writes go to ``.<tag>.incomplete`` and are
+renamed into place only when every rank has finished; ``latest`` is replaced after that, so an
+interrupted save leaves the previous checkpoint as it was. Nothing is unpickled: tensors come from
+safetensors, everything else from JSON (client state must be JSON-serialisable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "zerostack-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the file or key."""
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_shard(engine, folder: str) -> dict:
+    """This rank's tensors into its file; returns what the manifest records about it."""
+    names = {p: n for n, p in engine.module.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    slices = []
+    opt_state = engine.optimizer.state
+    if engine.zero.owns_replica:
+        for p, lo, hi, master, a, b in engine.zero.owned_slices():
+            if hi <= lo:
+                continue
+            key = f"{names[p]}@{lo}"
+            tensors[f"master/{key}"] = master.detach().reshape(-1)[a:b].float().cpu().clone()
+            for k, v in opt_state.get(master, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
+                    tensors[f"{k}/{key}"] = v.detach().reshape(-1)[a:b].cpu().clone()
+            slices.append([names[p], lo, hi])
+    if engine.global_rank == 0:
+        for name, buf in engine.module.named_buffers():
+            tensors[f"buffer/{name}"] = buf.detach().cpu().clone()
+    tensors["rng/cpu"] = torch.get_rng_state()
+    for k, v in _tracker_states().items():
+        tensors[f"rng/tracker/{k}"] = v
+    file = f"rank{engine.global_rank:05d}.safetensors"
+    path = os.path.join(folder, file)
+    fail = os.environ.get("ZEROSTACK_TEST_FAIL_SAVE_RANK")  # tests: a rank dying mid-save
+    if fail is not None and int(fail) == engine.global_rank:
+        raise OSError(f"{path}: simulated failure while writing (ZEROSTACK_TEST_FAIL_SAVE_RANK)")
+    save_file(tensors, path)
+    return {
+        "file": file,
+        "bytes": os.path.getsize(path),
+        "sha256": {k: _sha256(v) for k, v in tensors.items()},
+        "slices": slices,
+    }
+
+
+def _tracker_states() -> dict[str, torch.Tensor]:
+    from ..tensor_parallel import get_rng_tracker
+
+    return get_rng_tracker().get_states()
+
+
+def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
+    """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path."""
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    client_state = {} if client_state is None else client_state
+    try:
+        json.dumps(client_state)
+    except TypeError as exc:
+        raise CheckpointError(f"client_state: not JSON-serialisable ({exc})") from None
+    final = os.path.join(save_dir, tag)
+    folder = os.path.join(save_dir, f".{tag}.incomplete")
+    rank = engine.global_rank
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    _barrier()
+    # Every rank reports (ok or error) before anyone decides, so one failing rank cannot leave
+    # the others waiting in a barrier.
+    try:
+        record, error = _write_shard(engine, folder), ""
+    except Exception as exc:  # reported to every rank below, then raised
+        record, error = None, f"{type(exc).__name__}: {exc}"
+    _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps([record, error]))
+    _barrier()
+    reports = [
+        json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
+        for r in range(engine.world_size)
+    ]
+    _barrier()  # every rank has read the reports before rank 0 removes them
+    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
+    if errors:
+        raise CheckpointError(f"{final}: not saved ({'; '.join(errors)}); latest is unchanged")
+    if rank == 0:
+        manifest = _manifest(engine, tag, [rec for rec, _ in reports], client_state)
+        _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
+        for r in range(engine.world_size):
+            os.remove(os.path.join(folder, f"rank{r:05d}.json"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(folder, final)
+        if save_latest:
+            _atomic_write(os.path.join(save_dir, LATEST), tag)
+    _barrier()
+    return final
+
+
+def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
+    topo, zero_cfg = engine.topology, engine.config.zero_optimization
+    groups = []
+    for g in engine.optimizer.param_groups:
+        step = None
+        for m in g["params"]:
+            s = engine.optimizer.state.get(m, {}).get("step")
+            if s is not None:
+                step = float(s)
+                break
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
+    params = {
+        n: list(p._zs.shape if hasattr(p, "_zs") else p.shape)  # stage 3: the full shape
+        for n, p in engine.module.named_parameters()
+    }
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "layout": {
+            "world_size": engine.world_size,
+            "dp": topo.dp,
+            "tp": topo.tp,
+            "pp": topo.pp,
+            "zero_stage": zero_cfg.stage,
+            "precision": engine.precision.name,
+        },
+        "params": params,
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": (
+            engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        ),
+        "optimizer_groups": groups,
+        "files": records,
+        "client_state": client_state,
+    }
+
+
+class _Reader:
+    """Reads and checks tensors of one checkpoint folder, a file opened once."""
+
+    def __init__(self, folder: str, manifest: dict) -> None:
+        self.folder, self.manifest = folder, manifest
+        self.sha = {rec["file"]: rec["sha256"] for rec in manifest["files"]}
+        self._open: dict[str, object] = {}
+        for rec in manifest["files"]:
+            path = os.path.join(folder, rec["file"])
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: missing shard")
+            if os.path.getsize(path) != rec["bytes"]:
+                raise CheckpointError(
+                    f"{path}: {os.path.getsize(path)} bytes, the manifest "
+                    f"says {rec['bytes']} (truncated or damaged)"
+                )
+
+    def get(self, file: str, key: str) -> torch.Tensor:
+        path = os.path.join(self.folder, file)
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(path, framework="pt")
+            t = self._open[file].get_tensor(key)
+        except Exception as exc:  # a damaged header or body
+            raise CheckpointError(f"{path}: cannot read {key} ({exc})") from None
+        if _sha256(t) != self.sha[file].get(key):
+            raise CheckpointError(f"{path}: checksum mismatch in {key}")
+        return t
+
+
+def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.exists(latest):
+            raise CheckpointError(f"{latest}: no such file (no complete checkpoint; pass tag=)")
+        tag = open(latest).read().strip()
+    folder = os.path.join(load_dir, str(tag))
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing (not a complete checkpoint)")
+    manifest = json.loads(open(path).read())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return folder, manifest
+
+
+def load(
+    engine,
+    load_dir: str,
+    tag=None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
+    """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state).
+
+    Every rank reads what it needs; if any rank finds a damaged or missing file, every rank
+    raises the same error (naming the file) rather than some waiting on the others.
+    """
+    try:
+        result, error = (
+            _load(
+                engine,
+                load_dir,
+                tag,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+            ),
+            None,
+        )
+    except CheckpointError as exc:
+        result, error = None, str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)  # strings between live ranks, never from disk
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    engine.zero.after_step()  # the masters into the compute-dtype parameters (a collective)
+    return result
+
+
+def _load(
+    engine,
+    load_dir: str,
+    tag=None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
+    folder, manifest = read_manifest(load_dir, tag)
+    reader = _Reader(folder, manifest)
+    names = {p: n for n, p in engine.module.named_parameters()}
+    saved = manifest["params"]
+    for p, name in names.items():
+        if name not in saved:
+            raise CheckpointError(f"{folder}: no parameter {name!r} in the checkpoint")
+        if list(p.shape) != saved[name] and not hasattr(p, "_zs"):
+            raise CheckpointError(
+                f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
+                f"{list(p.shape)} in the model"
+            )
+        if hasattr(p, "_zs") and list(p._zs.shape) != saved[name]:
+            raise CheckpointError(
+                f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
+                f"{list(p._zs.shape)} in the model"
+            )
+    for name in saved:
+        if name not in names.values():
+            raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
+    index: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for rec in manifest["files"]:
+        for name, lo, hi in rec["slices"]:
+            index[name].append((lo, hi, rec["file"]))
+    opt = engine.optimizer
+    with_state = load_optimizer_states and not load_module_only
+    keys = sorted(
+        {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
+        - {"master", "rng", "buffer"}
+    )
+    for p, lo, hi, master, a, _ in engine.zero.owned_slices():
+        if hi <= lo:
+            continue
+        name = names[p]
+        kinds = ["master"] + (keys if with_state else [])
+        for kind in kinds:
+            if kind == "master":
+                dest = master.data.reshape(-1)
+            else:
+                state = opt.state[master]
+                if kind not in state:
+                    state[kind] = torch.zeros_like(master)
+                dest = state[kind].reshape(-1)
+            for slo, shi, file in index[name]:
+                x, y = max(lo, slo), min(hi, shi)
+                if x >= y:
+                    continue
+                src = reader.get(file, f"{kind}/{name}@{slo}")
+                dest[a + x - lo : a + y - lo].copy_(src[x - slo : y - slo])
+    if with_state:
+        for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
+            for k, v in saved_g["hyper"].items():
+                if k in g and not isinstance(g[k], (list, tuple)):
+                    g[k] = v
+                elif k in g:
+                    g[k] = type(g[k])(v)
+            if saved_g["step"] is not None:
+                for m in g["params"]:
+                    if m in opt.state:
+                        opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
+    first = manifest["files"][0]["file"]
+    for name, buf in engine.module.named_buffers():
+        buf.data.copy_(reader.get(first, f"buffer/{name}"))
+    if not load_module_only:
+        c = manifest["counters"]
+        engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
+        engine.micro_steps, engine.skipped_steps = c["micro_steps"], c["skipped_steps"]
+        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+        if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG
+            mine = f"rank{engine.global_rank:05d}.safetensors"
+            torch.set_rng_state(reader.get(mine, "rng/cpu"))
+            from ..tensor_parallel import get_rng_tracker
+
+            tracker = {
+                k.split("/", 2)[2]: reader.get(mine, k)
+                for k in reader.sha[mine]
+                if k.startswith("rng/tracker/")
+            }
+            if tracker:
+                get_rng_tracker().set_states(tracker)
+    return folder, manifest["client_state"]
