@@ -202,3 +202,38 @@ def _bad_client_state(rank, world, root):
 def test_client_state_must_be_json(tmp_path):
     msg = run_distributed(_bad_client_state, 1, args=(str(tmp_path),))[0]
     assert msg.startswith("client_state: not JSON-serialisable")
+
+
+def _save_and_dump(rank, world, stage, root):
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(world, stage))
+    _steps(engine, rank, world, 0, 2)
+    engine.save_checkpoint(root)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_consolidate_loads_into_a_plain_model(tmp_path, bf16):
+    from safetensors.torch import load_file
+
+    from zerostack.checkpoint import consolidate
+
+    full = run_distributed(_save_and_dump, 2, args=(3, str(tmp_path / "ckpt")))[0]
+    out = consolidate(
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "model.safetensors"),
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    weights = load_file(out)
+    model = tiny_gpt(seed=9)
+    model.load_state_dict(weights)  # strict: the tied head is there under its own name too
+    for name, p in model.named_parameters():
+        want = full[name].to(torch.bfloat16).float() if bf16 else full[name]
+        assert torch.equal(p.detach(), want), name
+    x, _ = batch(0, 2)
+    reference = tiny_gpt(seed=9)
+    reference.load_state_dict({k: v.float() for k, v in weights.items()})
+    assert torch.equal(model(x), reference(x))
+    if not bf16:  # the plain model computes what the trained engine's weights compute
+        engine_model = tiny_gpt(seed=9)
+        engine_model.load_state_dict({**full, "head.weight": full["wte.weight"]})
+        assert torch.equal(model(x), engine_model(x))

@@ -80,3 +80,37 @@ def test_example_script_runs_under_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 3: loss" in proc.stdout
     assert proc.stdout.count("'params'") == 2  # both ranks report their (sharded) bytes
+
+
+def test_save_resume_and_consolidate(tmp_path):
+    """--save-every writes checkpoints, --resume continues (on another ZeRO stage) from the
+    latest, and `zerostack consolidate` turns it into one safetensors file."""
+    base = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--n-layer", "1"]
+    base += ["--d-model", "32", "--n-head", "2", "--block-size", "32", "--micro-batch", "4"]
+    base += ["--no-progress", "--save-dir", str(tmp_path / "ckpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = base + ["--steps", "6", "--save-every", "3", "--zero-stage", "2"]
+    proc = subprocess.run(
+        first + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step3", "global_step6", "latest"]
+    second = base + ["--steps", "9", "--resume", "--zero-stage", "1", "--out", str(tmp_path / "b")]
+    proc = subprocess.run(second, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = list(csv.DictReader((tmp_path / "b" / "train_log.csv").open()))
+    assert [int(r["step"]) for r in rows] == [7, 8, 9]
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["checkpoint"] == str(tmp_path / "ckpt" / "global_step9")
+    out = tmp_path / "model.safetensors"
+    cmd = [sys.executable, "-m", "zerostack.cli", "consolidate", str(tmp_path / "ckpt"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
+    bad = subprocess.run(
+        cmd[:-2] + [str(tmp_path / "nope"), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2
+    assert (
+        bad.stderr == f"CheckpointError: {tmp_path / 'nope' / 'latest'}: no such file (no "
+        "complete checkpoint; pass tag=)\n"
+    )

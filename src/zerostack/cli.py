@@ -108,7 +108,24 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="sequence length")
     t.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
     t.add_argument("--out", type=str, default="runs/demo", help="folder for the CSV log and plot")
+    t.add_argument("--save-dir", default=None, help="write checkpoints here")
+    t.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every K steps (and at the end)"
+    )
+    t.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --save-dir"
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    c = sub.add_parser(
+        "consolidate",
+        help="one safetensors state dict from a sharded checkpoint",
+        description="Write the full weights of a zerostack checkpoint as one safetensors file "
+        "that plain model.load_state_dict reads (no distributed set-up needed).",
+    )
+    c.add_argument("ckpt_dir", help="the folder given to save_checkpoint (holds 'latest')")
+    c.add_argument("out", help="the .safetensors file to write")
+    c.add_argument("--tag", default=None, help="a tag other than the latest")
+    c.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
     return p
 
 
@@ -219,9 +236,18 @@ def train(args) -> dict:
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
     tokens_per_step = engine.train_batch_size() * args.block_size
     batches, epoch = iter(loader), 0
+    if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
+        engine.load_checkpoint(args.save_dir)
+        consumed = engine.global_steps * engine.gradient_accumulation_steps()
+        epoch, skip = divmod(consumed, len(loader))  # the data order of the uninterrupted run
+        loader.sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for _ in range(skip):
+            next(batches)
+    checkpoint, first_step = None, engine.global_steps
     loss_sum = torch.zeros(1)
     t_start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(args.steps - engine.global_steps):
         t0 = time.perf_counter()
         loss_sum.zero_()
         if args.pp > 1:  # the pipeline engine runs the whole batch and averages over dp
@@ -250,6 +276,9 @@ def train(args) -> dict:
             grad_norm=engine.get_global_grad_norm(),
             tokens_per_s=tokens_per_step / (time.perf_counter() - t0),
         )
+        due = args.save_every and engine.global_steps % args.save_every == 0
+        if args.save_dir and (due or engine.global_steps == args.steps):
+            checkpoint = engine.save_checkpoint(args.save_dir)
     elapsed = time.perf_counter() - t_start
     val_loss = _evaluate(engine, val_set, args.block_size)
     summary = {
@@ -269,9 +298,10 @@ def train(args) -> dict:
         "first_loss": monitor.rows[0]["loss"] if monitor.rows else None,
         "final_loss": monitor.recent_loss(),
         "val_loss": val_loss,
-        "tokens_per_s": tokens_per_step * args.steps / elapsed,
+        "tokens_per_s": tokens_per_step * (args.steps - first_step) / max(elapsed, 1e-9),
         "bytes_per_rank": engine.memory_breakdown(),
         "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
+        "checkpoint": checkpoint,
     }
     monitor.finish(summary)
     engine.destroy()  # NVMe offload files go now, not at interpreter exit
@@ -342,6 +372,10 @@ def _check_grid(args) -> None:
         raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide --nproc {args.nproc}")
     if args.offload == "nvme" and not args.nvme_path:
         raise ValueError("--offload nvme needs --nvme-path")
+    if (args.save_every or args.resume) and not args.save_dir:
+        raise ValueError("--save-every and --resume need --save-dir")
+    if args.save_dir and (args.tp > 1 or args.pp > 1):
+        raise ValueError("--save-dir: checkpoints with --tp or --pp are not supported yet")
     if args.schedule is not None and args.pp == 1:
         raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:
@@ -374,6 +408,18 @@ def main(argv: list[str] | None = None) -> int:
         from zerostack.topology import shutdown
 
         shutdown()
+    elif args.command == "consolidate":
+        import torch
+
+        from zerostack.checkpoint import CheckpointError, consolidate
+
+        try:
+            dtype = torch.bfloat16 if args.bf16 else torch.float32
+            path = consolidate(args.ckpt_dir, args.out, tag=args.tag, dtype=dtype)
+        except (CheckpointError, OSError, ValueError) as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
     return 0
 
 

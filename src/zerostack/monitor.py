@@ -112,6 +112,7 @@ class RunMonitor:
             + f" (total {_human_bytes(sum(mem.values()))})",
             f"  comm per step   {_human_bytes(summary['comm_bytes_per_step'])}",
             f"  log             {self.out / 'train_log.csv'}",
+            *([f"  checkpoint      {summary['checkpoint']}"] if summary.get("checkpoint") else []),
         ]
         if plot is not None:
             lines.append(f"  loss curve      {plot}")

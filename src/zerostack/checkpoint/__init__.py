@@ -4,6 +4,7 @@
 :func:`.state.load`; see :mod:`.state` for the format.
 """
 
+from .consolidate import consolidate
 from .state import CheckpointError, load, read_manifest, save
 
-__all__ = ["CheckpointError", "load", "read_manifest", "save"]
+__all__ = ["CheckpointError", "consolidate", "load", "read_manifest", "save"]

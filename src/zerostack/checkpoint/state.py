@@ -98,8 +98,18 @@ def _tracker_states() -> dict[str, torch.Tensor]:
     return get_rng_tracker().get_states()
 
 
+def _check_layout(engine) -> None:
+    topo = engine.topology
+    if topo.tp > 1 or topo.pp > 1:
+        raise CheckpointError(
+            f"checkpoints with tensor or pipeline parallelism (tp={topo.tp}, pp={topo.pp}) are "
+            "not supported yet in this version"
+        )
+
+
 def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path."""
+    _check_layout(engine)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     client_state = {} if client_state is None else client_state
     try:
@@ -160,9 +170,16 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
         n: list(p._zs.shape if hasattr(p, "_zs") else p.shape)  # stage 3: the full shape
         for n, p in engine.module.named_parameters()
     }
+    canonical = {id(p): n for n, p in engine.module.named_parameters()}
+    aliases = {  # a tied weight under its other names, for a plain load_state_dict
+        n: canonical[id(t)]
+        for n, t in engine.module.state_dict(keep_vars=True).items()
+        if id(t) in canonical and canonical[id(t)] != n
+    }
     return {
         "format": FORMAT,
         "tag": tag,
+        "aliases": aliases,
         "layout": {
             "world_size": engine.world_size,
             "dp": topo.dp,
@@ -247,6 +264,7 @@ def load(
     Every rank reads what it needs; if any rank finds a damaged or missing file, every rank
     raises the same error (naming the file) rather than some waiting on the others.
     """
+    _check_layout(engine)
     try:
         result, error = (
             _load(
@@ -346,6 +364,7 @@ def _load(
         c = manifest["counters"]
         engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
         engine.micro_steps, engine.skipped_steps = c["micro_steps"], c["skipped_steps"]
+        engine.comm.log.step = engine.global_steps  # CommLog steps continue from here
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
         if load_lr_scheduler_states and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
