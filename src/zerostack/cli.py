@@ -374,8 +374,6 @@ def _check_grid(args) -> None:
         raise ValueError("--offload nvme needs --nvme-path")
     if (args.save_every or args.resume) and not args.save_dir:
         raise ValueError("--save-every and --resume need --save-dir")
-    if args.save_dir and (args.tp > 1 or args.pp > 1):
-        raise ValueError("--save-dir: checkpoints with --tp or --pp are not supported yet")
     if args.schedule is not None and args.pp == 1:
         raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:

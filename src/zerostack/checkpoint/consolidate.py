@@ -18,9 +18,35 @@ from collections import defaultdict
 
 import torch
 
+from ..tensor_parallel import join_tensors
 from .state import CheckpointError, _Reader, read_manifest
 
 _DTYPES = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2)}
+
+
+def _assemble(reader, folder, name, shape, slices, spec, tp) -> torch.Tensor:
+    """The full fp32 parameter from its saved slices (joining tp slices along their dim)."""
+    ranks = [None] if spec is None else list(range(tp))
+    part = list(shape)
+    if spec is not None:
+        part[spec[0]] //= tp
+    parts = []
+    for r in ranks:
+        t = torch.empty(math.prod(part), dtype=torch.float32)
+        covered = 0
+        for src_tp, lo, hi, file in slices:
+            if src_tp == r:
+                key = f"master/{name}@{lo}" if r is None else f"master/{name}#tp{r}@{lo}"
+                t[lo:hi].copy_(reader.get(file, key))
+                covered += hi - lo
+        if covered != t.numel():
+            raise CheckpointError(
+                f"{folder}: {name}: slices cover {covered} of {t.numel()} elements"
+            )
+        parts.append(t.view(part))
+    if spec is None:
+        return parts[0]
+    return join_tensors(parts, dim=spec[0], chunks=spec[1])
 
 
 def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch.float32) -> str:
@@ -29,12 +55,18 @@ def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch
         raise ValueError(f"consolidate: dtype {dtype} is not float32 or bfloat16")
     folder, manifest = read_manifest(ckpt_dir, tag)
     reader = _Reader(folder, manifest)
-    slices: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    slices: dict[str, list[tuple[int | None, int, int, str]]] = defaultdict(list)
     for rec in manifest["files"]:
-        for name, lo, hi in rec["slices"]:
-            slices[name].append((lo, hi, rec["file"]))
-    first = manifest["files"][0]["file"]
-    buffers = sorted(k for k in reader.sha[first] if k.startswith("buffer/"))
+        for name, tp_rank, lo, hi in rec["slices"]:
+            slices[name].append((tp_rank, lo, hi, rec["file"]))
+    holder = {
+        k: rec["file"]
+        for rec in manifest["files"]
+        for k in rec["sha256"]
+        if k.startswith("buffer/")
+    }
+    buffers = sorted(holder)
+    tp, specs = manifest["layout"]["tp"], manifest.get("tp_specs", {})
     code, width = _DTYPES[dtype]
     header, offset, order = {}, 0, []
     entries = list(manifest["params"].items())
@@ -45,7 +77,7 @@ def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch
         offset += n * width
         order.append(("param", manifest["aliases"].get(name, name), shape))
     for key in buffers:
-        t = reader.get(first, key)
+        t = reader.get(holder[key], key)
         name = key[len("buffer/") :]
         nbytes = t.numel() * t.element_size()
         kind = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}.get(t.dtype)
@@ -67,17 +99,9 @@ def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch
         f.write(blob)
         for kind, name, shape in order:
             if kind == "buffer":
-                t = reader.get(first, name)
+                t = reader.get(holder[name], name)
             else:
-                t = torch.empty(math.prod(shape), dtype=torch.float32)
-                covered = 0
-                for lo, hi, file in slices[name]:
-                    t[lo:hi].copy_(reader.get(file, f"master/{name}@{lo}"))
-                    covered += hi - lo
-                if covered != t.numel():
-                    raise CheckpointError(
-                        f"{folder}: {name}: slices cover {covered} of {t.numel()} elements"
-                    )
+                t = _assemble(reader, folder, name, shape, slices[name], specs.get(name), tp)
                 t = t.to(dtype)
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
     os.replace(tmp, out)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections import defaultdict
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 
 FORMAT = "zerostack-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -62,17 +65,22 @@ def _write_shard(engine, folder: str) -> dict:
     tensors: dict[str, torch.Tensor] = {}
     slices = []
     opt_state = engine.optimizer.state
+    topo = engine.topology
+    # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
+    # first pipeline stage that holds it (the parameters the gradient norm skips).
+    elsewhere = engine._norm_skip()
     if engine.zero.owns_replica:
         for p, lo, hi, master, a, b in engine.zero.owned_slices():
-            if hi <= lo:
+            if hi <= lo or p in elsewhere:
                 continue
-            key = f"{names[p]}@{lo}"
+            tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
+            key = _key(names[p], tp_rank, lo)
             tensors[f"master/{key}"] = master.detach().reshape(-1)[a:b].float().cpu().clone()
             for k, v in opt_state.get(master, {}).items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
                     tensors[f"{k}/{key}"] = v.detach().reshape(-1)[a:b].cpu().clone()
-            slices.append([names[p], lo, hi])
-    if engine.global_rank == 0:
+            slices.append([names[p], tp_rank, lo, hi])
+    if topo.rank("dp") == 0 and topo.rank("tp") == 0:  # each stage's buffers, once
         for name, buf in engine.module.named_buffers():
             tensors[f"buffer/{name}"] = buf.detach().cpu().clone()
     tensors["rng/cpu"] = torch.get_rng_state()
@@ -89,7 +97,25 @@ def _write_shard(engine, folder: str) -> dict:
         "bytes": os.path.getsize(path),
         "sha256": {k: _sha256(v) for k, v in tensors.items()},
         "slices": slices,
+        "params": {n: _full_shape(p, topo.tp) for n, p in engine.module.named_parameters()},
+        "specs": {
+            n: list(partition_spec(p))
+            for n, p in engine.module.named_parameters()
+            if partition_spec(p) is not None
+        },
     }
+
+
+def _key(name: str, tp_rank: int | None, lo: int) -> str:
+    return f"{name}@{lo}" if tp_rank is None else f"{name}#tp{tp_rank}@{lo}"
+
+
+def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
+    shape = list(p._zs.shape if hasattr(p, "_zs") else p.shape)
+    spec = partition_spec(p)
+    if spec is not None:
+        shape[spec[0]] *= tp
+    return shape
 
 
 def _tracker_states() -> dict[str, torch.Tensor]:
@@ -98,18 +124,8 @@ def _tracker_states() -> dict[str, torch.Tensor]:
     return get_rng_tracker().get_states()
 
 
-def _check_layout(engine) -> None:
-    topo = engine.topology
-    if topo.tp > 1 or topo.pp > 1:
-        raise CheckpointError(
-            f"checkpoints with tensor or pipeline parallelism (tp={topo.tp}, pp={topo.pp}) are "
-            "not supported yet in this version"
-        )
-
-
 def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path."""
-    _check_layout(engine)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     client_state = {} if client_state is None else client_state
     try:
@@ -166,10 +182,17 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
                 break
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
-    params = {
-        n: list(p._zs.shape if hasattr(p, "_zs") else p.shape)  # stage 3: the full shape
+    # Full shapes (tp slices joined) and how each tp-split parameter is cut; with a pipeline,
+    # every stage's parameters (gathered as plain JSON through files of the ranks' reports).
+    params = {n: _full_shape(p, topo.tp) for n, p in engine.module.named_parameters()}
+    specs = {
+        n: list(partition_spec(p))
         for n, p in engine.module.named_parameters()
+        if partition_spec(p) is not None
     }
+    for rec in records:
+        params.update(rec.pop("params"))
+        specs.update(rec.pop("specs"))
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {  # a tied weight under its other names, for a plain load_state_dict
         n: canonical[id(t)]
@@ -189,6 +212,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
             "precision": engine.precision.name,
         },
         "params": params,
+        "tp_specs": specs,
         "counters": {
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
@@ -264,7 +288,6 @@ def load(
     Every rank reads what it needs; if any rank finds a damaged or missing file, every rank
     raises the same error (naming the file) rather than some waiting on the others.
     """
-    _check_layout(engine)
     try:
         result, error = (
             _load(
@@ -301,38 +324,70 @@ def _load(
     reader = _Reader(folder, manifest)
     names = {p: n for n, p in engine.module.named_parameters()}
     saved = manifest["params"]
+    tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
     for p, name in names.items():
         if name not in saved:
             raise CheckpointError(f"{folder}: no parameter {name!r} in the checkpoint")
-        if list(p.shape) != saved[name] and not hasattr(p, "_zs"):
+        if _full_shape(p, tp) != saved[name]:
             raise CheckpointError(
                 f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
-                f"{list(p.shape)} in the model"
+                f"{_full_shape(p, tp)} in the model"
             )
-        if hasattr(p, "_zs") and list(p._zs.shape) != saved[name]:
-            raise CheckpointError(
-                f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
-                f"{list(p._zs.shape)} in the model"
-            )
-    for name in saved:
-        if name not in names.values():
-            raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
-    index: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    if engine.topology.pp == 1:  # with a pipeline, the other stages hold the rest
+        for name in saved:
+            if name not in names.values():
+                raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
+    index: dict[str, list[tuple[int | None, int, int, str]]] = defaultdict(list)
     for rec in manifest["files"]:
-        for name, lo, hi in rec["slices"]:
-            index[name].append((lo, hi, rec["file"]))
+        for name, src_tp, lo, hi in rec["slices"]:
+            index[name].append((src_tp, lo, hi, rec["file"]))
+    saved_tp = manifest["layout"]["tp"]
     opt = engine.optimizer
     with_state = load_optimizer_states and not load_module_only
     keys = sorted(
         {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
         - {"master", "rng", "buffer"}
     )
+
+    def fill(dest, name, kind, want_tp, lo, hi, offset):
+        for src_tp, slo, shi, file in index[name]:
+            x, y = max(lo, slo), min(hi, shi)
+            if src_tp != want_tp or x >= y:
+                continue
+            src = reader.get(file, f"{kind}/{_key(name, src_tp, slo)}")
+            dest[offset + x - lo : offset + y - lo].copy_(src[x - slo : y - slo])
+
+    def rebuilt(name, kind, saved_spec, spec):
+        """This tp rank's flattened part of a parameter cut differently when saved (another tp
+        size, or split then and not now): the saved slices joined into the full parameter (one
+        parameter in memory), then cut as this model cuts it."""
+        full_shape = saved[name]
+        if saved_spec is None:
+            full = torch.zeros(math.prod(full_shape))
+            fill(full, name, kind, None, 0, full.numel(), 0)
+            full = full.view(full_shape)
+        else:
+            part = list(full_shape)
+            part[saved_spec[0]] //= saved_tp
+            n = math.prod(part)
+            parts = []
+            for r in range(saved_tp):
+                t = torch.zeros(n)
+                fill(t, name, kind, r, 0, n, 0)
+                parts.append(t.view(part))
+            full = join_tensors(parts, dim=saved_spec[0], chunks=saved_spec[1])
+        if spec is None:
+            return full.reshape(-1)
+        return split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1]).reshape(-1)
+
     for p, lo, hi, master, a, _ in engine.zero.owned_slices():
         if hi <= lo:
             continue
         name = names[p]
-        kinds = ["master"] + (keys if with_state else [])
-        for kind in kinds:
+        saved_spec = manifest.get("tp_specs", {}).get(name)
+        spec = partition_spec(p)
+        spec = list(spec) if spec is not None else None
+        for kind in ["master"] + (keys if with_state else []):
             if kind == "master":
                 dest = master.data.reshape(-1)
             else:
@@ -340,12 +395,12 @@ def _load(
                 if kind not in state:
                     state[kind] = torch.zeros_like(master)
                 dest = state[kind].reshape(-1)
-            for slo, shi, file in index[name]:
-                x, y = max(lo, slo), min(hi, shi)
-                if x >= y:
-                    continue
-                src = reader.get(file, f"{kind}/{name}@{slo}")
-                dest[a + x - lo : a + y - lo].copy_(src[x - slo : y - slo])
+            if saved_spec is None and spec is None:  # whole then and now
+                fill(dest, name, kind, None, lo, hi, a)
+            elif saved_spec == spec and saved_tp == tp:  # cut the same way: this rank's slices
+                fill(dest, name, kind, tp_rank, lo, hi, a)
+            else:
+                dest[a : a + hi - lo].copy_(rebuilt(name, kind, saved_spec, spec)[lo:hi])
     if with_state:
         for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
             for k, v in saved_g["hyper"].items():
@@ -357,9 +412,16 @@ def _load(
                 for m in g["params"]:
                     if m in opt.state:
                         opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
-    first = manifest["files"][0]["file"]
+    holder = {
+        k[len("buffer/") :]: rec["file"]
+        for rec in manifest["files"]
+        for k in rec["sha256"]
+        if k.startswith("buffer/")
+    }
     for name, buf in engine.module.named_buffers():
-        buf.data.copy_(reader.get(first, f"buffer/{name}"))
+        if name not in holder:
+            raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
+        buf.data.copy_(reader.get(holder[name], f"buffer/{name}"))
     if not load_module_only:
         c = manifest["counters"]
         engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
