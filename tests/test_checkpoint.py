@@ -345,3 +345,15 @@ def test_pipeline_checkpoints_change_layout(tmp_path):
     # and the tied weight's two copies agreed when saved
     last = [r for r in b if r[2] == 1][0][1]
     assert torch.equal(last["wte.weight"], _merge(b, 1)["wte.weight"])
+
+
+def test_consolidate_joins_tensor_parallel_slices(tmp_path):
+    from safetensors.torch import load_file
+
+    from zerostack.checkpoint import consolidate
+
+    saved = run_distributed(_tp_save, 4, args=(str(tmp_path / "ckpt"),))[0]
+    weights = load_file(consolidate(str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors")))
+    model = tiny_gpt(seed=9, cfg=_tp_cfg())
+    model.load_state_dict(weights)
+    assert all(torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters())
