@@ -1,10 +1,11 @@
-"""Checkpoints: exact resume, another ZeRO stage / dp size on load, nothing lost on a failed save.
+"""Checkpoints: exact resume, another ZeRO stage / dp / tp / pp layout on load, nothing lost on a
+failed save.
 
 Exact resume is bit for bit: the fp32 masters, the Adam moments and steps, the loss scaler and the
 counters come back exactly, so the losses after resuming are the uninterrupted run's. After a
-layout change the parameters right after loading are the saved ones, bit for bit, and training on
-ends within 1e-5 of single-process training (the same tolerance as the parity tests: only the
-order of sums differs), which fails loudly if the moments were not carried over.
+layout change the parameters right after loading are the saved ones, bit for bit, and 3 more
+steps end within 1e-6 of the uninterrupted run on the new layout (only the order of sums differs
+between layouts), which fails loudly if the moments were not carried over.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def test_load_on_another_layout(src, dst, tmp_path):
     # the reference has no warm-up: compare to a run of the same schedule without the reload
     again = run_distributed(_uninterrupted, dst[0], args=(dst[1], 6))[0]
     diff, name = max_rel_diff(final, again)
-    assert diff <= 1e-5, f"{name}: {diff:.2e} from the uninterrupted run"
+    assert diff <= 1e-6, f"{name}: {diff:.2e} from the uninterrupted run"
     assert max_rel_diff(final, ref)[0] > 1e-6  # (the schedule matters: the check can fail)
 
 
@@ -181,6 +182,11 @@ def test_damaged_missing_and_mismatched_checkpoints_are_named(tmp_path):
     msg = run_distributed(_load_error, 2, args=(str(tmp_path),), kwargs={"cfg": wider})[0]
     assert "wte.weight has shape [256, 32] in the checkpoint, [256, 64] in the model" in msg
     manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["params"]["extra.weight"] = [3]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    msgs = run_distributed(_load_error, 2, args=(str(tmp_path),))
+    assert msgs == [f"{folder}: the checkpoint has 'extra.weight', the model does not"] * 2
+    del manifest["params"]["extra.weight"]
     assert manifest["layout"] == {
         "world_size": 2,
         "dp": 2,
@@ -284,7 +290,7 @@ def test_tensor_parallel_checkpoint_loads_on_data_parallel(tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     again = run_distributed(_plain_uninterrupted, 4, args=(3,))[0]
     diff, name = max_rel_diff(final, again)
-    assert diff <= 1e-5, f"{name}: {diff:.2e} from the uninterrupted run"
+    assert diff <= 1e-6, f"{name}: {diff:.2e} from the uninterrupted run"
 
 
 def _pipe(rank, world, pp, tp, root, load, save, steps, first_step):
