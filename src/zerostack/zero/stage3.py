@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm, Handle
 from ..precision import Precision
+from ..tensor_parallel.layers import linear_saving_weight
 from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
 from .offload import (
     HostMeter,
@@ -70,38 +70,8 @@ def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.P
     return out
 
 
-class _LinearSavingWeight(torch.autograd.Function):
-    """``F.linear`` that saves the weight *parameter* for backward, not a view of its storage.
-
-    torch's linear saves ``weight.t()``, a view that keeps the gathered storage alive until
-    backward even after the module releases the parameter, so a stage-3 forward would end up
-    holding every layer's full weights. Saved as the parameter itself, the weight is whatever the
-    parameter holds when backward unpacks it: empty after the release, gathered again by the
-    pre-backward hook.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(weight)
-        flat = gy.reshape(-1, gy.shape[-1])
-        if ctx.needs_input_grad[1]:
-            gw = flat.t().matmul(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = flat.sum(0)
-        return gx, gw, gb
-
-
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearSavingWeight.apply(x, module.weight, module.bias)
+    return linear_saving_weight(x, module.weight, module.bias)
 
 
 class _Gather:
@@ -247,7 +217,7 @@ class Stage3:
             m.register_forward_pre_hook(partial(self._pre_forward, u))
             m.register_forward_hook(partial(self._post_forward, u))
         self._owner = owner
-        for m in module.modules():  # see _LinearSavingWeight
+        for m in module.modules():  # see linear_saving_weight
             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
                 m.forward = partial(_linear_forward, m)
         self._owned = [
