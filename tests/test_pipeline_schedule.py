@@ -33,9 +33,8 @@ from zerostack.pipeline.schedule import (
     interleaved,
     one_f_one_b,
     peer_of,
-    simulate,
-    validate,
 )
+from zerostack.pipeline.simulate import simulate, validate
 
 TOL = 1e-9
 P_RANGE, M_RANGE, V_RANGE = range(1, 9), range(1, 17), range(2, 5)

@@ -1,8 +1,8 @@
 """Pipeline parallelism: DeepSpeed's ``PipelineModule`` API, pure schedules, and their executor.
 
 * :mod:`.module`: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``, partitioning.
-* :mod:`.schedule`: GPipe, 1F1B and interleaved 1F1B as per-stage instruction streams, and a
-  simulator that checks them for deadlock and measures their bubble.
+* :mod:`.schedule`: GPipe, 1F1B and interleaved 1F1B as per-stage instruction streams.
+* :mod:`.simulate`: runs them together without processes: deadlock check, bubble, memory.
 * :mod:`.executor`: runs a stream with batched point-to-point ops.
 * :mod:`.engine`: ``PipelineEngine.train_batch`` / ``eval_batch``.
 """
