@@ -292,7 +292,12 @@ class Engine(nn.Module):
         from .checkpoint import load
 
         return load(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
         )
 
     def destroy(self) -> None:

@@ -45,6 +45,16 @@ def _sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _gather_errors(error: str | None) -> list[tuple[int, str]]:
+    """Every rank's error as ``(rank, message)``: one failing rank fails them all, and none is
+    left waiting in a collective the failing one never reaches."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [(0, error)] if error else []
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # strings between live ranks, never from disk
+    return [(r, e) for r, e in enumerate(errors) if e]
+
+
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -140,24 +150,21 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
     _barrier()
-    # Every rank reports (ok or error) before anyone decides, so one failing rank cannot leave
-    # the others waiting in a barrier.
     try:
-        record, error = _write_shard(engine, folder), ""
-    except Exception as exc:  # reported to every rank below, then raised
-        record, error = None, f"{type(exc).__name__}: {exc}"
-    _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps([record, error]))
-    _barrier()
-    reports = [
-        json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
-        for r in range(engine.world_size)
-    ]
-    _barrier()  # every rank has read the reports before rank 0 removes them
-    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
+        record, error = _write_shard(engine, folder), None
+        _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps(record))
+    except Exception as exc:  # every rank learns of it below, then all raise
+        error = f"{type(exc).__name__}: {exc}"
+    errors = _gather_errors(error)
     if errors:
-        raise CheckpointError(f"{final}: not saved ({'; '.join(errors)}); latest is unchanged")
+        listed = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
     if rank == 0:
-        manifest = _manifest(engine, tag, [rec for rec, _ in reports], client_state)
+        records = [
+            json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
+            for r in range(engine.world_size)
+        ]
+        manifest = _manifest(engine, tag, records, client_state)
         _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
         for r in range(engine.world_size):
             os.remove(os.path.join(folder, f"rank{r:05d}.json"))
@@ -182,14 +189,10 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
                 break
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
-    # Full shapes (tp slices joined) and how each tp-split parameter is cut; with a pipeline,
-    # every stage's parameters (gathered as plain JSON through files of the ranks' reports).
-    params = {n: _full_shape(p, topo.tp) for n, p in engine.module.named_parameters()}
-    specs = {
-        n: list(partition_spec(p))
-        for n, p in engine.module.named_parameters()
-        if partition_spec(p) is not None
-    }
+    # Full shapes (tp slices joined) and how each tp-split parameter is cut, from every rank's
+    # record (with a pipeline, each stage knows only its own parameters).
+    params: dict[str, list[int]] = {}
+    specs: dict[str, list[int]] = {}
     for rec in records:
         params.update(rec.pop("params"))
         specs.update(rec.pop("specs"))
@@ -246,6 +249,49 @@ class _Reader:
                     f"says {rec['bytes']} (truncated or damaged)"
                 )
 
+        self.saved_tp = manifest["layout"]["tp"]
+        self.specs = manifest.get("tp_specs", {})
+        self.index: dict[str, list[tuple[int | None, int, int, str]]] = defaultdict(list)
+        for rec in manifest["files"]:
+            for name, tp_rank, lo, hi in rec["slices"]:
+                self.index[name].append((tp_rank, lo, hi, rec["file"]))
+        self.buffers = {  # buffer name -> the file holding it
+            k[len("buffer/") :]: rec["file"]
+            for rec in manifest["files"]
+            for k in rec["sha256"]
+            if k.startswith("buffer/")
+        }
+
+    def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
+        """Copy elements ``[lo, hi)`` of ``name``'s saved ``kind`` (the slice written by tp rank
+        ``tp_rank``; None for a whole parameter) to ``dest[offset:]``; returns how many."""
+        covered = 0
+        for src_tp, slo, shi, file in self.index[name]:
+            x, y = max(lo, slo), min(hi, shi)
+            if src_tp != tp_rank or x >= y:
+                continue
+            src = self.get(file, f"{kind}/{_key(name, src_tp, slo)}")
+            dest[offset + x - lo : offset + y - lo].copy_(src[x - slo : y - slo])
+            covered += y - x
+        return covered
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The whole saved parameter (fp32), its tp slices joined: one parameter in memory."""
+        shape, spec = self.manifest["params"][name], self.specs.get(name)
+        part = list(shape)
+        if spec is not None:
+            part[spec[0]] //= self.saved_tp
+        parts = []
+        for r in [None] if spec is None else range(self.saved_tp):
+            t = torch.zeros(math.prod(part))
+            covered = self.fill(t, name, kind, r, 0, t.numel(), 0)
+            if covered != t.numel():
+                raise CheckpointError(
+                    f"{self.folder}: {name}: slices cover {covered} of {t.numel()} elements"
+                )
+            parts.append(t.view(part))
+        return parts[0] if spec is None else join_tensors(parts, dim=spec[0], chunks=spec[1])
+
     def get(self, file: str, key: str) -> torch.Tensor:
         path = os.path.join(self.folder, file)
         try:
@@ -275,39 +321,21 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
-def load(
-    engine,
-    load_dir: str,
-    tag=None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-):
+def load(engine, load_dir: str, tag=None, **options):
     """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state).
 
-    Every rank reads what it needs; if any rank finds a damaged or missing file, every rank
-    raises the same error (naming the file) rather than some waiting on the others.
+    ``options``: ``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only``
+    (DeepSpeed's, all as :meth:`Engine.load_checkpoint` documents). Every rank reads what it needs;
+    if any rank finds a damaged or missing file, every rank raises the same error (naming the
+    file) rather than some waiting on the others.
     """
     try:
-        result, error = (
-            _load(
-                engine,
-                load_dir,
-                tag,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_only,
-            ),
-            None,
-        )
+        result, error = _load(engine, load_dir, tag, **options), None
     except CheckpointError as exc:
         result, error = None, str(exc)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)  # strings between live ranks, never from disk
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
+    errors = _gather_errors(error)
+    if errors:
+        raise CheckpointError(errors[0][1])
     engine.zero.after_step()  # the masters into the compute-dtype parameters (a collective)
     return result
 
@@ -315,7 +343,7 @@ def load(
 def _load(
     engine,
     load_dir: str,
-    tag=None,
+    tag,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
@@ -337,54 +365,18 @@ def _load(
         for name in saved:
             if name not in names.values():
                 raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
-    index: dict[str, list[tuple[int | None, int, int, str]]] = defaultdict(list)
-    for rec in manifest["files"]:
-        for name, src_tp, lo, hi in rec["slices"]:
-            index[name].append((src_tp, lo, hi, rec["file"]))
-    saved_tp = manifest["layout"]["tp"]
+    saved_tp = reader.saved_tp
     opt = engine.optimizer
     with_state = load_optimizer_states and not load_module_only
     keys = sorted(
         {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
         - {"master", "rng", "buffer"}
     )
-
-    def fill(dest, name, kind, want_tp, lo, hi, offset):
-        for src_tp, slo, shi, file in index[name]:
-            x, y = max(lo, slo), min(hi, shi)
-            if src_tp != want_tp or x >= y:
-                continue
-            src = reader.get(file, f"{kind}/{_key(name, src_tp, slo)}")
-            dest[offset + x - lo : offset + y - lo].copy_(src[x - slo : y - slo])
-
-    def rebuilt(name, kind, saved_spec, spec):
-        """This tp rank's flattened part of a parameter cut differently when saved (another tp
-        size, or split then and not now): the saved slices joined into the full parameter (one
-        parameter in memory), then cut as this model cuts it."""
-        full_shape = saved[name]
-        if saved_spec is None:
-            full = torch.zeros(math.prod(full_shape))
-            fill(full, name, kind, None, 0, full.numel(), 0)
-            full = full.view(full_shape)
-        else:
-            part = list(full_shape)
-            part[saved_spec[0]] //= saved_tp
-            n = math.prod(part)
-            parts = []
-            for r in range(saved_tp):
-                t = torch.zeros(n)
-                fill(t, name, kind, r, 0, n, 0)
-                parts.append(t.view(part))
-            full = join_tensors(parts, dim=saved_spec[0], chunks=saved_spec[1])
-        if spec is None:
-            return full.reshape(-1)
-        return split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1]).reshape(-1)
-
     for p, lo, hi, master, a, _ in engine.zero.owned_slices():
         if hi <= lo:
             continue
         name = names[p]
-        saved_spec = manifest.get("tp_specs", {}).get(name)
+        saved_spec = reader.specs.get(name)
         spec = partition_spec(p)
         spec = list(spec) if spec is not None else None
         for kind in ["master"] + (keys if with_state else []):
@@ -396,11 +388,14 @@ def _load(
                     state[kind] = torch.zeros_like(master)
                 dest = state[kind].reshape(-1)
             if saved_spec is None and spec is None:  # whole then and now
-                fill(dest, name, kind, None, lo, hi, a)
+                reader.fill(dest, name, kind, None, lo, hi, a)
             elif saved_spec == spec and saved_tp == tp:  # cut the same way: this rank's slices
-                fill(dest, name, kind, tp_rank, lo, hi, a)
-            else:
-                dest[a : a + hi - lo].copy_(rebuilt(name, kind, saved_spec, spec)[lo:hi])
+                reader.fill(dest, name, kind, tp_rank, lo, hi, a)
+            else:  # cut otherwise: through the whole parameter, cut as this model cuts it
+                full = reader.full(name, kind)
+                if spec is not None:
+                    full = split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
+                dest[a : a + hi - lo].copy_(full.reshape(-1)[lo:hi])
     if with_state:
         for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
             for k, v in saved_g["hyper"].items():
@@ -412,16 +407,10 @@ def _load(
                 for m in g["params"]:
                     if m in opt.state:
                         opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
-    holder = {
-        k[len("buffer/") :]: rec["file"]
-        for rec in manifest["files"]
-        for k in rec["sha256"]
-        if k.startswith("buffer/")
-    }
     for name, buf in engine.module.named_buffers():
-        if name not in holder:
+        if name not in reader.buffers:
             raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
-        buf.data.copy_(reader.get(holder[name], f"buffer/{name}"))
+        buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
     if not load_module_only:
         c = manifest["counters"]
         engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
