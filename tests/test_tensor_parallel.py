@@ -16,12 +16,12 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack import ConfigError, Topology
+from zerostack.checkpointing import checkpoint
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt import join_state_dicts, split_state_dict, tp_spec
 from zerostack.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    checkpoint,
     get_rng_tracker,
     model_parallel_seed,
     partition_spec,

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel import checkpoint
+from ..checkpointing import checkpoint
 from ..topology import Topology
 
 

@@ -5,8 +5,8 @@
 * :mod:`.layers`: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``,
   ``SequenceParallelLayerNorm``; split/join of tensors between a plain layer and its tp shards.
 * :mod:`.cross_entropy`: the loss over vocabulary-split logits.
-* :mod:`.random`: one random stream shared by the tp ranks, one per rank, and a checkpoint that
-  replays both.
+* :mod:`.random`: one random stream shared by the tp ranks, one per rank
+  (``zerostack.checkpointing.checkpoint`` replays both).
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -32,7 +32,6 @@ from .mappings import (
 )
 from .random import (
     RNGStatesTracker,
-    checkpoint,
     ensure_seeded,
     get_rng_tracker,
     model_parallel_seed,
@@ -45,7 +44,6 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallelLayerNorm",
     "VocabParallelEmbedding",
-    "checkpoint",
     "copy_to_tp",
     "ensure_seeded",
     "gather_from_sp",

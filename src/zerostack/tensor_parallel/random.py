@@ -10,8 +10,8 @@ default one back afterwards::
     with get_rng_tracker().fork():
         y = F.dropout(y, 0.1)              # differs across tp ranks
 
-:func:`checkpoint` recomputes a function in backward with the tracker's states (and torch's) as they
-were in forward, so recomputed dropout masks are the forward masks.
+:func:`zerostack.checkpointing.checkpoint` recomputes a function in backward with the tracker's
+states (and torch's) as they were in forward, so recomputed dropout masks are the forward masks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils.checkpoint
 
 from ..topology import Topology
 
@@ -105,31 +104,3 @@ def ensure_seeded(topology: Topology) -> None:
     if MODEL_PARALLEL_RNG not in _TRACKER.states:
         seed = torch.initial_seed() + TP_SEED_OFFSET + topology.rank("tp")
         _TRACKER.add(MODEL_PARALLEL_RNG, seed)
-
-
-def _replay_tracker():
-    """``context_fn`` for torch's checkpoint: remember the tracker in forward, restore it for the
-    recomputation, and put the current states back afterwards."""
-    at_forward = _TRACKER.get_states()
-
-    @contextlib.contextmanager
-    def recompute():
-        now = _TRACKER.get_states()
-        _TRACKER.set_states(at_forward)
-        try:
-            yield
-        finally:
-            _TRACKER.set_states(now)
-
-    return contextlib.nullcontext(), recompute()
-
-
-def checkpoint(function, *args, **kwargs):
-    """Activation checkpointing that replays tensor-parallel dropout masks exactly.
-
-    ``torch.utils.checkpoint.checkpoint`` (non-reentrant) restores torch's generators for the
-    recomputation; this also restores the tracker's streams.
-    """
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=_replay_tracker, **kwargs
-    )
