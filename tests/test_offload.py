@@ -33,16 +33,21 @@ def _config(world, stage, offload=None, **zero):
     }
 
 
+def _step(engine, rank, world, step):
+    """One optimizer step: two micro-batches of B sequences, this rank's share of each."""
+    x, y = batch(step, 2 * B)
+    per = B // world
+    for m in range(2):
+        lo = m * B + rank * per
+        engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+        engine.step()
+
+
 def _run(rank, world, cfg):
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
-    per = B // world
     seen = {"files": 0, "host_peak": 0}
     for step in range(STEPS):
-        x, y = batch(step, 2 * B)
-        for m in range(2):
-            lo = m * B + rank * per
-            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
-            engine.step()
+        _step(engine, rank, world, step)
         swapper = getattr(engine.zero, "swapper", None)
         if swapper is not None:
             seen["files"] = max(seen["files"], len(os.listdir(swapper.store.dir)))
@@ -102,13 +107,8 @@ def _params_offloaded(rank, world, device, nvme_root):
         engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
         files = len(os.listdir(engine.zero.param_swapper.store.dir)) if device == "nvme" else 0
         resident = engine.memory_breakdown()["params"]
-        per = B // world
         for step in range(STEPS):
-            x, y = batch(step, 2 * B)
-            for m in range(2):
-                lo = m * B + rank * per
-                engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
-                engine.step()
+            _step(engine, rank, world, step)
         got = engine.full_state_dict()
         engine.destroy()
         out[name] = (all(torch.equal(got[k], base[k]) for k in base), files, resident)
@@ -142,13 +142,8 @@ def _infinity(rank, world, nvme_root):
     in_memory = sum(p._zs.piece.untyped_storage().nbytes() for p in model.parameters())
     files_at_init = len(os.listdir(init.swapper.store.dir))
     engine, *_ = zerostack.initialize(model=model, config=cfg)
-    per = B // world
     for step in range(STEPS):
-        x, y = batch(step, 2 * B)
-        for m in range(2):
-            lo = m * B + rank * per
-            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
-            engine.step()
+        _step(engine, rank, world, step)
     got = engine.full_state_dict()
     engine.destroy()
     return all(torch.equal(got[k], base[k]) for k in base), in_memory, files_at_init

@@ -169,6 +169,7 @@ class Stage3:
             options = {k: v for k, v in group.items() if k != "params"}
             for params in _sub_groups(list(group["params"]), limit):
                 self.groups.append(self._make_group(params, options, index, dtype, pin))
+        self._group_of = {g.master: g for g in self.groups}  # master -> its (sub-)group
         for p in everything:
             if self.param_swapper is not None and self.param_swapper.holds(p):
                 if p not in self._trainable:
@@ -309,7 +310,7 @@ class Stage3:
 
     def _load_grad(self, master: nn.Parameter) -> torch.Tensor:
         """The sub-group's gradient, read from the files and scaled (the optimizer's input)."""
-        g = next(g for g in self.groups if g.master is master)
+        g = self._group_of[master]
         out = torch.zeros(master.numel(), dtype=torch.float32)
         off = 0
         for p in g.params:
@@ -552,8 +553,7 @@ class Stage3:
         if self.swapper is None:
             optimizer.step()
             return
-        group_of = {g.master: g for g in self.groups}
-        self.swapper.step(optimizer, lambda m, value: self._write_pieces(group_of[m], value))
+        self.swapper.step(optimizer, lambda m, value: self._write_pieces(self._group_of[m], value))
 
     def after_step(self) -> None:
         for g in self.groups:
