@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit, torchrun  # benchmarks/_bench.py
+
 from zerostack.models import GPT, GPTConfig
 
 
@@ -131,37 +132,17 @@ def main(args) -> dict:
     try:
         for stage in [int(s) for s in args.stages.split(",")]:
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                os.path.abspath(__file__),
-                *sys.argv[1:],
-                "--dir",
-                root,
-                "--bench-stage",
-                str(stage),
-            ]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-            res = (
-                json.loads(lines[-1])
-                if p.returncode == 0 and lines
-                else {"stage": stage, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
-            )
+            argv = [*sys.argv[1:], "--dir", root, "--bench-stage", str(stage)]
+            res = torchrun(os.path.abspath(__file__), 2, argv, env, 1800)
+            if "error" in res:
+                res = {"stage": stage, **res}
             results.append(res)
             print(json.dumps(res), file=sys.stderr)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     out = {"benchmark": "checkpoint", "world_size": 2, "torch": torch.__version__, "runs": results}
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ try:
 except ImportError:  # e.g. the DeepSpeed peers venv: use this checkout's source
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit  # benchmarks/_bench.py
+
 from zerostack.optim import CPUAdam
 
 SIDES = [
@@ -211,11 +213,7 @@ def main(args) -> dict:
         "versions": _versions(),
         "by_threads": by_threads,
     }
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

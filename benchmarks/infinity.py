@@ -14,7 +14,6 @@ step and the bytes read and written per step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -28,6 +27,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit  # benchmarks/_bench.py
+
 from zerostack.models import GPT, GPTConfig
 
 
@@ -118,10 +119,7 @@ def main(args) -> dict:
         "torch": torch.__version__,
     }
     if rank == 0:
-        print(json.dumps(out), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=2)
+        emit(out, args.out)
     zerostack.shutdown()
     return out
 

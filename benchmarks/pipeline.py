@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit, torchrun  # benchmarks/_bench.py
+
 from zerostack.models import GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
 from zerostack.pipeline import PipelineModule
@@ -138,26 +139,10 @@ def main(args) -> dict:
     results = []
     for pp, schedule in RUNS:
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // pp)))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={pp}",
-            os.path.abspath(__file__),
-            *sys.argv[1:],
-            "--bench-run",
-            f"{pp}:{schedule}",
-        ]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if p.returncode == 0 and lines:
-            res = json.loads(lines[-1])
-        else:
-            err = [
-                ln for ln in p.stderr.splitlines() if ln.startswith("[rank0]:") and "Error" in ln
-            ]
-            res = {"pp": pp, "schedule": schedule, "error": (err or [f"exit {p.returncode}"])[-1]}
+        argv = [*sys.argv[1:], "--bench-run", f"{pp}:{schedule}"]
+        res = torchrun(os.path.abspath(__file__), pp, argv, env, 1800)
+        if "error" in res:
+            res = {"pp": pp, "schedule": schedule, **res}
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "stages"}), file=sys.stderr)
     base = next((r for r in results if r["pp"] == 1 and "batch_s" in r), None)
@@ -176,11 +161,7 @@ def main(args) -> dict:
         "torch": torch.__version__,
         "runs": results,
     }
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

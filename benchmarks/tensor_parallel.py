@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,6 +34,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit, torchrun  # benchmarks/_bench.py
+
 from zerostack.models import GPT, GPTConfig
 
 SIDES = {
@@ -159,23 +160,8 @@ def run_side(args) -> None:
 def _launch(side: str, argv: list[str]) -> dict:
     world = SIDES[side][0]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        os.path.abspath(__file__),
-        *argv,
-        "--side",
-        side,
-    ]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("[rank0]:") and "Error" in ln]
-    return {"side": side, "error": (errors or [f"exit code {p.returncode}"])[-1]}
+    res = torchrun(os.path.abspath(__file__), world, [*argv, "--side", side], env, 1800)
+    return res if "error" not in res else {"side": side, **res}
 
 
 def main(args) -> dict:
@@ -218,11 +204,7 @@ def main(args) -> dict:
         "sides": {s: {k: v for k, v in results[s].items() if k != "side"} for s in wanted},
         "ratios": ratios,
     }
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

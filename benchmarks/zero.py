@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,6 +30,8 @@ try:
 except ImportError:  # e.g. the DeepSpeed peers venv: use this checkout's source
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
+from _bench import emit, torchrun  # benchmarks/_bench.py
+
 from zerostack.models import GPT, GPTConfig
 
 ZS = [f"zerostack_stage{s}" for s in range(4)] + ["zerostack_stage3_split"]
@@ -174,23 +174,9 @@ def run_side(args) -> None:
 
 def _launch(args, side: str, env: dict) -> dict:
     """Run one side in a fresh pair of processes; an error is recorded, never raised."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *sys.argv[1:]]
-    cmd += ["--side", side]
-    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = p.communicate(timeout=args.side_timeout)
-    except subprocess.TimeoutExpired:
-        p.terminate()  # torchrun passes SIGTERM on to its workers (they are in other sessions)
-        p.communicate(timeout=60)
-        return {"side": side, "error": f"timed out after {args.side_timeout} s"}
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-    if p.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    # The worker's own exception line, not the summary banner torchrun prints after it.
-    err = [m[1] for m in re.finditer(r"^\[rank\d+\]: (\S.*)$", stderr, re.M)]
-    err = err or [ln for ln in stderr.splitlines() if ln.strip() and ln.strip()[0] not in "=-"]
-    return {"side": side, "error": (err or [f"exit code {p.returncode}"])[-1].strip()}
+    argv = [*sys.argv[1:], "--side", side]
+    res = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
+    return res if "error" not in res else {"side": side, **res}
 
 
 def main(args) -> dict:
@@ -242,11 +228,7 @@ def main(args) -> dict:
         "sides": {s: {k: v for k, v in results[s].items() if k != "side"} for s in wanted},
         "ratios": ratios,
     }
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":
