@@ -125,10 +125,6 @@ class NVMeStore:
     def close(self) -> None:
         self._cleanup()
 
-    @property
-    def closed(self) -> bool:
-        return not self._cleanup.alive
-
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """A tensor of p's shape backed by one element (stride 0): a swapped-out master keeps its
@@ -143,7 +139,6 @@ class HostStore:
         self.pin = pin
         self.tensors: dict[str, list[torch.Tensor]] = {}
         self.bytes_read = self.bytes_written = 0
-        self.dir = None
 
     def write(self, key: str, tensors: list[torch.Tensor]) -> None:
         self.tensors[key] = [to_host(t.detach().reshape(-1), self.pin) for t in tensors]
@@ -291,7 +286,6 @@ class ParamSwapper:
     ) -> None:
         self.store, self.meter, self.device = store, meter, device
         self.key: dict[nn.Parameter, str] = {}
-        self.fetched = 0  # bytes read in for gathers (I/O per step, for reports)
         self._count = 0
         for p in params:
             self.add(p)
@@ -326,7 +320,6 @@ class ParamSwapper:
                 buf = torch.empty(st.piece.numel(), dtype=st.piece.dtype)
                 self.store.read_into(self.key[p], [buf])
                 self.meter.add(buf.nbytes)
-                self.fetched += buf.nbytes
                 st.piece = buf.to(self.device)
 
     def drop(self, params: list[nn.Parameter]) -> None:
