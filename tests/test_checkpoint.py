@@ -129,14 +129,22 @@ def _failing_save(rank, world, root):
     _steps(engine, rank, world, 0, 1)
     engine.save_checkpoint(root)
     _steps(engine, rank, world, 1, 1)
-    os.environ["ZEROSTACK_TEST_FAIL_SAVE_RANK"] = "1"
+    from zerostack.checkpoint import state
+
+    real = state.save_file
+    if rank == 1:  # this rank dies while writing its shard
+
+        def broken(tensors, path):
+            raise OSError(f"{path}: simulated failure while writing")
+
+        state.save_file = broken
     try:
         engine.save_checkpoint(root)
         error = None
     except CheckpointError as exc:
         error = str(exc)
     finally:
-        del os.environ["ZEROSTACK_TEST_FAIL_SAVE_RANK"]
+        state.save_file = real
     fresh, *_ = zerostack.initialize(model=tiny_gpt(seed=5), config=_config(world, 2))
     path, _ = fresh.load_checkpoint(root)
     return error, path, fresh.global_steps

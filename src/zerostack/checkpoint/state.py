@@ -98,9 +98,6 @@ def _write_shard(engine, folder: str) -> dict:
         tensors[f"rng/tracker/{k}"] = v
     file = f"rank{engine.global_rank:05d}.safetensors"
     path = os.path.join(folder, file)
-    fail = os.environ.get("ZEROSTACK_TEST_FAIL_SAVE_RANK")  # tests: a rank dying mid-save
-    if fail is not None and int(fail) == engine.global_rank:
-        raise OSError(f"{path}: simulated failure while writing (ZEROSTACK_TEST_FAIL_SAVE_RANK)")
     save_file(tensors, path)
     return {
         "file": file,
