@@ -599,6 +599,10 @@ class ZeroStackConfig(_Model):
     """Clip the global gradient norm to this value; 0 means no clipping."""
     seed: NonNegInt = 42
     """Random seed. Not a DeepSpeed key (DeepSpeed leaves seeding to the user)."""
+    on_nonfinite_grads: Literal["skip", "error"] = "skip"
+    """A NaN or inf global gradient norm in bf16 or fp32 training: skip the step on every rank
+    (counted in skipped_steps, logged) or raise FloatingPointError. Not a DeepSpeed key. In fp16
+    the step is always skipped: it is the dynamic loss scaler's overflow."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step and log the timings."""
     dataloader_drop_last: bool = False

@@ -228,9 +228,11 @@ class Engine(nn.Module):
                 self.comm.all_reduce(sq, axis=axis)
         norm = float(sq.sqrt()) * post
         self._global_grad_norm = norm
-        overflow = self.precision.name == "fp16" and not math.isfinite(norm)
+        # Every rank sees the same norm (its square is summed over every axis), so a NaN or inf
+        # gradient on any rank skips the step on all of them, in every precision.
+        overflow = not math.isfinite(norm)
         if overflow:
-            self.skipped_steps += 1
+            self._skip_step(norm)
         else:
             clip = self.config.gradient_clipping
             total = post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else post
@@ -242,6 +244,32 @@ class Engine(nn.Module):
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.zero.zero_grad()
+
+    def _skip_step(self, norm: float) -> None:
+        """A non-finite gradient norm: leave weights, optimizer state and LR schedule as they
+        are. In fp16 that is the dynamic loss scaler's overflow; in bf16 and fp32 it is a bad batch
+        or a diverging run, skipped (or raised, with ``on_nonfinite_grads: "error"``)."""
+        self.skipped_steps += 1
+        step = self.global_steps + 1
+        if self.precision.name == "fp16":
+            if self.global_rank == 0:
+                log.info(
+                    "step %d: fp16 gradient overflow, step skipped (loss scale %g)",
+                    step,
+                    self.loss_scale,
+                )
+            return
+        if self.config.on_nonfinite_grads == "error":
+            raise FloatingPointError(
+                f"step {step}: the global gradient norm is {norm} (on_nonfinite_grads: error)"
+            )
+        if self.global_rank == 0:
+            log.warning(
+                "step %d: non-finite gradient norm (%s), step skipped (%d skipped so far)",
+                step,
+                norm,
+                self.skipped_steps,
+            )
 
     def zero_grad(self) -> None:
         """Gradients are zeroed after every optimizer step; this exists for API compatibility."""

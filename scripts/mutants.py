@@ -1,0 +1,182 @@
+"""The mutation gate: plant each known bug in a copy of src/ and check that the tests catch it.
+
+    python scripts/mutants.py              # every mutant; ends with "N killed, 0 survived"
+    python scripts/mutants.py --list       # the mutants and the tests meant to catch each
+    python scripts/mutants.py -k norm      # only mutants whose name contains "norm"
+    python scripts/mutants.py --baseline   # first check those tests pass on the real source
+
+A mutant is one exact text replacement in one file under src/zerostack (the text must occur
+exactly once, so a refactor that moves it makes the gate fail loudly instead of testing nothing).
+The copy is put first on PYTHONPATH, so the test processes (forkserver ranks, torchrun workers)
+import the mutated package. A mutant is killed when its tests fail; it survives when they pass.
+Exit status: 0 when every mutant is killed, 1 otherwise.
+
+Every new feature adds the bugs its tests exist to catch here, and the gate stays at 0 survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # under src/zerostack
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+P = "tests/test_parity.py::test_matches_single_process_at_every_step"
+M = "tests/test_mixed_precision.py"
+
+MUTANTS = [
+    Mutant(
+        "loss not divided by gradient_accumulation_steps",
+        "engine.py",
+        "scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)",
+        "scaled = loss.float() * self.loss_scaler.loss_scale",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "fp16 unscale drops the loss scale (stages 0-2)",
+        "zero/sharded_optimizer.py",
+        "return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale",
+        "return 1.0 / (self.prescale * self.dp) if self.dp > 1 else 1.0",
+        (f"{M}::test_matches_mixed_precision_reference[fp16-dp2]",),
+    ),
+    Mutant(
+        "fp16 unscale drops the loss scale (stage 3)",
+        "zero/stage3.py",
+        "return 1.0 / (loss_scale * self.prescale * self.dp)",
+        "return 1.0 / (self.prescale * self.dp)",
+        (f"{M}::test_matches_mixed_precision_reference[fp16-dp2]",),
+    ),
+    Mutant(
+        "dp gradients summed, not averaged (stages 0-2)",
+        "zero/sharded_optimizer.py",
+        "return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale",
+        "return 1.0 / (loss_scale * self.prescale) if self.dp > 1 else 1.0 / loss_scale",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "dp gradients summed, not averaged (stage 3)",
+        "zero/stage3.py",
+        "return 1.0 / (loss_scale * self.prescale * self.dp)",
+        "return 1.0 / (loss_scale * self.prescale)",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "tp replica counted on every tp rank in the gradient norm",
+        "engine.py",
+        'return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()',
+        "return set()",
+        (f"{P}[tp2]",),
+    ),
+    Mutant(
+        "shard offset off by one element",
+        "zero/partition.py",
+        "lo = bucket.start + rank * bucket.piece_numel",
+        "lo = bucket.start + rank * bucket.piece_numel - (rank > 0)",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "NaN guard removed (bf16 and fp32 apply non-finite steps)",
+        "engine.py",
+        "overflow = not math.isfinite(norm)",
+        'overflow = self.precision.name == "fp16" and not math.isfinite(norm)',
+        ("tests/test_nonfinite.py",),
+    ),
+]
+
+
+def _read(src: str, m: Mutant) -> str:
+    text = open(os.path.join(src, "zerostack", m.file)).read()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"mutant {m.name!r}: {m.file} holds its text {count} times, not once")
+    return text
+
+
+def _apply(src: str, m: Mutant) -> None:
+    text = _read(src, m)
+    with open(os.path.join(src, "zerostack", m.file), "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def _pytest(tests: tuple[str, ...], pythonpath: str | None, timeout: int) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+    cmd += [f"--timeout={timeout}", *tests]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _killer(output: str) -> str:
+    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    return found.group(1) if found else "(no test named)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", default="", help="only mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument("--baseline", action="store_true", help="run the tests unmutated first")
+    parser.add_argument("--timeout", type=int, default=300, help="per test, seconds")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show how each test failed")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    {m.file}: {m.old!r} -> {m.new!r}\n    " + " ".join(m.tests))
+        return 0
+    for m in chosen:  # fail fast on a stale mutant, before any test runs
+        _read(os.path.join(ROOT, "src"), m)
+    if args.baseline:
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        code, out = _pytest(tests, None, args.timeout)
+        if code != 0:
+            print(out[-3000:])
+            print("baseline: the tests fail on the unmutated source; fix that first")
+            return 1
+        print(f"baseline: {len(tests)} test targets pass on the unmutated source")
+    killed, survived = 0, []
+    width = max(len(m.name) for m in chosen)
+    for m in chosen:
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="zs-mutant-") as tmp:
+            src = os.path.join(tmp, "src")
+            shutil.copytree(os.path.join(ROOT, "src"), src)
+            _apply(src, m)
+            code, out = _pytest(m.tests, src, args.timeout)
+        took = time.monotonic() - t0
+        if code == 5 or "no tests ran" in out:
+            raise SystemExit(f"mutant {m.name!r}: its tests {m.tests} select nothing")
+        if code == 0:
+            survived.append(m.name)
+            print(f"SURVIVED  {m.name:<{width}}  ({took:.0f}s)", flush=True)
+        else:
+            killed += 1
+            print(f"killed    {m.name:<{width}}  by {_killer(out)}  ({took:.0f}s)", flush=True)
+            if args.verbose:
+                lines = [ln for ln in out.splitlines() if re.match(r"^E\s", ln)]
+                print("\n".join("          " + ln for ln in lines[-6:]), flush=True)
+    print(f"{killed} killed, {len(survived)} survived")
+    return 0 if not survived else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
