@@ -8,6 +8,9 @@
 
 Ranks are forked from a fork server that has already imported torch (a fresh interpreter per rank
 would pay the import each time), each with ``OMP_NUM_THREADS=1`` since the suite runs on few cores.
+The parent holds the rendezvous: it listens on a port the OS picks (a ``TCPStore`` master on port
+0) until the run ends, and the ranks join that store, so two runs at once (``pytest -n``, another
+checkout) can never be handed the same port.
 A rank's exception fails the test with that rank's traceback; a run that outlives ``timeout``
 fails with the ranks that had not finished, instead of hanging the suite. Collectives inside carry
 their own timeout (``collective_timeout``) so a mismatched collective errors out in the rank.
@@ -19,28 +22,28 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+HOST = "127.0.0.1"
 _CTX = None
+_CTX_LOCK = threading.Lock()
 
 
 def _context():
     global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerostack"])
+    with _CTX_LOCK:
+        if _CTX is None:
+            _CTX = mp.get_context("forkserver")
+            # torch._dynamo: torch.optim imports it at the first optimizer, seconds per rank
+            _CTX.set_forkserver_preload(
+                ["torch", "torch._dynamo", "torch.distributed", "zerostack"]
+            )
     return _CTX
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
@@ -54,13 +57,13 @@ def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
     )
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout)
-        )
+        timeout = timedelta(seconds=collective_timeout)
+        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         out = fn(rank, world, *args, **kwargs)
         # Plain pickle: torch's multiprocessing reductions would pass tensors as shared-memory
         # handles that die with this process.
@@ -91,9 +94,13 @@ def run_distributed(
     collective_timeout: float = 60.0,
 ) -> list:
     """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; return their results."""
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # The listening socket stays open (held by this process) until the run ends.
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker,
@@ -137,10 +144,12 @@ def run_distributed(
                 deadline = min(deadline, time.monotonic() + collective_timeout + 10)
     finally:
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
+            if len(out) == world:  # all succeeded: let them tear their process group down
+                p.join(timeout=5)
+            if p.is_alive():  # a failed run: a rank still running would wait on the others
                 p.kill()
                 p.join()
+        del store  # closes the port, after every rank is gone
     if errors:
         lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
         raise DistributedTestError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(lines))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import threading
 import time
 
 import pytest
@@ -139,3 +141,59 @@ def test_error_and_hang_together_report_both():
     missing, _ = _missing_ranks(msg)
     assert 1 in missing
     assert "rank 0: KeyError: 'first failure'" in msg
+
+
+def _listening_socket_held_by(port: int, pid: int) -> bool | None:
+    """Whether process ``pid`` holds the socket listening on ``port`` (None: no /proc here)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            return None
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    fds = f"/proc/{pid}/fd"
+    return any(os.readlink(os.path.join(fds, fd)) in inodes for fd in os.listdir(fds))
+
+
+def _holds_its_port(rank, world, parent):
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            grabbed = True
+        except OSError:
+            grabbed = False
+    held = _listening_socket_held_by(port, parent)
+    time.sleep(1.0)  # overlap with the other run
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return port, grabbed, held, t.item()
+
+
+def test_concurrent_runs_get_their_own_port_held_for_the_whole_run():
+    # The parent listens on the rendezvous port from before the ranks start until the run ends,
+    # so nothing else (a rank's own bind here, another run started meanwhile) can take it.
+    out: dict[int, list] = {}
+
+    def run(i):
+        out[i] = run_distributed(
+            _holds_its_port, 2, args=(os.getpid(),), timeout=60, collective_timeout=20
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(out) == [0, 1], "a run raised (see the thread's traceback above)"
+    ports = set()
+    for results in out.values():
+        for _, grabbed, held, total in results:
+            assert not grabbed and total == 3.0  # the port is busy; each run is its own world
+            assert held in (True, None)  # by the parent, not by a rank that might start late
+        (port,) = {r[0] for r in results}
+        ports.add(port)
+    assert len(ports) == 2

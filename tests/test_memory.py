@@ -1,4 +1,6 @@
-"""Bytes per rank from engine.memory_breakdown() against the ZeRO paper's formulas.
+"""Bytes per rank against the ZeRO paper's formulas: as the engine sums them
+(engine.memory_breakdown()) and as a census of live tensor storage finds them (tests/census.py),
+which also sees what the engine forgot it holds.
 
 psi parameters, N data-parallel ranks, Adam (two fp32 moments, 8 psi). Mixed precision keeps an
 fp32 master (4 psi) beside the 16-bit parameters and gradients; fp32 training updates the
@@ -9,6 +11,9 @@ issue asks for fp32 pieces, which also keeps accumulation over micro-steps exact
 
 from __future__ import annotations
 
+import gc
+
+import census
 import pytest
 from common import batch, tiny_gpt
 from distributed import run_distributed
@@ -30,7 +35,7 @@ def expected(stage: int, precision: str, psi: float, n: int) -> dict[str, float]
     return {k: v * psi for k, v in zip(keys, table, strict=True)}
 
 
-def _breakdown(rank, world, stage, precision):
+def _engine(stage: int, precision: str):
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -40,7 +45,13 @@ def _breakdown(rank, world, stage, precision):
         cfg[precision] = {"enabled": True}
     model = tiny_gpt()
     psi = sum(p.numel() for p in model.parameters())
+    units = len(list(model.parameters()))
     engine, *_ = zerostack.initialize(model=model, config=cfg)
+    return psi, units, engine
+
+
+def _breakdown(rank, world, stage, precision):
+    psi, _, engine = _engine(stage, precision)
     engine.backward(engine(*batch(0, 1)))
     engine.step()  # optimizer state exists after the first step
     return psi, engine.memory_breakdown()
@@ -58,3 +69,96 @@ def test_bytes_per_rank_match_the_zero_formulas(stage, precision, world):
             # 0-2, per parameter at stage 3.
             slack = 4 * world * (30 if stage == 3 else 1)
             assert value <= got[key] <= value * 1.02 + slack, f"{key}: {got[key]} vs {value:.0f}"
+
+
+def census_expected(stage: int, precision: str, psi: float, n: int, point: str) -> dict:
+    """What the census must find per rank, ``point`` being "backward" (engine.backward returned,
+    step() not yet called) or "step" (step() returned), both on an accumulation boundary with the
+    optimizer state already made (the second step).
+
+    After step(): exactly the formula. Gradients were zeroed in place (stages 0-1: the full
+    buffer; 2-3: the fp32 shard); the masters' ``.grad`` (fp32 copies in mixed precision at stages
+    0-1) is dropped; stage 1's reduced pieces, stage 2's staging buckets and stage 3's gathered
+    parameters are gone.
+
+    At the end of backward the formula holds too: stage 2 has added its reduced pieces into the
+    fp32 shard (4 psi / N) and dropped the bucket it staged them in; stage 3 has freed every
+    parameter it gathered for forward and backward (params are p psi / N) and every reduce bucket.
+    One transient is still alive: stage 1 launches its reduce-scatter during backward on the
+    boundary, and step() waits for it, so this rank's reduced piece (compute dtype, p psi / N) is
+    held beside the full gradient buffer until then. No parameter or optimizer holds it, so the
+    census files it under "other".
+    """
+    want = {**expected(stage, precision, psi, n), "other": 0.0}
+    if point == "backward" and stage == 1 and n > 1:
+        want["other"] = (4 if precision == "fp32" else 2) * psi / n
+    return want
+
+
+def census_slack(precision: str, world: int, units: int, counters: int) -> dict[str, int]:
+    """Bytes the census may find beyond :func:`census_expected`.
+
+    Padding: each padded unit (a bucket at stages 0-2, a parameter at stage 3) adds fewer than
+    ``world`` elements to a full-size buffer and at most one to a rank's piece; ``units`` is the
+    number of parameters, which bounds the number of buckets too. Adam keeps a 4-byte step
+    counter per tensor it steps (``counters``). "other": the device mesh's rank map (an int per
+    rank), nothing else. The tiny GPT's shapes are multiples of 4, so at dp 2 and 4 padding is
+    zero and only the counters and the map are used.
+    """
+    pad = world * units
+    p = 4 if precision == "fp32" else 2
+    return {
+        "params": pad * p,
+        "grads": pad * 4,
+        "master": pad * 4,
+        "optimizer": pad * 8 + 4 * counters,
+        "other": 8 * world,
+    }
+
+
+def _census(rank, world, cases):
+    """Census after the second backward and after the second step, for each (stage, precision)."""
+    b = batch(0, 1)
+    out = []
+    for stage, precision in cases:
+        before = census.baseline()
+        psi, units, engine = _engine(stage, precision)
+        counters = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+        engine.backward(engine(*b))
+        engine.step()  # the optimizer state exists from here on
+        engine.backward(engine(*b))
+        at_backward = census.take(engine, exclude=before)
+        engine.step()
+        at_step = census.take(engine, exclude=before)
+        for point, c in (("backward", at_backward), ("step", at_step)):
+            out.append((stage, precision, point, psi, units, counters, c.bytes, c.describe()))
+        del engine, at_backward, at_step
+        before.release()
+        gc.collect()
+    return out
+
+
+CASES = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_live_storage_census_matches_the_zero_formulas(world):
+    """Every live byte the engine brought into being, found without asking the engine, is within
+    padding of the formula: per category and in total, so a leaked full-size tensor of any kind
+    (or even a leaked piece) shows."""
+    failures = []
+    for rank, results in enumerate(run_distributed(_census, world, args=(CASES,))):
+        for stage, precision, point, psi, units, counters, got, table in results:
+            want = census_expected(stage, precision, psi, world, point)
+            slack = census_slack(precision, world, units, counters)
+            case = f"rank {rank} stage {stage} {precision} after {point}"
+            total, bound = sum(got.values()), sum(want.values()) + sum(slack.values())
+            bad = [] if total <= bound else [f"total {total} > {bound:.0f}"]
+            bad += [
+                f"{k} {got[k]} not in [{want[k]:.0f}, {want[k] + slack[k]:.0f}]"
+                for k in census.CATEGORIES
+                if not want[k] <= got[k] <= want[k] + slack[k]
+            ]
+            if bad:
+                failures.append(f"{case}: {'; '.join(bad)}\n{table}")
+    assert not failures, "\n".join(failures)
