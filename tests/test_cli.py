@@ -5,10 +5,42 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from zerostack.cli import _build_config, _parser
+from zerostack.config import load_config
+
+CLI = [sys.executable, "-m", "zerostack.cli"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, so that a timeout (or any failure here) kills it
+    with everything it started, torchrun's ranks included, instead of leaving them running."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}: still running after {timeout}s; killed\n{out}{err}")
+    finally:
+        if proc.poll() is None:  # interrupted: take the group down with us
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize(
@@ -16,7 +48,8 @@ import pytest
     [
         ([], "2 ranks, ZeRO"),
         (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
-        (["--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"], "2 ranks (pp 2 (inter"),
+        # one micro-batch a step: this hung before the first step (issue 11)
+        (["--pp", "2", "--schedule", "interleaved"], "2 ranks (pp 2 (inter"),
         (
             ["--zero-stage", "3", "--offload", "cpu", "--activation-checkpointing"],
             "2 ranks, ZeRO stage 3 + cpu offload + activation checkpointing",
@@ -25,11 +58,10 @@ import pytest
 )
 def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--steps", "20"]
+    cmd = [*CLI, "train", "--nproc", "2", "--steps", "20"]
     cmd += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "32"]
     cmd += ["--micro-batch", "4", "--out", str(out), "--no-progress", *grid]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"zerostack train: {banner}" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -42,9 +74,7 @@ def test_train_runs_and_loss_falls(tmp_path, grid, banner):
 
 
 def test_help_explains_every_option():
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerostack.cli", "train", "--help"], capture_output=True, text=True
-    )
+    proc = _run([*CLI, "train", "--help"], timeout=120)
     assert proc.returncode == 0
     for opt in ("--nproc", "--steps", "--config", "--zero-stage", "--bf16", "--fp16", "--out"):
         assert opt in proc.stdout
@@ -54,8 +84,7 @@ def test_help_explains_every_option():
 def test_bad_config_is_one_clear_line(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 8, "gradient_clippng": 1.0}))
-    cmd = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "1", "--config", str(bad)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = _run([*CLI, "train", "--nproc", "1", "--config", str(bad)], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == (
         "ConfigError: gradient_clippng: unknown key (did you mean 'gradient_clipping'?)\n"
@@ -63,8 +92,7 @@ def test_bad_config_is_one_clear_line(tmp_path):
 
 
 def test_grid_that_does_not_fit_is_one_clear_line():
-    cmd = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--tp", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = _run([*CLI, "train", "--nproc", "2", "--tp", "4"], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == "ValueError: --tp 4 does not divide --nproc 2\n"
 
@@ -75,8 +103,7 @@ def test_example_script_runs_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [os.path.join(root, "examples", "train_gpt.py"), "--steps", "3", "--deepspeed_config"]
     cmd += [os.path.join(root, "examples", "ds_config_zero3.json")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 3: loss" in proc.stdout
     assert proc.stdout.count("'params'") == 2  # both ranks report their (sharded) bytes
@@ -85,32 +112,75 @@ def test_example_script_runs_under_torchrun():
 def test_save_resume_and_consolidate(tmp_path):
     """--save-every writes checkpoints, --resume continues (on another ZeRO stage) from the
     latest, and `zerostack consolidate` turns it into one safetensors file."""
-    base = [sys.executable, "-m", "zerostack.cli", "train", "--nproc", "2", "--n-layer", "1"]
+    base = [*CLI, "train", "--nproc", "2", "--n-layer", "1"]
     base += ["--d-model", "32", "--n-head", "2", "--block-size", "32", "--micro-batch", "4"]
     base += ["--no-progress", "--save-dir", str(tmp_path / "ckpt")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     first = base + ["--steps", "6", "--save-every", "3", "--zero-stage", "2"]
-    proc = subprocess.run(
-        first + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = _run(first + ["--out", str(tmp_path / "a")])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step3", "global_step6", "latest"]
     second = base + ["--steps", "9", "--resume", "--zero-stage", "1", "--out", str(tmp_path / "b")]
-    proc = subprocess.run(second, capture_output=True, text=True, timeout=300, env=env)
+    proc = _run(second)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader((tmp_path / "b" / "train_log.csv").open()))
     assert [int(r["step"]) for r in rows] == [7, 8, 9]
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["checkpoint"] == str(tmp_path / "ckpt" / "global_step9")
     out = tmp_path / "model.safetensors"
-    cmd = [sys.executable, "-m", "zerostack.cli", "consolidate", str(tmp_path / "ckpt"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd = [*CLI, "consolidate", str(tmp_path / "ckpt"), str(out)]
+    proc = _run(cmd, timeout=120)
     assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr
-    bad = subprocess.run(
-        cmd[:-2] + [str(tmp_path / "nope"), str(out)], capture_output=True, text=True, timeout=120
-    )
+    bad = _run(cmd[:-2] + [str(tmp_path / "nope"), str(out)], timeout=120)
     assert bad.returncode == 2
     assert (
         bad.stderr == f"CheckpointError: {tmp_path / 'nope' / 'latest'}: no such file (no "
         "complete checkpoint; pass tag=)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv,batch",
+    [
+        ([], (16, 8, 1)),  # (train_batch_size, micro, gas) on 2 data-parallel ranks
+        (["--grad-accum", "4"], (64, 8, 4)),  # the default micro-batch still applies
+        (["--micro-batch", "2"], (4, 2, 1)),
+        (["--micro-batch", "2", "--grad-accum", "3"], (12, 2, 3)),
+    ],
+)
+def test_batch_options_fill_in_the_default_micro_batch(argv, batch):
+    cfg = _build_config(_parser().parse_args(["train", *argv]))
+    assert load_config(cfg).resolve_batch(2) == batch
+
+
+def test_batch_options_override_a_config_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 32}))
+    args = ["train", "--config", str(path)]
+    assert load_config(_build_config(_parser().parse_args(args))).resolve_batch(2) == (32, 16, 1)
+    cfg = _build_config(_parser().parse_args([*args, "--grad-accum", "4"]))
+    assert load_config(cfg).resolve_batch(2) == (64, 8, 4)
+
+
+def test_a_timed_out_command_is_killed_with_everything_it_started():
+    child = "import time; time.sleep(120)"  # stands in for torchrun's ranks
+    parent = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="still running after 2s; killed") as info:
+        _run([sys.executable, "-c", parent], timeout=2)
+    assert time.monotonic() - t0 < 30
+    pid = int(str(info.value).splitlines()[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                gone = f.read().split(")")[-1].split()[0] == "Z"  # killed, not yet reaped
+        except FileNotFoundError:
+            gone = True
+        if gone:
+            break
+        time.sleep(0.1)
+    assert gone, f"the grandchild {pid} outlived the timeout"

@@ -1,4 +1,5 @@
-"""Pipeline schedules, checked by simulation: deadlock-freedom, bubble, memory, stream shape.
+"""Pipeline schedules, checked by simulation: deadlock-freedom, bubble, memory, stream shape; and
+the real executor on gloo ranks runs exactly the schedules the simulator accepts.
 
 The closed forms below are the textbook ones (Huang et al. 2019; Narayanan et al. 2021), computed
 here independently of the module; the simulator's timing model is pinned by hand-worked cases.
@@ -9,9 +10,18 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import FrozenInstanceError
+from types import SimpleNamespace
 
 import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
 
+import zerostack
+from zerostack import ConfigError, Topology
+from zerostack.config import load_config
+from zerostack.pipeline import LayerSpec, PipelineModule
+from zerostack.pipeline import engine as pipeline_engine
 from zerostack.pipeline.schedule import (
     SCHEDULES,
     STEP_TAIL,
@@ -34,7 +44,7 @@ from zerostack.pipeline.schedule import (
     one_f_one_b,
     peer_of,
 )
-from zerostack.pipeline.simulate import simulate, validate
+from zerostack.pipeline.simulate import check_schedule, simulate, validate
 
 TOL = 1e-9
 P_RANGE, M_RANGE, V_RANGE = range(1, 9), range(1, 17), range(2, 5)
@@ -360,6 +370,10 @@ def test_local_handoff_must_send_before_receiving():
         (lambda: build_schedule("interleaved", 2, 4, 0, chunks=0), "chunks: must be an integer"),
         (lambda: build_schedule("zb-h1", 2, 4, 0), "schedule: 'zb-h1' is not one of gpipe, 1f1b"),
         (lambda: build_schedule("1f1b", 2, 4, 0, chunks=2), "chunks: '1f1b' runs one chunk"),
+        (
+            lambda: build_schedule("interleaved", 2, 4, 0, chunks=1),
+            "chunks: 'interleaved' needs chunks >= 2",
+        ),
         (lambda: gpipe(2, 2.5, 0), r"micro_batches: must be an integer >= 1, got 2\.5"),
         (lambda: simulate(build_streams("gpipe", 2, 2), comm=-1), "comm: must be a cost >= 0"),
         (lambda: simulate([], chunks=1), "streams: need at least one rank"),
@@ -376,3 +390,142 @@ def test_streams_are_fresh_lists():
     a = build_schedule("1f1b", 2, 2, 0)
     a.clear()
     assert build_schedule("1f1b", 2, 2, 0)
+
+
+# --- the executor runs exactly what the simulator accepts ---------------------------------------
+# Every (schedule, micro-batches m, chunks v) for p = 2..4 ranks, one spawn per p, on a stack of
+# d x d Linear layers trained one batch with plain SGD and no clipping (so a gradient scaled by a
+# constant, e.g. a loss not divided by m, shows). Tolerance 1e-5: the pipeline sums the batch's
+# gradient micro-batch by micro-batch, the reference in one backward, ~1e-7 apart in fp32.
+
+D, MICRO, LR, SEED = 8, 2, 0.5, 1234  # SEED: PipelineModule's base_seed for seed_layers
+EXEC_COMBOS = [(name, v, m) for name in SCHEDULES for v in (1, 2) for m in range(1, 9)]
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _data(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(m)
+    return [
+        (torch.randn(MICRO, D, generator=g), torch.randn(MICRO, D, generator=g)) for _ in range(m)
+    ]
+
+
+def _every_schedule(rank, world):
+    topo = Topology.build(pp=world)
+    out = {}
+    for name, v, m in EXEC_COMBOS:
+        model = PipelineModule(
+            [LayerSpec(nn.Linear, D, D) for _ in range(world * v)],
+            topology=topo,
+            loss_fn=_mse,
+            partition_method="uniform",
+            seed_layers=True,
+            base_seed=SEED,
+            virtual_stages=v,
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": m,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "pipeline": {"schedule": name, "virtual_stages": v},
+        }
+        try:
+            engine, *_ = zerostack.initialize(model=model, config=config)
+        except ConfigError as exc:
+            out[(name, v, m)] = str(exc)
+            continue
+        loss = engine.train_batch(iter(_data(m))).item()
+        out[(name, v, m)] = (loss, {k: t.detach().clone() for k, t in model.named_parameters()})
+    return out
+
+
+def _reference(layers: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One SGD step on the mean loss of the m micro-batches, in one process."""
+    modules = []
+    with torch.random.fork_rng():  # leave this process's RNG as it was
+        for idx in range(layers):
+            torch.manual_seed(SEED + idx)
+            modules.append(nn.Linear(D, D))
+    model = nn.Sequential(*modules)  # parameter names "3.weight", as PipelineModule's
+    loss = torch.stack([_mse(model(x), y) for x, y in _data(m)]).mean()
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return loss.item(), {k: t.detach() for k, t in model.named_parameters()}
+
+
+def _simulator_accepts(name: str, p: int, m: int, v: int) -> bool:
+    try:
+        check_schedule(name, p, m, v)
+    except (ValueError, ScheduleError, DeadlockError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_executor_runs_exactly_what_the_simulator_accepts(p):
+    results = run_distributed(_every_schedule, p, timeout=150, collective_timeout=20)
+    accepted = {c for c in EXEC_COMBOS if _simulator_accepts(c[0], p, c[2], c[1])}
+    ran = {c for c, r in results[0].items() if not isinstance(r, str)}
+    assert ran == accepted
+    assert {m for name, v, m in accepted if name == "interleaved"} == set(range(1, 9))
+    for combo, first in results[0].items():
+        if isinstance(first, str):  # refused at initialize, on every rank, naming the key
+            assert all(r[combo] == first for r in results), combo
+            assert first.startswith("pipeline.virtual_stages: "), first
+            assert "\n" not in first
+            continue
+        name, v, m = combo
+        ref_loss, ref = _reference(p * v, m)
+        held = {}
+        for r in results:
+            loss, params = r[combo]
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (combo, "mean loss")
+            held.update(params)
+        assert held.keys() == ref.keys(), combo  # every layer on exactly one rank
+        for k, t in held.items():
+            torch.testing.assert_close(t, ref[k], rtol=1e-5, atol=1e-6, msg=f"{combo} {k}")
+
+
+def test_a_schedule_the_simulator_refuses_is_a_config_error_at_initialize(monkeypatch):
+    def deadlocks(name, stages, micro_batches, chunks):
+        raise DeadlockError("deadlock: ranks 0, 1 are stuck")
+
+    monkeypatch.setattr(pipeline_engine, "check_schedule", deadlocks)
+    # what _check_config reads of a PipelineModule on a rank of two (no process group here)
+    module = SimpleNamespace(
+        num_stages=2,
+        virtual_stages=2,
+        partition_method="parameters",
+        activation_checkpoint_interval=0,
+    )
+    cfg = load_config(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 3,
+            "pipeline": {"schedule": "interleaved", "virtual_stages": 2},
+        }
+    )
+    with pytest.raises(ConfigError) as err:
+        pipeline_engine._check_config(module, cfg, 3)
+    assert str(err.value) == (
+        "pipeline.schedule: 'interleaved' cannot run 2 stages x 2 chunks with "
+        "gradient_accumulation_steps=3: deadlock: ranks 0, 1 are stuck"
+    )
+
+
+def test_two_ranks_must_post_the_messages_between_them_in_the_same_order():
+    # Gloo and NCCL match a pair's messages in posting order: receiving micro-batch 1 before 0
+    # would put 0's activation in 1's buffer, though every op has its counterpart.
+    streams = build_streams("gpipe", 2, 2)
+    validate(streams)
+    streams[1].remove(RecvActivation(1))
+    streams[1].insert(streams[1].index(RecvActivation(0)), RecvActivation(1))
+    with pytest.raises(
+        ScheduleError,
+        match=r"SendAct\(mb=0, chunk=0\) on rank 0 meets RecvAct\(mb=1, chunk=0\) on rank 1: "
+        "rank 1 receives from rank 0 in another order than it sends",
+    ):
+        validate(streams)

@@ -54,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a DeepSpeed-style config JSON; options given on this command line override it",
     )
     t.add_argument(
-        "--micro-batch", type=int, default=None, help="sequences per rank per micro-step"
+        "--micro-batch",
+        type=int,
+        default=None,
+        help=f"sequences per rank per micro-step (default: {DEFAULTS['micro_batch']}, unless "
+        "--config sets the batch)",
     )
     t.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
@@ -136,17 +140,12 @@ def _build_config(args) -> dict:
 
         load_config(args.config)  # a bad file is a ConfigError naming the key, before anything
         cfg = json.loads(Path(args.config).read_text())  # as written: unset keys stay unset
-    batch_keys = (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-    )
     if args.micro_batch or args.grad_accum:
         cfg.pop("train_batch_size", None)  # the command line fixes the batch; drop the file's
-    elif not any(k in cfg for k in batch_keys):
-        cfg["train_micro_batch_size_per_gpu"] = DEFAULTS["micro_batch"]
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+    elif "train_batch_size" not in cfg:  # e.g. --grad-accum alone: the default micro-batch
+        cfg.setdefault("train_micro_batch_size_per_gpu", DEFAULTS["micro_batch"])
     if args.grad_accum:
         cfg["gradient_accumulation_steps"] = args.grad_accum
     lr = args.lr or DEFAULTS["lr"]

@@ -23,10 +23,11 @@ from ..engine import Engine
 from ..topology import Topology
 from .executor import PipelineExecutor, forward_only
 from .module import PipelineModule
-from .schedule import build_schedule
+from .schedule import DeadlockError, ScheduleError, build_schedule
+from .simulate import check_schedule
 
 
-def _check_config(module: PipelineModule, cfg: ZeroStackConfig) -> None:
+def _check_config(module: PipelineModule, cfg: ZeroStackConfig, gas: int) -> None:
     pcfg, fields = cfg.pipeline, cfg.pipeline.model_fields_set
     if cfg.zero_optimization.stage == 3:
         raise ConfigError("zero_optimization.stage: pipeline parallelism runs with stages 0-2")
@@ -54,6 +55,13 @@ def _check_config(module: PipelineModule, cfg: ZeroStackConfig) -> None:
             f"{pcfg.activation_checkpoint_interval} but the PipelineModule has "
             f"{interval}"
         )
+    try:  # the simulator runs the executor's communication model: what it refuses would hang
+        check_schedule(pcfg.schedule, module.num_stages, gas, module.virtual_stages)
+    except (ValueError, ScheduleError, DeadlockError) as exc:
+        raise ConfigError(
+            f"pipeline.schedule: {pcfg.schedule!r} cannot run {module.num_stages} stages x "
+            f"{module.virtual_stages} chunks with gradient_accumulation_steps={gas}: {exc}"
+        ) from None
 
 
 class PipelineEngine(Engine):
@@ -62,7 +70,7 @@ class PipelineEngine(Engine):
     def __init__(
         self, *, module: PipelineModule, config: ZeroStackConfig, topology: Topology, **kwargs
     ) -> None:
-        _check_config(module, config)
+        _check_config(module, config, config.resolve_batch(topology.dp)[2])
         super().__init__(module=module, config=config, topology=topology, **kwargs)
         self.schedule = config.pipeline.schedule
         self.executor = PipelineExecutor(module, self.comm, self.precision.compute_dtype)

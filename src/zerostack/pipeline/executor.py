@@ -3,10 +3,17 @@
 A maximal run of consecutive send/receive instructions is posted as one batch
 (``batch_isend_irecv``) and waited for as a whole, which is the model the schedule simulator checks
 for deadlock. Activations and their gradients travel in the dtype the layers produce (the compute
-dtype). The shape and dtype of the activation crossing each boundary is sent once, in a small
-header batched ahead of the first transfer; a later activation of another shape is an error (the
-receiver sizes its buffer from the header). Gradients need no header: they have the shape of the
-activation the receiver sent.
+dtype).
+
+A receiver must size its buffer before it posts the batch, so the shape and dtype of the activation
+crossing each boundary is learnt once, before the first stream: micro-batch 0 goes forward through
+every virtual stage in turn (no grad, eval mode), each activation behind a small header (see
+:meth:`PipelineExecutor.learn_shapes`). A later activation of another shape is an error. Gradients
+need no header: they have the shape of the activation the receiver sent. (Sending the header
+inside the schedule's own batch would split the batch in two rounds, the header's then the
+payload's, which the simulator does not model: with interleaved 1F1B and one micro-batch, rank 0's
+header round waits on a header that rank 1 sends only after its payload round, which waits on
+rank 0's payload round: a deadlock.)
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class PipelineExecutor:
         self.last_vs = self.p * self.v - 1
         self._meta_in: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk received
         self._meta_out: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk sent
+        self._shapes_known = self.p == 1  # one rank: every handoff is local, no buffer to size
 
     def _vs(self, chunk: int) -> int:
         return chunk * self.p + self.stage
@@ -106,6 +114,8 @@ class PipelineExecutor:
         losses: list[torch.Tensor] = []
         self.stats = {"compute_s": 0.0, "comm_s": 0.0, "step_s": 0.0, "total_s": 0.0}
         t0 = time.perf_counter()
+        if not self._shapes_known:
+            self.learn_shapes(data_iter)
         with torch.set_grad_enabled(train):
             self._run(instructions, data_iter, losses, loss_scale / micro_batches, on_tied, on_step)
         self.stats["total_s"] = time.perf_counter() - t0
@@ -125,9 +135,7 @@ class PipelineExecutor:
                 i = j
                 continue
             if isinstance(ins, LoadMicroBatch):
-                if data_iter is None:
-                    raise ValueError("train_batch: no data iterator (pass one or training_data)")
-                self.batches[ins.micro] = next(data_iter)
+                self._load(ins.micro, data_iter)
             elif isinstance(ins, (Forward, Backward)):
                 t0 = time.perf_counter()
                 if isinstance(ins, Forward):
@@ -147,17 +155,68 @@ class PipelineExecutor:
                 raise TypeError(f"pipeline: unknown instruction {ins!r}")
             i += 1
 
+    def learn_shapes(self, data_iter: Iterator | None) -> None:
+        """Send micro-batch 0 forward through every virtual stage once, so that each rank learns
+        the shape and dtype of the activation it receives at each boundary (collective over pp).
+
+        No grad, eval mode (no dropout draw, no running-statistics update), the RNG restored;
+        the micro-batch read here is the one the next stream loads as micro-batch 0. A chain, one
+        virtual stage after the other, so it cannot deadlock; it costs one micro-batch's forward,
+        once.
+        """
+        was_training = self.module.training
+        device = self.comm.topo.device
+        self.module.eval()
+        try:
+            with (
+                torch.no_grad(),
+                torch.random.fork_rng(
+                    devices=[device] if device.type == "cuda" else [], device_type=device.type
+                ),
+            ):
+                for chunk in range(self.v):
+                    vs = self._vs(chunk)
+                    if vs == 0:
+                        self._load(0, data_iter)
+                        x = self._first_input(0)
+                    else:
+                        rank, _ = self._peer(chunk, -1)
+                        h = torch.zeros(_HEADER, dtype=torch.int64)
+                        self.comm.p2p([("recv", h, rank)], axis="pp")
+                        ndim = int(h[0])
+                        meta = (torch.Size(h[2 : 2 + ndim].tolist()), _DTYPES[int(h[1])])
+                        self._meta_in[chunk] = meta
+                        x = torch.empty(meta[0], dtype=meta[1], device=device)
+                        self.comm.p2p([("recv", x, rank)], axis="pp")
+                    if vs == self.last_vs:
+                        break
+                    out = self.module.forward_chunk(chunk, x).contiguous()
+                    self._meta_out[chunk] = (out.shape, out.dtype)
+                    rank, _ = self._peer(chunk, +1)
+                    self.comm.p2p([("send", _header(out), rank), ("send", out, rank)], axis="pp")
+        finally:
+            self.module.train(was_training)
+        self._shapes_known = True
+
     # ------------------------------------------------------------------ compute
+    def _load(self, mb: int, data_iter: Iterator | None) -> None:
+        if mb in self.batches:  # read ahead by learn_shapes
+            return
+        if data_iter is None:
+            raise ValueError("train_batch: no data iterator (pass one or training_data)")
+        self.batches[mb] = next(data_iter)
+
+    def _first_input(self, mb: int):
+        x = self.batches[mb][0]
+        if torch.is_tensor(x):
+            x = x.to(self.comm.topo.device)
+            if x.is_floating_point():
+                x = x.to(self.dtype)
+        return x
+
     def _forward(self, mb: int, chunk: int, losses: list) -> None:
         vs = self._vs(chunk)
-        if vs == 0:
-            x = self.batches[mb][0]
-            if torch.is_tensor(x):
-                x = x.to(self.comm.topo.device)
-                if x.is_floating_point():
-                    x = x.to(self.dtype)
-        else:
-            x = self.inputs[(mb, chunk)]
+        x = self._first_input(mb) if vs == 0 else self.inputs[(mb, chunk)]
         out = self.module.forward_chunk(chunk, x)
         if vs == self.last_vs:
             labels = self.batches.pop(mb)[1]
@@ -186,44 +245,42 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ communication
     def _exchange(self, batch: list) -> None:
-        headers, payload, after = [], [], []
+        """Post one batch of transfers at once and wait for all of it; buffers sized up front."""
+        ops = []
         for ins in batch:
             key = (ins.micro, ins.chunk)
             if isinstance(ins, SendActivation):
                 t = self.outputs[key].detach().contiguous()
                 rank, peer_chunk = self._peer(ins.chunk, +1)
-                meta = (t.shape, t.dtype)
-                if ins.chunk not in self._meta_out:
-                    self._meta_out[ins.chunk] = meta
-                    headers.append(("send", _header(t), rank))
-                elif self._meta_out[ins.chunk] != meta:
-                    raise ValueError(
-                        f"pipeline: stage {self.stage} chunk {ins.chunk} sends an activation of "
-                        f"{tuple(t.shape)} {t.dtype}, earlier ones were "
-                        f"{tuple(self._meta_out[ins.chunk][0])} {self._meta_out[ins.chunk][1]}; "
-                        "every micro-batch must have the same shape"
-                    )
                 if rank == self.stage:
                     self.local[("act", ins.micro, peer_chunk)] = t
-                else:
-                    payload.append(("send", t, rank))
+                    continue
+                if self._meta_out[ins.chunk] != (t.shape, t.dtype):
+                    shape, dtype = self._meta_out[ins.chunk]
+                    raise ValueError(
+                        f"pipeline: stage {self.stage} chunk {ins.chunk} sends an activation of "
+                        f"{tuple(t.shape)} {t.dtype}, earlier ones were {tuple(shape)} {dtype}; "
+                        "every micro-batch must have the same shape"
+                    )
+                ops.append(("send", t, rank))
             elif isinstance(ins, RecvActivation):
                 rank, _ = self._peer(ins.chunk, -1)
                 if rank == self.stage:
-                    after.append(("act", key, self.local.pop(("act", ins.micro, ins.chunk))))
-                    continue
-                if ins.chunk not in self._meta_in:
-                    h = torch.zeros(_HEADER, dtype=torch.int64)
-                    headers.append(("recv", h, rank))
-                    after.append(("meta", ins.chunk, h))
-                payload.append(("recv", None, rank, key))
+                    t = self.local.pop(("act", ins.micro, ins.chunk)).detach()
+                else:
+                    shape, dtype = self._meta_in[ins.chunk]
+                    t = torch.empty(shape, dtype=dtype, device=self.comm.topo.device)
+                    ops.append(("recv", t, rank))
+                if t.is_floating_point() and torch.is_grad_enabled():
+                    t.requires_grad_(True)
+                self.inputs[key] = t
             elif isinstance(ins, SendGrad):
                 g = self.grad_in.pop(key)
                 rank, peer_chunk = self._peer(ins.chunk, -1)
                 if rank == self.stage:
                     self.local[("grad", ins.micro, peer_chunk)] = g
                 else:
-                    payload.append(("send", g.contiguous(), rank))
+                    ops.append(("send", g.contiguous(), rank))
             elif isinstance(ins, RecvGrad):
                 rank, _ = self._peer(ins.chunk, +1)
                 if rank == self.stage:
@@ -231,27 +288,6 @@ class PipelineExecutor:
                     continue
                 out = self.outputs[key]
                 buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-                payload.append(("recv", buf, rank))
+                ops.append(("recv", buf, rank))
                 self.grad_out[key] = buf
-        if headers:
-            self.comm.p2p(headers, axis="pp")
-            for _, chunk, h in [a for a in after if a[0] == "meta"]:
-                ndim = int(h[0])
-                self._meta_in[chunk] = (torch.Size(h[2 : 2 + ndim].tolist()), _DTYPES[int(h[1])])
-        ops = []
-        for op in payload:
-            if op[0] == "recv" and op[1] is None:  # an activation: sized from its header
-                shape, dtype = self._meta_in[op[3][1]]
-                buf = torch.empty(shape, dtype=dtype, device=self.comm.topo.device)
-                if buf.is_floating_point() and torch.is_grad_enabled():
-                    buf.requires_grad_(True)
-                self.inputs[op[3]] = buf
-                ops.append(("recv", buf.detach() if buf.requires_grad else buf, op[2]))
-            else:
-                ops.append(op[:3])
         self.comm.p2p(ops, axis="pp")
-        for _, key, t in [a for a in after if a[0] == "act"]:
-            t = t.detach()
-            if t.is_floating_point() and torch.is_grad_enabled():
-                t.requires_grad_(True)
-            self.inputs[key] = t

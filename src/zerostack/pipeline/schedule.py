@@ -14,9 +14,11 @@ With ``p`` ranks and ``v`` model chunks per rank, chunk ``c`` of rank ``s`` is v
 Communication model (the executor implements exactly this): a maximal run of consecutive
 Send/Recv instructions in one stream is one batch, posted at once (``batch_isend_irecv``); the
 rank then waits until every op of the batch is matched, and an op is matched once the peer has
-posted the batch holding its counterpart (rendezvous: a Send waits for its Recv too). A Send to
-the same rank (``p == 1`` with several chunks) is a local handoff: matched at once, and it must
-precede its Recv. A Recv may come a few compute instructions before the one that consumes it
+posted the batch holding its counterpart (rendezvous: a Send waits for its Recv too). Between two
+ranks, messages are matched in the order they are posted (as gloo and NCCL match them), so the
+sends from rank ``a`` to rank ``b`` come in the same order as ``b``'s receives from ``a``. A
+Send to the same rank (``p == 1`` with several chunks) is a local handoff: matched at once, and
+it must precede its Recv. A Recv may come a few compute instructions before the one that consumes it
 (interleaved), so the executor keeps received tensors by ``(micro, chunk)`` until used.
 """
 
@@ -313,6 +315,8 @@ def build_schedule(
         raise ValueError(f"schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and chunks != 1:
         raise ValueError(f"chunks: {name!r} runs one chunk per stage, got chunks={chunks!r}")
+    if name == "interleaved" and chunks == 1:  # as the config: one chunk is "1f1b" by its name
+        raise ValueError("chunks: 'interleaved' needs chunks >= 2 (with one chunk it is '1f1b')")
     if name == "interleaved":
         return interleaved(stages, micro_batches, stage, chunks)
     return (gpipe if name == "gpipe" else one_f_one_b)(stages, micro_batches, stage)

@@ -25,6 +25,7 @@ from .schedule import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    build_streams,
     peer_of,
 )
 
@@ -136,20 +137,45 @@ def _parse_all(streams: list[list[Instruction]], chunks: int) -> list[list]:
     for rank, rank_steps in enumerate(steps):
         ops = [op for step in rank_steps if isinstance(step, list) for op in step]
         ends.update((op.key, (rank, pos, op)) for pos, op in enumerate(ops))
-    for rank, pos, op in ends.values():
+    queues: dict[tuple, list] = {}  # (sender, receiver, is_send) -> messages in posting order
+    for rank, pos, op in sorted(ends.values(), key=lambda e: e[:2]):
         other = ends.get((*op.key[:3], not op.ins.is_send))
         if other is None:
             want = ("Recv" if op.ins.is_send else "Send") + type(op.ins).__name__[4:]
             raise ScheduleError(f"{op.ins} on rank {rank} has no matching {want} on rank {op.peer}")
         if op.peer == rank and op.ins.is_send and other[1] < pos:
             raise ScheduleError(f"{op.ins} on rank {rank} is a local handoff after its Recv")
+        if op.peer != rank:
+            pair = (rank, op.peer) if op.ins.is_send else (op.peer, rank)
+            queues.setdefault((*pair, op.ins.is_send), []).append((op.key[:3], rank, op.ins))
+    for (sender, receiver, is_send), sent in queues.items():
+        if not is_send:
+            continue
+        got = queues[(sender, receiver, False)]
+        for (key, _, send), (other, _, recv) in zip(sent, got, strict=True):
+            if key != other:  # gloo and NCCL match a pair's messages in the order posted
+                raise ScheduleError(
+                    f"{send} on rank {sender} meets {recv} on rank {receiver}: rank {receiver} "
+                    f"receives from rank {sender} in another order than it sends"
+                )
     return steps
 
 
 def validate(streams: list[list[Instruction]], *, chunks: int = 1) -> None:
     """Raise :class:`ScheduleError` unless every stream keeps its own dependencies (Recv before
-    Forward/Backward, Forward before Backward, ...) and every Send has exactly one Recv."""
+    Forward/Backward, Forward before Backward, ...), every Send has exactly one Recv, and two
+    ranks post the messages between them in the same order."""
     _parse_all(streams, chunks)
+
+
+def check_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> SimResult:
+    """Build schedule ``name`` for every rank and simulate it: what ``initialize`` runs before it
+    accepts a pipeline configuration, so a schedule the executor would hang on is refused there.
+
+    >>> check_schedule("interleaved", stages=2, micro_batches=1, chunks=2).makespan
+    4.0
+    """
+    return simulate(build_streams(name, stages, micro_batches, chunks), chunks=chunks)
 
 
 def simulate(
