@@ -8,9 +8,16 @@ gradient (post-accumulate-grad hooks), the unit is freed and its gradients are r
 asynchronously, into this rank's fp32 gradient shard. Parameters smaller than
 ``stage3_param_persistence_threshold`` elements stay whole and are refreshed after each step.
 
-Prefetch: the first forward + backward records the order in which units are gathered; later passes
-launch the next units' gathers (up to ``stage3_prefetch_bucket_size`` elements ahead) while the
-current module computes. Every rank runs the same graph, so every rank issues the same collectives
+A parameter read (as ``module.weight``) during the forward of a unit that does not own it, say
+``F.linear(x, other.weight)``, is gathered there and from then on belongs to that unit as well
+(DeepSpeed's "external parameters"); the root is a unit even without parameters of its own, so
+such a read always has a unit to hold it. A parameter reached some other way (kept in a list)
+is not seen.
+
+Prefetch: the first training forward + backward records the order in which units are gathered
+(a no_grad pass, which has no backward, is neither recorded nor followed); later passes launch the
+next units' gathers (up to ``stage3_prefetch_bucket_size`` elements ahead) while the current
+module computes. Every rank runs the same graph, so every rank issues the same collectives
 in the same order.
 
 The optimizer sees one fp32 tensor per group: the concatenation of this rank's pieces of the
@@ -101,6 +108,24 @@ class _Gather:
         for p, full in zip(self.params, self._finish(), strict=True):
             hold(p, full, self.meter, self.copies)
         self.done = True
+
+
+class _GatherOnRead(dict):
+    """A module's ``_parameters``: reading a released parameter during a forward pass gathers it
+    for the unit running (see ``Stage3._borrow``)."""
+
+    def __init__(self, params: dict, stage3: Stage3) -> None:
+        super().__init__(params)
+        self.stage3 = stage3
+
+    def __getitem__(self, name: str):
+        p = super().__getitem__(name)
+        if self.stage3._running and is_sharded(p) and not p._zs.gathered:
+            self.stage3._borrow(p)
+        return p
+
+    def __reduce__(self):  # a copy of the module holds a plain dict, not the engine
+        return dict, (dict(self),)
 
 
 class Stage3:
@@ -208,8 +233,9 @@ class Stage3:
         module.register_forward_pre_hook(self._begin_pass, prepend=True)
         for m in module.modules():
             ps = list(dict.fromkeys(m.parameters(recurse=False)))
-            if not ps:
+            if not ps and m is not module:
                 continue
+            m._parameters = _GatherOnRead(m._parameters, self)
             u = len(self.units)
             self.units.append(ps)
             for p in ps:
@@ -246,8 +272,10 @@ class Stage3:
                 self._rs_width[-1] += p._zs.piece.numel()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
+        self._running: list[int] = []  # units whose forward is in progress, innermost last
         self._trace: list[int] | None = None
         self._recording: list[int] = []
+        self._training_pass = False
         self._ptr = 0
         self._prefetching = False
         self._inflight: dict[nn.Parameter, _Gather] = {}
@@ -343,8 +371,10 @@ class Stage3:
         if self._trace is None and self._recording:
             self._trace = self._recording
         self._drop_inflight()
+        self._running.clear()
         self._ptr = 0
-        self._prefetching = self._trace is not None and torch.is_grad_enabled()
+        self._training_pass = torch.is_grad_enabled()
+        self._prefetching = self._trace is not None and self._training_pass
 
     def _gather(self, u: int) -> None:
         """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
@@ -364,7 +394,8 @@ class Stage3:
     def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
         """Parameters of the units that come next in the recorded order, within the budget."""
         if self._trace is None:
-            self._recording.append(u)
+            if self._training_pass:
+                self._recording.append(u)
             return []
         if not self._prefetching:
             return []
@@ -403,10 +434,27 @@ class Stage3:
                 release(p, self.meter)
         self._inflight.clear()
 
+    def _borrow(self, p: nn.Parameter) -> None:
+        """``p`` is read in the forward of the innermost running unit, which does not hold it:
+        gather it for the rest of that forward, and make it that unit's for every later gather
+        (forward and backward) too."""
+        u = self._running[-1]
+        if u not in self._units_of[p]:
+            self.units[u].append(p)
+            self._units_of[p].append(u)
+            self._bwd_need[u] += p in self._trainable
+        pending = self._inflight.pop(p, None)
+        if pending is None:
+            pending = _Gather([p], self.comm, self.meter, self.param_swapper)
+        pending.resolve()
+        p._zs.active += 1
+
     def _pre_forward(self, u: int, module, args) -> None:
         self._gather(u)
+        self._running.append(u)
 
     def _post_forward(self, u: int, module, args, output) -> None:
+        self._running.pop()
         self._release(u)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
