@@ -40,6 +40,10 @@ class Mutant:
 
 P = "tests/test_parity.py::test_matches_single_process_at_every_step"
 M = "tests/test_mixed_precision.py"
+C = "tests/test_checkpoint.py"
+E = "tests/test_stage3_edges.py::test_stage3_matches_single_process"
+T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
+S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
 
 MUTANTS = [
     Mutant(
@@ -97,6 +101,187 @@ MUTANTS = [
         "overflow = not math.isfinite(norm)",
         'overflow = self.precision.name == "fp16" and not math.isfinite(norm)',
         ("tests/test_nonfinite.py",),
+    ),
+    Mutant(
+        "loss scaler not restored on load",
+        "checkpoint/state.py",
+        'engine.loss_scaler.load_state_dict(manifest["loss_scaler"])',
+        "pass",
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "RNG state not restored on load",
+        "checkpoint/state.py",
+        'torch.set_rng_state(reader.get(mine, "rng/cpu"))',
+        'reader.get(mine, "rng/cpu")',
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "sampler position not restored on load",
+        "checkpoint/state.py",
+        'sampler.load_state_dict(manifest["data_sampler"])',
+        "pass",
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "data loader draws its shuffle seed from the global RNG",
+        "__init__.py",
+        "generator=torch.Generator().manual_seed(cfg.seed),",
+        "generator=None,",
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "pipeline data iterator not reset on load",
+        "checkpoint/state.py",
+        "engine.set_dataloader(engine.training_dataloader)",
+        "pass",
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "NVMe optimizer state loaded but not written to its files",
+        "zero/offload.py",
+        'self.store.write(self.key[p], [values["master"], *(values[k] for k in names)])',
+        "pass",
+        (f"{C}::test_exact_resume_with_offload",),
+    ),
+    Mutant(
+        "stage-3 NVMe load not written into the parameter pieces",
+        "zero/stage3.py",
+        'self._write_pieces(self._group_of[master], values["master"])',
+        "pass",
+        (f"{C}::test_exact_resume_with_offload",),
+    ),
+    Mutant(
+        "frozen parameters not written to checkpoints",
+        "checkpoint/state.py",
+        "if x >= y or p in elsewhere:",
+        "if True:",
+        ("tests/test_frozen.py",),
+    ),
+    Mutant(
+        "frozen parameters not loaded",
+        "checkpoint/state.py",
+        'read(held, p, "master", lo, hi, 0)',
+        "pass",
+        ("tests/test_frozen.py",),
+    ),
+    Mutant(
+        "a checkpoint missing part of a value loads silently",
+        "checkpoint/state.py",
+        'if kind == "master" and covered != hi - lo:',
+        "if False:",
+        ("tests/test_frozen.py",),
+    ),
+    Mutant(
+        "stage-3 parameter released before its last use",
+        "zero/stage3.py",
+        "if not st.gathered:",
+        "if True:",
+        (f"{E}[2-foreign]",),
+    ),
+    Mutant(
+        "stage-3 parameter read by a module that does not own it is not kept by that unit",
+        "zero/stage3.py",
+        "if u not in self._units_of[p]:",
+        "if False:",
+        (f"{E}[2-foreign]",),
+    ),
+    Mutant(
+        "stage-3 root module not a unit",
+        "zero/stage3.py",
+        "if not ps and m is not module:",
+        "if not ps or m is module:",
+        (f"{E}[2-root]",),
+    ),
+    Mutant(
+        "stage-3 no_grad pass recorded as the prefetch order",
+        "zero/stage3.py",
+        "            if self._training_pass:\n                self._recording.append(u)",
+        "            if True:\n                self._recording.append(u)",
+        ("tests/test_stage3_edges.py::test_prefetch_survives_eval_passes",),
+    ),
+    Mutant(
+        "stage-3 bucket of an unused parameter never reduced",
+        "zero/stage3.py",
+        "            self._launch(self._next_rs)\n            self._next_rs += 1",
+        "            self._next_rs += 1",
+        (f"{E}[2-unused]",),
+    ),
+    Mutant(
+        "stage-3 tied weight reduced by both modules holding it",
+        "zero/stage3.py",
+        "[p for p in ps if owner[p] == u and p in self._trainable]",
+        "[p for p in ps if p in self._trainable]",
+        (f"{E}[2-tied]",),
+    ),
+    Mutant(
+        "pipeline loss not divided by the number of micro-batches",
+        "pipeline/executor.py",
+        "loss_scale / micro_batches, on_tied",
+        "loss_scale, on_tied",
+        (f"{S}[2]",),
+    ),
+    Mutant(
+        "pipeline shape probe reads micro-batch 0 twice",
+        "pipeline/executor.py",
+        "if mb in self.batches:  # read ahead by learn_shapes",
+        "if False:  # read ahead by learn_shapes",
+        (f"{S}[2]",),
+    ),
+    Mutant(
+        "initialize skips the pipeline simulator's check",
+        "pipeline/engine.py",
+        "check_schedule(pcfg.schedule, module.num_stages, gas, module.virtual_stages)",
+        "pcfg.schedule",
+        (
+            "tests/test_pipeline_schedule.py::"
+            "test_a_schedule_the_simulator_refuses_is_a_config_error_at_initialize",
+        ),
+    ),
+    Mutant(
+        "simulator ignores the order of a pair's messages",
+        "pipeline/simulate.py",
+        "if key != other:",
+        "if False:",
+        (
+            "tests/test_pipeline_schedule.py::"
+            "test_two_ranks_must_post_the_messages_between_them_in_the_same_order",
+        ),
+    ),
+    Mutant(
+        "CLI drops the default micro-batch with --grad-accum",
+        "cli.py",
+        'elif "train_batch_size" not in cfg:',
+        'elif not args.grad_accum and "train_batch_size" not in cfg:',
+        ("tests/test_cli.py::test_batch_options_fill_in_the_default_micro_batch",),
+    ),
+    Mutant(
+        "stage-2 full-size gradient kept after its bucket (a leak)",
+        "zero/sharded_optimizer.py",
+        "p.grad = None  # the full-size gradient does not outlive its bucket",
+        "pass",
+        (f"{T}[2]",),
+    ),
+    Mutant(
+        "stage-3 full gradient kept after its hook (a leak)",
+        "zero/stage3.py",
+        "p.grad = None  # the full gradient does not outlive this hook",
+        "pass",
+        (f"{T}[2]",),
+    ),
+    Mutant(
+        "stage-3 gathered copy kept on the parameter (a leak)",
+        "zero/stage3.py",
+        "hold(p, full, self.meter, self.copies)",
+        "hold(p, full, self.meter, self.copies); p._zs_stale = full",
+        (f"{T}[2]",),
+    ),
+    Mutant(
+        "stage-1 reduced piece kept after the step (a leak)",
+        "zero/sharded_optimizer.py",
+        "st.piece = None\n",
+        "pass\n",
+        (f"{T}[2]",),
     ),
 ]
 

@@ -10,12 +10,14 @@ between layouts), which fails loudly if the moments were not carried over.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 
 import pytest
 import torch
-from common import batch, max_rel_diff, reference_train, tiny_gpt
+from common import TINY, batch, max_rel_diff, reference_train, tiny_gpt
 from distributed import run_distributed
 
 import zerostack
@@ -67,17 +69,39 @@ def _resume(rank, world, stage, root, gas, fp16):
     second, *_ = zerostack.initialize(model=tiny_gpt(seed=7), config=cfg)  # other weights
     path, client = second.load_checkpoint(root)
     resumed = _steps(second, rank, world, 3, 3)
-    return uninterrupted, resumed, client, second.global_steps, second.loss_scale, path
+    states = _state(whole), _state(second)
+    return uninterrupted, resumed, client, second.global_steps, states, path
+
+
+def _state(engine) -> dict[str, torch.Tensor]:
+    """What exact resume must bring back: the parameters, each fp32 master with its optimizer
+    state (moments and step; read from the files on NVMe) and the loss scaler."""
+    out = {f"param/{k}": v for k, v in engine.full_state_dict().items()}
+    for i, m in enumerate(engine.zero.masters()):
+        for k, v in engine.zero.read_master(m, engine.optimizer).items():
+            out[f"master{i}/{k}"] = v.clone()
+        out[f"master{i}/step"] = engine.optimizer.state[m]["step"].clone()
+    for k, v in engine.loss_scaler.state_dict().items():
+        out[f"loss_scaler/{k}"] = torch.tensor(v)
+    return out
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: {sorted(got.keys() ^ want.keys())}"
+    assert any(k.endswith("/exp_avg_sq") for k in want), f"{what}: no optimizer moments"
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{what}: {k} differs from the uninterrupted run"
 
 
 @pytest.mark.parametrize(
     "stage,gas,fp16", [(0, 1, False), (1, 2, False), (2, 1, True), (3, 2, False), (3, 1, True)]
 )
 def test_exact_resume(stage, gas, fp16, tmp_path):
-    for whole, resumed, client, steps, _, path in run_distributed(
+    for whole, resumed, client, steps, (want, got), path in run_distributed(
         _resume, 2, args=(stage, str(tmp_path), gas, fp16)
     ):
         assert resumed == whole  # bit for bit
+        _assert_equal(got, want, f"stage {stage}")
         assert client == {"epoch": 1, "note": "three steps"} and steps == 6
         assert path == str(tmp_path / "global_step3")
     assert (tmp_path / "latest").read_text() == "global_step3"
@@ -86,6 +110,192 @@ def test_exact_resume(stage, gas, fp16, tmp_path):
         "rank00000.safetensors",
         "rank00001.safetensors",
     ]
+
+
+# ------------------------------------------------------- exact resume through the engine's loader
+# 12 samples, 2 per micro-batch on each of 2 ranks: 3 micro-steps an epoch. The save comes after
+# micro-step 4 (epoch 1, one micro-batch in), the run ends after 8 (in epoch 2).
+SAMPLES, SAVE, STOP = 12, 4, 8
+DROPOUT = dataclasses.replace(TINY, dropout=0.1)
+FP16_POWER = 18  # overflows within the first steps (the saved scale is smaller), then trains
+
+RESUME_CASES = {
+    "stage 0, dropout, gas 2": dict(stage=0, gas=2, dropout=True),
+    "stage 3, fp16, scale lowered": dict(
+        stage=3, fp16={"enabled": True, "initial_scale_power": FP16_POWER, "hysteresis": 1}
+    ),
+    "stage 2, bf16, dropout": dict(stage=2, bf16={"enabled": True}, dropout=True),
+    "pipeline pp 2, dropout": dict(pipeline=True),
+}
+OFFLOAD_CASES = {
+    "stage 2, cpu": dict(stage=2, offload_optimizer={"device": "cpu"}),
+    "stage 3, cpu, offload_param cpu": dict(
+        stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}
+    ),
+    "stage 1, nvme, fp16": dict(
+        stage=1, offload_optimizer={"device": "nvme"}, fp16={"enabled": True}
+    ),
+    "stage 3, nvme, offload_param nvme, bf16": dict(
+        stage=3,
+        offload_optimizer={"device": "nvme"},
+        offload_param={"device": "nvme"},
+        bf16={"enabled": True},
+    ),
+}
+
+
+def _case_config(case: dict, nvme: str) -> dict:
+    cfg = _config(2, case["stage"], case.get("gas", 1))
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    zero = cfg["zero_optimization"]
+    for key in ("offload_optimizer", "offload_param"):
+        if key in case:  # in files: a few sub-groups, under the test's folder
+            zero[key] = {**case[key], "nvme_path": nvme}
+            zero["sub_group_size"] = 3000
+    for key in ("fp16", "bf16"):
+        if key in case:
+            cfg[key] = case[key]
+    return cfg
+
+
+def _loop(engine, loader, stop: int) -> list[float]:
+    """A DeepSpeed-style loop over the engine's loader, epoch after epoch, to micro-step ``stop``;
+    returns the losses."""
+    losses = []
+    for epoch in itertools.count(loader.sampler.epoch):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if engine.micro_steps == stop:
+                return losses
+    raise AssertionError("unreachable")
+
+
+def _pipeline_engine(seed: int, data):
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state
+    from zerostack.pipeline import PipelineModule
+
+    cfg = dataclasses.replace(_tp_cfg(), dropout=0.1)
+    topo = zerostack.Topology.build(pp=2)
+    model = PipelineModule(
+        gpt_layers(cfg, topology=topo),
+        topology=topo,
+        loss_fn=GPTLoss(topo),
+        partition_method="type:Block",
+    )
+    load_plain_state(model, tiny_gpt(seed=seed, cfg=cfg).state_dict(), cfg)
+    config = {**_config(1, 1, gas=2), "train_micro_batch_size_per_gpu": 2}
+    return zerostack.initialize(model=model, config=config, training_data=data)[0]
+
+
+def _resume_cases(rank, world, root, cases):
+    """Per case: an uninterrupted run through the engine's loader; a run that stops after SAVE
+    micro-steps and saves; a fresh engine (other weights, other RNG) that loads and loops again.
+    Returns the first and the last run's losses after SAVE and their final states."""
+    out = {}
+    data = list(zip(*batch(0, SAMPLES), strict=True))
+    for i, (name, case) in enumerate(cases.items()):
+        folder, nvme = os.path.join(root, f"case{i}"), os.path.join(root, "nvme")
+        os.makedirs(nvme, exist_ok=True)
+        runs = []
+        for seed, stop in ((0, STOP), (0, SAVE), (7, STOP)):
+            if case.get("pipeline"):  # train_batch() pulls 2 micro-batches (of 3 an epoch)
+                engine = _pipeline_engine(seed, data[:6])
+                if seed:  # a used engine: its own iterator must start again where the save was
+                    engine.train_batch()
+                    engine.load_checkpoint(folder)
+                losses = []
+                while engine.global_steps < stop // 2:
+                    losses.append(engine.train_batch().item())
+                losses = losses[-((STOP - SAVE) // 2) :]
+            else:
+                model = tiny_gpt(seed, cfg=DROPOUT if case.get("dropout") else TINY)
+                engine, _, loader, _ = zerostack.initialize(
+                    model=model, config=_case_config(case, nvme), training_data=data
+                )
+                if seed:
+                    engine.load_checkpoint(folder)
+                losses = _loop(engine, loader, stop)[-(STOP - SAVE) :]
+            if stop == SAVE:
+                engine.save_checkpoint(folder)
+            else:
+                runs.append((losses, _state(engine)))
+            engine.destroy()
+        out[name] = (*runs[0], *runs[1])
+    return out
+
+
+def _check_resume_cases(results, cases, root):
+    for r in results:
+        for name in cases:
+            whole, want, resumed, got = r[name]
+            assert resumed == whole, f"{name}: losses after resuming"  # bit for bit
+            _assert_equal(got, want, name)
+    for i, (name, case) in enumerate(cases.items()):
+        folder = root / f"case{i}" / (root / f"case{i}" / "latest").read_text()
+        manifest = json.loads((folder / "manifest.json").read_text())
+        # 4 micro-batches of 2 samples on 2 ranks (or 2 stages, one dp rank), 3 an epoch
+        epoch, consumed = (1, 4) if not case.get("pipeline") else (1, 2)
+        assert manifest["data_sampler"] == {"epoch": epoch, "consumed_samples": consumed}, name
+        if "fp16" in case and "initial_scale_power" in case["fp16"]:
+            scaler, counters = manifest["loss_scaler"], manifest["counters"]
+            assert scaler["cur_scale"] < 2.0**FP16_POWER, scaler  # an overflow halved it
+            assert 0 < counters["skipped_steps"] < counters["global_steps"], counters
+
+
+def test_exact_resume_whole(tmp_path):
+    """Parameters, moments, steps, loss scale and losses equal the uninterrupted run's after a
+    save and a load in a fresh engine: with dropout (the RNG), after fp16 overflows (the loss
+    scaler), in bf16, through a pipeline's train_batch, and the engine's loader continues with
+    the first unseen micro-batch across epochs (its position is in the checkpoint)."""
+    results = run_distributed(_resume_cases, 2, args=(str(tmp_path), RESUME_CASES))
+    _check_resume_cases(results, RESUME_CASES, tmp_path)
+
+
+def test_exact_resume_with_offload(tmp_path):
+    """The same with the optimizer in host memory or in files (read and written through the
+    swapper), and at stage 3 the parameter pieces offloaded too (refreshed from loaded masters)."""
+    results = run_distributed(_resume_cases, 2, args=(str(tmp_path), OFFLOAD_CASES))
+    _check_resume_cases(results, OFFLOAD_CASES, tmp_path)
+
+
+def test_sampler_order_and_position():
+    """ResumableSampler yields DistributedSampler's order; its position survives a state dict,
+    also onto another number of replicas, and another epoch starts from its beginning."""
+    from torch.utils.data import DistributedSampler
+
+    from zerostack.data.sampler import ResumableSampler
+
+    data = list(range(13))
+    for seed, epoch, rank in [(0, 0, 0), (0, 3, 1), (5, 1, 0)]:
+        ours = ResumableSampler(data, num_replicas=2, rank=rank, seed=seed)
+        theirs = DistributedSampler(data, num_replicas=2, rank=rank, seed=seed)
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert list(ours) == list(theirs)
+    first = ResumableSampler(data, num_replicas=2, rank=1)
+    first.set_epoch(2)
+    order = list(first)
+    it = iter(first)
+    assert [next(it) for _ in range(4)] == order[:4]
+    assert first.state_dict() == {"epoch": 2, "consumed_samples": 8}
+    again = ResumableSampler(data, num_replicas=2, rank=1)
+    again.load_state_dict(first.state_dict())
+    again.set_epoch(2)  # the restored epoch: the position stays
+    assert list(again) == order[4:] and again.state_dict()["consumed_samples"] == 14
+    assert list(again) == order  # the next pass is a whole one
+    four = ResumableSampler(data, num_replicas=4, rank=3)
+    four.load_state_dict(first.state_dict())  # 8 samples consumed = 2 per replica of 4
+    whole = DistributedSampler(data, num_replicas=4, rank=3)
+    whole.set_epoch(2)
+    assert list(four) == list(whole)[2:]
+    other = ResumableSampler(data, num_replicas=2, rank=1)
+    other.load_state_dict(first.state_dict())
+    other.set_epoch(3)  # another epoch: from its beginning
+    assert len(list(other)) == 7
 
 
 def _save(rank, world, stage, root, steps):

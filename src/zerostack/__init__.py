@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from . import checkpointing, zero
 from .comm import Comm, CommLog
 from .config import ConfigError, ZeroStackConfig, load_config
+from .data.sampler import ResumableSampler
 from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
@@ -198,7 +199,7 @@ def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):
 
 def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
     topo, cfg = engine.topology, engine.config
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(  # DistributedSampler's order; checkpoints keep its position
         dataset,
         num_replicas=topo.dp,
         rank=topo.dp_rank,
@@ -212,6 +213,10 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=cfg.dataloader_drop_last,
+        # Each iter(loader) draws a seed from this generator, else from the global RNG: a resumed
+        # run, which calls iter() again after load_checkpoint, would then draw its dropout masks
+        # out of step with the uninterrupted run.
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
 
 
@@ -267,4 +272,6 @@ def initialize(
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     if isinstance(engine, PipelineEngine):
         engine.set_dataloader(loader)
+    else:
+        engine.training_dataloader = loader  # its sampler's position goes into checkpoints
     return engine, engine.optimizer, loader, engine.lr_scheduler

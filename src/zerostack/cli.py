@@ -237,12 +237,8 @@ def train(args) -> dict:
     batches, epoch = iter(loader), 0
     if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
         engine.load_checkpoint(args.save_dir)
-        consumed = engine.global_steps * engine.gradient_accumulation_steps()
-        epoch, skip = divmod(consumed, len(loader))  # the data order of the uninterrupted run
-        loader.sampler.set_epoch(epoch)
+        epoch = loader.sampler.epoch  # the loader continues after the last batch saved
         batches = iter(loader)
-        for _ in range(skip):
-            next(batches)
     checkpoint, first_step = None, engine.global_steps
     loss_sum = torch.zeros(1)
     t_start = time.perf_counter()

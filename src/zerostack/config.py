@@ -544,8 +544,10 @@ class PipelineConfig(_Model):
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             _fail("the interleaved schedule needs virtual_stages >= 2", "virtual_stages")
         if self.schedule != "interleaved" and self.virtual_stages != 1:
-            _fail(f"virtual_stages > 1 needs schedule 'interleaved' (not {self.schedule!r})",
-                  "virtual_stages")
+            _fail(
+                f"virtual_stages > 1 needs schedule 'interleaved' (not {self.schedule!r})",
+                "virtual_stages",
+            )
         return self
 
 
@@ -597,8 +599,10 @@ class ZeroStackConfig(_Model):
     """Log progress every this many optimizer steps."""
     gradient_clipping: NonNegFloat = 0.0
     """Clip the global gradient norm to this value; 0 means no clipping."""
-    seed: NonNegInt = 42
-    """Random seed. Not a DeepSpeed key (DeepSpeed leaves seeding to the user)."""
+    seed: NonNegInt = 0
+    """Seed of the order in which the engine's data loader (``initialize(training_data=...)``)
+    shuffles the dataset each epoch; 0, as DeepSpeed's DistributedSampler. It seeds nothing else
+    (weights and dropout are the user's ``torch.manual_seed``). Not a DeepSpeed key."""
     on_nonfinite_grads: Literal["skip", "error"] = "skip"
     """A NaN or inf global gradient norm in bf16 or fp32 training: skip the step on every rank
     (counted in skipped_steps, logged) or raise FloatingPointError. Not a DeepSpeed key. In fp16

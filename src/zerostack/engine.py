@@ -114,6 +114,8 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self.timers: dict[str, float] = defaultdict(float)
+        # initialize(training_data=...)'s loader: checkpoints keep its sampler's position
+        self.training_dataloader = None
 
     def _zero_stage(self, stage: int) -> int:
         """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""

@@ -4,16 +4,18 @@ A tag folder holds one safetensors file per rank and ``manifest.json``::
 
     global_step40/
       manifest.json           layout, counters, loss scaler, LR schedule, optimizer groups,
-                              and per file: size, and per tensor: sha256
+                              data-loader position, and per file: size, and per tensor: sha256
       rank00000.safetensors   master/<name>@<lo>, exp_avg/<name>@<lo>, ... rng/cpu, buffer/...
 
 A tensor ``<kind>/<name>@<lo>`` holds elements ``[lo, hi)`` of parameter ``name`` flattened (its
-fp32 master value or an optimizer moment), so a checkpoint is independent of the ZeRO stage and
-dp size that wrote it: a rank of any other layout reads just the tensors that overlap its own
-slices, checks their sha256, and copies the overlap. Writes go to ``.<tag>.incomplete`` and are
-renamed into place only when every rank has finished; ``latest`` is replaced after that, so an
-interrupted save leaves the previous checkpoint as it was. Nothing is unpickled: tensors come from
-safetensors, everything else from JSON (client state must be JSON-serialisable).
+fp32 master value or an optimizer moment; a frozen parameter has a master value only, the fp32 of
+what it holds, so it may be frozen or trained on load alike), so a checkpoint is independent of
+the ZeRO stage and dp size that wrote it: a rank of any other layout reads just the tensors that
+overlap its own slices, checks their sha256, and copies the overlap. Writes go to
+``.<tag>.incomplete`` and are renamed into place only when every rank has finished; ``latest`` is
+replaced after that, so an interrupted save leaves the previous checkpoint as it was. Nothing is
+unpickled: tensors come from safetensors, everything else from JSON (client state must be
+JSON-serialisable).
 """
 
 from __future__ import annotations
@@ -74,22 +76,35 @@ def _write_shard(engine, folder: str) -> dict:
     names = {p: n for n, p in engine.module.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     slices = []
-    opt_state = engine.optimizer.state
     topo = engine.topology
     # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
     # first pipeline stage that holds it (the parameters the gradient norm skips).
     elsewhere = engine._norm_skip()
     if engine.zero.owns_replica:
+        held: tuple = (None, {})  # a master's value and state, read once (from its file on NVMe)
         for p, lo, hi, master, a, b in engine.zero.owned_slices():
             if hi <= lo or p in elsewhere:
                 continue
+            if held[0] is not master:
+                held = master, engine.zero.read_master(master, engine.optimizer)
             tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
             key = _key(names[p], tp_rank, lo)
-            tensors[f"master/{key}"] = master.detach().reshape(-1)[a:b].float().cpu().clone()
-            for k, v in opt_state.get(master, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
-                    tensors[f"{k}/{key}"] = v.detach().reshape(-1)[a:b].cpu().clone()
+            for k, v in held[1].items():  # "master" (fp32), then the optimizer's moments
+                tensors[f"{k}/{key}"] = v[a:b].cpu().clone()
             slices.append([names[p], tp_rank, lo, hi])
+    # Frozen parameters: their value as master slices (fp32 of what is held), no optimizer state.
+    # dp rank r writes elements [r*c, (r+1)*c), c = ceil(n / dp): at stage 3 the piece it holds,
+    # at stages 0-2 (all ranks hold the whole) the same cut, so a frozen base is written by all.
+    dp, dp_rank = topo.dp, topo.rank("dp")
+    for p, lo, hi, value in engine.zero.frozen_slices():
+        c = max(1, -(-math.prod(_full_shape(p, 1)) // dp))
+        x, y = max(lo, dp_rank * c), min(hi, (dp_rank + 1) * c)
+        if x >= y or p in elsewhere:
+            continue
+        tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
+        key = _key(names[p], tp_rank, x)
+        tensors[f"master/{key}"] = value[x - lo : y - lo].float().cpu().clone()
+        slices.append([names[p], tp_rank, x, y])
     if topo.rank("dp") == 0 and topo.rank("tp") == 0:  # each stage's buffers, once
         for name, buf in engine.module.named_buffers():
             tensors[f"buffer/{name}"] = buf.detach().cpu().clone()
@@ -123,6 +138,12 @@ def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
     if spec is not None:
         shape[spec[0]] *= tp
     return shape
+
+
+def _sampler(engine):
+    """The sampler of the engine's own data loader (initialize's), if it keeps a position."""
+    sampler = getattr(engine.training_dataloader, "sampler", None)
+    return sampler if callable(getattr(sampler, "load_state_dict", None)) else None
 
 
 def _tracker_states() -> dict[str, torch.Tensor]:
@@ -224,6 +245,8 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
             engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         ),
         "optimizer_groups": groups,
+        # where the engine's data loader is: epoch and samples handed out in it (rank 0's)
+        "data_sampler": sampler.state_dict() if (sampler := _sampler(engine)) else None,
         "files": records,
         "client_state": client_state,
     }
@@ -333,7 +356,7 @@ def load(engine, load_dir: str, tag=None, **options):
     errors = _gather_errors(error)
     if errors:
         raise CheckpointError(errors[0][1])
-    engine.zero.after_step()  # the masters into the compute-dtype parameters (a collective)
+    engine.zero.after_load()  # the masters into the compute-dtype parameters (a collective)
     return result
 
 
@@ -369,30 +392,41 @@ def _load(
         {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
         - {"master", "rng", "buffer"}
     )
-    for p, lo, hi, master, a, _ in engine.zero.owned_slices():
-        if hi <= lo:
-            continue
-        name = names[p]
-        saved_spec = reader.specs.get(name)
-        spec = partition_spec(p)
+
+    def read(dest, p, kind: str, lo: int, hi: int, a: int) -> None:
+        """Elements ``[lo, hi)`` of ``p``'s saved ``kind`` (this rank's tp slice) to ``dest[a:]``;
+        every element of a value must be there (a moment may be missing: it stays zero)."""
+        name, saved_spec, spec = names[p], reader.specs.get(names[p]), partition_spec(p)
         spec = list(spec) if spec is not None else None
-        for kind in ["master"] + (keys if with_state else []):
-            if kind == "master":
-                dest = master.data.reshape(-1)
-            else:
-                state = opt.state[master]
-                if kind not in state:
-                    state[kind] = torch.zeros_like(master)
-                dest = state[kind].reshape(-1)
-            if saved_spec is None and spec is None:  # whole then and now
-                reader.fill(dest, name, kind, None, lo, hi, a)
-            elif saved_spec == spec and saved_tp == tp:  # cut the same way: this rank's slices
-                reader.fill(dest, name, kind, tp_rank, lo, hi, a)
-            else:  # cut otherwise: through the whole parameter, cut as this model cuts it
-                full = reader.full(name, kind)
-                if spec is not None:
-                    full = split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
-                dest[a : a + hi - lo].copy_(full.reshape(-1)[lo:hi])
+        if saved_spec is None and spec is None:  # whole then and now
+            covered = reader.fill(dest, name, kind, None, lo, hi, a)
+        elif saved_spec == spec and saved_tp == tp:  # cut the same way: this rank's slices
+            covered = reader.fill(dest, name, kind, tp_rank, lo, hi, a)
+        else:  # cut otherwise: through the whole parameter, cut as this model cuts it
+            full = reader.full(name, kind)
+            if spec is not None:
+                full = split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
+            dest[a : a + hi - lo].copy_(full.reshape(-1)[lo:hi])
+            covered = hi - lo
+        if kind == "master" and covered != hi - lo:
+            raise CheckpointError(
+                f"{folder}: {name}: slices cover {covered} of elements [{lo}, {hi}) of its value"
+            )
+
+    kinds = keys if with_state else []
+    owned = defaultdict(list)
+    for p, lo, hi, master, a, _ in engine.zero.owned_slices():
+        if hi > lo:
+            owned[master].append((p, lo, hi, a))
+    for master in engine.zero.masters():  # one at a time: on NVMe, read, filled, written back
+        values = engine.zero.read_master(master, opt, kinds)
+        for p, lo, hi, a in owned[master]:
+            for kind in ["master", *kinds]:
+                read(values[kind], p, kind, lo, hi, a)
+        engine.zero.write_master(master, opt, values)
+    for p, lo, hi, held in engine.zero.frozen_slices():  # frozen: into what they hold, in place
+        if hi > lo:
+            read(held, p, "master", lo, hi, 0)
     if with_state:
         for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
             for k, v in saved_g["hyper"].items():
@@ -414,6 +448,11 @@ def _load(
         engine.micro_steps, engine.skipped_steps = c["micro_steps"], c["skipped_steps"]
         engine.comm.log.step = engine.global_steps  # CommLog steps continue from here
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        sampler = _sampler(engine)
+        if sampler is not None and manifest.get("data_sampler") is not None:
+            sampler.load_state_dict(manifest["data_sampler"])  # the next iter() continues there
+            if hasattr(engine, "set_dataloader"):  # the pipeline's own iterator starts over
+                engine.set_dataloader(engine.training_dataloader)
         if load_lr_scheduler_states and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
         if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG

@@ -101,8 +101,9 @@ class PipelineEngine(Engine):
         if self._data_iter is None:  # repeat the loader forever, as DeepSpeed's RepeatingLoader
 
             def repeat():
-                for epoch in itertools.count():
-                    sampler = getattr(self.training_dataloader, "sampler", None)
+                sampler = getattr(self.training_dataloader, "sampler", None)
+                # from the sampler's epoch: a loaded checkpoint's, whose position it keeps
+                for epoch in itertools.count(getattr(sampler, "epoch", 0)):
                     if hasattr(sampler, "set_epoch"):
                         sampler.set_epoch(epoch)
                     yield from self.training_dataloader

@@ -269,6 +269,28 @@ class OptimizerSwapper:
         self.store.read_into(self.key[p], [t])
         return t.view(self.shape[p])
 
+    def read_state(self, p: nn.Parameter, kinds=()) -> dict[str, torch.Tensor]:
+        """The master's value (``"master"``) and its optimizer-state tensors, flat, read from its
+        file (for a checkpoint); state ``kinds`` it has none of yet come as zeros."""
+        tensors = self._tensors(p)
+        self.store.read_into(self.key[p], tensors)
+        out = {"master": tensors[0]}
+        for (name, _), t in zip(self.state_keys.get(p, []), tensors[1:], strict=True):
+            out[name] = t
+        for k in kinds:
+            out.setdefault(k, torch.zeros(self.numel[p], dtype=torch.float32))
+        return out
+
+    def write_state(self, p: nn.Parameter, values: dict[str, torch.Tensor], optimizer) -> None:
+        """Make ``values`` (as :meth:`read_state` gives them) the master's file; its optimizer
+        state gets the empty stand-ins a swapped-out sub-group has, read in at the next step."""
+        names = [k for k in values if k != "master"]
+        state = optimizer.state[p]
+        for k in names:
+            state[k] = torch.empty(0, dtype=values[k].dtype)
+        self.state_keys[p] = [(k, values[k].dtype) for k in names]
+        self.store.write(self.key[p], [values["master"], *(values[k] for k in names)])
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.store.close()

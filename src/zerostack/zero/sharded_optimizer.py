@@ -45,6 +45,21 @@ def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype)
             t.data = t.data.to(dtype)
 
 
+def live_state(master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+    """A master in memory and its optimizer-state tensors of its size, as flat views (see
+    ``ShardedDataParallel.read_master``); state ``kinds`` it lacks are added, zeros."""
+    if kinds:
+        state = optimizer.state[master]
+        for k in kinds:
+            if k not in state:
+                state[k] = torch.zeros_like(master)
+    out = {"master": master.detach().view(-1)}
+    for k, v in optimizer.state.get(master, {}).items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
+            out[k] = v.detach().view(-1)
+    return out
+
+
 @dataclass
 class _BucketState:
     group: int
@@ -413,8 +428,6 @@ class ShardedDataParallel:
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
-        if self.swapper is not None:
-            raise RuntimeError("checkpoints with offload_optimizer 'nvme' are not supported yet")
         shard_rank = 0 if self.stage == 0 else self.rank
         for st in self.buckets:
             fg = self.groups[st.group]
@@ -423,9 +436,41 @@ class ShardedDataParallel:
                 start = self._where[p][1].start
                 yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
 
+    def frozen_slices(self):
+        """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
+        every rank holds it whole, so ``[lo, hi)`` is all of it and ``held`` the flattened
+        parameter itself, in the compute dtype (a checkpoint reads it and loads into it)."""
+        for p in self.module.parameters():
+            if p not in self._where:
+                if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
+                    p.data = p.data.contiguous()
+                yield p, 0, p.numel(), p.data.view(-1)
+
+    def after_load(self) -> None:
+        """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
+        self.after_step()
+
     def master_value(self, master: nn.Parameter) -> torch.Tensor:
         """A master's current fp32 value (read back from its file when it is on NVMe)."""
         return self.swapper.read(master) if self.swapper is not None else master.detach()
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        """``master``'s fp32 value (``"master"``) and its optimizer-state tensors, flat, for a
+        checkpoint: the live tensors (a load fills them in place), or on NVMe copies read from
+        the files, which :meth:`write_master` stores back. State ``kinds`` it lacks are zeros."""
+        if self.swapper is not None:
+            return self.swapper.read_state(master, kinds)
+        return live_state(master, optimizer, kinds)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files, and the
+        value kept for ``after_load`` to write into the parameters (in memory: already there)."""
+        if self.swapper is None:
+            return
+        self.swapper.write_state(master, values, optimizer)
+        st = next(st for st in self.buckets if st.master is master)
+        dtype = self.groups[st.group].params_flat.dtype
+        st.updated = values["master"].to(device=self.comm.topo.device, dtype=dtype, copy=True)
 
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""

@@ -46,7 +46,7 @@ from .offload import (
     host_device,
     to_host,
 )
-from .sharded_optimizer import sync_from_rank0
+from .sharded_optimizer import live_state, sync_from_rank0
 
 
 @dataclass
@@ -649,11 +649,23 @@ class Stage3:
 
     owns_replica = True
 
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        """As :meth:`ShardedDataParallel.read_master`."""
+        if self.swapper is not None:
+            return self.swapper.read_state(master, kinds)
+        return live_state(master, optimizer, kinds)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files and the
+        compute-dtype pieces (or their files) at once; in memory ``after_load`` writes pieces."""
+        if self.swapper is None:
+            return
+        self.swapper.write_state(master, values, optimizer)
+        self._write_pieces(self._group_of[master], values["master"])
+
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (padding excluded)."""
-        if self.swapper is not None or self.param_swapper is not None:
-            raise RuntimeError("checkpoints with nvme/cpu offload at stage 3 are not supported yet")
         for g in self.groups:
             off = 0
             for p in g.params:
@@ -662,6 +674,27 @@ class Stage3:
                 hi = min(lo + pn, n)
                 yield p, lo, hi, g.master, off, off + (hi - lo)
                 off += pn
+
+    def frozen_slices(self):
+        """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
+        this rank's piece ``held`` (compute dtype) holds elements ``[lo, hi)`` of the flattened
+        parameter (padding excluded); a checkpoint reads it and loads into it."""
+        for p in self._owner:
+            if p not in self._trainable:
+                if self.param_swapper is not None and self.param_swapper.holds(p):
+                    raise RuntimeError(
+                        "checkpoints of frozen parameters with offload_param are not supported yet"
+                    )
+                pn, n = p._zs.piece.numel(), p._zs.numel
+                lo = min(self.rank * pn, n)
+                hi = min(lo + pn, n)
+                yield p, lo, hi, p._zs.piece[: hi - lo]
+
+    def after_load(self) -> None:
+        """Loaded masters into the pieces, and loaded frozen pieces into the gathered copies of
+        persistent parameters (a collective over dp)."""
+        self.after_step()
+        self._refresh_persistent([p for p in self._persistent if p not in self._trainable])
 
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""
