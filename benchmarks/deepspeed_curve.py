@@ -7,7 +7,8 @@ byte-level MLP language model (pure torch, the same code under both), the engine
 from ``initialize(training_data=...)``, ZeRO stage 0, dp 2, AdamW, 30 steps. Each rank prints the
 mean loss over dp every step and the final next-byte accuracy on held-out windows. Runs:
 zerostack with the default seed, zerostack with ``"seed": 42`` (the old default), DeepSpeed; each
-with the optimizer from the config block and with one torch AdamW passed by the script.
+with the optimizer from the config block and with one torch AdamW passed by the script; and, as
+the yardstick for both, the same training as a hand-written torch DDP loop.
 Output: one JSON line with the curves, the largest per-step relative difference of each
 zerostack run from DeepSpeed's, and the accuracies.
 """
@@ -28,7 +29,7 @@ CORPUS = os.path.join(ROOT, "src", "zerostack", "data", "genesis.txt")
 CONTEXT, STEPS = 16, 30
 
 
-def _worker(backend: str, seed: int | None, client_optimizer: bool) -> None:
+def _worker(backend: str, seed: int | None, client_optimizer: bool, bucket: int | None) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -37,8 +38,10 @@ def _worker(backend: str, seed: int | None, client_optimizer: bool) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    else:
+    elif backend == "zerostack":
         import zerostack as deepspeed
+    else:
+        dist.init_process_group("gloo")
 
     data = torch.tensor(list(open(CORPUS, "rb").read()), dtype=torch.long)
     windows = data[: (len(data) // (CONTEXT + 1)) * (CONTEXT + 1)].view(-1, CONTEXT + 1)
@@ -65,10 +68,15 @@ def _worker(backend: str, seed: int | None, client_optimizer: bool) -> None:
     }
     if seed is not None:
         config["seed"] = seed
+    if bucket is not None:
+        config["zero_optimization"]["reduce_bucket_size"] = bucket
     optimizer = None
     if client_optimizer:  # the same torch kernel under both (each library's own otherwise)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         del config["optimizer"]
+    if backend == "ddp":  # the hand-written torch loop those engines stand for
+        _ddp_loop(model, dataset, held_out)
+        return
     engine, _, loader, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -94,10 +102,40 @@ def _worker(backend: str, seed: int | None, client_optimizer: bool) -> None:
     dist.destroy_process_group()
 
 
-def _run(python: str, backend: str, seed: int | None, client: bool, timeout: float) -> dict:
+def _ddp_loop(model, dataset, held_out) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        if len(losses) == STEPS:
+            break
+    with torch.no_grad():
+        accuracy = float((model(held_out[:, :-1]).argmax(-1) == held_out[:, -1]).float().mean())
+    if dist.get_rank() == 0:
+        print(json.dumps({"losses": losses, "accuracy": accuracy}), flush=True)
+    dist.destroy_process_group()
+
+
+def _run(
+    python: str, backend: str, seed: int | None, client: bool, timeout: float, bucket=None
+) -> dict:
     argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     argv += ["--worker", backend] + ([] if seed is None else ["--seed", str(seed)])
     argv += ["--client-optimizer"] if client else []
+    argv += [] if bucket is None else ["--bucket", str(bucket)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     with tempfile.TemporaryDirectory() as cwd:  # DeepSpeed may write files where it runs
         p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -109,15 +147,18 @@ def _run(python: str, backend: str, seed: int | None, client: bool, timeout: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", choices=["zerostack", "deepspeed"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["zerostack", "deepspeed", "ddp"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--client-optimizer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bucket", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peer-python", default=os.path.join(ROOT, ".peers", "bin", "python"))
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.seed, args.client_optimizer)
+        _worker(args.worker, args.seed, args.client_optimizer, args.bucket)
         return
     from _bench import emit
 
@@ -130,14 +171,22 @@ def main() -> None:
             "deepspeed": _run(peer, "deepspeed", None, client, t),
             "zerostack": _run(me, "zerostack", None, client, t),
             "zerostack_seed42": _run(me, "zerostack", 42, client, t),
+            # the control: zerostack against itself with its gradients and masters cut into
+            # other buckets, which changes nothing but where vectorised kernels round
+            "zerostack_small_buckets": _run(me, "zerostack", None, client, t, bucket=3000),
+            "torch_ddp": _run(me, "ddp", None, client, t),
         }
-        ref = runs["deepspeed"].get("losses")
         summary = {f"{k}_accuracy": v.get("accuracy", v.get("error")) for k, v in runs.items()}
-        for name in ("zerostack", "zerostack_seed42"):
-            got = runs[name].get("losses")
+        pairs = [("zerostack", "deepspeed"), ("zerostack_seed42", "deepspeed")]
+        pairs += [("zerostack_small_buckets", "zerostack"), ("zerostack", "torch_ddp")]
+        pairs += [("deepspeed", "torch_ddp")]
+        for name, base in pairs:
+            got, ref = runs[name].get("losses"), runs[base].get("losses")
             if ref and got:
-                summary[f"{name}_max_rel_diff_vs_deepspeed"] = max(
-                    abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)
+                diffs = [abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)]
+                summary[f"{name}_vs_{base}_max_rel_diff"] = max(diffs)
+                summary[f"{name}_vs_{base}_first_differing_step"] = next(
+                    (i for i, d in enumerate(diffs) if d > 0), None
                 )
         out[mode] = {"summary": summary, "runs": runs}
     emit(out, args.out)
