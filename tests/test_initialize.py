@@ -172,3 +172,21 @@ def test_foreign_parameter_is_an_error():
 def test_missing_model_is_an_error():
     with pytest.raises(ValueError, match="^model: "):
         zerostack.initialize(config={"train_batch_size": 2})
+
+
+def _strategies(rank, world):
+    from zerostack.zero.strategy import ZeroStrategy
+
+    out = {}
+    for stage in range(4):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": OPT}
+        cfg["zero_optimization"] = {"stage": stage}
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+        out[stage] = (isinstance(engine.zero, ZeroStrategy), engine.zero.stage)
+    return out
+
+
+def test_every_stage_is_a_declared_strategy():
+    """The engine holds each stage through the one interface zero/strategy.py declares."""
+    got = run_distributed(_strategies, 1)[0]
+    assert got == {s: (True, s) for s in range(4)}

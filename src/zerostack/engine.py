@@ -26,8 +26,7 @@ from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
 from .tensor_parallel import join_tensors, partition_spec
 from .topology import Topology
-from .zero.sharded_optimizer import ShardedDataParallel
-from .zero.stage3 import Stage3
+from .zero.strategy import GradStats, ZeroStrategy, build_strategy
 
 log = logging.getLogger("zerostack")
 
@@ -78,31 +77,15 @@ class Engine(nn.Module):
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
         # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
-        self.zero: Stage3 | ShardedDataParallel
-        common = dict(comm=self.comm, precision=self.precision, prescale=prescale)
-        stage = self._zero_stage(zcfg.stage)
-        offload = zcfg.offload_optimizer
-        if offload is not None and offload.device != "none":
-            common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
-        if stage == 3:
-            if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
-                common.update(offload_param=zcfg.offload_param)
-            self.zero = Stage3(
-                module,
-                param_groups,
-                prefetch_numel=zcfg.stage3_prefetch_bucket_size,
-                persistence_threshold=zcfg.stage3_param_persistence_threshold,
-                reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
-                **common,
-            )
-        else:
-            self.zero = ShardedDataParallel(
-                module,
-                param_groups,
-                stage=stage,
-                bucket_numel=zcfg.effective_reduce_bucket_size,
-                **common,
-            )
+        self.zero: ZeroStrategy = build_strategy(
+            module,
+            param_groups,
+            config=config,
+            stage=self._zero_stage(zcfg.stage),
+            comm=self.comm,
+            precision=self.precision,
+            prescale=prescale,
+        )
         self.comm.log.step = 0
         self.optimizer = optimizer_factory(self.zero.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
@@ -196,7 +179,7 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = time.perf_counter()
-        self.zero.boundary = self.is_gradient_accumulation_boundary()
+        self.zero.begin_backward(self.is_gradient_accumulation_boundary())
         scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_backward()
@@ -217,18 +200,9 @@ class Engine(nn.Module):
 
     def _optimizer_step(self) -> None:
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
-        # those, and averaging, unscaling and clipping are then one multiply.
-        post = self.zero.prepare_step(self.loss_scaler.loss_scale)
-        topo = self.topology
-        # Each tp-split parameter is counted by every tp rank (its own slice), each replica once,
-        # each pipeline stage its own layers.
-        sq = self.zero.grad_norm_sq(self._norm_skip()).to(self.device)
-        if self.zero.grads_sharded:
-            self.comm.all_reduce(sq, axis="dp")
-        for axis in ("tp", "pp"):
-            if topo.size(axis) > 1:
-                self.comm.all_reduce(sq, axis=axis)
-        norm = float(sq.sqrt()) * post
+        # those, and averaging, unscaling and clipping are then one coefficient.
+        stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self._norm_skip())
+        norm = self._global_norm(stats)
         self._global_grad_norm = norm
         # Every rank sees the same norm (its square is summed over every axis), so a NaN or inf
         # gradient on any rank skips the step on all of them, in every precision.
@@ -237,15 +211,24 @@ class Engine(nn.Module):
             self._skip_step(norm)
         else:
             clip = self.config.gradient_clipping
-            total = post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else post
-            if total != 1.0:
-                self.zero.scale_grads(total)
-            self.zero.step_optimizer(self.optimizer)
-            self.zero.after_step()
+            coef = stats.post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else stats.post
+            self.zero.step(self.optimizer, coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.zero.zero_grad()
+
+    def _global_norm(self, stats: GradStats) -> float:
+        """The gradient norm over the whole model, averaged and unscaled. Each tp-split parameter
+        is counted by every tp rank (its own slice), each replica once, each pipeline stage its
+        own layers."""
+        sq = stats.sq.to(self.device)
+        if stats.sharded:
+            self.comm.all_reduce(sq, axis="dp")
+        for axis in ("tp", "pp"):
+            if self.topology.size(axis) > 1:
+                self.comm.all_reduce(sq, axis=axis)
+        return float(sq.sqrt()) * stats.post
 
     def _skip_step(self, norm: float) -> None:
         """A non-finite gradient norm: leave weights, optimizer state and LR schedule as they

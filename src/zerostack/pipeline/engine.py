@@ -132,7 +132,7 @@ class PipelineEngine(Engine):
             self.module.stage_id,
             chunks=self.module.virtual_stages,
         )
-        self.zero.boundary = False  # no dp reduction inside the batch: prepare_step does it
+        self.zero.begin_backward(False)  # no dp reduction inside the batch: reduce_grads does it
         losses = self.executor.run(
             stream,
             data_iter if data_iter is not None else self._default_iter(),

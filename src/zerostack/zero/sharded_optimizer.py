@@ -33,6 +33,7 @@ from ..comm import Comm, Handle
 from ..precision import Precision
 from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
 from .partition import Bucket, FlatLayout
+from .strategy import StepSequence
 
 
 def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
@@ -88,7 +89,7 @@ class FlatGroup:
     buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(StepSequence):
     """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2."""
 
     def __init__(
@@ -335,7 +336,7 @@ class ShardedDataParallel:
                     sq += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).square()
         return sq
 
-    def prepare_step(self, loss_scale: float) -> float:
+    def _prepare_step(self, loss_scale: float) -> float:
         """Wait for the reduction and hand each master its fp32 gradient, still summed over dp
         and scaled; return the factor that averages and unscales it."""
         if self.stage < 2:

@@ -47,6 +47,7 @@ from .offload import (
     to_host,
 )
 from .sharded_optimizer import live_state, sync_from_rank0
+from .strategy import StepSequence
 
 
 @dataclass
@@ -128,7 +129,7 @@ class _GatherOnRead(dict):
         return dict, (dict(self),)
 
 
-class Stage3:
+class Stage3(StepSequence):
     """Owns the parameter shards, gradient shards and fp32 masters at ZeRO stage 3."""
 
     stage = 3
@@ -577,9 +578,9 @@ class Stage3:
                     sq += torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
         return sq
 
-    def prepare_step(self, loss_scale: float) -> float:
+    def _prepare_step(self, loss_scale: float) -> float:
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
-        averages and unscales it (see ShardedDataParallel.prepare_step)."""
+        averages and unscales it (see ShardedDataParallel._prepare_step)."""
         for g in self.groups:
             if self.swapper is not None:  # in files: a stand-in marks "has a gradient"
                 g.master.grad = torch.zeros((), dtype=torch.float32).expand(g.master.shape)
@@ -647,7 +648,10 @@ class Stage3:
             self.param_swapper.drop([p for p in params if p not in self._trainable])
         return out
 
-    owns_replica = True
+    @property
+    def owns_replica(self) -> bool:
+        """Every rank writes its own shard."""
+        return True
 
     def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """As :meth:`ShardedDataParallel.read_master`."""

@@ -1,0 +1,146 @@
+"""The ZeRO strategy interface: what the engine (and the checkpointer) may ask of a stage.
+
+A strategy owns a model's parameters, gradients and fp32 master weights for one ZeRO stage. The
+engine drives one optimizer step through four calls::
+
+    strategy.begin_backward(boundary)      # before each micro-step's backward
+    strategy.end_backward()                # after it: finish this micro-step's reductions
+    stats = strategy.reduce_grads(scale)   # on the boundary: gradients summed, into the masters
+    strategy.step(optimizer, coef)         # masters' gradients times coef, step, write back
+    strategy.zero_grad()
+
+``coef`` is where averaging over dp, unscaling (fp16) and clipping meet: the engine computes it
+from ``stats`` once (see :meth:`zerostack.engine.Engine._optimizer_step`). Stages 0-2 are
+:class:`~.sharded_optimizer.ShardedDataParallel`, stage 3 is :class:`~.stage3.Stage3`;
+:func:`build_strategy` maps the config to one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """What :meth:`ZeroStrategy.reduce_grads` reports about this rank's master gradients.
+
+    ``sq``: the sum of squares of the gradient elements this rank counts (summed over dp and still
+    loss-scaled); ``sharded``: whether other dp ranks count other elements (then ``sq`` must be
+    summed over dp); ``post``: the factor that turns those gradients into the mean over the
+    global batch, unscaled (1 / (loss scale * dp), the prescale undone)."""
+
+    sq: torch.Tensor
+    sharded: bool
+    post: float
+
+
+@runtime_checkable
+class ZeroStrategy(Protocol):
+    """A ZeRO stage, as the engine and the checkpointer see it."""
+
+    stage: int
+    owns_replica: bool  # whether this rank writes the state it holds in a checkpoint
+
+    # ------------------------------------------------------------------ a training step
+    def optimizer_groups(self) -> list[dict]:
+        """The groups the optimizer steps: fp32 master tensors, with the user's options."""
+
+    def begin_backward(self, boundary: bool) -> None:
+        """A micro-step's backward starts; ``boundary``: it closes an accumulation window."""
+
+    def end_backward(self) -> None:
+        """This micro-step's backward is done: finish what it reduces."""
+
+    def reduce_grads(self, loss_scale: float, skip: set[nn.Parameter]) -> GradStats:
+        """On the boundary: wait for every reduction and give each master its fp32 gradient;
+        ``skip``: parameters another rank counts in the norm (tp replicas, tied copies)."""
+
+    def step(self, optimizer, coef: float) -> None:
+        """Multiply the masters' gradients by ``coef``, step, and write the masters back into
+        the compute-dtype parameters (all-gathered where sharded)."""
+
+    def zero_grad(self) -> None:
+        """Forget the gradients of this window."""
+
+    # ------------------------------------------------------------------ state
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full fp32 value (a collective over dp)."""
+
+    def masters(self) -> list[nn.Parameter]:
+        """The optimizer's master tensors."""
+
+    def owned_slices(self) -> Iterator[tuple]:
+        """``(param, lo, hi, master, a, b)``: elements ``[lo, hi)`` of the flattened parameter
+        are ``master[a:b]`` on this rank."""
+
+    def frozen_slices(self) -> Iterator[tuple]:
+        """``(param, lo, hi, held)`` for the parameters no optimizer steps."""
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        """A master's value and optimizer state (from its file when on NVMe)."""
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        """Store what :meth:`read_master` gave, after a checkpoint filled it."""
+
+    def after_load(self) -> None:
+        """Loaded masters into the compute-dtype parameters (a collective)."""
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held: params, grads, master."""
+
+    def close(self) -> None:
+        """Release what lives outside the process (NVMe files)."""
+
+
+class StepSequence:
+    """The step calls of :class:`ZeroStrategy` in terms of a stage's own parts, shared by the
+    stages: ``_prepare_step`` (masters get their gradients; returns ``post``), ``grad_norm_sq``,
+    ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``after_step``."""
+
+    boundary: bool = True
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def reduce_grads(self, loss_scale: float, skip: set[nn.Parameter]) -> GradStats:
+        post = self._prepare_step(loss_scale)
+        return GradStats(self.grad_norm_sq(skip), self.grads_sharded, post)
+
+    def step(self, optimizer, coef: float) -> None:
+        if coef != 1.0:
+            self.scale_grads(coef)
+        self.step_optimizer(optimizer)
+        self.after_step()
+
+
+def build_strategy(
+    module: nn.Module, groups: list[dict], *, config, stage: int, comm, precision, prescale: float
+) -> ZeroStrategy:
+    """The strategy for ZeRO ``stage`` with the config's buckets, prefetch and offload."""
+    from .sharded_optimizer import ShardedDataParallel
+    from .stage3 import Stage3
+
+    zcfg = config.zero_optimization
+    common = dict(comm=comm, precision=precision, prescale=prescale)
+    offload = zcfg.offload_optimizer
+    if offload is not None and offload.device != "none":
+        common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
+    if stage == 3:
+        if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
+            common.update(offload_param=zcfg.offload_param)
+        return Stage3(
+            module,
+            groups,
+            prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+            persistence_threshold=zcfg.stage3_param_persistence_threshold,
+            reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
+            **common,
+        )
+    return ShardedDataParallel(
+        module, groups, stage=stage, bucket_numel=zcfg.effective_reduce_bucket_size, **common
+    )
