@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm, Handle
 from ..precision import Precision
-from ..tensor_parallel.layers import linear_saving_weight
 from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
+from .linear import linear_saving_weight
 from .offload import (
     HostMeter,
     HostStore,
