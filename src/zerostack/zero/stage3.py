@@ -1,24 +1,11 @@
 """ZeRO stage 3: parameters sharded too, gathered per module just before use, freed right after.
 
-Every parameter is stored as this rank's piece (see :mod:`.init`). A *unit* is a module that owns
-parameters directly; a forward pre-hook all-gathers its parameters (one coalesced collective) and a
-forward hook frees them again, after attaching a hook to the module's outputs that gathers them
-once more when backward reaches the module. When every trainable parameter of a unit has its
-gradient (post-accumulate-grad hooks), the unit is freed and its gradients are reduce-scattered,
-asynchronously, into this rank's fp32 gradient shard. Parameters smaller than
+Every parameter is stored as this rank's piece (see :mod:`.init`). :mod:`.coordinator` gathers
+a module's parameters just before its forward and again before its backward, and frees them right
+after (prefetching in the recorded order). When every trainable parameter of a unit has its
+gradient (post-accumulate-grad hooks), its gradients are reduce-scattered, asynchronously and a
+few modules to a bucket, into this rank's fp32 gradient shard. Parameters smaller than
 ``stage3_param_persistence_threshold`` elements stay whole and are refreshed after each step.
-
-A parameter read (as ``module.weight``) during the forward of a unit that does not own it, say
-``F.linear(x, other.weight)``, is gathered there and from then on belongs to that unit as well
-(DeepSpeed's "external parameters"); the root is a unit even without parameters of its own, so
-such a read always has a unit to hold it. A parameter reached some other way (kept in a list)
-is not seen.
-
-Prefetch: the first training forward + backward records the order in which units are gathered
-(a no_grad pass, which has no backward, is neither recorded nor followed); later passes launch the
-next units' gathers (up to ``stage3_prefetch_bucket_size`` elements ahead) while the current
-module computes. Every rank runs the same graph, so every rank issues the same collectives
-in the same order.
 
 The optimizer sees one fp32 tensor per group: the concatenation of this rank's pieces of the
 group's parameters (in fp32 training, the parameter pieces themselves).
@@ -27,16 +14,14 @@ group's parameters (in fp32 training, the parameter pieces themselves).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm, Handle
 from ..precision import Precision
-from .init import StorageMeter, gather_full, hold, is_sharded, release, shard_param
-from .linear import linear_saving_weight
+from .coordinator import ParamCoordinator, gather_now
+from .init import StorageMeter, gather_full, is_sharded, shard_param
 from .offload import (
     HostMeter,
     HostStore,
@@ -76,57 +61,6 @@ def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.P
         out[-1].append(p)
         size += n
     return out
-
-
-def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear_saving_weight(x, module.weight, module.bias)
-
-
-class _Gather:
-    """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
-    when the parameters are offloaded)."""
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        comm: Comm,
-        meter: StorageMeter,
-        swapper: ParamSwapper | None = None,
-    ) -> None:
-        self.params = params
-        self.meter = meter
-        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
-        if swapper is not None:
-            swapper.fetch(params)
-        self._finish = gather_full([p._zs for p in params], comm, async_op=True)
-        if swapper is not None:  # the collective has its own copy (or, at dp = 1, the views)
-            swapper.drop(params)
-        self.done = False
-
-    def resolve(self) -> None:
-        if self.done:
-            return
-        for p, full in zip(self.params, self._finish(), strict=True):
-            hold(p, full, self.meter, self.copies)
-        self.done = True
-
-
-class _GatherOnRead(dict):
-    """A module's ``_parameters``: reading a released parameter during a forward pass gathers it
-    for the unit running (see ``Stage3._borrow``)."""
-
-    def __init__(self, params: dict, stage3: Stage3) -> None:
-        super().__init__(params)
-        self.stage3 = stage3
-
-    def __getitem__(self, name: str):
-        p = super().__getitem__(name)
-        if self.stage3._running and is_sharded(p) and not p._zs.gathered:
-            self.stage3._borrow(p)
-        return p
-
-    def __reduce__(self):  # a copy of the module holds a plain dict, not the engine
-        return dict, (dict(self),)
 
 
 class Stage3(StepSequence):
@@ -227,32 +161,19 @@ class Stage3(StepSequence):
             for g in self.groups:  # the pieces live in the files; only persistent ones stay
                 g.pieces = None
 
-        # Units, their owners (a tied parameter is reduced once, by the first module holding it).
-        self.units: list[list[nn.Parameter]] = []
-        self._units_of: dict[nn.Parameter, list[int]] = {}
-        owner: dict[nn.Parameter, int] = {}
-        module.register_forward_pre_hook(self._begin_pass, prepend=True)
-        for m in module.modules():
-            ps = list(dict.fromkeys(m.parameters(recurse=False)))
-            if not ps and m is not module:
-                continue
-            m._parameters = _GatherOnRead(m._parameters, self)
-            u = len(self.units)
-            self.units.append(ps)
-            for p in ps:
-                owner.setdefault(p, u)
-                self._units_of.setdefault(p, []).append(u)
-            m.register_forward_pre_hook(partial(self._pre_forward, u))
-            m.register_forward_hook(partial(self._post_forward, u))
-        self._owner = owner
-        for m in module.modules():  # see linear_saving_weight
-            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
-                m.forward = partial(_linear_forward, m)
+        self.coord = ParamCoordinator(
+            module,
+            comm=comm,
+            meter=self.meter,
+            prefetch_numel=prefetch_numel,
+            trainable=self._trainable,
+            swapper=self.param_swapper,
+        )
+        owner = self._owner = self.coord.owner
         self._owned = [
             [p for p in ps if owner[p] == u and p in self._trainable]
-            for u, ps in enumerate(self.units)
+            for u, ps in enumerate(self.coord.units)
         ]
-        self._bwd_need = [sum(p in self._trainable for p in ps) for ps in self.units]
         # Reduce buckets: owner units in reverse construction order (roughly the order backward
         # finishes them), grouped up to ``reduce_bucket_numel`` elements so that a few large
         # reduce-scatters replace one per module. ``_rs_at[p]`` is where p's piece sits.
@@ -260,7 +181,7 @@ class Stage3(StepSequence):
         self._rs_width: list[int] = []
         self._rs_bucket: dict[nn.Parameter, int] = {}
         self._rs_at: dict[nn.Parameter, int] = {}
-        for u in reversed(range(len(self.units))):
+        for u in reversed(range(len(self.coord.units))):
             if not self._owned[u]:
                 continue
             if not self._rs_params or self._rs_width[-1] * self.dp >= reduce_bucket_numel:
@@ -273,14 +194,6 @@ class Stage3(StepSequence):
                 self._rs_width[-1] += p._zs.piece.numel()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
-        self._running: list[int] = []  # units whose forward is in progress, innermost last
-        self._trace: list[int] | None = None
-        self._recording: list[int] = []
-        self._training_pass = False
-        self._ptr = 0
-        self._prefetching = False
-        self._inflight: dict[nn.Parameter, _Gather] = {}
-        self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
         self._reset_backward()
 
     def _make_group(self, params, options, index, dtype, pin) -> _Group:
@@ -351,8 +264,7 @@ class Stage3(StepSequence):
 
     # ----------------------------------------------------------------------------- gathering
     def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
-        if params:
-            _Gather(params, self.comm, self.meter).resolve()
+        gather_now(params, self.comm, self.meter)
 
     def _write_pieces(self, g: _Group, value: torch.Tensor) -> None:
         """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
@@ -368,108 +280,13 @@ class Stage3(StepSequence):
                 p._zs.piece.copy_(value[off : off + pn])
             off += pn
 
-    def _begin_pass(self, module, args) -> None:
-        if self._trace is None and self._recording:
-            self._trace = self._recording
-        self._drop_inflight()
-        self._running.clear()
-        self._ptr = 0
-        self._training_pass = torch.is_grad_enabled()
-        self._prefetching = self._trace is not None and self._training_pass
-
-    def _gather(self, u: int) -> None:
-        """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
-        ps = self.units[u]
-        need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
-        ahead = self._plan_prefetch(u, exclude=set(need))
-        if need or ahead:
-            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper)
-            for p in need + ahead:
-                self._inflight[p] = g
-        for p in ps:
-            pending = self._inflight.pop(p, None)
-            if pending is not None:
-                pending.resolve()
-            p._zs.active += 1
-
-    def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
-        """Parameters of the units that come next in the recorded order, within the budget."""
-        if self._trace is None:
-            if self._training_pass:
-                self._recording.append(u)
-            return []
-        if not self._prefetching:
-            return []
-        if self._ptr >= len(self._trace) or self._trace[self._ptr] != u:
-            self._prefetching = False  # this pass differs from the recorded one
-            return []
-        self._ptr += 1
-        room = self.prefetch_numel - sum(p._zs.numel for p in self._inflight)
-        ahead: list[nn.Parameter] = []
-        for nxt in self._trace[self._ptr :]:
-            if room <= 0:
-                break
-            new = [
-                p
-                for p in self.units[nxt]
-                if not p._zs.gathered and p not in self._inflight and p not in exclude
-            ]
-            if new:
-                ahead += new
-                exclude.update(new)
-                room -= sum(p._zs.numel for p in new)
-                self.prefetched += 1
-        return ahead
-
-    def _release(self, u: int) -> None:
-        for p in self.units[u]:
-            st = p._zs
-            st.active -= 1
-            if not st.gathered:
-                release(p, self.meter)
-
-    def _drop_inflight(self) -> None:
-        for p, g in list(self._inflight.items()):
-            g.resolve()
-            if not p._zs.gathered:
-                release(p, self.meter)
-        self._inflight.clear()
-
-    def _borrow(self, p: nn.Parameter) -> None:
-        """``p`` is read in the forward of the innermost running unit, which does not hold it:
-        gather it for the rest of that forward, and make it that unit's for every later gather
-        (forward and backward) too."""
-        u = self._running[-1]
-        if u not in self._units_of[p]:
-            self.units[u].append(p)
-            self._units_of[p].append(u)
-            self._bwd_need[u] += p in self._trainable
-        pending = self._inflight.pop(p, None)
-        if pending is None:
-            pending = _Gather([p], self.comm, self.meter, self.param_swapper)
-        pending.resolve()
-        p._zs.active += 1
-
-    def _pre_forward(self, u: int, module, args) -> None:
-        self._gather(u)
-        self._running.append(u)
-
-    def _post_forward(self, u: int, module, args, output) -> None:
-        self._running.pop()
-        self._release(u)
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, u))
-
-    def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
-        if u not in self._bwd_held:
-            self._bwd_held[u] = self._bwd_need[u]
-            self._gather(u)
+    @property
+    def prefetched(self) -> int:
+        """Units whose gather was launched ahead of need (for tests and reports)."""
+        return self.coord.prefetched
 
     # ----------------------------------------------------------------------------- reducing
     def _reset_backward(self) -> None:
-        self._bwd_held: dict[int, int] = {}
         self._staging: dict[int, torch.Tensor] = {}
         self._arrived = [0] * len(self._rs_params)
         self._next_rs = 0
@@ -487,12 +304,7 @@ class Stage3(StepSequence):
         self._staging[b][:, at : at + pn].copy_(grad.view(self.dp, pn))
         p.grad = None  # the full gradient does not outlive this hook
         self._arrived[b] += 1
-        for held in self._units_of[p]:
-            if held in self._bwd_held:
-                self._bwd_held[held] -= 1
-                if self._bwd_held[held] == 0:
-                    del self._bwd_held[held]
-                    self._release(held)
+        self.coord.grad_arrived(p)
         self._launch_ready()
 
     def _launch(self, b: int) -> None:
@@ -541,9 +353,7 @@ class Stage3(StepSequence):
             if handle is not None:
                 handle.wait()
             self._accumulate(b, out)
-        for u in list(self._bwd_held):
-            self._release(u)
-        self._drop_inflight()
+        self.coord.end_backward()
         self._reset_backward()
 
     # ----------------------------------------------------------------------------- step

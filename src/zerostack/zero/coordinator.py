@@ -1,0 +1,253 @@
+"""ZeRO stage 3's parameter coordinator: which parameters are gathered when, and for how long.
+
+A *unit* is a module that owns parameters directly (and the root, always): a forward pre-hook
+all-gathers its parameters (one coalesced collective) and a forward hook frees them again, after
+attaching a hook to the module's outputs that gathers them once more when backward reaches the
+module. In backward a unit stays gathered until each of its trainable parameters has its gradient
+(:meth:`ParamCoordinator.grad_arrived`).
+
+A parameter read (as ``module.weight``) during the forward of a unit that does not own it, say
+``F.linear(x, other.weight)``, is gathered there and from then on belongs to that unit as well
+(DeepSpeed's "external parameters"); the root is a unit even without parameters of its own, so
+such a read always has a unit to hold it. A parameter reached some other way (kept in a list)
+is not seen.
+
+Prefetch: the first training forward + backward records the order in which units are gathered
+(a no_grad pass, which has no backward, is neither recorded nor followed); later passes launch the
+next units' gathers (up to ``prefetch_numel`` elements ahead) while the current module computes.
+Every rank runs the same graph, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..comm import Comm
+from .init import StorageMeter, gather_full, hold, is_sharded, release
+from .linear import linear_saving_weight
+from .offload import ParamSwapper
+
+
+def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear_saving_weight(x, module.weight, module.bias)
+
+
+class _Gather:
+    """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
+    when the parameters are offloaded)."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        comm: Comm,
+        meter: StorageMeter,
+        swapper: ParamSwapper | None = None,
+    ) -> None:
+        self.params = params
+        self.meter = meter
+        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
+        if swapper is not None:
+            swapper.fetch(params)
+        self._finish = gather_full([p._zs for p in params], comm, async_op=True)
+        if swapper is not None:  # the collective has its own copy (or, at dp = 1, the views)
+            swapper.drop(params)
+        self.done = False
+
+    def resolve(self) -> None:
+        if self.done:
+            return
+        for p, full in zip(self.params, self._finish(), strict=True):
+            hold(p, full, self.meter, self.copies)
+        self.done = True
+
+
+class _GatherOnRead(dict):
+    """A module's ``_parameters``: reading a released parameter during a forward pass gathers it
+    for the unit running (see ``ParamCoordinator._borrow``)."""
+
+    def __init__(self, params: dict, coordinator: ParamCoordinator) -> None:
+        super().__init__(params)
+        self.coordinator = coordinator
+
+    def __getitem__(self, name: str):
+        p = super().__getitem__(name)
+        if self.coordinator._running and is_sharded(p) and not p._zs.gathered:
+            self.coordinator._borrow(p)
+        return p
+
+    def __reduce__(self):  # a copy of the module holds a plain dict, not the engine
+        return dict, (dict(self),)
+
+
+def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
+    """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
+    if params:
+        _Gather(params, comm, meter).resolve()
+
+
+class ParamCoordinator:
+    """Gathers and releases a stage-3 model's parameters around each module's forward and
+    backward, prefetching in the recorded order."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        comm: Comm,
+        meter: StorageMeter,
+        prefetch_numel: int,
+        trainable: set[nn.Parameter],
+        swapper: ParamSwapper | None,
+    ) -> None:
+        self.comm, self.meter, self.prefetch_numel = comm, meter, prefetch_numel
+        self._trainable, self.param_swapper = trainable, swapper
+        # Units, their owners (a tied parameter is reduced once, by the first module holding it).
+        self.units: list[list[nn.Parameter]] = []
+        self._units_of: dict[nn.Parameter, list[int]] = {}
+        self.owner: dict[nn.Parameter, int] = {}
+        module.register_forward_pre_hook(self._begin_pass, prepend=True)
+        for m in module.modules():
+            ps = list(dict.fromkeys(m.parameters(recurse=False)))
+            if not ps and m is not module:
+                continue
+            m._parameters = _GatherOnRead(m._parameters, self)
+            u = len(self.units)
+            self.units.append(ps)
+            for p in ps:
+                self.owner.setdefault(p, u)
+                self._units_of.setdefault(p, []).append(u)
+            m.register_forward_pre_hook(partial(self._pre_forward, u))
+            m.register_forward_hook(partial(self._post_forward, u))
+        for m in module.modules():  # see linear_saving_weight
+            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+                m.forward = partial(_linear_forward, m)
+        self._bwd_need = [sum(p in trainable for p in ps) for ps in self.units]
+        self._bwd_held: dict[int, int] = {}  # unit -> gradients it still waits for
+        self._running: list[int] = []  # units whose forward is in progress, innermost last
+        self._trace: list[int] | None = None
+        self._recording: list[int] = []
+        self._training_pass = False
+        self._ptr = 0
+        self._prefetching = False
+        self._inflight: dict[nn.Parameter, _Gather] = {}
+        self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
+
+    def grad_arrived(self, p: nn.Parameter) -> None:
+        """``p`` has its gradient: release each unit holding it that waits for nothing else."""
+        for held in self._units_of[p]:
+            if held in self._bwd_held:
+                self._bwd_held[held] -= 1
+                if self._bwd_held[held] == 0:
+                    del self._bwd_held[held]
+                    self._release(held)
+
+    def end_backward(self) -> None:
+        """Release whatever backward still holds (units whose parameters got no gradient) and
+        the prefetched gathers nobody used."""
+        for u in list(self._bwd_held):
+            self._release(u)
+        self._bwd_held = {}
+        self._drop_inflight()
+
+    def _begin_pass(self, module, args) -> None:
+        if self._trace is None and self._recording:
+            self._trace = self._recording
+        self._drop_inflight()
+        self._running.clear()
+        self._ptr = 0
+        self._training_pass = torch.is_grad_enabled()
+        self._prefetching = self._trace is not None and self._training_pass
+
+    def _gather(self, u: int) -> None:
+        """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
+        ps = self.units[u]
+        need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
+        ahead = self._plan_prefetch(u, exclude=set(need))
+        if need or ahead:
+            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper)
+            for p in need + ahead:
+                self._inflight[p] = g
+        for p in ps:
+            pending = self._inflight.pop(p, None)
+            if pending is not None:
+                pending.resolve()
+            p._zs.active += 1
+
+    def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
+        """Parameters of the units that come next in the recorded order, within the budget."""
+        if self._trace is None:
+            if self._training_pass:
+                self._recording.append(u)
+            return []
+        if not self._prefetching:
+            return []
+        if self._ptr >= len(self._trace) or self._trace[self._ptr] != u:
+            self._prefetching = False  # this pass differs from the recorded one
+            return []
+        self._ptr += 1
+        room = self.prefetch_numel - sum(p._zs.numel for p in self._inflight)
+        ahead: list[nn.Parameter] = []
+        for nxt in self._trace[self._ptr :]:
+            if room <= 0:
+                break
+            new = [
+                p
+                for p in self.units[nxt]
+                if not p._zs.gathered and p not in self._inflight and p not in exclude
+            ]
+            if new:
+                ahead += new
+                exclude.update(new)
+                room -= sum(p._zs.numel for p in new)
+                self.prefetched += 1
+        return ahead
+
+    def _release(self, u: int) -> None:
+        for p in self.units[u]:
+            st = p._zs
+            st.active -= 1
+            if not st.gathered:
+                release(p, self.meter)
+
+    def _drop_inflight(self) -> None:
+        for p, g in list(self._inflight.items()):
+            g.resolve()
+            if not p._zs.gathered:
+                release(p, self.meter)
+        self._inflight.clear()
+
+    def _borrow(self, p: nn.Parameter) -> None:
+        """``p`` is read in the forward of the innermost running unit, which does not hold it:
+        gather it for the rest of that forward, and make it that unit's for every later gather
+        (forward and backward) too."""
+        u = self._running[-1]
+        if u not in self._units_of[p]:
+            self.units[u].append(p)
+            self._units_of[p].append(u)
+            self._bwd_need[u] += p in self._trainable
+        pending = self._inflight.pop(p, None)
+        if pending is None:
+            pending = _Gather([p], self.comm, self.meter, self.param_swapper)
+        pending.resolve()
+        p._zs.active += 1
+
+    def _pre_forward(self, u: int, module, args) -> None:
+        self._gather(u)
+        self._running.append(u)
+
+    def _post_forward(self, u: int, module, args, output) -> None:
+        self._running.pop()
+        self._release(u)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, u))
+
+    def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
+        if u not in self._bwd_held:
+            self._bwd_held[u] = self._bwd_need[u]
+            self._gather(u)
