@@ -84,3 +84,17 @@ def test_stages_1_2_move_two_psi(stage, world, gas):
             assert calls == 0, "stage 1 communicated inside the accumulation window"
         else:
             assert calls > 0, "no bucket was reduced during backward (no overlap)"
+
+
+def _strings(rank, world):
+    topo = zerostack.Topology.build()
+    texts = ["", "schrödinger's rank", "a" * 300, "x"]
+    got = topo.comm.all_gather_strings(texts[rank])
+    return got, topo.comm.log.total_bytes(op="all_gather") > 0
+
+
+def test_all_gather_strings_moves_text_without_pickle():
+    """What checkpoints use to agree on errors: every rank's text, any length, any script."""
+    for got, logged in run_distributed(_strings, 4):
+        assert got == ["", "schrödinger's rank", "a" * 300, "x"]
+        assert logged  # through Comm, so the CommLog counts it

@@ -96,9 +96,15 @@ class Comm:
         self.topo = topo
         self.log = log if log is not None else CommLog()
 
-    def _run(self, op: str, axis: str, nbytes: int, fn, async_op: bool) -> Handle | None:
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The group of ``axis``: 'pp', 'dp', 'tp' of the grid, or 'world' (every rank)."""
+        return dist.group.WORLD if axis == "world" else self.topo.group(axis)
+
+    def _run(
+        self, op: str, axis: str, nbytes: int, fn, async_op: bool, group=None
+    ) -> Handle | None:
         t0 = time.perf_counter()
-        work = fn(self.topo.group(axis), async_op)
+        work = fn(group if group is not None else self.group(axis), async_op)
         rec = self.log.add(op, axis, nbytes, time.perf_counter() - t0)
         handle = Handle(work, rec)
         if async_op:
@@ -107,14 +113,23 @@ class Comm:
         return None
 
     def all_reduce(
-        self, tensor: torch.Tensor, *, axis: str = "dp", op=dist.ReduceOp.SUM, async_op=False
+        self,
+        tensor: torch.Tensor,
+        *,
+        axis: str = "dp",
+        op=dist.ReduceOp.SUM,
+        async_op=False,
+        group: dist.ProcessGroup | None = None,
     ) -> Handle | None:
+        """Sum (or ``op``) over ``axis``; ``group`` replaces the axis's group (logged under
+        ``axis``), e.g. the stages sharing a tied weight."""
         return self._run(
             "all_reduce",
             axis,
             tensor.numel() * tensor.element_size(),
             lambda g, a: dist.all_reduce(tensor, op=op, group=g, async_op=a),
             async_op,
+            group,
         )
 
     def reduce_scatter(
@@ -148,9 +163,15 @@ class Comm:
         )
 
     def broadcast(
-        self, tensor: torch.Tensor, *, src: int = 0, axis: str = "dp", async_op=False
+        self,
+        tensor: torch.Tensor,
+        *,
+        src: int = 0,
+        axis: str = "dp",
+        async_op=False,
+        group: dist.ProcessGroup | None = None,
     ) -> Handle | None:
-        """Broadcast from the rank whose coordinate along ``axis`` is ``src``."""
+        """Broadcast from the rank whose coordinate along ``axis`` (or in ``group``) is ``src``."""
         return self._run(
             "broadcast",
             axis,
@@ -159,7 +180,25 @@ class Comm:
                 tensor, src=dist.get_global_rank(g, src), group=g, async_op=a
             ),
             async_op,
+            group,
         )
+
+    def all_gather_strings(self, text: str, *, axis: str = "world") -> list[str]:
+        """Every rank's ``text`` along ``axis``, in rank order: UTF-8 bytes in tensors (two
+        all-gathers, lengths then padded bytes), so nothing is pickled."""
+        world = dist.get_world_size(self.group(axis))
+        device = self.topo.device
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        lengths = torch.empty(world, dtype=torch.int64, device=device)
+        self.all_gather(lengths, length, axis=axis)
+        width = max(int(lengths.max()), 1)
+        padded = torch.zeros(width, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        out = torch.empty(world * width, dtype=torch.uint8, device=device)
+        self.all_gather(out, padded, axis=axis)
+        rows = out.view(world, width).cpu()
+        return [bytes(rows[r, : int(lengths[r])].tolist()).decode() for r in range(world)]
 
     def send(self, tensor: torch.Tensor, *, dst: int, axis: str = "pp") -> None:
         self._run(

@@ -47,19 +47,18 @@ def _sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _gather_errors(error: str | None) -> list[tuple[int, str]]:
+def _gather_errors(comm, error: str | None) -> list[tuple[int, str]]:
     """Every rank's error as ``(rank, message)``: one failing rank fails them all, and none is
     left waiting in a collective the failing one never reaches."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [(0, error)] if error else []
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # strings between live ranks, never from disk
+    errors = comm.all_gather_strings(error or "")
     return [(r, e) for r, e in enumerate(errors) if e]
 
 
-def _barrier() -> None:
+def _barrier(comm) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        comm.barrier(axis="world")
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -167,13 +166,13 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-    _barrier()
+    _barrier(engine.comm)
     try:
         record, error = _write_shard(engine, folder), None
         _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps(record))
     except Exception as exc:  # every rank learns of it below, then all raise
         error = f"{type(exc).__name__}: {exc}"
-    errors = _gather_errors(error)
+    errors = _gather_errors(engine.comm, error)
     if errors:
         listed = "; ".join(f"rank {r}: {e}" for r, e in errors)
         raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
@@ -191,7 +190,7 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
         os.replace(folder, final)
         if save_latest:
             _atomic_write(os.path.join(save_dir, LATEST), tag)
-    _barrier()
+    _barrier(engine.comm)
     return final
 
 
@@ -353,7 +352,7 @@ def load(engine, load_dir: str, tag=None, **options):
         result, error = _load(engine, load_dir, tag, **options), None
     except CheckpointError as exc:
         result, error = None, str(exc)
-    errors = _gather_errors(error)
+    errors = _gather_errors(engine.comm, error)
     if errors:
         raise CheckpointError(errors[0][1])
     engine.zero.after_load()  # the masters into the compute-dtype parameters (a collective)

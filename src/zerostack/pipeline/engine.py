@@ -13,7 +13,6 @@ owning stages first. The gradient norm counts every stage's parameters once.
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 from torch import nn
@@ -185,6 +184,4 @@ class PipelineEngine(Engine):
             for p in self.module.tied_parameters(tie):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                t0 = time.perf_counter()
-                torch.distributed.all_reduce(p.grad, group=tie.group)
-                self.comm.log.add("all_reduce", "tied", p.grad.nbytes, time.perf_counter() - t0)
+                self.comm.all_reduce(p.grad, axis="tied", group=tie.group)

@@ -281,9 +281,8 @@ class PipelineModule(nn.Module):
             ties.append(_Tie(key, stages, attrs[key], mine))
         for tie in ties:
             if tie.group is not None:
-                src = dist.get_global_rank(tie.group, 0)
                 for p in self.tied_parameters(tie):
-                    dist.broadcast(p.data, src=src, group=tie.group)
+                    self.topology.comm.broadcast(p.data, src=0, axis="tied", group=tie.group)
         return ties
 
     def tied_parameters(self, tie: _Tie) -> list[nn.Parameter]:
