@@ -201,11 +201,18 @@ MUTANTS = [
         ("tests/test_stage3_edges.py::test_prefetch_survives_eval_passes",),
     ),
     Mutant(
-        "stage-3 bucket of an unused parameter never reduced",
-        "zero/stage3.py",
-        "            self._launch(self._next_rs)\n            self._next_rs += 1",
-        "            self._next_rs += 1",
+        "a bucket some of whose parameters got no gradient is never reduced",
+        "zero/reducer.py",
+        "        while self._next < len(self._sizes):\n            self._start(self._next)\n",
+        "",
         (f"{E}[2-unused]",),
+    ),
+    Mutant(
+        "a bucket launched before all its gradients arrived",
+        "zero/reducer.py",
+        "and self._arrived[self._next] >= self._sizes[self._next]",
+        "and True",
+        (f"{P}[dp2]",),
     ),
     Mutant(
         "stage-3 tied weight reduced by both modules holding it",

@@ -33,6 +33,7 @@ from ..comm import Comm, Handle
 from ..precision import Precision
 from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
 from .partition import Bucket, FlatLayout
+from .reducer import GradReducer
 from .strategy import StepSequence
 
 
@@ -66,8 +67,6 @@ class _BucketState:
     group: int
     bucket: Bucket
     master: nn.Parameter
-    pending: int = 0
-    handle: Handle | None = None
     staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
     piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
     # (start, end, param) of each parameter's elements inside ``master``
@@ -120,7 +119,6 @@ class ShardedDataParallel(StepSequence):
         # param -> (bucket state index, its range in the group's flat buffer)
         self._where: dict[nn.Parameter, tuple[int, slice]] = {}
         self._ready: set[nn.Parameter] = set()
-        self._next_launch = 0
         self.boundary = True
         device = next(module.parameters()).device
         dtype = precision.compute_dtype
@@ -193,23 +191,16 @@ class ShardedDataParallel(StepSequence):
             store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
             self.swapper = OptimizerSwapper(masters, store, offload.buffer_count, self.host_meter)
         self._sync_untracked(dtype)
+        self.reducer = GradReducer([len(st.bucket.slots) for st in self.buckets], self._launch)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
         ]
-        self._reset_pending()
 
     def _sync_untracked(self, dtype) -> None:
         others = [p for p in self.module.parameters() if p not in self._where]
         sync_from_rank0(others + list(self.module.buffers()), self.comm, dtype)
 
     # ----------------------------------------------------------------------------- backward
-    def _reset_pending(self) -> None:
-        for st in self.buckets:
-            st.pending = len(st.bucket.slots)
-            st.handle = None
-        self._next_launch = 0
-        self._ready.clear()
-
     @property
     def _communicates_now(self) -> bool:
         """Stage 2 reduces every micro-step (only pieces are kept); 0-1 only on the boundary."""
@@ -240,11 +231,10 @@ class ShardedDataParallel(StepSequence):
                 p.grad.view(-1)
             )
             p.grad = None  # the full-size gradient does not outlive its bucket
-        st.pending -= 1
-        if self._communicates_now:
-            self._launch_ready()
+        self.reducer.arrived(b, launch=self._communicates_now)
 
-    def _launch(self, st: _BucketState) -> None:
+    def _launch(self, b: int) -> Handle:
+        st = self.buckets[b]
         fg = self.groups[st.group]
         if self.stage == 2:
             if st.staging is None:  # no parameter of this bucket got a gradient
@@ -259,27 +249,18 @@ class ShardedDataParallel(StepSequence):
         if self.prescale != 1.0:
             chunk.mul_(self.prescale)
         if self.stage == 0:
-            st.handle = self.comm.all_reduce(chunk, axis="dp", async_op=True)
-        else:
-            st.piece = chunk.new_empty(st.bucket.piece_numel)
-            st.handle = self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
-
-    def _launch_ready(self) -> None:
-        while (
-            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending <= 0
-        ):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+            return self.comm.all_reduce(chunk, axis="dp", async_op=True)
+        st.piece = chunk.new_empty(st.bucket.piece_numel)
+        return self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
 
     def _flush(self) -> None:
-        """Launch buckets whose parameters got no gradient, then wait for every collective."""
+        """Launch buckets whose parameters got no gradient, then wait for every collective
+        (at dp = 1 there is nothing to reduce)."""
         if self.dp > 1:
-            while self._next_launch < len(self.buckets):
-                self._launch(self.buckets[self._next_launch])
-                self._next_launch += 1
-            for st in self.buckets:
-                st.handle.wait()
-        self._reset_pending()
+            self.reducer.flush()
+        else:
+            self.reducer.reset()
+        self._ready.clear()
 
     def end_backward(self) -> None:
         """Stage 2: finish this micro-step's reduction and add the pieces into the fp32 shard."""
@@ -295,7 +276,6 @@ class ShardedDataParallel(StepSequence):
                 off = st.bucket.shard_offset
                 fg.grad_shard[off : off + st.bucket.piece_numel].add_(st.piece)
             st.piece = st.staging = None
-        self._reset_pending()
 
     # ----------------------------------------------------------------------------- step
     def optimizer_groups(self) -> list[dict]:

@@ -31,6 +31,7 @@ from .offload import (
     host_device,
     to_host,
 )
+from .reducer import GradReducer
 from .sharded_optimizer import live_state, sync_from_rank0
 from .strategy import StepSequence
 
@@ -192,6 +193,7 @@ class Stage3(StepSequence):
                 self._rs_at[p] = self._rs_width[-1]
                 self._rs_params[-1].append(p)
                 self._rs_width[-1] += p._zs.piece.numel()
+        self.reducer = GradReducer([len(ps) for ps in self._rs_params], self._launch)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
         self._reset_backward()
@@ -288,9 +290,7 @@ class Stage3(StepSequence):
     # ----------------------------------------------------------------------------- reducing
     def _reset_backward(self) -> None:
         self._staging: dict[int, torch.Tensor] = {}
-        self._arrived = [0] * len(self._rs_params)
-        self._next_rs = 0
-        self._rs_handles: list[tuple[int, torch.Tensor, Handle | None]] = []
+        self._reduced: dict[int, torch.Tensor] = {}  # bucket -> this rank's pieces, in flight
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._rs_bucket[p]
@@ -303,11 +303,10 @@ class Stage3(StepSequence):
             grad = torch.cat([grad, grad.new_zeros(pn * self.dp - grad.numel())])
         self._staging[b][:, at : at + pn].copy_(grad.view(self.dp, pn))
         p.grad = None  # the full gradient does not outlive this hook
-        self._arrived[b] += 1
         self.coord.grad_arrived(p)
-        self._launch_ready()
+        self.reducer.arrived(b)
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int) -> Handle | None:
         staging = self._staging.pop(b, None)
         if staging is None:  # no parameter of this bucket got a gradient in this backward
             staging = torch.zeros(
@@ -320,18 +319,9 @@ class Stage3(StepSequence):
             staging.mul_(self.prescale)
         if self.dp == 1:  # nothing to reduce: into the shard now, not held until the end
             self._accumulate(b, staging.view(-1))
-            return
-        out = staging.new_empty(self._rs_width[b])
-        handle = self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
-        self._rs_handles.append((b, out, handle))
-
-    def _launch_ready(self) -> None:
-        while self._next_rs < len(self._rs_params):
-            b = self._next_rs
-            if self._arrived[b] < len(self._rs_params[b]):
-                return
-            self._launch(b)
-            self._next_rs += 1
+            return None
+        out = self._reduced[b] = staging.new_empty(self._rs_width[b])
+        return self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
 
     def _accumulate(self, b: int, out: torch.Tensor) -> None:
         """Add reduce bucket ``b``'s pieces into the fp32 gradient shard (or its files)."""
@@ -346,13 +336,9 @@ class Stage3(StepSequence):
 
     def end_backward(self) -> None:
         """Reduce what is left, add this rank's pieces into the fp32 shard, free everything."""
-        while self._next_rs < len(self._rs_params):
-            self._launch(self._next_rs)
-            self._next_rs += 1
-        for b, out, handle in self._rs_handles:
-            if handle is not None:
-                handle.wait()
-            self._accumulate(b, out)
+        for b in self.reducer.flush():
+            if b in self._reduced:
+                self._accumulate(b, self._reduced[b])
         self.coord.end_backward()
         self._reset_backward()
 

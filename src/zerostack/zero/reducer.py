@@ -1,0 +1,64 @@
+"""One gradient reducer for every ZeRO stage: buckets that launch their own collective when ready.
+
+Parameters are grouped into buckets (stages 0-2: ranges of a flat buffer, see
+:mod:`.partition`; stage 3: a few modules' parameters). As backward produces each gradient, the
+strategy stages it and reports it (:meth:`GradReducer.arrived`); once every parameter of the
+earliest bucket not yet launched has arrived, that bucket's collective starts, asynchronously,
+while backward goes on. Buckets launch strictly in order, so every rank issues the same
+collectives in the same order even when gradients become ready in a different order.
+:meth:`GradReducer.flush` launches the buckets left (some of their parameters got no gradient)
+and waits for all of them.
+
+What a bucket's collective is (all-reduce, reduce-scatter) and where its result goes is the
+strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..comm import Handle
+
+
+class GradReducer:
+    """Readiness and in-order async launch of gradient buckets."""
+
+    def __init__(self, sizes: list[int], launch: Callable[[int], Handle | None]) -> None:
+        self._sizes = list(sizes)  # parameters per bucket
+        self._launch = launch
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new backward: nothing arrived, nothing launched."""
+        self._arrived = [0] * len(self._sizes)
+        self._next = 0
+        self._handles: list[tuple[int, Handle | None]] = []
+
+    def arrived(self, bucket: int, *, launch: bool = True) -> None:
+        """One parameter of ``bucket`` has its gradient staged; launch what is ready (unless
+        ``launch`` is false: this backward only counts, a later flush communicates)."""
+        self._arrived[bucket] += 1
+        if launch:
+            self.launch_ready()
+
+    def launch_ready(self) -> None:
+        while (
+            self._next < len(self._sizes) and self._arrived[self._next] >= self._sizes[self._next]
+        ):
+            self._start(self._next)
+
+    def _start(self, bucket: int) -> None:
+        self._handles.append((bucket, self._launch(bucket)))
+        self._next += 1
+
+    def flush(self) -> list[int]:
+        """Launch every bucket not launched yet, wait for all; the buckets of this backward, in
+        launch order. The reducer is then reset."""
+        while self._next < len(self._sizes):
+            self._start(self._next)
+        for _, handle in self._handles:
+            if handle is not None:
+                handle.wait()
+        done = [b for b, _ in self._handles]
+        self.reset()
+        return done
