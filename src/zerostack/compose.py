@@ -1,0 +1,253 @@
+"""``initialize``: the composition step. From a model, a config and the world it builds, in order:
+the topology (given, the model's, an ``mpu``'s or the config's; a plain model is split for tp
+here), the optimizer's parameter groups, activation checkpointing, the ZeRO strategy and optimizer
+inside the engine (:class:`~zerostack.engine.Engine`, or the pipeline engine for a
+:class:`~zerostack.pipeline.PipelineModule`), and the data loader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from . import checkpointing
+from .config import ConfigError, ZeroStackConfig, load_config
+from .data.sampler import ResumableSampler
+from .engine import Engine
+from .optim import build_lr_scheduler, build_optimizer
+from .pipeline import PipelineEngine, PipelineModule
+from .topology import Topology, init_distributed
+
+
+def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+    """Trainable parameters as optimizer groups, from the optimizer, model_parameters or model."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("optimizer: it already has state; pass a freshly built optimizer")
+        raw = optimizer.param_groups
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        raw = items if items and isinstance(items[0], dict) else [{"params": items}]
+    else:
+        raw = [{"params": list(model.parameters())}]
+    in_model = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    groups = []
+    for i, group in enumerate(raw):
+        if "params" not in group:
+            raise ValueError(f"model_parameters[{i}]: a parameter group needs a 'params' entry")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        kept = []
+        for p in params:
+            if id(p) not in in_model:
+                raise ValueError(
+                    f"model_parameters[{i}]: a parameter of shape {tuple(p.shape)} "
+                    "is not in the model"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"model_parameters[{i}]: parameter {in_model[id(p)]!r} is in two groups"
+                )
+            seen.add(id(p))
+            if p.requires_grad:
+                kept.append(p)
+        groups.append({**group, "params": kept})
+    return groups
+
+
+def _model_topology(model: nn.Module) -> Topology | None:
+    """The topology the model's tensor-parallel layers were built on (None for a plain model)."""
+    for m in model.modules():
+        topo = getattr(m, "topology", None)
+        if isinstance(topo, Topology):
+            return topo
+    return None
+
+
+def _mpu_sizes(mpu) -> tuple[int, int]:
+    """(tp, pp) from a Megatron/DeepSpeed-style ``mpu`` object."""
+
+    def ask(*names: str) -> int | None:
+        for name in names:
+            fn = getattr(mpu, name, None)
+            if callable(fn):
+                return int(fn())
+        return None
+
+    tp = ask("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    if tp is None:
+        raise ConfigError("mpu: it has no get_model_parallel_world_size() (or the tensor_ form)")
+    return tp, ask("get_pipeline_model_parallel_world_size") or 1
+
+
+def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology:
+    """The one grid of the job: given, or the model's, or built from ``mpu`` / the config; every
+    source that names a tp size must agree, and a plain model is split here if tp > 1."""
+    built = _model_topology(model)
+    want_tp = cfg.tensor_parallel.autotp_size or None
+    sources = []
+    if want_tp:
+        sources.append(("tensor_parallel.autotp_size", want_tp))
+    if mpu is not None:
+        mpu_tp, mpu_pp = _mpu_sizes(mpu)
+        sources.append(("mpu.get_model_parallel_world_size()", mpu_tp))
+    topo = topology or built
+    if topo is not None:
+        sources.append(("the topology", topo.tp))
+    for name, size in sources[1:]:
+        if size != sources[0][1]:
+            raise ConfigError(
+                f"{sources[0][0]}: tensor-parallel size {sources[0][1]} disagrees with "
+                f"{name} ({size})"
+            )
+    if topo is None:
+        tp = sources[0][1] if sources else 1
+        topo = Topology.build(tp=tp, pp=mpu_pp if mpu is not None else 1)
+    if mpu is not None:
+        _check_mpu_groups(mpu, topo)
+    if built is not None and built.tp != topo.tp:
+        raise ConfigError(
+            f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
+            f"tp={topo.tp}"
+        )
+    if built is None and topo.tp > 1:
+        if not callable(getattr(model, "parallelize", None)):
+            raise ConfigError(
+                f"tensor_parallel.autotp_size: tp={topo.tp} needs a tensor-parallel model: build "
+                "it from zerostack.tensor_parallel layers or give it a parallelize(topology) method"
+            )
+        model.parallelize(topo)
+    return topo
+
+
+def _check_mpu_groups(mpu, topo: Topology) -> None:
+    import torch.distributed as dist
+
+    get = getattr(mpu, "get_tensor_model_parallel_group", None) or getattr(
+        mpu, "get_model_parallel_group", None
+    )
+    if get is None:
+        return
+    theirs = dist.get_process_group_ranks(get())
+    ours = dist.get_process_group_ranks(topo.group("tp"))
+    if sorted(theirs) != sorted(ours):
+        raise ConfigError(
+            f"mpu: its tensor-parallel group of this rank is ranks {sorted(theirs)}, zerostack's "
+            f"grid (tp innermost) puts it at {sorted(ours)}; build the mpu with tp innermost"
+        )
+
+
+def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
+    """A function from flat fp32 groups to the optimizer that steps them."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both as an argument and in the config; pass only one")
+    if isinstance(optimizer, torch.optim.Optimizer):
+
+        def rebind(flat_groups):  # keep the user's object (and any scheduler built on it)
+            for group, flat in zip(optimizer.param_groups, flat_groups, strict=True):
+                group["params"] = flat["params"]
+            return optimizer
+
+        return rebind
+    if callable(optimizer):
+        return optimizer
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer: none given; pass optimizer= or set an optimizer block")
+    offload = cfg.zero_optimization.offload_optimizer
+    offloaded = offload is not None and offload.device != "none"
+    return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups, offload=offloaded)
+
+
+def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both as an argument and in the config; pass only one")
+    if lr_scheduler is not None:
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        params = cfg.scheduler.params.model_dump()
+        return lambda opt: build_lr_scheduler(opt, cfg.scheduler.type, params)
+    return None
+
+
+def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
+    topo, cfg = engine.topology, engine.config
+    sampler = ResumableSampler(  # DistributedSampler's order; checkpoints keep its position
+        dataset,
+        num_replicas=topo.dp,
+        rank=topo.dp_rank,
+        shuffle=True,
+        seed=cfg.seed,
+        drop_last=cfg.dataloader_drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+        # Each iter(loader) draws a seed from this generator, else from the global RNG: a resumed
+        # run, which calls iter() again after load_checkpoint, would then draw its dropout masks
+        # out of step with the uninterrupted run.
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data: Dataset | None = None,
+    lr_scheduler=None,
+    distributed_port: int | None = None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+    topology: Topology | None = None,
+):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``config`` is a dict, a JSON file path or a JSON string (also read from
+    ``args.deepspeed_config``). ``optimizer`` may be a torch optimizer built over the model's
+    parameters, or a callable taking parameter groups; else the config's ``optimizer`` block is
+    used. ``lr_scheduler`` likewise (an object or a callable taking the optimizer).
+    """
+    if model is None:
+        raise ValueError("model: initialize needs a model")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    cfg = load_config(config)
+    if dist_init_required is not False:
+        init_distributed()
+    topo = _topology(model, cfg, topology, mpu)
+    groups = _param_groups(model, optimizer, model_parameters)
+    opt_factory = _optimizer_factory(optimizer, cfg)
+    sched = _scheduler_factory(lr_scheduler, cfg)
+    cfg.resolve_batch(topo.dp)  # batch errors before any work
+    if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
+        checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
+    engine_cls = Engine
+    if isinstance(model, PipelineModule):
+        engine_cls = PipelineEngine
+    engine = engine_cls(
+        module=model,
+        config=cfg,
+        topology=topo,
+        param_groups=groups,
+        optimizer_factory=opt_factory,
+        lr_scheduler=sched,
+    )
+    loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
+    if isinstance(engine, PipelineEngine):
+        engine.set_dataloader(loader)
+    else:
+        engine.training_dataloader = loader  # its sampler's position goes into checkpoints
+    return engine, engine.optimizer, loader, engine.lr_scheduler
