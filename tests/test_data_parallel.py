@@ -111,3 +111,47 @@ def test_gradient_accumulation_invariance(stage):
         got = run_distributed(_accumulate, 2, args=(micro, gas, stage))[0]
         diff, name = max_rel_diff(got, ref)
         assert diff <= 1e-5, f"micro {micro} x gas {gas}: {name} differs by {diff:.2e}"
+
+
+def _batches(rank, world, stage):
+    """train_batch on a plain engine against the DeepSpeed-style loop it stands for."""
+    import torch
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+    def micro(step):
+        x, y = batch(step, 8)
+        for m in range(2):
+            lo = (m * world + rank) * 2
+            yield x[lo : lo + 2], y[lo : lo + 2]
+
+    by_loop, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    by_batch, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    loop_losses, batch_losses = [], []
+    for step in range(3):
+        total = 0.0
+        for x, y in micro(step):
+            loss = by_loop(x, y)
+            by_loop.backward(loss)
+            by_loop.step()
+            total += loss.item()
+        mean = torch.tensor(total / 2)
+        by_loop.comm.all_reduce(mean, axis="dp")
+        loop_losses.append(mean.item() / world)
+        batch_losses.append(by_batch.train_batch(micro(step)).item())
+    evaluated = by_batch.eval_batch(micro(0)).item()
+    a, b = by_loop.full_state_dict(), by_batch.full_state_dict()
+    return all(torch.equal(a[k], b[k]) for k in a), loop_losses, batch_losses, evaluated
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_train_batch_is_the_micro_step_loop(stage):
+    for same, loop_losses, batch_losses, evaluated in run_distributed(_batches, 2, args=(stage,)):
+        assert same  # the very same parameters
+        assert batch_losses == pytest.approx(loop_losses, rel=1e-6)  # the batch's mean loss
+        assert evaluated < batch_losses[0]  # batch 0 again, after three steps on it and others

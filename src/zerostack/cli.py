@@ -228,41 +228,20 @@ def train(args) -> dict:
         if args.tp > 1:
             model.parallelize(topo, sequence_parallel=args.sequence_parallel)
     train_set, val_set = corpus_datasets(args.block_size)
-    engine, _, loader, _ = zerostack.initialize(
+    engine, *_ = zerostack.initialize(
         model=model, training_data=train_set, config=config, topology=topo
     )
     rank0 = engine.global_rank == 0
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
     tokens_per_step = engine.train_batch_size() * args.block_size
-    batches, epoch = iter(loader), 0
     if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
-        engine.load_checkpoint(args.save_dir)
-        epoch = loader.sampler.epoch  # the loader continues after the last batch saved
-        batches = iter(loader)
+        engine.load_checkpoint(args.save_dir)  # the loader continues after the last batch saved
     checkpoint, first_step = None, engine.global_steps
-    loss_sum = torch.zeros(1)
     t_start = time.perf_counter()
     for _ in range(args.steps - engine.global_steps):
         t0 = time.perf_counter()
-        loss_sum.zero_()
-        if args.pp > 1:  # the pipeline engine runs the whole batch and averages over dp
-            loss_sum += engine.train_batch().cpu() * engine.gradient_accumulation_steps()
-            loss_sum *= engine.dp_world_size
-        for _ in range(engine.gradient_accumulation_steps() if args.pp == 1 else 0):
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                epoch += 1
-                loader.sampler.set_epoch(epoch)
-                batches = iter(loader)
-                x, y = next(batches)
-            loss = engine(x.to(engine.device), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float().cpu()
-        if args.pp == 1:
-            engine.comm.all_reduce(loss_sum, axis="dp")
-        mean_loss = loss_sum.item() / (engine.gradient_accumulation_steps() * engine.dp_world_size)
+        # one global batch from the engine's loader, pipelined or not; its mean loss over dp
+        mean_loss = engine.train_batch().item()
         monitor.log(
             step=engine.global_steps,
             loss=mean_loss,

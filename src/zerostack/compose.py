@@ -246,8 +246,5 @@ def initialize(
         lr_scheduler=sched,
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
-    if isinstance(engine, PipelineEngine):
-        engine.set_dataloader(loader)
-    else:
-        engine.training_dataloader = loader  # its sampler's position goes into checkpoints
+    engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -24,6 +24,7 @@ from torch import nn
 from .comm import Comm
 from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
+from .runner import repeat_loader, run_micro_batches
 from .tensor_parallel import join_tensors, partition_spec
 from .topology import Topology
 from .zero.strategy import GradStats, ZeroStrategy, build_strategy
@@ -97,8 +98,10 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self.timers: dict[str, float] = defaultdict(float)
-        # initialize(training_data=...)'s loader: checkpoints keep its sampler's position
+        # initialize(training_data=...)'s loader: train_batch() repeats it; checkpoints keep its
+        # sampler's position
         self.training_dataloader = None
+        self._data_iter = None
 
     def _zero_stage(self, stage: int) -> int:
         """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""
@@ -197,6 +200,47 @@ class Engine(nn.Module):
             self._maybe_print()
         self.micro_steps += 1
         self.timers["step"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ whole batches
+    def set_dataloader(self, loader) -> None:
+        """The loader ``train_batch()`` and ``eval_batch()`` read when given no iterator."""
+        self.training_dataloader = loader
+        self._data_iter = None
+
+    def _default_iter(self):
+        """The engine loader, repeated (None without one)."""
+        if self._data_iter is None and self.training_dataloader is not None:
+            self._data_iter = repeat_loader(self.training_dataloader)
+        return self._data_iter
+
+    def _batch_iter(self, data_iter):
+        it = data_iter if data_iter is not None else self._default_iter()
+        if it is None:
+            raise ValueError("train_batch: no data iterator (pass one or training_data)")
+        return it
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One global batch (``gradient_accumulation_steps`` micro-batches, then the optimizer
+        step) from ``data_iter`` or the engine's loader; the mean loss over the batch, every dp
+        rank alike (see :mod:`zerostack.runner`)."""
+        self.module.train()
+        it = self._batch_iter(data_iter)
+        return self._batch_mean(run_micro_batches(self, it, train=True))
+
+    def eval_batch(self, data_iter=None) -> torch.Tensor:
+        """The mean loss over ``gradient_accumulation_steps`` micro-batches, no update."""
+        self.module.eval()
+        it = self._batch_iter(data_iter)
+        loss = self._batch_mean(run_micro_batches(self, it, train=False))
+        self.module.train()
+        return loss
+
+    def _batch_mean(self, total: torch.Tensor) -> torch.Tensor:
+        total = total / self._gas
+        if self.topology.dp > 1:
+            self.comm.all_reduce(total, axis="dp")
+            total /= self.topology.dp
+        return total
 
     def _optimizer_step(self) -> None:
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on

@@ -450,8 +450,7 @@ def _load(
         sampler = _sampler(engine)
         if sampler is not None and manifest.get("data_sampler") is not None:
             sampler.load_state_dict(manifest["data_sampler"])  # the next iter() continues there
-            if hasattr(engine, "set_dataloader"):  # the pipeline's own iterator starts over
-                engine.set_dataloader(engine.training_dataloader)
+            engine.set_dataloader(engine.training_dataloader)  # train_batch's iterator too
         if load_lr_scheduler_states and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
         if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG

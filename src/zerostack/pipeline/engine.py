@@ -12,7 +12,7 @@ owning stages first. The gradient norm counts every stage's parameters once.
 
 from __future__ import annotations
 
-import itertools
+import logging
 
 import torch
 from torch import nn
@@ -24,6 +24,8 @@ from .executor import PipelineExecutor, forward_only
 from .module import PipelineModule
 from .schedule import DeadlockError, ScheduleError, build_schedule
 from .simulate import check_schedule
+
+log = logging.getLogger("zerostack")
 
 
 def _check_config(module: PipelineModule, cfg: ZeroStackConfig, gas: int) -> None:
@@ -74,11 +76,14 @@ class PipelineEngine(Engine):
         self.schedule = config.pipeline.schedule
         self.executor = PipelineExecutor(module, self.comm, self.precision.compute_dtype)
         self._tied_copies = module.tied_copies()
-        self.training_dataloader = None
-        self._data_iter = None
 
     def _zero_stage(self, stage: int) -> int:
-        return min(stage, 1)  # gradients are reduced once per batch: stage 2 runs as stage 1
+        if stage == 2 and self.topology.global_rank == 0:
+            log.warning(
+                "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients are "
+                "reduced over dp once per batch, so full gradients are held until then)"
+            )
+        return min(stage, 1)
 
     def _norm_skip(self) -> set[nn.Parameter]:
         return super()._norm_skip() | self._tied_copies
@@ -89,26 +94,6 @@ class PipelineEngine(Engine):
 
     def is_last_stage(self) -> bool:
         return self.module.is_last_stage
-
-    def set_dataloader(self, loader) -> None:
-        self.training_dataloader = loader
-        self._data_iter = None
-
-    def _default_iter(self):
-        if self.training_dataloader is None:
-            return None
-        if self._data_iter is None:  # repeat the loader forever, as DeepSpeed's RepeatingLoader
-
-            def repeat():
-                sampler = getattr(self.training_dataloader, "sampler", None)
-                # from the sampler's epoch: a loaded checkpoint's, whose position it keeps
-                for epoch in itertools.count(getattr(sampler, "epoch", 0)):
-                    if hasattr(sampler, "set_epoch"):
-                        sampler.set_epoch(epoch)
-                    yield from self.training_dataloader
-
-            self._data_iter = repeat()
-        return self._data_iter
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")

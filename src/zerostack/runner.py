@@ -1,0 +1,61 @@
+"""Whole batches on any engine: ``engine.train_batch()`` and ``engine.eval_batch()``.
+
+DeepSpeed offers them on its pipeline engine; zerostack offers them on every engine, as Megatron
+chooses a forward-backward function: with no pipeline (:func:`run_micro_batches`) a batch is
+``gradient_accumulation_steps`` micro-batches, each ``loss = engine(*micro_batch)`` (the module
+returns the loss), ``engine.backward(loss)``, ``engine.step()``; the pipeline engine runs the
+same batch through its schedule instead. Either way the result is the batch's mean loss over
+every micro-batch and every dp rank, and without an iterator the batch comes from the loader
+``initialize(training_data=...)`` built, repeated epoch after epoch (DeepSpeed's
+``RepeatingLoader``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+
+def repeat_loader(loader) -> Iterator:
+    """``loader`` forever, epoch after epoch, from its sampler's epoch (a loaded checkpoint's,
+    whose position the sampler keeps)."""
+    sampler = getattr(loader, "sampler", None)
+    for epoch in itertools.count(getattr(sampler, "epoch", 0)):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        yield from loader
+
+
+def to_device(batch, device: torch.device):
+    """The tensors of a micro-batch (a tensor, tuple, list or dict of them) on ``device``."""
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _call(engine, batch):
+    if isinstance(batch, dict):
+        return engine(**batch)
+    if isinstance(batch, (list, tuple)):
+        return engine(*batch)
+    return engine(batch)
+
+
+def run_micro_batches(engine, data_iter: Iterator, *, train: bool) -> torch.Tensor:
+    """No pipeline: ``gradient_accumulation_steps`` micro-batches from ``data_iter`` through the
+    engine (with backward and step when ``train``); the sum of their losses."""
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    with torch.set_grad_enabled(train):
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = _call(engine, to_device(next(data_iter), engine.device))
+            if train:
+                engine.backward(loss)
+                engine.step()
+            total += loss.detach().float()
+    return total
