@@ -107,10 +107,25 @@ class Engine(nn.Module):
         """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""
         return stage
 
-    def _norm_skip(self) -> set[nn.Parameter]:
-        """Parameters another rank counts in the global gradient norm: tp replicas off tp rank 0."""
+    def replicated_elsewhere(self) -> set[nn.Parameter]:
+        """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):
+        tp replicas off tp rank 0 (and, under a pipeline, tied copies off their first stage)."""
         topo = self.topology
         return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
+
+    def training_state(self) -> dict[str, int]:
+        """The engine's counters, as checkpoints keep them."""
+        return {
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_training_state(self, state: dict) -> None:
+        self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+        self.micro_steps, self.skipped_steps = state["micro_steps"], state["skipped_steps"]
+        self.comm.log.step = self.global_steps  # CommLog steps continue from here
 
     def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
         for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
@@ -245,7 +260,7 @@ class Engine(nn.Module):
     def _optimizer_step(self) -> None:
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
         # those, and averaging, unscaling and clipping are then one coefficient.
-        stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self._norm_skip())
+        stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self.replicated_elsewhere())
         norm = self._global_norm(stats)
         self._global_grad_norm = norm
         # Every rank sees the same norm (its square is summed over every axis), so a NaN or inf

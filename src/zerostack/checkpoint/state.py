@@ -78,7 +78,7 @@ def _write_shard(engine, folder: str) -> dict:
     topo = engine.topology
     # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
     # first pipeline stage that holds it (the parameters the gradient norm skips).
-    elsewhere = engine._norm_skip()
+    elsewhere = engine.replicated_elsewhere()
     if engine.zero.owns_replica:
         held: tuple = (None, {})  # a master's value and state, read once (from its file on NVMe)
         for p, lo, hi, master, a, b in engine.zero.owned_slices():
@@ -233,12 +233,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
         },
         "params": params,
         "tp_specs": specs,
-        "counters": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-        },
+        "counters": engine.training_state(),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": (
             engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
@@ -443,9 +438,7 @@ def _load(
         buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
     if not load_module_only:
         c = manifest["counters"]
-        engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
-        engine.micro_steps, engine.skipped_steps = c["micro_steps"], c["skipped_steps"]
-        engine.comm.log.step = engine.global_steps  # CommLog steps continue from here
+        engine.load_training_state(c)
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
         sampler = _sampler(engine)
         if sampler is not None and manifest.get("data_sampler") is not None:

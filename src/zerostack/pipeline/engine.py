@@ -85,8 +85,8 @@ class PipelineEngine(Engine):
             )
         return min(stage, 1)
 
-    def _norm_skip(self) -> set[nn.Parameter]:
-        return super()._norm_skip() | self._tied_copies
+    def replicated_elsewhere(self) -> set[nn.Parameter]:
+        return super().replicated_elsewhere() | self._tied_copies
 
     # ------------------------------------------------------------------ DeepSpeed's API
     def is_first_stage(self) -> bool:
