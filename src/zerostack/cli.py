@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 DEFAULTS = dict(
@@ -202,139 +201,6 @@ def _relaunch(argv: list[str], nproc: int) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def train(args) -> dict:
-    import torch
-
-    import zerostack
-    from zerostack.data import corpus_datasets
-    from zerostack.models import GPT, GPTConfig
-    from zerostack.monitor import RunMonitor
-
-    zerostack.init_distributed()
-    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp)
-    torch.manual_seed(args.seed)
-    model_cfg = GPTConfig(
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        d_model=args.d_model,
-        checkpoint_every=1 if args.activation_checkpointing else 0,
-    )
-    config = _build_config(args)
-    if args.pp > 1:
-        model = _pipeline_model(model_cfg, topo, args, config)
-    else:
-        model = GPT(model_cfg)
-        if args.tp > 1:
-            model.parallelize(topo, sequence_parallel=args.sequence_parallel)
-    train_set, val_set = corpus_datasets(args.block_size)
-    engine, *_ = zerostack.initialize(
-        model=model, training_data=train_set, config=config, topology=topo
-    )
-    rank0 = engine.global_rank == 0
-    monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
-    tokens_per_step = engine.train_batch_size() * args.block_size
-    if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
-        engine.load_checkpoint(args.save_dir)  # the loader continues after the last batch saved
-    checkpoint, first_step = None, engine.global_steps
-    t_start = time.perf_counter()
-    for _ in range(args.steps - engine.global_steps):
-        t0 = time.perf_counter()
-        # one global batch from the engine's loader, pipelined or not; its mean loss over dp
-        mean_loss = engine.train_batch().item()
-        monitor.log(
-            step=engine.global_steps,
-            loss=mean_loss,
-            lr=engine.get_lr()[0],
-            loss_scale=engine.loss_scale,
-            grad_norm=engine.get_global_grad_norm(),
-            tokens_per_s=tokens_per_step / (time.perf_counter() - t0),
-        )
-        due = args.save_every and engine.global_steps % args.save_every == 0
-        if args.save_dir and (due or engine.global_steps == args.steps):
-            checkpoint = engine.save_checkpoint(args.save_dir)
-    elapsed = time.perf_counter() - t_start
-    val_loss = _evaluate(engine, val_set, args.block_size)
-    summary = {
-        "world_size": engine.world_size,
-        "tp": engine.topology.tp,
-        "pp": engine.topology.pp,
-        "dp": engine.dp_world_size,
-        "sequence_parallel": args.sequence_parallel,
-        "zero_stage": engine.config.zero_optimization.stage,
-        "offload": args.offload,
-        "activation_checkpointing": args.activation_checkpointing,
-        "precision": engine.precision.name,
-        "parameters": model_cfg.num_params,
-        "parameters_per_rank": sum(p.numel() for p in model.parameters()),
-        "schedule": engine.config.pipeline.schedule if args.pp > 1 else None,
-        "steps": args.steps,
-        "first_loss": monitor.rows[0]["loss"] if monitor.rows else None,
-        "final_loss": monitor.recent_loss(),
-        "val_loss": val_loss,
-        "tokens_per_s": tokens_per_step * (args.steps - first_step) / max(elapsed, 1e-9),
-        "bytes_per_rank": engine.memory_breakdown(),
-        "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
-        "checkpoint": checkpoint,
-    }
-    monitor.finish(summary)
-    engine.destroy()  # NVMe offload files go now, not at interpreter exit
-    return summary
-
-
-def _pipeline_model(model_cfg, topo, args, config: dict):
-    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
-    from zerostack.pipeline import PipelineModule
-
-    pipe = config.get("pipeline", {})
-    layers = gpt_layers(model_cfg, topology=topo, sequence_parallel=args.sequence_parallel)
-    interval = 1 if args.activation_checkpointing else 0
-    return PipelineModule(
-        layers,
-        topology=topo,
-        loss_fn=GPTLoss(topo),
-        partition_method=pipe.get("partition", "type:Block"),
-        activation_checkpoint_interval=pipe.get("activation_checkpoint_interval", interval),
-        seed_layers=pipe.get("seed_layers", False),
-        virtual_stages=pipe.get("virtual_stages", 1),
-    )
-
-
-def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
-    import torch
-
-    from zerostack.pipeline import PipelineEngine
-
-    engine.eval()
-    micro = engine.train_micro_batch_size_per_gpu()
-    n = min(len(dataset), batches * micro * engine.dp_world_size)
-    idx = list(range(engine.topology.dp_rank, n, engine.dp_world_size))
-    if isinstance(engine, PipelineEngine):
-        gas = engine.gradient_accumulation_steps()
-        rounds = max(1, len(idx) // (micro * gas))
-        it = (
-            (
-                torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
-                torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
-            )
-            for i in range(0, rounds * micro * gas, micro)
-        )
-        loss = sum(engine.eval_batch(it).item() for _ in range(rounds)) / rounds
-        engine.train()
-        return loss
-    total = torch.zeros(2)
-    with torch.no_grad():
-        for i in range(0, len(idx), micro):
-            pairs = [dataset[j] for j in idx[i : i + micro]]
-            x = torch.stack([p[0] for p in pairs]).to(engine.device)
-            y = torch.stack([p[1] for p in pairs]).to(engine.device)
-            xs = pairs
-            total += torch.tensor([engine(x, y).float().item() * len(xs), len(xs)])
-    engine.comm.all_reduce(total, axis="dp")
-    engine.train()
-    return float(total[0] / total[1])
-
-
 def _check_grid(args) -> None:
     if args.tp < 1 or args.nproc % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide --nproc {args.nproc}")
@@ -376,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             if args.nproc > 1:
                 return _relaunch(argv, args.nproc)
-        train(args)
+        from zerostack.demo.train import train
         from zerostack.topology import shutdown
+
+        train(args, _build_config(args))
 
         shutdown()
     elif args.command == "consolidate":
