@@ -125,7 +125,7 @@ MUTANTS = [
     ),
     Mutant(
         "data loader draws its shuffle seed from the global RNG",
-        "__init__.py",
+        "compose.py",
         "generator=torch.Generator().manual_seed(cfg.seed),",
         "generator=None,",
         (f"{C}::test_exact_resume_whole",),
