@@ -84,48 +84,53 @@ def _worker(backend: str, seed: int | None, client_optimizer: bool, bucket: int 
         training_data=dataset,
         config=config,
     )
-    losses = []
-    for x, y in loader:
+
+    def train_step(x, y):
         loss = nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-        if len(losses) == STEPS:
-            break
-    with torch.no_grad():
-        accuracy = float((engine(held_out[:, :-1]).argmax(-1) == held_out[:, -1]).float().mean())
-    if dist.get_rank() == 0:
-        print(json.dumps({"losses": losses, "accuracy": accuracy}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+        return loss
+
+    _loop(loader, train_step, engine, held_out)
 
 
 def _ddp_loop(model, dataset, held_out) -> None:
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    losses = []
-    for x, y in loader:
+
+    def train_step(x, y):
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        mean = loss.detach().clone()
+        return loss
+
+    _loop(loader, train_step, model, held_out)
+
+
+def _loop(loader, train_step, predict, held_out) -> None:
+    """STEPS steps of ``train_step(x, y) -> loss`` over ``loader``; rank 0 prints the losses
+    (mean over dp) and the held-out next-byte accuracy of ``predict``."""
+    import torch
+    import torch.distributed as dist
+
+    losses = []
+    for x, y in loader:
+        mean = train_step(x, y).detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / dist.get_world_size())
         if len(losses) == STEPS:
             break
     with torch.no_grad():
-        accuracy = float((model(held_out[:, :-1]).argmax(-1) == held_out[:, -1]).float().mean())
+        accuracy = float((predict(held_out[:, :-1]).argmax(-1) == held_out[:, -1]).float().mean())
     if dist.get_rank() == 0:
         print(json.dumps({"losses": losses, "accuracy": accuracy}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 
