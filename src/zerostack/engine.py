@@ -24,7 +24,7 @@ from torch import nn
 from .comm import Comm
 from .config import ZeroStackConfig
 from .precision import Precision, make_loss_scaler
-from .runner import repeat_loader, run_micro_batches
+from .runner import map_tensors, repeat_loader, run_micro_batches
 from .tensor_parallel import join_tensors, partition_spec
 from .topology import Topology
 from .zero.strategy import GradStats, ZeroStrategy, build_strategy
@@ -33,13 +33,7 @@ log = logging.getLogger("zerostack")
 
 
 def _cast_floats(obj, dtype: torch.dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class Engine(nn.Module):

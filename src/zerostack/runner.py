@@ -28,15 +28,21 @@ def repeat_loader(loader) -> Iterator:
         yield from loader
 
 
+def map_tensors(obj, fn):
+    """``obj`` (a tensor, or a tuple, list or dict of them, nested) with ``fn`` applied to each
+    tensor; anything else passes through."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 def to_device(batch, device: torch.device):
-    """The tensors of a micro-batch (a tensor, tuple, list or dict of them) on ``device``."""
-    if torch.is_tensor(batch):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    """The tensors of a micro-batch on ``device``."""
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def _call(engine, batch):
