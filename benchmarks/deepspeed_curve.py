@@ -25,7 +25,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-CORPUS = os.path.join(ROOT, "src", "zerostack", "data", "genesis.txt")
+CORPUS = os.path.join(ROOT, "src", "zerostack", "demo", "genesis.txt")
 CONTEXT, STEPS = 16, 30
 
 

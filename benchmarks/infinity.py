@@ -48,7 +48,7 @@ def _args(argv=None):
 
 
 def _io(engine) -> tuple[int, int]:
-    stores = [engine.zero.swapper.store, engine.zero.param_swapper.store]
+    stores = [engine.zero.store.swapper.store, engine.zero.param_swapper.store]
     return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
 
 

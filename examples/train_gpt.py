@@ -9,7 +9,7 @@ import argparse
 import torch
 
 import zerostack as deepspeed
-from zerostack.data import corpus_datasets
+from zerostack.demo.corpus import corpus_datasets
 from zerostack.models import GPT, GPTConfig
 
 parser = argparse.ArgumentParser()

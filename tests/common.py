@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zerostack.data import load_corpus
+from zerostack.demo.corpus import load_corpus
 from zerostack.models import GPT, GPTConfig
 
 # bias=False: the attention key bias has a gradient that is zero in exact arithmetic (softmax is

@@ -24,7 +24,11 @@ RUNS = {
     **{f"s{stage}": (stage, False) for stage in range(4)},
     "bf16_s1": (1, True),
     "bf16_s3": (3, True),
+    "s3_param_cpu": (3, False),
 }
+# Runs whose stage-3 parameter pieces live in host memory (offload_param), frozen ones included:
+# a checkpoint reads those pieces in and a load writes them back.
+OFFLOADED = {"s3_param_cpu"}
 
 
 class LoRALinear(nn.Module):
@@ -68,7 +72,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (B, 5), generator=g), torch.randint(0, V, (B, 5), generator=g)
 
 
-def _engine(world: int, stage: int, bf16: bool = False, seed: int = 0):
+def _engine(world: int, stage: int, bf16: bool = False, seed: int = 0, offload: bool = False):
     cfg = {
         "train_micro_batch_size_per_gpu": B // world,
         "gradient_clipping": 1.0,
@@ -76,6 +80,8 @@ def _engine(world: int, stage: int, bf16: bool = False, seed: int = 0):
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 8},
         "bf16": {"enabled": bf16},
     }
+    if offload:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, *_ = zerostack.initialize(model=tiny(seed), config=cfg)
     return engine
 
@@ -90,7 +96,7 @@ def _train_and_save(rank, world, root):
     initial = dict(tiny(0).named_parameters())
     out = {}
     for name, (stage, bf16) in RUNS.items():
-        engine = _engine(world, stage, bf16)
+        engine = _engine(world, stage, bf16, offload=name in OFFLOADED)
         per = B // world
         for step in range(STEPS):
             x, y = _batch(step)
@@ -109,11 +115,12 @@ def _train_and_save(rank, world, root):
 
 
 def _load_elsewhere(rank, world, root, plan):
-    """``plan``: (saved run, stage to load it at, where to save it again or None); a load that
-    fails gives its message."""
+    """``plan``: (saved run, stage to load it at, where to save it again or None, offload_param);
+    a load that fails gives its message."""
     out = {}
-    for src, stage, again in plan:
-        engine = _engine(world, stage, seed=5)  # other weights, frozen ones included
+    for src, stage, again, offload in plan:
+        # other weights, frozen ones included
+        engine = _engine(world, stage, seed=5, offload=offload)
         try:
             engine.load_checkpoint(f"{root}/{src}")
         except CheckpointError as exc:
@@ -154,7 +161,8 @@ def test_frozen_parameters_save_load_and_consolidate_at_every_stage(tmp_path):
 
     # (b) dp 2 -> dp 1 on another stage (stage 3 -> 0 and 0 -> 3 among them), saved there, and
     # back to dp 2 at the original stage: the same parameters and logits at every hop.
-    there = [(name, 3 - RUNS[name][0], f"dp1_{name}") for name in FP32] + [("bf16_s3", 0, None)]
+    there = [(name, 3 - RUNS[name][0], f"dp1_{name}", False) for name in FP32]
+    there += [("bf16_s3", 0, None, False), ("s3_param_cpu", 1, "dp1_s3_param_cpu", False)]
     dp1 = run_distributed(_load_elsewhere, 1, args=(root, there))[0]
     # A checkpoint without a frozen parameter's slices (as written before frozen parameters were
     # saved) is refused with the parameter's name, not loaded with the fresh model's values.
@@ -164,9 +172,10 @@ def test_frozen_parameters_save_load_and_consolidate_at_every_stage(tmp_path):
     for rec in manifest["files"]:
         rec["slices"] = [s for s in rec["slices"] if s[0] != "emb.weight"]
     open(path, "w").write(json.dumps(manifest))
-    back = [(f"dp1_{name}", RUNS[name][0], None) for name in FP32] + [("no_emb", 1, None)]
+    back = [(f"dp1_{name}", RUNS[name][0], None, False) for name in FP32]
+    back += [("no_emb", 1, None, False), ("dp1_s3_param_cpu", 3, None, True)]
     dp2 = run_distributed(_load_elsewhere, 2, args=(root, back))[0]
-    for name in FP32:
+    for name in [*FP32, *OFFLOADED]:
         state, logits = saved[name]
         for got, where in ((dp1[name], "dp 1"), (dp2[f"dp1_{name}"], "back at dp 2")):
             assert got[0].keys() == state.keys()

@@ -48,7 +48,7 @@ def _run(rank, world, cfg):
     seen = {"files": 0, "host_peak": 0}
     for step in range(STEPS):
         _step(engine, rank, world, step)
-        swapper = getattr(engine.zero, "swapper", None)
+        swapper = getattr(engine.zero.store, "swapper", None)
         if swapper is not None:
             seen["files"] = max(seen["files"], len(os.listdir(swapper.store.dir)))
             seen["dir"] = swapper.store.dir

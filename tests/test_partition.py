@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from zerostack.zero.partition import Bucket, FlatLayout, Slot
+from zerostack.zero.partition import Bucket, FlatLayout, PieceBuckets, Slot
 
 try:
     from hypothesis import given, settings
@@ -360,3 +360,15 @@ else:
     @pytest.mark.skip(reason="hypothesis is not installed")
     def test_invariants_property():
         pass
+
+
+def test_piece_buckets_keep_units_whole_and_rows_packed():
+    """Stage 3's reduce buckets: units (modules) are never split, a bucket closes once its
+    world x width reaches the bucket size, and each item's piece starts where the previous
+    ended in its bucket's row."""
+    b = PieceBuckets.build([[0, 1], [2]], piece=[3, 1, 4], world=2, bucket_numel=10)
+    assert (b.items, b.width, b.at) == ([[0, 1, 2]], [8], {0: 0, 1: 3, 2: 4})
+    b = PieceBuckets.build([[0, 1], [], [2], [3]], piece=[3, 1, 4, 2], world=2, bucket_numel=8)
+    assert b.items == [[0, 1], [2], [3]]  # 2 x 4 = 8 closes the first; 2 x 4 the second
+    assert b.width == [4, 4, 2] and b.bucket == {0: 0, 1: 0, 2: 1, 3: 2}
+    assert b.at == {0: 0, 1: 3, 2: 0, 3: 0}

@@ -14,7 +14,7 @@ Switching from DeepSpeed is one import::
 
 from __future__ import annotations
 
-from . import checkpointing, zero
+from . import activation_checkpointing, checkpointing, zero
 from .comm import Comm, CommLog
 from .compose import initialize
 from .config import ConfigError, ZeroStackConfig, load_config
@@ -29,6 +29,7 @@ __all__ = [
     "Engine",
     "Topology",
     "ZeroStackConfig",
+    "activation_checkpointing",
     "checkpointing",
     "init_distributed",
     "initialize",

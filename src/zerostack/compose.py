@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpointing
+from . import activation_checkpointing
 from .config import ConfigError, ZeroStackConfig, load_config
 from .data.sampler import ResumableSampler
 from .engine import Engine
@@ -233,7 +233,7 @@ def initialize(
     sched = _scheduler_factory(lr_scheduler, cfg)
     cfg.resolve_batch(topo.dp)  # batch errors before any work
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
-        checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
+        activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
     engine_cls = Engine
     if isinstance(model, PipelineModule):
         engine_cls = PipelineEngine

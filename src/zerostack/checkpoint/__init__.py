@@ -1,10 +1,11 @@
 """Training checkpoints: sharded, atomic, verified, and loadable on another ZeRO stage / dp size.
 
 ``engine.save_checkpoint(dir)`` / ``engine.load_checkpoint(dir)`` call :func:`.state.save` and
-:func:`.state.load`; see :mod:`.state` for the format.
+:func:`.restore.load`; see :mod:`.state` for the format.
 """
 
 from .consolidate import consolidate
-from .state import CheckpointError, load, read_manifest, save
+from .restore import load, read_manifest
+from .state import CheckpointError, save
 
 __all__ = ["CheckpointError", "consolidate", "load", "read_manifest", "save"]

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from .state import CheckpointError, _Reader, read_manifest
+from .restore import _Reader, read_manifest
+from .state import CheckpointError
 
 _DTYPES = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2)}
 

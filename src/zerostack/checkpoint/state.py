@@ -16,6 +16,9 @@ overlap its own slices, checks their sha256, and copies the overlap. Writes go t
 replaced after that, so an interrupted save leaves the previous checkpoint as it was. Nothing is
 unpickled: tensors come from safetensors, everything else from JSON (client state must be
 JSON-serialisable).
+
+This module holds the format's names and helpers and the writing side (:func:`save`);
+:mod:`.restore` reads a checkpoint back (:func:`~.restore.load`).
 """
 
 from __future__ import annotations
@@ -25,14 +28,12 @@ import json
 import math
 import os
 import shutil
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..tensor_parallel import join_tensors, partition_spec, split_tensor
+from ..tensor_parallel import partition_spec
 
 FORMAT = "zerostack-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -244,218 +245,3 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
         "files": records,
         "client_state": client_state,
     }
-
-
-class _Reader:
-    """Reads and checks tensors of one checkpoint folder, a file opened once."""
-
-    def __init__(self, folder: str, manifest: dict) -> None:
-        self.folder, self.manifest = folder, manifest
-        self.sha = {rec["file"]: rec["sha256"] for rec in manifest["files"]}
-        self._open: dict[str, object] = {}
-        for rec in manifest["files"]:
-            path = os.path.join(folder, rec["file"])
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path}: missing shard")
-            if os.path.getsize(path) != rec["bytes"]:
-                raise CheckpointError(
-                    f"{path}: {os.path.getsize(path)} bytes, the manifest "
-                    f"says {rec['bytes']} (truncated or damaged)"
-                )
-
-        self.saved_tp = manifest["layout"]["tp"]
-        self.specs = manifest.get("tp_specs", {})
-        self.index: dict[str, list[tuple[int | None, int, int, str]]] = defaultdict(list)
-        for rec in manifest["files"]:
-            for name, tp_rank, lo, hi in rec["slices"]:
-                self.index[name].append((tp_rank, lo, hi, rec["file"]))
-        self.buffers = {  # buffer name -> the file holding it
-            k[len("buffer/") :]: rec["file"]
-            for rec in manifest["files"]
-            for k in rec["sha256"]
-            if k.startswith("buffer/")
-        }
-
-    def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
-        """Copy elements ``[lo, hi)`` of ``name``'s saved ``kind`` (the slice written by tp rank
-        ``tp_rank``; None for a whole parameter) to ``dest[offset:]``; returns how many."""
-        covered = 0
-        for src_tp, slo, shi, file in self.index[name]:
-            x, y = max(lo, slo), min(hi, shi)
-            if src_tp != tp_rank or x >= y:
-                continue
-            src = self.get(file, f"{kind}/{_key(name, src_tp, slo)}")
-            dest[offset + x - lo : offset + y - lo].copy_(src[x - slo : y - slo])
-            covered += y - x
-        return covered
-
-    def full(self, name: str, kind: str = "master") -> torch.Tensor:
-        """The whole saved parameter (fp32), its tp slices joined: one parameter in memory."""
-        shape, spec = self.manifest["params"][name], self.specs.get(name)
-        part = list(shape)
-        if spec is not None:
-            part[spec[0]] //= self.saved_tp
-        parts = []
-        for r in [None] if spec is None else range(self.saved_tp):
-            t = torch.zeros(math.prod(part))
-            covered = self.fill(t, name, kind, r, 0, t.numel(), 0)
-            if covered != t.numel():
-                raise CheckpointError(
-                    f"{self.folder}: {name}: slices cover {covered} of {t.numel()} elements"
-                )
-            parts.append(t.view(part))
-        return parts[0] if spec is None else join_tensors(parts, dim=spec[0], chunks=spec[1])
-
-    def get(self, file: str, key: str) -> torch.Tensor:
-        path = os.path.join(self.folder, file)
-        try:
-            if file not in self._open:
-                self._open[file] = safe_open(path, framework="pt")
-            t = self._open[file].get_tensor(key)
-        except Exception as exc:  # a damaged header or body
-            raise CheckpointError(f"{path}: cannot read {key} ({exc})") from None
-        if _sha256(t) != self.sha[file].get(key):
-            raise CheckpointError(f"{path}: checksum mismatch in {key}")
-        return t
-
-
-def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.exists(latest):
-            raise CheckpointError(f"{latest}: no such file (no complete checkpoint; pass tag=)")
-        tag = open(latest).read().strip()
-    folder = os.path.join(load_dir, str(tag))
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: missing (not a complete checkpoint)")
-    manifest = json.loads(open(path).read())
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return folder, manifest
-
-
-def load(engine, load_dir: str, tag=None, **options):
-    """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state).
-
-    ``options``: ``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only``
-    (DeepSpeed's, all as :meth:`Engine.load_checkpoint` documents). Every rank reads what it needs;
-    if any rank finds a damaged or missing file, every rank raises the same error (naming the
-    file) rather than some waiting on the others.
-    """
-    try:
-        result, error = _load(engine, load_dir, tag, **options), None
-    except CheckpointError as exc:
-        result, error = None, str(exc)
-    errors = _gather_errors(engine.comm, error)
-    if errors:
-        raise CheckpointError(errors[0][1])
-    engine.zero.after_load()  # the masters into the compute-dtype parameters (a collective)
-    return result
-
-
-def _load(
-    engine,
-    load_dir: str,
-    tag,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-):
-    folder, manifest = read_manifest(load_dir, tag)
-    reader = _Reader(folder, manifest)
-    names = {p: n for n, p in engine.module.named_parameters()}
-    saved = manifest["params"]
-    tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
-    for p, name in names.items():
-        if name not in saved:
-            raise CheckpointError(f"{folder}: no parameter {name!r} in the checkpoint")
-        if _full_shape(p, tp) != saved[name]:
-            raise CheckpointError(
-                f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
-                f"{_full_shape(p, tp)} in the model"
-            )
-    if engine.topology.pp == 1:  # with a pipeline, the other stages hold the rest
-        for name in saved:
-            if name not in names.values():
-                raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
-    saved_tp = reader.saved_tp
-    opt = engine.optimizer
-    with_state = load_optimizer_states and not load_module_only
-    keys = sorted(
-        {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
-        - {"master", "rng", "buffer"}
-    )
-
-    def read(dest, p, kind: str, lo: int, hi: int, a: int) -> None:
-        """Elements ``[lo, hi)`` of ``p``'s saved ``kind`` (this rank's tp slice) to ``dest[a:]``;
-        every element of a value must be there (a moment may be missing: it stays zero)."""
-        name, saved_spec, spec = names[p], reader.specs.get(names[p]), partition_spec(p)
-        spec = list(spec) if spec is not None else None
-        if saved_spec is None and spec is None:  # whole then and now
-            covered = reader.fill(dest, name, kind, None, lo, hi, a)
-        elif saved_spec == spec and saved_tp == tp:  # cut the same way: this rank's slices
-            covered = reader.fill(dest, name, kind, tp_rank, lo, hi, a)
-        else:  # cut otherwise: through the whole parameter, cut as this model cuts it
-            full = reader.full(name, kind)
-            if spec is not None:
-                full = split_tensor(full, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
-            dest[a : a + hi - lo].copy_(full.reshape(-1)[lo:hi])
-            covered = hi - lo
-        if kind == "master" and covered != hi - lo:
-            raise CheckpointError(
-                f"{folder}: {name}: slices cover {covered} of elements [{lo}, {hi}) of its value"
-            )
-
-    kinds = keys if with_state else []
-    owned = defaultdict(list)
-    for p, lo, hi, master, a, _ in engine.zero.owned_slices():
-        if hi > lo:
-            owned[master].append((p, lo, hi, a))
-    for master in engine.zero.masters():  # one at a time: on NVMe, read, filled, written back
-        values = engine.zero.read_master(master, opt, kinds)
-        for p, lo, hi, a in owned[master]:
-            for kind in ["master", *kinds]:
-                read(values[kind], p, kind, lo, hi, a)
-        engine.zero.write_master(master, opt, values)
-    for p, lo, hi, held in engine.zero.frozen_slices():  # frozen: into what they hold, in place
-        if hi > lo:
-            read(held, p, "master", lo, hi, 0)
-    if with_state:
-        for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
-            for k, v in saved_g["hyper"].items():
-                if k in g and not isinstance(g[k], (list, tuple)):
-                    g[k] = v
-                elif k in g:
-                    g[k] = type(g[k])(v)
-            if saved_g["step"] is not None:
-                for m in g["params"]:
-                    if m in opt.state:
-                        opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
-    for name, buf in engine.module.named_buffers():
-        if name not in reader.buffers:
-            raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
-        buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
-    if not load_module_only:
-        c = manifest["counters"]
-        engine.load_training_state(c)
-        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
-        sampler = _sampler(engine)
-        if sampler is not None and manifest.get("data_sampler") is not None:
-            sampler.load_state_dict(manifest["data_sampler"])  # the next iter() continues there
-            engine.set_dataloader(engine.training_dataloader)  # train_batch's iterator too
-        if load_lr_scheduler_states and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
-        if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG
-            mine = f"rank{engine.global_rank:05d}.safetensors"
-            torch.set_rng_state(reader.get(mine, "rng/cpu"))
-            from ..tensor_parallel import get_rng_tracker
-
-            tracker = {
-                k.split("/", 2)[2]: reader.get(mine, k)
-                for k in reader.sha[mine]
-                if k.startswith("rng/tracker/")
-            }
-            if tracker:
-                get_rng_tracker().set_states(tracker)
-    return folder, manifest["client_state"]

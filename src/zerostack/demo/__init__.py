@@ -1,2 +1,3 @@
-"""The demo: ``zerostack train``'s training run (:mod:`.train`) and what it shows and leaves behind
-(:mod:`.monitor`: progress bar, CSV log, loss curve, summary)."""
+"""The demo: ``zerostack train``'s training run (:mod:`.train`), the corpus it trains on
+(:mod:`.corpus`: the Book of Genesis as bytes) and what it shows and leaves behind (:mod:`.monitor`:
+progress bar, CSV log, loss curve, summary)."""

@@ -9,7 +9,7 @@ import time
 import torch
 
 import zerostack
-from zerostack.data import corpus_datasets
+from zerostack.demo.corpus import corpus_datasets
 from zerostack.demo.monitor import RunMonitor
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers

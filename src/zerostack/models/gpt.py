@@ -56,8 +56,8 @@ class GPTConfig:
     bias: bool = True
     checkpoint_every: int = 0
     """Activation checkpointing: run each ``checkpoint_every`` consecutive blocks through
-    ``zerostack.checkpointing.checkpoint`` (their input kept, the rest recomputed in backward);
-    0 = off."""
+    ``zerostack.activation_checkpointing.checkpoint`` (their input kept, the rest recomputed in
+    backward); 0 = off."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -265,7 +265,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         every = self.cfg.checkpoint_every
         if every > 0 and torch.is_grad_enabled():
-            from .. import checkpointing  # checkpointing imports tensor_parallel, as we do
+            from .. import activation_checkpointing as checkpointing  # imports tensor_parallel
 
             if self.sequence_parallel and checkpointing.settings().partitions:
                 raise ValueError(

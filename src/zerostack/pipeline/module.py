@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpointing import checkpoint
+from ..activation_checkpointing import checkpoint
 from ..topology import Topology
 
 

@@ -6,7 +6,7 @@
   ``SequenceParallelLayerNorm``; split/join of tensors between a plain layer and its tp shards.
 * :mod:`.cross_entropy`: the loss over vocabulary-split logits.
 * :mod:`.random`: one random stream shared by the tp ranks, one per rank
-  (``zerostack.checkpointing.checkpoint`` replays both).
+  (``zerostack.activation_checkpointing.checkpoint`` replays both).
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy

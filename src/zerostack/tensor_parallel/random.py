@@ -10,8 +10,9 @@ default one back afterwards::
     with get_rng_tracker().fork():
         y = F.dropout(y, 0.1)              # differs across tp ranks
 
-:func:`zerostack.checkpointing.checkpoint` recomputes a function in backward with the tracker's
-states (and torch's) as they were in forward, so recomputed dropout masks are the forward masks.
+:func:`zerostack.activation_checkpointing.checkpoint` recomputes a function in backward with the
+tracker's states (and torch's) as they were in forward, so recomputed dropout masks are the forward
+masks.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm
 from .init import StorageMeter, gather_full, hold, is_sharded, release
 from .linear import linear_saving_weight
-from .offload import ParamSwapper
+from .offload import ParamSwapper, ResidentPieces
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -45,16 +45,14 @@ class _Gather:
         params: list[nn.Parameter],
         comm: Comm,
         meter: StorageMeter,
-        swapper: ParamSwapper | None = None,
+        swapper: ParamSwapper | ResidentPieces,
     ) -> None:
         self.params = params
         self.meter = meter
         self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
-        if swapper is not None:
-            swapper.fetch(params)
+        swapper.fetch(params)
         self._finish = gather_full([p._zs for p in params], comm, async_op=True)
-        if swapper is not None:  # the collective has its own copy (or, at dp = 1, the views)
-            swapper.drop(params)
+        swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
         self.done = False
 
     def resolve(self) -> None:
@@ -86,7 +84,7 @@ class _GatherOnRead(dict):
 def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
     """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
     if params:
-        _Gather(params, comm, meter).resolve()
+        _Gather(params, comm, meter, ResidentPieces()).resolve()
 
 
 class ParamCoordinator:
@@ -101,7 +99,7 @@ class ParamCoordinator:
         meter: StorageMeter,
         prefetch_numel: int,
         trainable: set[nn.Parameter],
-        swapper: ParamSwapper | None,
+        swapper: ParamSwapper | ResidentPieces,
     ) -> None:
         self.comm, self.meter, self.prefetch_numel = comm, meter, prefetch_numel
         self._trainable, self.param_swapper = trainable, swapper

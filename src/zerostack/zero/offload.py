@@ -296,12 +296,33 @@ class OptimizerSwapper:
         self.store.close()
 
 
+class ResidentPieces:
+    """Stage-3 parameter pieces that all stay in memory: the :class:`ParamSwapper` interface with
+    nothing to swap (``offload_param`` off)."""
+
+    offloads = False
+
+    def holds(self, p: nn.Parameter) -> bool:
+        return False
+
+    def fetch(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def drop(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class ParamSwapper:
     """Stage-3 parameter shards (this rank's pieces, compute dtype) in an NVMeStore.
 
     A swapped-out piece is a placeholder of its size; :meth:`fetch` reads pieces in for a gather
     (counted in the meter until :meth:`drop`), :meth:`update` writes a stepped piece back.
     """
+
+    offloads = True
 
     def __init__(
         self, params: list[nn.Parameter], store, meter: HostMeter, device: torch.device
@@ -355,3 +376,16 @@ class ParamSwapper:
 
     def close(self) -> None:
         self.store.close()
+
+
+def offload_pieces(
+    params: list[nn.Parameter], offload_param, comm, meter: HostMeter
+) -> ParamSwapper:
+    """``offload_param``: these stage-3 pieces moved to files ("nvme") or host memory ("cpu")."""
+    need = sum(p._zs.piece.nbytes for p in params)
+    if offload_param.device == "nvme":
+        what = "zero_optimization.offload_param"
+        store = NVMeStore(offload_param.nvme_path, comm.topo.global_rank, need, what)
+    else:
+        store = HostStore(offload_param.pin_memory)
+    return ParamSwapper(params, store, meter, comm.topo.device)

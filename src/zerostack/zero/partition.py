@@ -133,3 +133,43 @@ class FlatLayout:
             lo, hi = self.piece(b, rank)
             out.append((lo, hi, b.shard_offset))
         return out
+
+
+@dataclass(frozen=True)
+class PieceBuckets:
+    """Stage 3's reduce buckets: each parameter already is ``world`` equal pieces of ``piece``
+    elements, so a bucket is a ``(world, width)`` matrix whose row ``r`` is rank ``r``'s pieces of
+    the bucket's parameters end to end; one reduce-scatter gives each rank its row. ``at[i]`` is
+    where item ``i``'s piece starts in its bucket's row, ``bucket[i]`` which bucket it is in.
+
+    ``units`` are groups of items never split across buckets (a module's parameters), in launch
+    order; a bucket takes units until its ``world * width`` reaches ``bucket_numel``::
+
+        b = PieceBuckets.build([[0, 1], [2]], piece=[3, 1, 4], world=2, bucket_numel=10)
+        b.items, b.width, b.at  # [[0, 1, 2]], [8], {0: 0, 1: 3, 2: 4}: 2 x 4 < 10, unit 1 joins
+    """
+
+    items: list[list[int]]  # per bucket, the items in it
+    width: list[int]  # per bucket, the elements of one rank's row
+    bucket: dict[int, int]
+    at: dict[int, int]
+
+    @classmethod
+    def build(
+        cls, units: list[list[int]], *, piece: list[int], world: int, bucket_numel: int
+    ) -> PieceBuckets:
+        items: list[list[int]] = []
+        width: list[int] = []
+        bucket: dict[int, int] = {}
+        at: dict[int, int] = {}
+        for unit in units:
+            if not unit:
+                continue
+            if not items or width[-1] * world >= bucket_numel:
+                items.append([])
+                width.append(0)
+            for i in unit:
+                bucket[i], at[i] = len(items) - 1, width[-1]
+                items[-1].append(i)
+                width[-1] += piece[i]
+        return cls(items, width, bucket, at)

@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm import Comm, Handle
+from ..comm import Comm
 from ..precision import Precision
-from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device, to_host
+from .flat_reduce import FlatBackward
+from .flat_state import FlatState
+from .masters import master_store
+from .offload import HostMeter, host_device, to_host
 from .partition import Bucket, FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
@@ -47,21 +50,6 @@ def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype)
             t.data = t.data.to(dtype)
 
 
-def live_state(master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
-    """A master in memory and its optimizer-state tensors of its size, as flat views (see
-    ``ShardedDataParallel.read_master``); state ``kinds`` it lacks are added, zeros."""
-    if kinds:
-        state = optimizer.state[master]
-        for k in kinds:
-            if k not in state:
-                state[k] = torch.zeros_like(master)
-    out = {"master": master.detach().view(-1)}
-    for k, v in optimizer.state.get(master, {}).items():
-        if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
-            out[k] = v.detach().view(-1)
-    return out
-
-
 @dataclass
 class _BucketState:
     group: int
@@ -73,6 +61,21 @@ class _BucketState:
     segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
     host_grad: torch.Tensor | None = None  # offload: the fp32 gradient piece, in host memory
     updated: torch.Tensor | None = None  # nvme: the stepped piece in the compute dtype
+    # (param, its range in the group's flat buffer) of each parameter in the bucket
+    ranges: list[tuple[nn.Parameter, slice]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, g: int, bucket: Bucket, master: nn.Parameter, lo: int, hi: int, fg):
+        """Bucket ``bucket`` of group ``g``, whose master holds ``[lo, hi)`` of the flat buffer."""
+        st = cls(g, bucket, master)
+        for pos in bucket.slots:
+            slot = fg.layout.slots[pos]
+            p = fg.params[slot.index]
+            st.ranges.append((p, slice(slot.offset, slot.end)))
+            a, b = max(slot.offset, lo), min(slot.end, hi)
+            if a < b:
+                st.segments.append((a - lo, b - lo, p))
+        return st
 
 
 @dataclass
@@ -87,8 +90,42 @@ class FlatGroup:
     grad_shard: torch.Tensor | None  # stage 2, fp32
     buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
 
+    @classmethod
+    def build(
+        cls,
+        params: list[nn.Parameter],
+        options: dict,
+        layout: FlatLayout,
+        *,
+        comm: Comm,
+        dtype: torch.dtype,
+        device: torch.device,
+        grad_shard_device: torch.device | None,
+    ) -> tuple[FlatGroup, torch.Tensor]:
+        """The group's buffers, its parameters made views of them; also the fp32 values (dp
+        rank 0's, broadcast). Gradients: a full flat buffer in ``dtype``, or, given
+        ``grad_shard_device``, an fp32 shard there (stage 2)."""
+        full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        for slot in layout.slots:
+            full[slot.offset : slot.end].copy_(params[slot.index].detach().reshape(-1))
+        if comm.topo.dp > 1:
+            comm.broadcast(full, src=0, axis="dp")
+        params_flat = full if dtype == torch.float32 else full.to(dtype)
+        grads_flat = grad_shard = None
+        if grad_shard_device is None:
+            grads_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        else:
+            shard = layout.shard_numel
+            grad_shard = torch.zeros(shard, dtype=torch.float32, device=grad_shard_device)
+        for slot in layout.slots:
+            p = params[slot.index]
+            p.data = params_flat[slot.offset : slot.end].view(slot.shape)
+            grad = None if grads_flat is None else grads_flat[slot.offset : slot.end]
+            p.grad = None if grad is None else grad.view(slot.shape)
+        return cls(params, options, layout, params_flat, grads_flat, grad_shard), full
 
-class ShardedDataParallel(StepSequence):
+
+class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
     """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2."""
 
     def __init__(
@@ -127,69 +164,46 @@ class ShardedDataParallel(StepSequence):
         if self.offload == "nvme" and sub_group_numel:
             # a rank's piece of a bucket is one sub-group: the unit swapped to and from the disk
             bucket_numel = min(bucket_numel, sub_group_numel * shard_world)
-        host = host_device()
+        # stage 2 keeps fp32 gradient pieces (on the host when offloaded), stages 0-1 full ones
+        shard_device = host_device() if self.offload != "none" else device
+        shard_device = shard_device if stage == 2 else None
 
         for g, group in enumerate(groups):
             params = list(group["params"])
             layout = FlatLayout.build(
                 [tuple(p.shape) for p in params], world=shard_world, bucket_numel=bucket_numel
             )
-            full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-            for slot in layout.slots:
-                full[slot.offset : slot.end].copy_(params[slot.index].detach().reshape(-1))
-            if self.dp > 1:
-                comm.broadcast(full, src=0, axis="dp")
-            params_flat = full if dtype == torch.float32 else full.to(dtype)
-            grads_flat = grad_shard = None
-            if stage < 2:
-                grads_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-            else:
-                grad_shard = torch.zeros(
-                    layout.shard_numel,
-                    dtype=torch.float32,
-                    device=host if self.offload != "none" else device,
-                )
-            for slot in layout.slots:
-                p = params[slot.index]
-                p.data = params_flat[slot.offset : slot.end].view(slot.shape)
-                p.grad = (
-                    None
-                    if grads_flat is None
-                    else grads_flat[slot.offset : slot.end].view(slot.shape)
-                )
             options = {k: v for k, v in group.items() if k != "params"}
-            fg = FlatGroup(params, options, layout, params_flat, grads_flat, grad_shard)
+            fg, full = FlatGroup.build(
+                params,
+                options,
+                layout,
+                comm=comm,
+                dtype=dtype,
+                device=device,
+                grad_shard_device=shard_device,
+            )
             for bucket in layout.buckets:
-                lo, hi = layout.piece(bucket, shard_rank)
                 # fp32: the master *is* this rank's piece of the parameter buffer (a view);
                 # offloaded, it is a host copy whatever the dtype.
+                lo, hi = layout.piece(bucket, shard_rank)
                 if self.offload != "none":
-                    master = nn.Parameter(to_host(full[lo:hi], self._pin))
+                    master = to_host(full[lo:hi], self._pin)
                 else:
-                    master = nn.Parameter(
-                        full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
-                    )
+                    master = full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
                 fg.buckets.append(len(self.buckets))
-                segments = []
-                for pos in bucket.slots:
-                    slot = layout.slots[pos]
-                    self._where[params[slot.index]] = (
-                        len(self.buckets),
-                        slice(slot.offset, slot.end),
-                    )
-                    a, b = max(slot.offset, lo), min(slot.end, hi)
-                    if a < b:
-                        segments.append((a - lo, b - lo, params[slot.index]))
-                self.buckets.append(_BucketState(g, bucket, master, segments=segments))
+                st = _BucketState.build(g, bucket, nn.Parameter(master), lo, hi, fg)
+                self._where.update({p: (len(self.buckets), rng) for p, rng in st.ranges})
+                self.buckets.append(st)
             self.groups.append(fg)
 
-        self.swapper = None
-        if self.offload == "nvme":
-            masters = [st.master for st in self.buckets]
-            need = sum(m.numel() for m in masters) * 4 * 3  # master + two Adam moments
-            what = "zero_optimization.offload_optimizer"
-            store = NVMeStore(offload.nvme_path, comm.topo.global_rank, need, what)
-            self.swapper = OptimizerSwapper(masters, store, offload.buffer_count, self.host_meter)
+        # The masters' store: in memory, or with their optimizer state in files ("nvme").
+        need = sum(st.master.numel() for st in self.buckets) * 4 * 3  # master + two Adam moments
+        self.store, _ = master_store(
+            offload, rank=comm.topo.global_rank, need_bytes=need, meter=self.host_meter
+        )
+        for st in self.buckets:
+            self.store.add(st.master)
         self._sync_untracked(dtype)
         self.reducer = GradReducer([len(st.bucket.slots) for st in self.buckets], self._launch)
         self._hooks = [
@@ -199,83 +213,6 @@ class ShardedDataParallel(StepSequence):
     def _sync_untracked(self, dtype) -> None:
         others = [p for p in self.module.parameters() if p not in self._where]
         sync_from_rank0(others + list(self.module.buffers()), self.comm, dtype)
-
-    # ----------------------------------------------------------------------------- backward
-    @property
-    def _communicates_now(self) -> bool:
-        """Stage 2 reduces every micro-step (only pieces are kept); 0-1 only on the boundary."""
-        return self.dp > 1 and (self.stage == 2 or self.boundary)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        b, rng = self._where[p]
-        st = self.buckets[b]
-        fg = self.groups[st.group]
-        if fg.grads_flat is not None:
-            view = fg.grads_flat[rng].view_as(p)
-            if p.grad.data_ptr() != view.data_ptr():
-                # Someone replaced .grad (e.g. set it to None): fold it back into the flat buffer.
-                view.add_(p.grad)
-                p.grad = view
-        if not self._communicates_now and self.stage < 2:
-            return
-        if p in self._ready:
-            raise RuntimeError(
-                f"a parameter of shape {tuple(p.shape)} got its gradient twice in one backward "
-                "(reentrant activation checkpointing?); use use_reentrant=False"
-            )
-        self._ready.add(p)
-        if self.stage == 2:
-            if st.staging is None:
-                st.staging = torch.zeros(st.bucket.numel, dtype=p.grad.dtype, device=p.device)
-            st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
-                p.grad.view(-1)
-            )
-            p.grad = None  # the full-size gradient does not outlive its bucket
-        self.reducer.arrived(b, launch=self._communicates_now)
-
-    def _launch(self, b: int) -> Handle:
-        st = self.buckets[b]
-        fg = self.groups[st.group]
-        if self.stage == 2:
-            if st.staging is None:  # no parameter of this bucket got a gradient
-                st.staging = torch.zeros(
-                    st.bucket.numel,
-                    dtype=self.precision.compute_dtype,
-                    device=fg.params_flat.device,
-                )
-            chunk = st.staging
-        else:
-            chunk = fg.grads_flat[st.bucket.start : st.bucket.end]
-        if self.prescale != 1.0:
-            chunk.mul_(self.prescale)
-        if self.stage == 0:
-            return self.comm.all_reduce(chunk, axis="dp", async_op=True)
-        st.piece = chunk.new_empty(st.bucket.piece_numel)
-        return self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
-
-    def _flush(self) -> None:
-        """Launch buckets whose parameters got no gradient, then wait for every collective
-        (at dp = 1 there is nothing to reduce)."""
-        if self.dp > 1:
-            self.reducer.flush()
-        else:
-            self.reducer.reset()
-        self._ready.clear()
-
-    def end_backward(self) -> None:
-        """Stage 2: finish this micro-step's reduction and add the pieces into the fp32 shard."""
-        if self.stage != 2:
-            return
-        if self.dp == 1:  # nothing to reduce: the staged bucket is the whole piece
-            for st in self.buckets:
-                st.piece, st.staging = st.staging, None
-        self._flush()
-        for st in self.buckets:
-            fg = self.groups[st.group]
-            if st.piece is not None:
-                off = st.bucket.shard_offset
-                fg.grad_shard[off : off + st.bucket.piece_numel].add_(st.piece)
-            st.piece = st.staging = None
 
     # ----------------------------------------------------------------------------- step
     def optimizer_groups(self) -> list[dict]:
@@ -341,10 +278,8 @@ class ShardedDataParallel(StepSequence):
             st.master.grad.mul_(factor)
 
     def step_optimizer(self, optimizer) -> None:
-        """``optimizer.step()`` on the masters (sub-group by sub-group when they are on NVMe)."""
-        if self.swapper is None:
-            optimizer.step()
-            return
+        """``optimizer.step()`` on the masters (sub-group by sub-group when they are in files,
+        each new value kept for :meth:`after_step`)."""
         bucket_of = {st.master: st for st in self.buckets}
 
         def keep(master: nn.Parameter, value: torch.Tensor) -> None:
@@ -352,7 +287,7 @@ class ShardedDataParallel(StepSequence):
             dtype = self.groups[st.group].params_flat.dtype
             st.updated = value.to(device=self.comm.topo.device, dtype=dtype, copy=True)
 
-        self.swapper.step(optimizer, keep)
+        self.store.step(optimizer, keep)
 
     def after_step(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""
@@ -380,100 +315,3 @@ class ShardedDataParallel(StepSequence):
                     buf.zero_()
         for st in self.buckets:
             st.master.grad = None
-
-    # ----------------------------------------------------------------------------- state
-    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2)."""
-        out = {}
-        for fg in self.groups:
-            full = torch.empty(
-                fg.layout.padded_numel, dtype=torch.float32, device=fg.params_flat.device
-            )
-            for b in fg.buckets:
-                st = self.buckets[b]
-                region = full[st.bucket.start : st.bucket.end]
-                master = self.master_value(st.master).to(full.device)
-                if self.stage == 0 or self.dp == 1:
-                    region.copy_(master)
-                else:
-                    self.comm.all_gather(region, master.clone(), axis="dp")
-            for slot in fg.layout.slots:
-                out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
-        return out
-
-    @property
-    def owns_replica(self) -> bool:
-        """Whether this rank writes the (replicated) state at stage 0: dp rank 0 does."""
-        return self.stage > 0 or self.rank == 0
-
-    def owned_slices(self):
-        """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
-        the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
-        shard_rank = 0 if self.stage == 0 else self.rank
-        for st in self.buckets:
-            fg = self.groups[st.group]
-            piece_lo, _ = fg.layout.piece(st.bucket, shard_rank)
-            for a, b, p in st.segments:
-                start = self._where[p][1].start
-                yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
-
-    def frozen_slices(self):
-        """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
-        every rank holds it whole, so ``[lo, hi)`` is all of it and ``held`` the flattened
-        parameter itself, in the compute dtype (a checkpoint reads it and loads into it)."""
-        for p in self.module.parameters():
-            if p not in self._where:
-                if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
-                    p.data = p.data.contiguous()
-                yield p, 0, p.numel(), p.data.view(-1)
-
-    def after_load(self) -> None:
-        """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
-        self.after_step()
-
-    def master_value(self, master: nn.Parameter) -> torch.Tensor:
-        """A master's current fp32 value (read back from its file when it is on NVMe)."""
-        return self.swapper.read(master) if self.swapper is not None else master.detach()
-
-    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
-        """``master``'s fp32 value (``"master"``) and its optimizer-state tensors, flat, for a
-        checkpoint: the live tensors (a load fills them in place), or on NVMe copies read from
-        the files, which :meth:`write_master` stores back. State ``kinds`` it lacks are zeros."""
-        if self.swapper is not None:
-            return self.swapper.read_state(master, kinds)
-        return live_state(master, optimizer, kinds)
-
-    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
-        """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files, and the
-        value kept for ``after_load`` to write into the parameters (in memory: already there)."""
-        if self.swapper is None:
-            return
-        self.swapper.write_state(master, values, optimizer)
-        st = next(st for st in self.buckets if st.master is master)
-        dtype = self.groups[st.group].params_flat.dtype
-        st.updated = values["master"].to(device=self.comm.topo.device, dtype=dtype, copy=True)
-
-    def close(self) -> None:
-        """Remove the NVMe files (also done at process exit)."""
-        if self.swapper is not None:
-            self.swapper.close()
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients and separate fp32 master weights
-        (offloaded masters count as host bytes; on NVMe only those swapped in right now)."""
-        params = sum(fg.params_flat.nbytes for fg in self.groups)
-        params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
-        grads = sum(
-            buf.nbytes
-            for fg in self.groups
-            for buf in (fg.grads_flat, fg.grad_shard)
-            if buf is not None
-        )
-        grads += sum(st.host_grad.nbytes for st in self.buckets if st.host_grad is not None)
-        master = 0
-        for st in self.buckets:
-            fg = self.groups[st.group]
-            base = fg.params_flat
-            inside = base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes
-            master += 0 if inside else st.master.nbytes
-        return {"params": params, "grads": grads, "master": master}

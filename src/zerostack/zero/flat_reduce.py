@@ -1,0 +1,99 @@
+"""The backward half of ZeRO stages 0-2 (mixed into
+:class:`~.sharded_optimizer.ShardedDataParallel`): each gradient, as backward accumulates it, goes
+to its bucket, and the :class:`~.reducer.GradReducer` launches the bucket's collective once the
+bucket is complete, in bucket order on every rank.
+
+========  ======================================================================================
+stage 0   gradients stay in the flat buffer; on the boundary each bucket is all-reduced in place
+stage 1   the same, reduce-scattered: this rank's reduced piece (``st.piece``) for the step
+stage 2   every micro-step: the bucket's gradients are copied out (``st.staging``), the
+          full-size ones dropped, reduce-scattered, and the piece added into the fp32 shard
+========  ======================================================================================
+
+It uses the strategy's own parts: ``groups``, ``buckets``, ``_where``, ``reducer``, ``boundary``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Handle
+
+
+class FlatBackward:
+    @property
+    def _communicates_now(self) -> bool:
+        """Stage 2 reduces every micro-step (only pieces are kept); 0-1 only on the boundary."""
+        return self.dp > 1 and (self.stage == 2 or self.boundary)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b, rng = self._where[p]
+        st = self.buckets[b]
+        fg = self.groups[st.group]
+        if fg.grads_flat is not None:
+            view = fg.grads_flat[rng].view_as(p)
+            if p.grad.data_ptr() != view.data_ptr():
+                # Someone replaced .grad (e.g. set it to None): fold it back into the flat buffer.
+                view.add_(p.grad)
+                p.grad = view
+        if not self._communicates_now and self.stage < 2:
+            return
+        if p in self._ready:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} got its gradient twice in one backward "
+                "(reentrant activation checkpointing?); use use_reentrant=False"
+            )
+        self._ready.add(p)
+        if self.stage == 2:
+            if st.staging is None:
+                st.staging = torch.zeros(st.bucket.numel, dtype=p.grad.dtype, device=p.device)
+            st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
+                p.grad.view(-1)
+            )
+            p.grad = None  # the full-size gradient does not outlive its bucket
+        self.reducer.arrived(b, launch=self._communicates_now)
+
+    def _launch(self, b: int) -> Handle:
+        st = self.buckets[b]
+        fg = self.groups[st.group]
+        if self.stage == 2:
+            if st.staging is None:  # no parameter of this bucket got a gradient
+                st.staging = torch.zeros(
+                    st.bucket.numel,
+                    dtype=self.precision.compute_dtype,
+                    device=fg.params_flat.device,
+                )
+            chunk = st.staging
+        else:
+            chunk = fg.grads_flat[st.bucket.start : st.bucket.end]
+        if self.prescale != 1.0:
+            chunk.mul_(self.prescale)
+        if self.stage == 0:
+            return self.comm.all_reduce(chunk, axis="dp", async_op=True)
+        st.piece = chunk.new_empty(st.bucket.piece_numel)
+        return self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
+
+    def _flush(self) -> None:
+        """Launch buckets whose parameters got no gradient, then wait for every collective
+        (at dp = 1 there is nothing to reduce)."""
+        if self.dp > 1:
+            self.reducer.flush()
+        else:
+            self.reducer.reset()
+        self._ready.clear()
+
+    def end_backward(self) -> None:
+        """Stage 2: finish this micro-step's reduction and add the pieces into the fp32 shard."""
+        if self.stage != 2:
+            return
+        if self.dp == 1:  # nothing to reduce: the staged bucket is the whole piece
+            for st in self.buckets:
+                st.piece, st.staging = st.staging, None
+        self._flush()
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            if st.piece is not None:
+                off = st.bucket.shard_offset
+                fg.grad_shard[off : off + st.bucket.piece_numel].add_(st.piece)
+            st.piece = st.staging = None

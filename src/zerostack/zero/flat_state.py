@@ -1,0 +1,111 @@
+"""What a checkpoint reads and writes of ZeRO stages 0-2 (mixed into
+:class:`~.sharded_optimizer.ShardedDataParallel`).
+
+This rank's slice of each parameter (:meth:`FlatState.owned_slices`; frozen parameters, held
+whole, in ``frozen_slices``), each master's value and optimizer state through the master store
+(``read_master`` / ``write_master``), the full parameters for a consolidated state dict
+(``full_master``, all-gathering the pieces at stages 1-2), and what goes back into the
+compute-dtype parameters after a load (``after_load``). It uses the strategy's own parts:
+``groups`` (flat buffers and layouts), ``buckets`` (each bucket's master and segments),
+``store`` and ``_where``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FlatState:
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2)."""
+        out = {}
+        for fg in self.groups:
+            full = torch.empty(
+                fg.layout.padded_numel, dtype=torch.float32, device=fg.params_flat.device
+            )
+            for b in fg.buckets:
+                st = self.buckets[b]
+                region = full[st.bucket.start : st.bucket.end]
+                master = self.master_value(st.master).to(full.device)
+                if self.stage == 0 or self.dp == 1:
+                    region.copy_(master)
+                else:
+                    self.comm.all_gather(region, master.clone(), axis="dp")
+            for slot in fg.layout.slots:
+                out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
+        return out
+
+    @property
+    def owns_replica(self) -> bool:
+        """Whether this rank writes the (replicated) state at stage 0: dp rank 0 does."""
+        return self.stage > 0 or self.rank == 0
+
+    def owned_slices(self):
+        """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
+        the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
+        shard_rank = 0 if self.stage == 0 else self.rank
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            piece_lo, _ = fg.layout.piece(st.bucket, shard_rank)
+            for a, b, p in st.segments:
+                start = self._where[p][1].start
+                yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
+
+    def frozen_slices(self):
+        """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
+        every rank holds it whole, so ``[lo, hi)`` is all of it and ``held`` the flattened
+        parameter itself, in the compute dtype (a checkpoint reads it and loads into it)."""
+        for p in self.module.parameters():
+            if p not in self._where:
+                if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
+                    p.data = p.data.contiguous()
+                yield p, 0, p.numel(), p.data.view(-1)
+
+    def after_load(self) -> None:
+        """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
+        self.after_step()
+
+    def master_value(self, master: nn.Parameter) -> torch.Tensor:
+        """A master's current fp32 value (read back from its file when it is on NVMe)."""
+        return self.store.read(master)
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        """``master``'s fp32 value (``"master"``) and its optimizer-state tensors, flat, for a
+        checkpoint: the live tensors (a load fills them in place), or on NVMe copies read from
+        the files, which :meth:`write_master` stores back. State ``kinds`` it lacks are zeros."""
+        return self.store.read_state(master, optimizer, kinds)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files, and the
+        value kept for ``after_load`` to write into the parameters (in memory: already there)."""
+        if self.store.in_memory:
+            return
+        self.store.write_state(master, optimizer, values)
+        st = next(st for st in self.buckets if st.master is master)
+        dtype = self.groups[st.group].params_flat.dtype
+        st.updated = values["master"].to(device=self.comm.topo.device, dtype=dtype, copy=True)
+
+    def close(self) -> None:
+        """Remove the NVMe files (also done at process exit)."""
+        self.store.close()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and separate fp32 master weights
+        (offloaded masters count as host bytes; on NVMe only those swapped in right now)."""
+        params = sum(fg.params_flat.nbytes for fg in self.groups)
+        params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
+        grads = sum(
+            buf.nbytes
+            for fg in self.groups
+            for buf in (fg.grads_flat, fg.grad_shard)
+            if buf is not None
+        )
+        grads += sum(st.host_grad.nbytes for st in self.buckets if st.host_grad is not None)
+        master = 0
+        for st in self.buckets:
+            fg = self.groups[st.group]
+            base = fg.params_flat
+            inside = base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes
+            master += 0 if inside else st.master.nbytes
+        return {"params": params, "grads": grads, "master": master}

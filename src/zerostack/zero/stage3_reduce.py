@@ -1,0 +1,104 @@
+"""Stage 3's gradient reduction: full gradients staged into buckets, reduce-scattered to pieces.
+
+At stage 3 every parameter already is ``dp`` equal pieces (:mod:`.init`), so a bucket (a few
+modules' parameters, :class:`~.partition.PieceBuckets`) is staged as a ``(dp, width)`` matrix whose
+row ``r`` holds every parameter's ``r``-th piece; one reduce-scatter hands each rank its row. A
+parameter's full gradient is copied into the matrix and dropped as soon as backward produces it;
+the :class:`~.reducer.GradReducer` launches each bucket, in order, once all its parameters
+arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced row (at dp = 1 as
+soon as the bucket is launched: there is nothing to reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Comm, Handle
+from .partition import PieceBuckets
+from .reducer import GradReducer
+
+Deliver = Callable[[list[tuple[nn.Parameter, torch.Tensor]]], None]
+
+
+class PieceReducer:
+    """Buckets of stage-3 gradients, staged, reduce-scattered asynchronously, delivered."""
+
+    def __init__(
+        self,
+        units: list[list[nn.Parameter]],
+        *,
+        comm: Comm,
+        dtype: torch.dtype,
+        prescale: float,
+        bucket_numel: int,
+        deliver: Deliver,
+        to: torch.device,
+    ) -> None:
+        """``units``: the parameters each bucket keeps together (a module's), in launch order;
+        ``to``: where the reduced pieces are delivered (the host when the gradients are)."""
+        self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
+        self.to = to
+        self.dp = comm.topo.dp
+        order = [p for unit in units for p in unit]
+        index = {p: i for i, p in enumerate(order)}
+        layout = PieceBuckets.build(
+            [[index[p] for p in unit] for unit in units],
+            piece=[p._zs.piece.numel() for p in order],
+            world=self.dp,
+            bucket_numel=bucket_numel,
+        )
+        self.params = [[order[i] for i in items] for items in layout.items]
+        self.width = layout.width
+        self.bucket = {order[i]: b for i, b in layout.bucket.items()}
+        self.at = {order[i]: at for i, at in layout.at.items()}
+        self.reducer = GradReducer([len(ps) for ps in self.params], self._launch)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._staging: dict[int, torch.Tensor] = {}
+        self._reduced: dict[int, torch.Tensor] = {}  # bucket -> this rank's pieces, in flight
+
+    def stage(self, p: nn.Parameter) -> None:
+        """Copy p's full gradient into its bucket, as pieces, and drop it."""
+        b = self.bucket[p]
+        if b not in self._staging:
+            size = (self.dp, self.width[b])
+            self._staging[b] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
+        at, pn = self.at[p], p._zs.piece.numel()
+        grad = p.grad.reshape(-1)
+        if grad.numel() != pn * self.dp:  # pad to whole pieces first
+            grad = torch.cat([grad, grad.new_zeros(pn * self.dp - grad.numel())])
+        self._staging[b][:, at : at + pn].copy_(grad.view(self.dp, pn))
+        p.grad = None  # the full gradient does not outlive this hook
+
+    def arrived(self, p: nn.Parameter) -> None:
+        """p is staged: launch the buckets that are complete, in order."""
+        self.reducer.arrived(self.bucket[p])
+
+    def _launch(self, b: int) -> Handle | None:
+        staging = self._staging.pop(b, None)
+        if staging is None:  # no parameter of this bucket got a gradient in this backward
+            size = (self.dp, self.width[b])
+            staging = torch.zeros(size, dtype=self.dtype, device=self.comm.topo.device)
+        if self.prescale != 1.0:
+            staging.mul_(self.prescale)
+        if self.dp == 1:  # nothing to reduce: delivered now, not held until the end
+            self._deliver(b, staging.view(-1))
+            return None
+        out = self._reduced[b] = staging.new_empty(self.width[b])
+        return self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
+
+    def _deliver(self, b: int, out: torch.Tensor) -> None:
+        out = out.to(self.to)
+        pieces = [(p, out[self.at[p] : self.at[p] + p._zs.piece.numel()]) for p in self.params[b]]
+        self.deliver(pieces)
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, deliver, and start afresh."""
+        for b in self.reducer.flush():
+            if b in self._reduced:
+                self._deliver(b, self._reduced[b])
+        self._reset()

@@ -1,0 +1,117 @@
+"""What a checkpoint reads and writes of ZeRO stage 3 (mixed into :class:`~.stage3.Stage3`).
+
+This rank's slice of each parameter (:meth:`Stage3State.owned_slices`, ``frozen_slices``), its
+master's value and optimizer state through the master store (``read_master`` /
+``write_master``), the full parameters for a consolidated state dict (``full_master``, a
+collective), and what goes back into the compute-dtype pieces after a load (``after_load``).
+It uses the strategy's own parts: ``groups`` (fp32 masters by sub-group), ``store`` (the
+masters' store), ``param_swapper`` (where the pieces live), ``_owner`` and ``_trainable``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .init import gather_full
+
+
+class Stage3State:
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full value, fp32 for trained ones (a collective over dp)."""
+        out = {}
+        params = list(self._owner)
+        states = [p._zs for p in params]
+        trained: dict[nn.Parameter, torch.Tensor] = {}
+        for g in self.groups:
+            value, off = self.store.read(g.master), 0
+            for p in g.params:
+                trained[p] = value[off : off + p._zs.piece.numel()]
+                off += p._zs.piece.numel()
+        device = self.comm.topo.device
+        self.param_swapper.fetch([p for p in params if p not in self._trainable])
+        masters = []
+        for p, st in zip(params, states, strict=True):
+            m = trained[p] if p in trained else st.piece.float()
+            m = m.to(device)
+            masters.append(type(st)(st.shape, st.numel, m))
+        for p, full in zip(params, gather_full(masters, self.comm), strict=True):
+            out[p] = full
+        self.param_swapper.drop([p for p in params if p not in self._trainable])
+        return out
+
+    @property
+    def owns_replica(self) -> bool:
+        """Every rank writes its own shard."""
+        return True
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        """As :meth:`ShardedDataParallel.read_master`."""
+        return self.store.read_state(master, optimizer, kinds)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files and the
+        compute-dtype pieces (or their files) at once; in memory ``after_load`` writes pieces."""
+        if self.store.in_memory:
+            return
+        self.store.write_state(master, optimizer, values)
+        self._write_pieces(self._group_of[master], values["master"])
+
+    def owned_slices(self):
+        """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
+        the flattened parameter at ``master[a:b]`` (padding excluded)."""
+        for g in self.groups:
+            off = 0
+            for p in g.params:
+                pn, n = p._zs.piece.numel(), p._zs.numel
+                lo = min(self.rank * pn, n)
+                hi = min(lo + pn, n)
+                yield p, lo, hi, g.master, off, off + (hi - lo)
+                off += pn
+
+    def frozen_slices(self):
+        """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
+        this rank's piece ``held`` (compute dtype) holds elements ``[lo, hi)`` of the flattened
+        parameter (padding excluded); a checkpoint reads it and loads into it. A piece kept in a
+        file (offload_param) is read in for that and written back after."""
+        for p in self._owner:
+            if p in self._trainable:
+                continue
+            swapped = self.param_swapper.holds(p)
+            self.param_swapper.fetch([p])
+            pn, n = p._zs.piece.numel(), p._zs.numel
+            lo = min(self.rank * pn, n)
+            hi = min(lo + pn, n)
+            yield p, lo, hi, p._zs.piece[: hi - lo]
+            if swapped:  # a load may have filled it
+                self.param_swapper.update(p, p._zs.piece)
+                self.param_swapper.drop([p])
+
+    def after_load(self) -> None:
+        """Loaded masters into the pieces, and loaded frozen pieces into the gathered copies of
+        persistent parameters (a collective over dp)."""
+        self.after_step()
+        self._refresh_persistent([p for p in self._persistent if p not in self._trainable])
+
+    def close(self) -> None:
+        """Remove the NVMe files (also done at process exit)."""
+        self.store.close()
+        self.param_swapper.close()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
+        separate fp32 masters."""
+        if not self.param_swapper.offloads:
+            params = sum(g.pieces.nbytes for g in self.groups)
+            params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
+        else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
+            params = sum(p._zs.piece.nbytes for p in self._owner if p._zs.piece.stride() != (0,))
+        params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
+        master = sum(
+            g.master.nbytes
+            for g in self.groups
+            if self.store.in_memory
+            and (g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr())
+        )  # in files the masters hold no storage between steps
+        grads = sum(g.grad_shard.nbytes for g in self.groups if g.grad_shard is not None)
+        return {"params": params, "grads": grads, "master": master}
