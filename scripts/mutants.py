@@ -290,6 +290,20 @@ MUTANTS = [
         "pass\n",
         (f"{T}[2]",),
     ),
+    Mutant(
+        "a frozen piece in host memory (offload_param) not written back after a load",
+        "zero/stage3_state.py",
+        "self.param_swapper.update(p, p._zs.piece)",
+        "pass",
+        ("tests/test_frozen.py",),
+    ),
+    Mutant(
+        "stage-3 reduce buckets: every piece placed at the start of its bucket's row",
+        "zero/partition.py",
+        "bucket[i], at[i] = len(items) - 1, width[-1]",
+        "bucket[i], at[i] = len(items) - 1, 0",
+        (f"{P}[dp2]",),
+    ),
 ]
 
 
