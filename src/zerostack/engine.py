@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import defaultdict
 
@@ -23,9 +22,10 @@ from torch import nn
 
 from .comm import Comm
 from .config import ZeroStackConfig
+from .engine_api import EngineAPI
 from .precision import Precision, make_loss_scaler
 from .runner import map_tensors, repeat_loader, run_micro_batches
-from .tensor_parallel import join_tensors, partition_spec
+from .tensor_parallel import partition_spec
 from .topology import Topology
 from .zero.strategy import GradStats, ZeroStrategy, build_strategy
 
@@ -36,7 +36,7 @@ def _cast_floats(obj, dtype: torch.dtype):
     return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-class Engine(nn.Module):
+class Engine(EngineAPI, nn.Module):
     """Wraps a model for data-parallel training with DeepSpeed's engine API."""
 
     def __init__(
@@ -107,65 +107,10 @@ class Engine(nn.Module):
         topo = self.topology
         return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
 
-    def training_state(self) -> dict[str, int]:
-        """The engine's counters, as checkpoints keep them."""
-        return {
-            "global_steps": self.global_steps,
-            "global_samples": self.global_samples,
-            "micro_steps": self.micro_steps,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_training_state(self, state: dict) -> None:
-        self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
-        self.micro_steps, self.skipped_steps = state["micro_steps"], state["skipped_steps"]
-        self.comm.log.step = self.global_steps  # CommLog steps continue from here
-
     def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
         for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
             if not hasattr(t, "_zs"):  # zero.Init shards are broadcast when they are made
                 self.comm.broadcast(t.data, src=0, axis="tp")
-
-    # ------------------------------------------------------------------ DeepSpeed's accessors
-    @property
-    def device(self) -> torch.device:
-        return self.topology.device
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def global_rank(self) -> int:
-        return self.topology.global_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.topology.dp
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    def train_batch_size(self) -> int:
-        return self._train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._micro_batch
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._gas
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last optimizer step, before clipping (None before any)."""
-        return self._global_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self._gas == 0
@@ -202,11 +147,8 @@ class Engine(nn.Module):
         """Count the micro-step; on an accumulation boundary, update the weights."""
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
-            self._optimizer_step()
-            self.global_steps += 1
-            self.global_samples += self._train_batch_size
-            self.comm.log.next_step()
-            self._maybe_print()
+            self.apply_step()
+            self._count_global_step()
         self.micro_steps += 1
         self.timers["step"] += time.perf_counter() - t0
 
@@ -251,7 +193,15 @@ class Engine(nn.Module):
             total /= self.topology.dp
         return total
 
-    def _optimizer_step(self) -> None:
+    def _count_global_step(self) -> None:
+        self.global_steps += 1
+        self.global_samples += self._train_batch_size
+        self.comm.log.next_step()
+        self._maybe_print()
+
+    def apply_step(self) -> None:
+        """The accumulation boundary's update (what ``step()`` does on it, and what a runner
+        calls once a batch's gradients are in): reduce, norm, clip, step, write back."""
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
         # those, and averaging, unscaling and clipping are then one coefficient.
         stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self.replicated_elsewhere())
@@ -326,64 +276,3 @@ class Engine(nn.Module):
         )
         if self.config.wall_clock_breakdown:
             log.info("time (s): %s", {k: round(v, 4) for k, v in self.timers.items()})
-
-    # ------------------------------------------------------------------ reporting
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
-        state = sum(
-            t.nbytes
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if torch.is_tensor(t) and t.dim() > 0  # step counters are scalars
-        )
-        return {**self.zero.memory_breakdown(), "optimizer": state}
-
-    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest=True):
-        """DeepSpeed's save: every rank writes its own slices (a collective); default tag
-        ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path."""
-        from .checkpoint import save
-
-        return save(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag=None,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-        load_module_only=False,
-    ):
-        """DeepSpeed's load (``tag=None``: the ``latest`` one), on any ZeRO stage and dp size;
-        returns ``(path, client_state)``."""
-        from .checkpoint import load
-
-        return load(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
-
-    def destroy(self) -> None:
-        """Release what the engine holds outside the process (NVMe offload files)."""
-        self.zero.close()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
-        call it on every rank)."""
-        master = self.zero.full_master()
-        tp = self.topology.tp
-        out = {}
-        for name, p in self.module.named_parameters():
-            src = master.get(p)
-            t = (src if src is not None else p.detach()).float()
-            spec = partition_spec(p)
-            if tp > 1 and spec is not None:
-                t = t.contiguous()
-                parts = t.new_empty((tp, *t.shape))
-                self.comm.all_gather(parts.view(-1), t.view(-1), axis="tp")
-                t = join_tensors(list(parts.unbind(0)), dim=spec[0], chunks=spec[1])
-            out[name] = t.cpu().clone()
-        return out

@@ -13,7 +13,7 @@ from zerostack.demo.corpus import corpus_datasets
 from zerostack.demo.monitor import RunMonitor
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
-from zerostack.pipeline import PipelineEngine, PipelineModule
+from zerostack.pipeline import PipelineModule
 
 
 def train(args, config: dict) -> dict:
@@ -106,31 +106,20 @@ def _pipeline_model(model_cfg, topo, args, config: dict):
 
 
 def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
-    engine.eval()
+    """The mean validation loss over up to ``batches`` micro-batches per rank, through
+    ``eval_batch`` (pipelined or not): whole global batches of ``gradient_accumulation_steps``
+    micro-batches, averaged over dp."""
     micro = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
     n = min(len(dataset), batches * micro * engine.dp_world_size)
     idx = list(range(engine.topology.dp_rank, n, engine.dp_world_size))
-    if isinstance(engine, PipelineEngine):
-        gas = engine.gradient_accumulation_steps()
-        rounds = max(1, len(idx) // (micro * gas))
-        it = (
-            (
-                torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
-                torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
-            )
-            for i in range(0, rounds * micro * gas, micro)
+    rounds = max(1, len(idx) // (micro * gas))
+    it = (
+        (
+            torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
+            torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
         )
-        loss = sum(engine.eval_batch(it).item() for _ in range(rounds)) / rounds
-        engine.train()
-        return loss
-    total = torch.zeros(2)
+        for i in range(0, rounds * micro * gas, micro)
+    )
     with torch.no_grad():
-        for i in range(0, len(idx), micro):
-            pairs = [dataset[j] for j in idx[i : i + micro]]
-            x = torch.stack([p[0] for p in pairs]).to(engine.device)
-            y = torch.stack([p[1] for p in pairs]).to(engine.device)
-            xs = pairs
-            total += torch.tensor([engine(x, y).float().item() * len(xs), len(xs)])
-    engine.comm.all_reduce(total, axis="dp")
-    engine.train()
-    return float(total[0] / total[1])
+        return sum(engine.eval_batch(it).item() for _ in range(rounds)) / rounds

@@ -124,13 +124,10 @@ class PipelineEngine(Engine):
             micro_batches=gas,
             train=True,
             on_tied=self._reduce_tied_grads,
-            on_step=self._optimizer_step,
+            on_step=self.apply_step,
         )
         self.micro_steps += gas
-        self.global_steps += 1
-        self.global_samples += self._train_batch_size
-        self.comm.log.next_step()
-        self._maybe_print()
+        self._count_global_step()
         return self._mean_loss(losses, gas)
 
     @torch.no_grad()

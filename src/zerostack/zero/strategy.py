@@ -10,7 +10,7 @@ engine drives one optimizer step through four calls::
     strategy.zero_grad()
 
 ``coef`` is where averaging over dp, unscaling (fp16) and clipping meet: the engine computes it
-from ``stats`` once (see :meth:`zerostack.engine.Engine._optimizer_step`). Stages 0-2 are
+from ``stats`` once (see :meth:`zerostack.engine.Engine.apply_step`). Stages 0-2 are
 :class:`~.sharded_optimizer.ShardedDataParallel`, stage 3 is :class:`~.stage3.Stage3`;
 :func:`build_strategy` maps the config to one of them.
 """
