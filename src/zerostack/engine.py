@@ -27,6 +27,7 @@ from .precision import Precision, make_loss_scaler
 from .runner import map_tensors, repeat_loader, run_micro_batches
 from .tensor_parallel import partition_spec
 from .topology import Topology
+from .zero.init import is_sharded
 from .zero.strategy import GradStats, ZeroStrategy, build_strategy
 
 log = logging.getLogger("zerostack")
@@ -109,7 +110,7 @@ class Engine(EngineAPI, nn.Module):
 
     def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
         for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
-            if not hasattr(t, "_zs"):  # zero.Init shards are broadcast when they are made
+            if not is_sharded(t):  # zero.Init shards are broadcast when they are made
                 self.comm.broadcast(t.data, src=0, axis="tp")
 
     def is_gradient_accumulation_boundary(self) -> bool:

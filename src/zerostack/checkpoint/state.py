@@ -34,6 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..tensor_parallel import partition_spec
+from ..zero.init import full_shape
 
 FORMAT = "zerostack-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -133,7 +134,7 @@ def _key(name: str, tp_rank: int | None, lo: int) -> str:
 
 
 def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
-    shape = list(p._zs.shape if hasattr(p, "_zs") else p.shape)
+    shape = list(full_shape(p))
     spec = partition_spec(p)
     if spec is not None:
         shape[spec[0]] *= tp

@@ -41,6 +41,7 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..topology import Topology
+from ..zero.init import is_sharded
 
 
 @dataclass
@@ -225,7 +226,7 @@ class GPT(nn.Module):
         cfg = self.cfg
         if self.topology is not None:
             raise ValueError("GPT.parallelize: the model is already tensor-parallel")
-        if any(hasattr(p, "_zs") for p in self.parameters()):
+        if any(is_sharded(p) for p in self.parameters()):
             raise ValueError(
                 "GPT.parallelize: tensor parallelism with zero.Init is not supported yet; "
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"

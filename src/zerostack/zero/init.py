@@ -62,6 +62,9 @@ class ShardState:
     held_bytes: int = 0  # bytes of the gathered copy, while there is one
     master: torch.Tensor | None = None  # fp32 view into the group's master shard (engine)
     grad: torch.Tensor | None = None  # fp32 view into the group's gradient shard (engine)
+    comm: Comm | None = None  # whose dp group holds the other pieces
+    meter: StorageMeter | None = None  # counts the piece and gathered copies
+    swapper: object | None = None  # zero.Init(remote_device=...): the store holding the piece
 
     @property
     def gathered(self) -> bool:
@@ -69,7 +72,13 @@ class ShardState:
 
 
 def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a stage-3 parameter (its value is this rank's piece, ``p._zs``)."""
     return hasattr(p, "_zs")
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """``p``'s shape, the whole parameter's even when only a piece is held (stage 3)."""
+    return p._zs.shape if is_sharded(p) else p.shape
 
 
 def empty_like_released(p: torch.Tensor) -> torch.Tensor:
@@ -108,10 +117,8 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
     if meter is not None:
         meter.track(piece)
-    state = ShardState(p.shape, n, piece)
+    state = ShardState(p.shape, n, piece, comm=comm, meter=meter)
     p._zs = state
-    p._zs_comm = comm
-    p._zs_meter = meter
     p.data = empty_like_released(p)
     return state
 
@@ -243,7 +250,7 @@ class Init:
             shard_param(p, self.comm, self.meter)
             if self.swapper is not None:
                 self.swapper.add(p)
-                p._zs_swapper = self.swapper
+                p._zs.swapper = self.swapper
         self.meter.live -= whole
 
     def _make_swapper(self):
@@ -295,9 +302,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     fulls = gather_full(states, comm)
     for p, full in zip(params, fulls, strict=True):
         if not p._zs.gathered:
-            hold(
-                p, full.clone() if comm.topo.dp == 1 else full, getattr(p, "_zs_meter", None), True
-            )
+            hold(p, full.clone() if comm.topo.dp == 1 else full, p._zs.meter, True)
         p._zs.active += 1
     try:
         yield
@@ -311,7 +316,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
                 _write_back(st, data, comm)
             st.active -= 1
             if not st.gathered:
-                release(p, getattr(p, "_zs_meter", None))
+                release(p, p._zs.meter)
 
 
 def _write_back(st: ShardState, full: torch.Tensor, comm: Comm) -> None:
@@ -325,7 +330,7 @@ def _write_back(st: ShardState, full: torch.Tensor, comm: Comm) -> None:
 
 
 def _comm_of(p: torch.Tensor) -> Comm:
-    comm = getattr(p, "_zs_comm", None)
+    comm = p._zs.comm
     if comm is None:
         raise RuntimeError("a sharded parameter has lost its communicator")
     return comm

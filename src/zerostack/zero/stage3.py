@@ -106,13 +106,13 @@ class Stage3(Stage3State, StepSequence):
                 shard_param(p, comm, self.meter)
             else:  # built under zero.Init: count its piece here too
                 self.meter.track(p._zs.piece)
-            p._zs_comm, p._zs_meter = comm, self.meter
+            p._zs.comm, p._zs.meter = comm, self.meter
 
         # Where the parameter pieces live: in memory, or (offload_param) read in for each gather
         # from files or host memory. Those zero.Init put in files (remote_device="nvme") stay.
         self.param_swapper: ParamSwapper | ResidentPieces = ResidentPieces()
-        if hasattr(everything[0], "_zs_swapper"):
-            self.param_swapper = everything[0]._zs_swapper
+        if everything[0]._zs.swapper is not None:
+            self.param_swapper = everything[0]._zs.swapper
             self.param_swapper.meter, self.param_swapper.device = self.host_meter, comm.topo.device
         # The masters' store (memory, or with their optimizer state in files: "nvme") and where
         # the fp32 gradients are summed (a shard per group, or files beside the masters).
