@@ -304,6 +304,27 @@ MUTANTS = [
         "bucket[i], at[i] = len(items) - 1, 0",
         (f"{P}[dp2]",),
     ),
+    Mutant(
+        "estimate: stage-2/3 gradient shard counted in the compute dtype, not fp32",
+        "estimate/memory.py",
+        "out.grads = c * trained if stage < 2 else 4 * shard",
+        "out.grads = c * trained if stage < 2 else c * shard",
+        ("tests/test_estimate.py::test_the_zero_papers_figure_1",),
+    ),
+    Mutant(
+        "estimate: tensor-split activations divided by the sequence-parallel factor",
+        "estimate/activations.py",
+        "split = (4 * d + 8 * d * wide) * sbh / t",
+        "split = (4 * d + 8 * d * wide) * sbh / sp",
+        ("tests/test_estimate.py::test_korthikanti_table_2",),
+    ),
+    Mutant(
+        "estimate: offloaded stage-2 gradient piece left on the device too",
+        "estimate/memory.py",
+        "            out.grads = 0  # stages 2-3 keep it only there",
+        "            pass",
+        ("tests/test_estimate.py::test_estimate_matches_live_engines",),
+    ),
 ]
 
 

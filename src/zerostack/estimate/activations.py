@@ -1,0 +1,151 @@
+"""Activation bytes of a transformer, per layer and per pipeline stage (Korthikanti et al., 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Table 2), with the compute dtype
+and dropout masks made explicit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import EstimateError
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A GPT-style description: what the activation and parameter formulas need."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0  # 0: 4 x hidden
+    dropout: bool = True  # dropout masks are kept (1 byte per element) when dropout is on
+    bias: bool = True  # Linear and LayerNorm biases (the parameter count only)
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab", "seq"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise EstimateError(f"{name}: {getattr(self, name)!r} is not a positive integer")
+        if self.hidden % self.heads:
+            raise EstimateError(f"hidden: {self.hidden} is not divisible by heads {self.heads}")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Weights and biases: per layer QKV, projection, two MLP matrices and two LayerNorms;
+        token and position embeddings (the output layer tied to the token embedding), final
+        LayerNorm."""
+        h, f, b = self.hidden, self.ffn_hidden, int(self.bias)
+        per_layer = (3 * h * h + 3 * h * b) + (h * h + h * b) + (2 * h * f + (f + h) * b)
+        per_layer += 2 * (h + h * b)
+        return self.layers * per_layer + self.vocab * h + self.seq * h + (h + h * b)
+
+    @classmethod
+    def from_hf_config(cls, config: dict, seq: int | None = None) -> Transformer:
+        """From a Hugging Face ``config.json`` (GPT-2, Llama, Mistral, GPT-NeoX, OPT, BERT key
+        names); ``seq`` overrides the config's maximum length."""
+
+        def pick(*names):
+            for n in names:
+                if n in config:
+                    return config[n]
+            raise EstimateError(f"config.json: none of {', '.join(names)} is given")
+
+        return cls(
+            layers=int(pick("num_hidden_layers", "n_layer", "num_layers")),
+            hidden=int(pick("hidden_size", "n_embd", "d_model")),
+            heads=int(pick("num_attention_heads", "n_head")),
+            vocab=int(pick("vocab_size")),
+            seq=int(seq or pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length")),
+            ffn=int(config.get("intermediate_size") or config.get("n_inner") or 0),
+        )
+
+
+def layer_activation_bytes(
+    m: Transformer,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+    flash: bool = False,
+) -> float:
+    """Bytes one transformer layer keeps for backward, for one micro-batch.
+
+    Korthikanti et al., Table 2, with the compute dtype (``d`` bytes) and dropout masks
+    (``m`` = 1 byte per element when dropout is on, else 0) made explicit; in 16-bit with
+    dropout it is their s b h (10 + 24 / t + 5 a s / (h t)):
+
+    * kept whole on every tp rank (split by t only under sequence parallelism): both LayerNorm
+      inputs, the QKV input, the MLP input (4 d) and the two dropout masks (2 m), per s b h;
+    * split by t: Q, K, V and the projection input (4 d) and the MLP's two 4h-wide activations
+      (8 d, scaled by ffn / 4h), per s b h;
+    * the attention core, per a s^2 b / t: the softmax output (d), its dropout mask and output
+      (m + m d). ``flash``: a fused kernel keeps none of it, only the fp32 log-sum-exp, 4 a s b / t.
+
+    ``recompute``: "none"; "selective" (the attention core is recomputed: its terms go);
+    "full" (only the layer's input is kept: d s b h, split by t under sequence parallelism).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise EstimateError(f"recompute: {recompute!r} is not none, selective or full")
+    s, b, h, a, t, d = m.seq, micro_batch, m.hidden, m.heads, tp, dtype_bytes
+    sp = t if sequence_parallel else 1
+    sbh = s * b * h
+    if recompute == "full":
+        return d * sbh / sp
+    mask = 1 if m.dropout else 0
+    wide = m.ffn_hidden / (4 * h)
+    whole = (4 * d + 2 * mask) * sbh / sp
+    split = (4 * d + 8 * d * wide) * sbh / t
+    if recompute == "selective":
+        core = 0.0
+    elif flash:
+        core = 4 * a * s * b / t
+    else:
+        core = (d + mask + mask * d) * a * s * s * b / t
+    return whole + split + core
+
+
+def stage_activation_bytes(
+    m: Transformer,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    in_flight: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+    flash: bool = False,
+) -> float:
+    """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
+    its ``layers / pp`` layers (1F1B: ``min(pp - stage, gas)``; no pipeline: 1), plus the
+    first stage's embedding-dropout mask and the last stage's final LayerNorm and output-layer
+    inputs and logits (compute dtype, and fp32 for the loss: Korthikanti's 4 s b v / t)."""
+    if not 0 <= stage < pp:
+        raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
+    if m.layers % pp:
+        raise EstimateError(f"pp: {pp} stages cannot split {m.layers} layers evenly")
+    per_layer = layer_activation_bytes(
+        m,
+        micro_batch,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        dtype_bytes=dtype_bytes,
+        flash=flash,
+    )
+    s, b, h, d = m.seq, micro_batch, m.hidden, dtype_bytes
+    sp = tp if sequence_parallel else 1
+    extra = 0.0
+    if stage == 0 and m.dropout:
+        extra += s * b * h / sp
+    if stage == pp - 1:
+        extra += 2 * d * s * b * h / sp + (d + 4) * s * b * m.vocab / tp
+    return in_flight * (per_layer * m.layers // pp + extra)
