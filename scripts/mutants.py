@@ -325,6 +325,27 @@ MUTANTS = [
         "            pass",
         ("tests/test_estimate.py::test_estimate_matches_live_engines",),
     ),
+    Mutant(
+        "plan: the pipeline bubble left out of the step time",
+        "plan/cost.py",
+        "bubble = compute * (c.pp - 1) / c.gas if c.pp > 1 else 0.0",
+        "bubble = 0.0",
+        ("tests/test_plan.py::test_the_published_1t_layout",),
+    ),
+    Mutant(
+        "plan: full recompute costs no second forward",
+        "plan/cost.py",
+        "        total += forward_layers\n",
+        "        pass\n",
+        ("tests/test_plan.py::test_flops_are_narayanans_formula",),
+    ),
+    Mutant(
+        "plan: tensor parallelism allowed across nodes",
+        "plan/search.py",
+        "        if tp > hw.gpus_per_node:",
+        "        if False:",
+        ("tests/test_plan.py::test_the_planner_on_the_published_case",),
+    ),
 ]
 
 

@@ -1,0 +1,178 @@
+"""Predicted step time of one layout: compute, the pipeline bubble, and every collective.
+
+Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a global batch of
+``batch`` sequences and a :class:`Candidate` layout on a :class:`~.hardware.Hardware`:
+
+* **compute**: the model's flops (Narayanan et al., SC'21: forward 24 B s l h^2 (1 + s / 6h) +
+  2 B s h V; backward twice that; full recompute one more forward, selective the attention
+  core's 4 B s^2 l h again) split over dp x tp x pp, at ``peak x matmul_efficiency``;
+* **pipeline bubble**: 1F1B over ``gas`` micro-batches idles ``(pp - 1) / (gas x chunks)`` of the
+  compute (:func:`zerostack.pipeline.simulate` measures the same for the schedules it runs);
+* **tensor parallelism**: per layer and micro-batch, 2 all-reduces of ``b s h`` values in forward
+  and 2 in backward (2 more per recomputed forward), never overlapped;
+* **pipeline sends**: an activation and its gradient per micro-batch per stage boundary;
+* **data parallelism**, per step, as zerostack's strategies issue them (``psi`` = parameters of one
+  tp x pp slice): stages 0-1 reduce the gradients once and (stage 1) gather the stepped pieces;
+  stage 2 reduce-scatters every micro-step; stage 3 also all-gathers the parameters for forward
+  and again for backward every micro-step. Gradient reduction overlaps backward; stage 3's
+  gathers overlap compute (prefetch): only what exceeds the overlapped compute is exposed;
+* **optimizer**: Adam on the device (memory bound), or offloaded: gradients to the host,
+  CPU Adam, the parameters back.
+
+Ring collectives over ``n`` ranks move ``(n - 1) / n`` of the buffer per rank per reduce-scatter
+or all-gather (twice for an all-reduce), with ``n - 1`` latency hops; a group that spans nodes
+runs at the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..estimate import Layout, Transformer, Workload, estimate
+from ..estimate.memory import PRECISION_BYTES
+from .hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout to price: the grid, ZeRO stage, micro-batch, recompute and offload."""
+
+    dp: int
+    tp: int
+    pp: int
+    stage: int
+    micro_batch: int
+    gas: int
+    recompute: str = "none"
+    offload: str = "none"
+    precision: str = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def layout(self) -> Layout:
+        return Layout(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            stage=self.stage,
+            precision=self.precision,
+            optimizer="adam",
+            offload_optimizer=self.offload,
+        )
+
+    def workload(self) -> Workload:
+        return Workload(
+            micro_batch=self.micro_batch,
+            gas=self.gas,
+            recompute=self.recompute,
+            sequence_parallel=self.tp > 1,
+        )
+
+
+def model_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float:
+    """Flops of one training step of ``batch`` sequences (forward, backward, recompute)."""
+    s, h, v, layers = m.seq, m.hidden, m.vocab, m.layers
+    forward_layers = 24 * batch * s * layers * h * h * (1 + s / (6 * h))
+    logits = 2 * batch * s * h * v
+    total = 3 * (forward_layers + logits)
+    if recompute == "full":
+        total += forward_layers
+    elif recompute == "selective":
+        total += 4 * batch * s * s * layers * h
+    return total
+
+
+def _ring(nbytes: float, n: int, bw: float, latency: float, passes: int = 1) -> float:
+    """Seconds of ``passes`` ring reduce-scatters / all-gathers of ``nbytes`` over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return passes * ((n - 1) / n * nbytes / bw + (n - 1) * latency)
+
+
+def _link(hw: Hardware, span: int) -> tuple[float, float]:
+    """Bandwidth and latency of a group whose ranks are ``span`` devices apart end to end."""
+    if span <= hw.gpus_per_node:
+        return hw.intra_bw, hw.intra_latency
+    return hw.inter_bw, hw.inter_latency
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    pp_s: float
+    dp_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    memory_bytes: float
+    mfu: float
+    hfu: float
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["candidate"] = asdict(self.candidate)
+        return out
+
+
+def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Prediction:
+    """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
+    d = PRECISION_BYTES[c.precision]
+    achieved = hw.peak_flops * hw.matmul_efficiency
+    flops = model_flops(m, batch, recompute=c.recompute)
+    compute = flops / c.world / achieved
+    backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
+    bubble = compute * (c.pp - 1) / c.gas if c.pp > 1 else 0.0
+
+    # tensor parallelism: ranks tp apart are adjacent (tp is the innermost axis of the grid)
+    bw, lat = _link(hw, c.tp)
+    act = c.micro_batch * m.seq * m.hidden * d
+    per_layer = 4 + (2 if c.recompute == "full" else 0)
+    tp_s = (m.layers / c.pp) * c.gas * per_layer * _ring(act, c.tp, bw, lat, passes=2)
+
+    # pipeline: stage boundaries are tp x dp devices apart
+    bw, lat = _link(hw, c.tp * c.dp * 2)
+    pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0
+
+    # data parallelism: dp ranks are tp apart
+    psi = m.params / (c.tp * c.pp)
+    bw, lat = _link(hw, c.tp * c.dp)
+    grads = psi * d
+    if c.stage <= 1:
+        dp_s = _ring(grads, c.dp, bw, lat, passes=2)  # all-reduce (or reduce-scatter + gather)
+        overlap = backward
+    elif c.stage == 2:
+        dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)
+        overlap = backward
+    else:
+        dp_s = c.gas * _ring(grads, c.dp, bw, lat, passes=3)  # gather fwd, gather bwd, reduce
+        overlap = compute
+    dp_exposed = max(0.0, dp_s - overlap)
+
+    shard = psi / (c.dp if c.stage > 0 else 1)
+    if c.offload == "none":
+        optimizer = shard * 16 / hw.device_adam_bytes_per_s  # read/write master + 2 moments
+    else:
+        optimizer = shard * (4 + d) / hw.host_bw + shard / hw.cpu_adam_params_per_s
+
+    step = compute + bubble + tp_s + pp_s + dp_exposed + optimizer
+    est = estimate(int(m.params), c.layout(), model=m, work=c.workload())
+    useful = model_flops(m, batch)
+    return Prediction(
+        candidate=c,
+        step_s=step,
+        compute_s=compute,
+        bubble_s=bubble,
+        tp_s=tp_s,
+        pp_s=pp_s,
+        dp_s=dp_s,
+        dp_exposed_s=dp_exposed,
+        optimizer_s=optimizer,
+        memory_bytes=est["total_bytes_per_rank"],
+        mfu=useful / (step * c.world * hw.peak_flops),
+        hfu=flops / (step * c.world * hw.peak_flops),
+    )

@@ -1,0 +1,202 @@
+"""The machine a plan is for: devices, memory, peak and achieved throughput, links.
+
+A :class:`Hardware` is plain data. Bundled profiles are **nominal**: vendor peak figures and
+commonly reported link speeds, with an achieved-matmul fraction that is an assumption, not a
+measurement (``nominal=True``); ``zerostack plan --calibrate`` measures this machine instead
+(:func:`calibrate`: a large matmul and a gloo all-reduce between two local processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made (one line naming what)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per device: memory, peak and achieved flop rate; links: bandwidth (bytes/s, one
+    direction, per device) and latency inside a node and between nodes; host side: PCIe to the
+    host and the CPU's optimizer throughput (parameters per second of Adam)."""
+
+    name: str
+    gpus: int
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float  # per device, in the training dtype
+    matmul_efficiency: float = 0.6  # achieved / peak on a transformer's matmuls
+    intra_bw: float = 150 * GB  # inside a node, per device
+    inter_bw: float = 12.5 * GB  # between nodes, per device
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    host_bw: float = 25 * GB  # PCIe device <-> host, per device
+    cpu_adam_params_per_s: float = 1e9  # CPUAdam throughput per device's host share
+    device_adam_bytes_per_s: float = 1.5e12  # optimizer step on the device (memory bound)
+    nominal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise PlanError(f"gpus: {self.gpus} with {self.gpus_per_node} per node")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise PlanError(
+                f"gpus: {self.gpus} is not a whole number of nodes of {self.gpus_per_node}"
+            )
+        for name in ("memory_bytes", "peak_flops", "intra_bw", "inter_bw"):
+            if getattr(self, name) <= 0:
+                raise PlanError(f"{name}: {getattr(self, name)} must be positive")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise PlanError(f"matmul_efficiency: {self.matmul_efficiency} is not in (0, 1]")
+
+    def scaled(self, **changes) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+
+# Nominal profiles: peak dense bf16/fp16 tensor-core figures from the vendors' data sheets,
+# NVLink / InfiniBand per-device one-direction bandwidths as commonly configured.
+PROFILES: dict[str, Hardware] = {
+    "a100-80gb": Hardware(
+        name="a100-80gb",
+        gpus=8,
+        gpus_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=312e12,
+        matmul_efficiency=0.65,
+        intra_bw=300 * GB,  # NVLink 3: 600 GB/s bidirectional
+        inter_bw=25 * GB,  # 8 x 200 Gb/s HDR per node: 200 Gb/s per device
+        host_bw=25 * GB,
+        device_adam_bytes_per_s=1.6e12,
+    ),
+    "h100-80gb": Hardware(
+        name="h100-80gb",
+        gpus=8,
+        gpus_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=989e12,
+        matmul_efficiency=0.55,
+        intra_bw=450 * GB,  # NVLink 4: 900 GB/s bidirectional
+        inter_bw=50 * GB,  # 8 x 400 Gb/s NDR per node
+        host_bw=50 * GB,
+        device_adam_bytes_per_s=2.8e12,
+    ),
+    "h200-141gb": Hardware(
+        name="h200-141gb",
+        gpus=8,
+        gpus_per_node=8,
+        memory_bytes=141 * GB,
+        peak_flops=989e12,
+        matmul_efficiency=0.55,
+        intra_bw=450 * GB,
+        inter_bw=50 * GB,
+        host_bw=50 * GB,
+        device_adam_bytes_per_s=4.0e12,
+    ),
+}
+
+
+def profile(name: str, *, gpus: int | None = None, **overrides) -> Hardware:
+    """A bundled profile (``gpus`` devices, the rest as bundled unless overridden)."""
+    key = name.lower()
+    if key not in PROFILES:
+        raise PlanError(f"--hardware: {name!r} is not one of {', '.join(sorted(PROFILES))}")
+    hw = PROFILES[key]
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if gpus is not None:
+        changes["gpus"] = gpus
+    return hw.scaled(**changes) if changes else hw
+
+
+def calibrate(
+    *, gpus: int | None = None, size: int = 1024, repeats: int = 3, comm_bytes: int = 8 * 2**20
+) -> Hardware:
+    """This machine, measured (``nominal=False``): one process's fp32 matmul rate (its
+    ``torch.get_num_threads()`` threads, as a training rank runs) as peak and achieved flops, and
+    the bus bandwidth of a gloo all-reduce of ``comm_bytes`` between two local processes as every
+    link. One "device" per core by default; ``gpus`` ranks on fewer cores share them (each gets
+    ``cores / gpus`` of the rate) and the host's memory."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * size**3 / best
+    bw = _gloo_bandwidth(comm_bytes)
+    cores = os.cpu_count() or 1
+    ranks = gpus or cores
+    share = min(1.0, cores / ranks)
+    return Hardware(
+        name="this-machine",
+        gpus=ranks,
+        gpus_per_node=ranks,
+        memory_bytes=_host_memory() / ranks,
+        peak_flops=flops * share,
+        matmul_efficiency=1.0,  # measured on a matmul already
+        intra_bw=bw,
+        inter_bw=bw,
+        host_bw=bw * 100,  # no device: "offload" is a copy within host memory
+        cpu_adam_params_per_s=flops * share / 40,  # CPUAdam: ~20 flops, 16 bytes per parameter
+        device_adam_bytes_per_s=flops * share / 2,
+        nominal=False,
+    )
+
+
+def _host_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+def _gloo_bandwidth(nbytes: int) -> float:
+    """Bus bandwidth (bytes/s) of a gloo all-reduce of ``nbytes`` between 2 local processes
+    (ring: each sends and receives ``nbytes`` in all at n = 2)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        procs = [
+            ctx.Process(target=_allreduce_worker, args=(r, store, nbytes, queue)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        seconds = max(queue.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    return nbytes / seconds
+
+
+def _allreduce_worker(rank: int, store_path: str, nbytes: int, queue) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    t = torch.ones(nbytes // 4)
+    dist.all_reduce(t)  # warm up
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        best = min(best, time.perf_counter() - t0)
+    queue.put(best)
+    dist.destroy_process_group()

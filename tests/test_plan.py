@@ -1,0 +1,113 @@
+"""zerostack plan: the cost model's flops against Narayanan et al.'s formula, the published
+1T-parameter case, the written ds_config loading in zerostack unchanged, and one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from zerostack import cli
+from zerostack.config import load_config
+from zerostack.estimate import Transformer
+from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
+from zerostack.plan.search import search
+
+# Narayanan et al., SC'21, Table 1's largest model, trained on 3072 A100-80GB with tp 8, pp 64,
+# dp 6, micro-batch 1, global batch 3072, full recompute: 163 TFLOP/s per GPU, 52% of peak.
+GPT_1T = Transformer(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048, dropout=False)
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_flops_are_narayanans_formula():
+    """With full recompute: 96 B s l h^2 (1 + s / 6h + V / 16 l h); without: 3/4 of the layers'
+    term (forward + backward, no second forward) and the same logits."""
+    B, s, layers, h, V = 3072, 2048, 128, 25600, 51200
+    want = 96 * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
+    assert model_flops(GPT_1T, B, recompute="full") == pytest.approx(want, rel=1e-12)
+    no_recompute = 72 * B * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
+    assert model_flops(GPT_1T, B) == pytest.approx(no_recompute, rel=1e-12)
+
+
+def test_the_published_1t_layout():
+    """Their layout, priced by the nominal A100 profile: 52% of peak reported (hardware flops,
+    recompute included); the model predicts it within 5 points, and the difference is the
+    bubble (they interleave, the model prices plain 1F1B) and the matmul efficiency assumed."""
+    hw = profile("a100-80gb", gpus=3072)
+    theirs = Candidate(dp=6, tp=8, pp=64, stage=1, micro_batch=1, gas=512, recompute="full")
+    p = predict(GPT_1T, 3072, theirs, hw)
+    assert p.hfu == pytest.approx(0.52, abs=0.05), p.as_dict()
+    assert p.memory_bytes < 0.9 * hw.memory_bytes  # it fits in 80 GB, as it did
+
+
+def test_the_planner_on_the_published_case():
+    hw = profile("a100-80gb", gpus=3072)
+    plan = search(GPT_1T, hw, 3072)
+    best = plan.best.candidate
+    assert best.tp <= 8 and best.world == 3072  # tensor parallelism stays inside a node
+    assert plan.best.memory_bytes <= 0.9 * 80e9
+    assert 0.4 < plan.best.mfu < 0.65
+    assert [p.step_s for p in plan.ranked] == sorted(p.step_s for p in plan.ranked)
+    assert "tp 16: spans nodes (8 devices per node)" in plan.dropped
+    assert any(r.startswith("tp 1 x pp 2: its smallest layout needs") for r in plan.dropped)
+
+
+def test_the_written_config_loads_unchanged(tmp_path):
+    out = tmp_path / "plan.json"
+    code, text, _ = _cli(
+        "plan", "--layers", "8", "--hidden", "512", "--heads", "8", "--vocab", "32000",
+        "--seq", "1024", "--batch", "64", "--gpus", "16", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0 and "torchrun --nnodes 2 --nproc-per-node 8" in text
+    cfg = json.loads(out.read_text())
+    dp = 16 // (cfg.get("tensor_parallel", {}).get("autotp_size", 1)
+                * cfg.get("pipeline", {}).get("stages", 1))  # fmt: skip
+    tbs, micro, gas = load_config(cfg).resolve_batch(dp)
+    assert tbs == 64 and micro * gas * dp == 64
+
+
+def test_json_output_has_the_ranking():
+    code, text, _ = _cli(
+        "plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000",
+        "--seq", "256", "--batch", "16", "--gpus", "4", "--json", "--top", "3",
+    )  # fmt: skip
+    got = json.loads(text)
+    assert code == 0 and len(got["ranked"]) == 3 and got["feasible"] >= 3
+    assert got["ranked"][0]["step_s"] <= got["ranked"][1]["step_s"]
+    assert got["ds_config"]["train_batch_size"] == 16
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--hardware", "x100"],
+            "--hardware: 'x100' is not one of a100-80gb, h100-80gb, h200-141gb",
+        ),
+        (["--gpu-memory", "0.001"], "no layout fits 8 x a100-80gb"),
+        (["--gpus", "12", "--gpus-per-node", "8"], "gpus: 12 is not a whole number of nodes of 8"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message):
+    model = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--seq", "256"]
+    code, out, err = _cli("plan", *model, "--batch", "16", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("PlanError: ") and message in err and err.count("\n") == 1, err
+
+
+def test_no_model_is_one_line():
+    code, _, err = _cli("plan", "--batch", "8")
+    assert code == 2 and err == "PlanError: the model: give --layers ... --seq or --hf-config\n"
+
+
+def test_a_model_that_fits_nowhere_names_the_families():
+    with pytest.raises(PlanError, match="no layout fits 8 x a100-80gb: tp 1 x pp 1"):
+        search(GPT_1T, profile("a100-80gb", gpus=8), 8, offload=False)
