@@ -333,10 +333,10 @@ MUTANTS = [
         ("tests/test_plan.py::test_the_published_1t_layout",),
     ),
     Mutant(
-        "plan: full recompute costs no second forward",
-        "plan/cost.py",
-        "        total += forward_layers\n",
-        "        pass\n",
+        "transformer flops: full recompute costs no second forward",
+        "profiling/flops.py",
+        "layers * layer * (passes + (1 if recompute else 0))",
+        "layers * layer * passes",
         ("tests/test_plan.py::test_flops_are_narayanans_formula",),
     ),
     Mutant(
@@ -345,6 +345,29 @@ MUTANTS = [
         "        if tp > hw.gpus_per_node:",
         "        if False:",
         ("tests/test_plan.py::test_the_planner_on_the_published_case",),
+    ),
+    Mutant(
+        "transformer flops drop the backward",
+        "profiling/flops.py",
+        "passes = 1 + (2 if backward else 0)",
+        "passes = 1",
+        ("tests/test_flops_profiler.py::test_narayanan_formula_for_the_1t_model",),
+    ),
+    Mutant(
+        "flops profiler counts a tied parameter twice",
+        "profiling/flops_profiler/profiler.py",
+        "for p in module.parameters())",
+        "for p in module.parameters(remove_duplicate=False))",
+        ("tests/test_flops_profiler.py::test_shared_parameters_are_counted_once",),
+    ),
+    Mutant(
+        "flops profiler: step flops without the backward",
+        "profiling/flops_profiler/profiler.py",
+        "round(fwd * (3 + self.recompute_fwd_factor))",
+        "round(fwd * (1 + self.recompute_fwd_factor))",
+        (
+            "tests/test_flops_profiler.py::test_backward_and_recomputation_before_stop_are_not_counted",
+        ),
     ),
 ]
 

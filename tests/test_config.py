@@ -694,3 +694,39 @@ def test_duplicate_json_keys():
 def test_only_config_error_escapes(weird):
     with pytest.raises(ConfigError):
         load_config(weird)
+
+
+# --- flops_profiler ------------------------------------------------------------------------
+
+
+def test_flops_profiler_block_loads_with_deepspeeds_keys_and_rejects_a_wrong_one():
+    defaults = load_config({}).flops_profiler
+    assert defaults.model_dump() == {
+        "enabled": False,
+        "recompute_fwd_factor": 0.0,
+        "profile_step": 1,
+        "module_depth": -1,
+        "top_modules": 1,
+        "detailed": True,
+        "output_file": None,
+    }  # DeepSpeed's defaults (deepspeed/profiling/constants.py)
+    given = {
+        "enabled": True,
+        "recompute_fwd_factor": 1.0,
+        "profile_step": 5,
+        "module_depth": 2,
+        "top_modules": 3,
+        "detailed": False,
+        "output_file": "prof/step5.txt",
+    }
+    cfg = load_config({**DEEPSPEED_EXAMPLE, "flops_profiler": given})
+    assert cfg.flops_profiler.model_dump() == given
+    assert load_config(cfg.to_dict()) == cfg
+
+    wrong = re.escape(f"{MEAN} 'top_modules'?)")
+    with pytest.raises(ConfigError, match=_at("flops_profiler.top_module", wrong)):
+        load_config({"flops_profiler": {"top_module": 3}})
+    with pytest.raises(ConfigError, match=_at("flops_profiler.module_depth", "must be greater")):
+        load_config({"flops_profiler": {"module_depth": -2}})
+    with pytest.raises(ConfigError, match=_at("flops_profiler.enabled", "must be a valid bool")):
+        load_config({"flops_profiler": {"enabled": "true"}})

@@ -581,6 +581,27 @@ class MonitorConfig(_Model):
     """Subdirectory / run name under output_path."""
 
 
+class FlopsProfilerConfig(_Model):
+    """The ``flops_profiler`` block (DeepSpeed's keys and defaults): profile one step's forward
+    with :class:`zerostack.profiling.FlopsProfiler` and print it."""
+
+    enabled: bool = False
+    """Profile the forward of step ``profile_step`` and print the profile."""
+    recompute_fwd_factor: NonNegFloat = 0.0
+    """Share of the forward recomputed in backward (1.0: full activation checkpointing); a
+    step's flops are (3 + this) x the forward's."""
+    profile_step: NonNegInt = 1
+    """The global step to profile (later steps time better: the first ones warm up)."""
+    module_depth: Annotated[Int, Field(ge=-1)] = -1
+    """Deepest module level in the aggregated profile (-1: every level)."""
+    top_modules: PositiveInt = 1
+    """Module types listed per level in the aggregated profile."""
+    detailed: bool = True
+    """Also print the module tree with each module's figures."""
+    output_file: str | None = None
+    """Write the profile to this file instead of stdout (None: stdout)."""
+
+
 # --- top level ------------------------------------------------------------------------------
 
 
@@ -643,6 +664,8 @@ class ZeroStackConfig(_Model):
     """TensorBoard event files."""
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """CSV metric files."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """DeepSpeed's flops profiler (see zerostack.profiling)."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroStackConfig":

@@ -3,9 +3,10 @@
 Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a global batch of
 ``batch`` sequences and a :class:`Candidate` layout on a :class:`~.hardware.Hardware`:
 
-* **compute**: the model's flops (Narayanan et al., SC'21: forward 24 B s l h^2 (1 + s / 6h) +
-  2 B s h V; backward twice that; full recompute one more forward, selective the attention
-  core's 4 B s^2 l h again) split over dp x tp x pp, at ``peak x matmul_efficiency``;
+* **compute**: the model's flops (:mod:`zerostack.profiling.flops`, Narayanan et al., SC'21:
+  forward 24 B s l h^2 (1 + s / 6h) + 2 B s h V; backward twice that; full recompute one more
+  forward, selective the attention core's 4 B s^2 l h again) split over dp x tp x pp, at
+  ``peak x matmul_efficiency``;
 * **pipeline bubble**: 1F1B over ``gas`` micro-batches idles ``(pp - 1) / (gas x chunks)`` of the
   compute (:func:`zerostack.pipeline.simulate` measures the same for the schedules it runs);
 * **tensor parallelism**: per layer and micro-batch, 2 all-reduces of ``b s h`` values in forward
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..estimate import Layout, Transformer, Workload, estimate
 from ..estimate.memory import PRECISION_BYTES
+from ..profiling.flops import transformer_flops
 from .hardware import Hardware
 
 
@@ -72,15 +74,21 @@ class Candidate:
 
 
 def model_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float:
-    """Flops of one training step of ``batch`` sequences (forward, backward, recompute)."""
-    s, h, v, layers = m.seq, m.hidden, m.vocab, m.layers
-    forward_layers = 24 * batch * s * layers * h * h * (1 + s / (6 * h))
-    logits = 2 * batch * s * h * v
-    total = 3 * (forward_layers + logits)
-    if recompute == "full":
-        total += forward_layers
-    elif recompute == "selective":
-        total += 4 * batch * s * s * layers * h
+    """Flops of one training step of ``batch`` sequences (forward, backward, recompute):
+    :func:`zerostack.profiling.flops.transformer_flops`, plus, for selective recompute, the
+    attention core's 4 B s^2 l h forward once more."""
+    total = transformer_flops(
+        m.layers,
+        m.hidden,
+        m.heads,
+        m.vocab,
+        m.seq,
+        batch,
+        ffn=m.ffn_hidden,
+        recompute=recompute == "full",
+    )
+    if recompute == "selective":
+        total += 4 * batch * m.seq * m.seq * m.layers * m.hidden
     return total
 
 
