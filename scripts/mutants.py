@@ -369,6 +369,13 @@ MUTANTS = [
             "tests/test_flops_profiler.py::test_backward_and_recomputation_before_stop_are_not_counted",
         ),
     ),
+    Mutant(
+        "flops_profiler block: the profiled step is never printed",
+        "engine.py",
+        "                self.flops_profile.step_ends()",
+        "                pass",
+        ("tests/test_flops_profiler.py::test_the_engine_profiles_the_configured_step",),
+    ),
 ]
 
 

@@ -327,3 +327,46 @@ def test_other_misuse_names_the_thing():
         FlopsProfiler("gpt")
     with pytest.raises(RuntimeError, match=r"^FlopsProfiler\.print_model_profile: no profile"):
         FlopsProfiler(_gpt()).print_model_profile()
+
+
+# ------------------------------------------------------------------ the engine's config block
+def _engine_profile(rank, world, gas):
+    import contextlib
+    import io
+
+    import zerostack
+    from zerostack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, block_size=32, vocab_size=256)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False},
+    }
+    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    out = io.StringIO()
+    seen = []
+    with contextlib.redirect_stdout(out):
+        for _ in range(3 * gas):
+            x = torch.randint(0, 256, (2, 32))
+            engine.backward(engine(x, x))
+            engine.step()
+            seen.append(engine.flops_profile.active)
+    return out.getvalue(), engine.flops_profile.last_step_flops, seen, cfg
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_the_engine_profiles_the_configured_step(gas):
+    """``flops_profiler.enabled``: the step after ``profile_step`` completed ones is profiled
+    (every micro-batch's forward), printed once at its boundary; its flops are a whole step's
+    (forward x 3) over the global batch."""
+    from distributed import run_distributed
+
+    text, flops, seen, cfg = run_distributed(_engine_profile, 1, args=(gas,))[0]
+    assert text.count("Profile Summary at step 1:") == 1, text
+    layers, h, s, v = cfg.n_layer, cfg.d_model, cfg.block_size, cfg.vocab_size
+    assert flops == transformer_flops(layers, h, cfg.n_head, v, s, batch=2 * gas)
+    # active during the micro-steps of the second step only
+    assert seen == [False] * gas + [True] * (gas - 1) + [False] * (gas + 1)

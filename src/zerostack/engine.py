@@ -24,6 +24,7 @@ from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
 from .precision import Precision, make_loss_scaler
+from .profiling.flops_profiler.step import StepProfile
 from .runner import map_tensors, repeat_loader, run_micro_batches
 from .tensor_parallel import partition_spec
 from .topology import Topology
@@ -97,6 +98,9 @@ class Engine(EngineAPI, nn.Module):
         # sampler's position
         self.training_dataloader = None
         self._data_iter = None
+        self.flops_profile = None  # the flops_profiler block: one step's forwards profiled
+        if config.flops_profiler.enabled:
+            self.flops_profile = StepProfile(self, config.flops_profiler)
 
     def _zero_stage(self, stage: int) -> int:
         """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""
@@ -125,6 +129,8 @@ class Engine(EngineAPI, nn.Module):
     def forward(self, *args, **kwargs):
         """Run the model; floating-point inputs are cast to the compute dtype."""
         t0 = time.perf_counter()
+        if self.flops_profile is not None:
+            self.flops_profile.forward_begins()
         if self.precision.mixed:
             args = _cast_floats(args, self.precision.compute_dtype)
             kwargs = _cast_floats(kwargs, self.precision.compute_dtype)
@@ -149,6 +155,8 @@ class Engine(EngineAPI, nn.Module):
         t0 = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             self.apply_step()
+            if self.flops_profile is not None:
+                self.flops_profile.step_ends()
             self._count_global_step()
         self.micro_steps += 1
         self.timers["step"] += time.perf_counter() - t0
