@@ -14,6 +14,7 @@ import pytest
 
 from zerostack.cli import _build_config, _parser
 from zerostack.config import load_config
+from zerostack.profiling.flops import transformer_flops
 
 CLI = [sys.executable, "-m", "zerostack.cli"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -71,6 +72,16 @@ def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     rows = list(csv.DictReader((out / "train_log.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, 21))
     assert (out / "loss.png").stat().st_size > 1000
+    # MFU: the model's flops per step (Narayanan's count, the recomputed forward included with
+    # activation checkpointing) at the measured token rate, over each rank's measured peak
+    recompute = "--activation-checkpointing" in grid
+    sequences = 4 * summary["dp"]  # the global batch: micro-batch 4 on each dp rank
+    flops = transformer_flops(1, 32, 2, 256, 32, sequences, recompute=recompute)
+    assert summary["model_flops_per_step"] == flops and summary["peak_source"] == "measured"
+    steps_per_s = summary["tokens_per_s"] / (sequences * 32)
+    mfu = flops * steps_per_s / (summary["peak_flops_per_rank"] * 2)
+    assert summary["mfu"] == pytest.approx(mfu, rel=1e-9) and 0 < mfu < 1
+    assert f"MFU {mfu:.1%} of" in proc.stdout
 
 
 def test_help_explains_every_option():

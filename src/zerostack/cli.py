@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     t.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="each rank's peak TFLOP/s for the MFU figure (default: measured with a matmul)",
+    )
+    t.add_argument(
         "--zero-stage", type=int, default=None, help="ZeRO stage (0 = plain data parallel)"
     )
     t.add_argument(

@@ -106,7 +106,9 @@ class RunMonitor:
             f"  loss            {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
             f"(mean of last 10 steps); validation {summary['val_loss']:.4f}",
             f"  throughput      {summary['tokens_per_s']:,.0f} tokens/s "
-            f"over {summary['steps']} steps",
+            f"over {summary['steps']} steps; MFU {summary['mfu']:.1%} of "
+            f"{summary['peak_flops_per_rank'] / 1e9:,.1f} GFLOP/s per rank "
+            f"({summary['peak_source']})",
             "  bytes per rank  "
             + ", ".join(f"{k} {_human_bytes(v)}" for k, v in mem.items())
             + f" (total {_human_bytes(sum(mem.values()))})",

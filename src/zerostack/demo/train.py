@@ -14,6 +14,8 @@ from zerostack.demo.monitor import RunMonitor
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
 from zerostack.pipeline import PipelineModule
+from zerostack.plan.hardware import matmul_flops
+from zerostack.profiling.flops import transformer_flops
 
 
 def train(args, config: dict) -> dict:
@@ -40,6 +42,7 @@ def train(args, config: dict) -> dict:
         model=model, training_data=train_set, config=config, topology=topo
     )
     rank0 = engine.global_rank == 0
+    flops_per_step, peak, peak_source = _flops_and_peak(engine, model_cfg, args)
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
     tokens_per_step = engine.train_batch_size() * args.block_size
     if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
@@ -81,6 +84,13 @@ def train(args, config: dict) -> dict:
         "final_loss": monitor.recent_loss(),
         "val_loss": val_loss,
         "tokens_per_s": tokens_per_step * (args.steps - first_step) / max(elapsed, 1e-9),
+        "model_flops_per_step": flops_per_step,
+        "peak_flops_per_rank": peak,
+        "peak_source": peak_source,
+        "mfu": flops_per_step
+        * (args.steps - first_step)
+        / max(elapsed, 1e-9)
+        / (peak * engine.world_size),
         "bytes_per_rank": engine.memory_breakdown(),
         "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
         "checkpoint": checkpoint,
@@ -103,6 +113,25 @@ def _pipeline_model(model_cfg, topo, args, config: dict):
         seed_layers=pipe.get("seed_layers", False),
         virtual_stages=pipe.get("virtual_stages", 1),
     )
+
+
+def _flops_and_peak(engine, cfg: GPTConfig, args) -> tuple[int, float, str]:
+    """A step's model flops (Narayanan et al.'s count over the global batch, the recomputed
+    forward included with activation checkpointing) and each rank's peak: given, or this
+    rank's measured fp32 matmul rate (the ranks measure at once, sharing the cores as they
+    train)."""
+    flops = transformer_flops(
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.vocab_size,
+        cfg.block_size,
+        engine.train_batch_size(),
+        recompute=cfg.checkpoint_every > 0,
+    )
+    if args.peak_tflops:
+        return flops, args.peak_tflops * 1e12, "given"
+    return flops, matmul_flops(512), "measured"
 
 
 def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:

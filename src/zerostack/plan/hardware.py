@@ -120,16 +120,7 @@ def calibrate(
     the bus bandwidth of a gloo all-reduce of ``comm_bytes`` between two local processes as every
     link. One "device" per core by default; ``gpus`` ranks on fewer cores share them (each gets
     ``cores / gpus`` of the rate) and the host's memory."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    flops = 2 * size**3 / best
+    flops = matmul_flops(size, repeats)
     bw = _gloo_bandwidth(comm_bytes)
     cores = os.cpu_count() or 1
     ranks = gpus or cores
@@ -148,6 +139,20 @@ def calibrate(
         device_adam_bytes_per_s=flops * share / 2,
         nominal=False,
     )
+
+
+def matmul_flops(size: int = 1024, repeats: int = 3) -> float:
+    """This process's fp32 matmul rate (flop/s), best of ``repeats`` ``size``-square products."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
 
 
 def _host_memory() -> float:
