@@ -376,6 +376,20 @@ MUTANTS = [
         "                pass",
         ("tests/test_flops_profiler.py::test_the_engine_profiles_the_configured_step",),
     ),
+    Mutant(
+        "estimate: stage-3 persistent parameters not counted whole",
+        "estimate/memory.py",
+        "        out.params += c * persistent",
+        "        pass",
+        ("tests/test_estimate.py::test_estimate_from_the_model_description_matches_every_rank",),
+    ),
+    Mutant(
+        "estimate: the tied output layer left off the last pipeline stage",
+        "estimate/activations.py",
+        "out += norm + ([self.vocab * h // t] if pp > 1 else [])",
+        "out += norm",
+        ("tests/test_estimate.py::test_estimate_from_the_model_description_matches_every_rank",),
+    ),
 ]
 
 

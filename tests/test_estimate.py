@@ -20,6 +20,7 @@ from zerostack.estimate import (
     EstimateError,
     Layout,
     Transformer,
+    Workload,
     estimate,
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
@@ -190,6 +191,7 @@ LIVE = {
     "stage 1, bf16, offload cpu": dict(stage=1, precision="bf16", offload="cpu"),
     "tp 2, stage 1": dict(stage=1, tp=2),
     "pp 2, stage 1, bf16": dict(stage=1, pp=2, precision="bf16"),
+    "stage 3, default persistence": dict(stage=3, persist=True),
 }
 
 
@@ -199,6 +201,8 @@ def _live_engine(case: dict):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": case["stage"], "stage3_param_persistence_threshold": 0},
     }
+    if case.get("persist"):  # the default threshold: small parameters also held whole
+        del cfg["zero_optimization"]["stage3_param_persistence_threshold"]
     if case.get("precision", "fp32") != "fp32":
         cfg[case["precision"]] = {"enabled": True}
     for key in ("offload", "offload_param"):
@@ -234,9 +238,10 @@ def _live(rank, world, cases):
         else:
             engine.backward(engine(x[:1], y[:1]))
             engine.step()  # the optimizer state exists after the first step
-        local = sum(full_shape(p).numel() for p in engine.module.parameters())
-        units = len(list(engine.module.parameters()))
-        out[name] = (local, units, engine.topology.dp, engine.memory_breakdown())
+        sizes = sorted(full_shape(p).numel() for p in engine.module.parameters())
+        units = len(sizes)
+        stage = engine.topology.rank("pp")
+        out[name] = (sum(sizes), units, engine.topology.dp, engine.memory_breakdown(), sizes, stage)
         engine.destroy()
     return out
 
@@ -247,7 +252,7 @@ def test_estimate_matches_live_engines():
     parameter at stage 3)."""
     for got in run_distributed(_live, 2, args=(LIVE,)):
         for name, case in LIVE.items():
-            local, units, dp, breakdown = got[name]
+            local, units, dp, breakdown, _, _ = got[name]
             layout = Layout(
                 dp=dp,
                 tp=case.get("tp", 1),
@@ -261,8 +266,46 @@ def test_estimate_matches_live_engines():
             want = model_states(local, layout).by_kind()
             slack = 8 * dp * units  # padding, and Adam's 4-byte step counter per tensor
             for kind, value in want.items():
+                if case.get("persist") and kind == "params":
+                    continue  # checked from the model description below
                 if case.get("offload_param") and kind == "params":
                     continue  # pieces in host memory: memory_breakdown counts those read in
                 assert value <= breakdown[kind] <= value + slack, (name, kind, breakdown, want)
             total = estimate(local * layout.tp * layout.pp, layout)["model_states"]["total"]
             assert total == sum(model_states(local, layout).by_kind().values())
+
+
+def test_estimate_from_the_model_description_matches_every_rank():
+    """From the GPT's description alone (no live model): the busiest rank's model-state bytes
+    equal the most any rank holds, with tp splitting some tensors and not others, a pipeline's
+    last stage holding the tied output layer, and stage 3 holding small parameters whole."""
+    model = Transformer(
+        layers=TINY.n_layer,
+        hidden=TINY.d_model,
+        heads=TINY.n_head,
+        vocab=TINY.vocab_size,
+        seq=TINY.block_size,
+        bias=TINY.bias,
+    )
+    results = run_distributed(_live, 2, args=(LIVE,))
+    for name, case in LIVE.items():
+        if case.get("offload_param"):
+            continue  # memory_breakdown counts only the pieces read in right now
+        dp = results[0][name][2]
+        layout = Layout(
+            dp=dp,
+            tp=case.get("tp", 1),
+            pp=case.get("pp", 1),
+            stage=case["stage"],
+            precision=case.get("precision", "fp32"),
+            optimizer="adamw",
+            offload_optimizer=case.get("offload", "none"),
+        )
+        work = Workload(persistence_threshold=100_000 if case.get("persist") else 0)
+        got = max(sum(r[name][3].values()) for r in results)
+        want = estimate(model.params, layout, model=model, work=work)["model_states"]["total"]
+        units = results[0][name][1]
+        assert want <= got <= want + 8 * dp * units, (name, got, want)
+        for r in results:  # each rank's own tensors, pipeline stage by stage
+            sizes, stage = r[name][4], r[name][5]
+            assert sorted(model.rank_tensors(layout.tp, layout.pp, stage)) == sizes, name

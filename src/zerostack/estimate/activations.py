@@ -44,6 +44,29 @@ class Transformer:
         per_layer += 2 * (h + h * b)
         return self.layers * per_layer + self.vocab * h + self.seq * h + (h + h * b)
 
+    def rank_tensors(self, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
+        """The element counts of the parameter tensors one rank holds, as the reference GPT lays
+        them out: QKV, the MLP's first matrix (and their biases) and the token embedding split
+        over tp, the rest whole; ``layers / pp`` layers per pipeline stage, the embeddings on the
+        first stage, the final LayerNorm and the tied output layer (a copy of the token
+        embedding) on the last."""
+        if self.layers % pp:
+            raise EstimateError(f"pp: {pp} stages cannot split {self.layers} layers evenly")
+        if not 0 <= stage < pp:
+            raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
+        h, f, t, b = self.hidden, self.ffn_hidden, tp, self.bias
+        layer = [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h]  # weights, LN scales
+        if b:
+            layer += [3 * h // t, h, f // t, h, h, h]  # QKV, proj, fc, out biases; LN shifts
+        out = layer * (self.layers // pp)
+        first, last = stage == 0, stage == pp - 1
+        norm = [h, h] if b else [h]
+        if first:
+            out += [self.vocab * h // t, self.seq * h]
+        if last:
+            out += norm + ([self.vocab * h // t] if pp > 1 else [])
+        return out
+
     @classmethod
     def from_hf_config(cls, config: dict, seq: int | None = None) -> Transformer:
         """From a Hugging Face ``config.json`` (GPT-2, Llama, Mistral, GPT-NeoX, OPT, BERT key

@@ -95,7 +95,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def model_states(trained: int, layout: Layout, frozen: int = 0) -> ModelStates:
+def model_states(
+    trained: int,
+    layout: Layout,
+    frozen: int = 0,
+    *,
+    sizes: list[int] | None = None,
+    persistent: int = 0,
+) -> ModelStates:
     """Model-state bytes per rank for ``trained`` (and ``frozen``) parameters held by this
     rank's tensor- and pipeline-parallel slice, as zerostack lays them out.
 
@@ -112,7 +119,9 @@ def model_states(trained: int, layout: Layout, frozen: int = 0) -> ModelStates:
     training the master is the parameter (or its piece) itself, 0 bytes extra. Offloaded to the
     CPU, the master (a separate copy even in fp32), the optimizer state and the fp32 gradient
     piece live in host memory; to NVMe, master and state live in files. Shards are rounded up to
-    whole pieces (padding), as zerostack pads.
+    whole pieces (padding), as zerostack pads: given the trained tensors' ``sizes``, stage 3 pads
+    each tensor (its pieces are per parameter). ``persistent``: elements of stage-3 parameters
+    below ``stage3_param_persistence_threshold``, also held whole on every rank.
     """
     if trained < 0 or frozen < 0:
         raise EstimateError(f"parameters: {trained} trained, {frozen} frozen; need >= 0")
@@ -120,8 +129,12 @@ def model_states(trained: int, layout: Layout, frozen: int = 0) -> ModelStates:
     k = OPTIMIZER_STATE_BYTES[layout.optimizer]
     dp, stage = layout.dp, layout.stage
     shard = _ceil_div(trained, dp) if stage > 0 else trained  # this rank's trained elements
+    if sizes is not None and stage == 3:
+        shard = sum(_ceil_div(n, dp) for n in sizes)
     out = ModelStates()
-    out.params = c * (_ceil_div(trained + frozen, dp) if stage == 3 else trained + frozen)
+    out.params = c * (shard + _ceil_div(frozen, dp) if stage == 3 else trained + frozen)
+    if stage == 3:
+        out.params += c * persistent
     out.grads = c * trained if stage < 2 else 4 * shard
     separate_master = c != 4
     where = layout.offload_optimizer

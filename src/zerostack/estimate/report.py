@@ -33,6 +33,7 @@ class Workload:
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (elements)
 
 
 def _buffers(params: int, largest: int, layout: Layout, work: Workload) -> int:
@@ -70,9 +71,17 @@ def estimate(
     if params <= 0:
         raise EstimateError(f"params: {params} is not a positive count")
     mp = layout.tp * layout.pp
-    local = _ceil_div(int(params), mp)
+    local, sizes, persistent = _ceil_div(int(params), mp), None, 0
+    if model is not None and params == model.params:  # the tensors this rank holds, exactly
+        stages = [model.rank_tensors(layout.tp, layout.pp, s) for s in range(layout.pp)]
+        sizes = max(stages, key=sum)  # the pipeline stage holding the most
+        local = sum(sizes)
+        if layout.stage == 3:
+            persistent = sum(n for n in sizes if n < work.persistence_threshold)
     largest = largest_layer if largest_layer is not None else _largest(model, local, layout)
-    states = model_states(local, layout, frozen=_ceil_div(frozen, mp))
+    states = model_states(
+        local, layout, frozen=_ceil_div(frozen, mp), sizes=sizes, persistent=persistent
+    )
     out = {
         "layout": {**asdict(layout), "world": layout.world},
         "params": int(params),

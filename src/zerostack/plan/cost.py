@@ -135,12 +135,17 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     compute = flops / c.world / achieved
     backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
     bubble = compute * (c.pp - 1) / c.gas if c.pp > 1 else 0.0
+    if hw.shared_cores:  # idle ranks lend their cores: the machine's throughput bounds the step
+        critical = (compute + bubble) * hw.shared_cores / c.world
+        bubble = max(0.0, critical - compute)
 
-    # tensor parallelism: ranks tp apart are adjacent (tp is the innermost axis of the grid)
+    # tensor parallelism (sequence parallel): per layer an all-gather before and a
+    # reduce-scatter after attention and the MLP, in forward, backward and a recomputed forward;
+    # ranks tp apart are adjacent (tp is the innermost axis of the grid)
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    per_layer = 4 + (2 if c.recompute == "full" else 0)
-    tp_s = (m.layers / c.pp) * c.gas * per_layer * _ring(act, c.tp, bw, lat, passes=2)
+    per_layer = 8 + (4 if c.recompute == "full" else 0)
+    tp_s = (m.layers / c.pp) * c.gas * per_layer * _ring(act, c.tp, bw, lat)
 
     # pipeline: stage boundaries are tp x dp devices apart
     bw, lat = _link(hw, c.tp * c.dp * 2)
@@ -158,7 +163,11 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         overlap = backward
     else:
         dp_s = c.gas * _ring(grads, c.dp, bw, lat, passes=3)  # gather fwd, gather bwd, reduce
+        # one gather per module with parameters, twice (forward, backward): latency each
+        dp_s += c.gas * 2 * (6 * m.layers / c.pp + 3) * (c.dp - 1) * lat if c.dp > 1 else 0.0
         overlap = compute
+    if hw.shared_cores:  # collectives run on the cores compute needs
+        overlap = 0.0
     dp_exposed = max(0.0, dp_s - overlap)
 
     shard = psi / (c.dp if c.stage > 0 else 1)

@@ -40,6 +40,10 @@ class Hardware:
     cpu_adam_params_per_s: float = 1e9  # CPUAdam throughput per device's host share
     device_adam_bytes_per_s: float = 1.5e12  # optimizer step on the device (memory bound)
     nominal: bool = True
+    # 0: each device computes on its own. n > 0: the devices are processes sharing n CPU cores
+    # (calibrated with more ranks than cores): a rank that waits lends its core to the others,
+    # and collectives use the same cores as compute, so they do not overlap it.
+    shared_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -117,14 +121,20 @@ def calibrate(
 ) -> Hardware:
     """This machine, measured (``nominal=False``): one process's fp32 matmul rate (its
     ``torch.get_num_threads()`` threads, as a training rank runs) as peak and achieved flops, and
-    the bus bandwidth of a gloo all-reduce of ``comm_bytes`` between two local processes as every
-    link. One "device" per core by default; ``gpus`` ranks on fewer cores share them (each gets
+    a gloo all-reduce among as many local processes as ranks (up to 8): its latency per hop
+    from a 4-byte one and its bus bandwidth from a ``comm_bytes`` one, for every link. One
+    "device" per core by default; ``gpus`` ranks on fewer cores share them (each gets
     ``cores / gpus`` of the rate) and the host's memory."""
     flops = matmul_flops(size, repeats)
-    bw = _gloo_bandwidth(comm_bytes)
     cores = os.cpu_count() or 1
     ranks = gpus or cores
     share = min(1.0, cores / ranks)
+    group = max(2, min(ranks, 8))  # as many processes as will share the cores (up to 8)
+    seconds = _gloo_seconds(comm_bytes, group)
+    latency = _gloo_seconds(4, group) / (2 * (group - 1))  # a ring all-reduce: 2 (n - 1) hops
+    # bus bandwidth: a ring all-reduce moves 2 (n - 1) / n of the buffer per rank
+    hops = 2 * (group - 1)
+    bw = hops / group * comm_bytes / max(seconds - latency * hops, 1e-9)
     return Hardware(
         name="this-machine",
         gpus=ranks,
@@ -134,10 +144,13 @@ def calibrate(
         matmul_efficiency=1.0,  # measured on a matmul already
         intra_bw=bw,
         inter_bw=bw,
+        intra_latency=latency,
+        inter_latency=latency,
         host_bw=bw * 100,  # no device: "offload" is a copy within host memory
         cpu_adam_params_per_s=flops * share / 40,  # CPUAdam: ~20 flops, 16 bytes per parameter
         device_adam_bytes_per_s=flops * share / 2,
         nominal=False,
+        shared_cores=cores if ranks > cores else 0,
     )
 
 
@@ -162,9 +175,9 @@ def _host_memory() -> float:
         return 16 * GB
 
 
-def _gloo_bandwidth(nbytes: int) -> float:
-    """Bus bandwidth (bytes/s) of a gloo all-reduce of ``nbytes`` between 2 local processes
-    (ring: each sends and receives ``nbytes`` in all at n = 2)."""
+def _gloo_seconds(nbytes: int, world: int = 2) -> float:
+    """Seconds of a gloo all-reduce of ``nbytes`` among ``world`` local processes (best of 5,
+    the slowest rank)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -174,31 +187,32 @@ def _gloo_bandwidth(nbytes: int) -> float:
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "store")
         procs = [
-            ctx.Process(target=_allreduce_worker, args=(r, store, nbytes, queue)) for r in range(2)
+            ctx.Process(target=_allreduce_worker, args=(r, world, store, nbytes, queue))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
         seconds = max(queue.get(timeout=120) for _ in procs)
         for p in procs:
             p.join(timeout=60)
-    return nbytes / seconds
+    return seconds
 
 
-def _allreduce_worker(rank: int, store_path: str, nbytes: int, queue) -> None:
+def _allreduce_worker(rank: int, world: int, store_path: str, nbytes: int, queue) -> None:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
+    store = dist.FileStore(store_path, world)
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    t = torch.ones(nbytes // 4)
+    t = torch.ones(max(1, nbytes // 4))
     dist.all_reduce(t)  # warm up
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
