@@ -8,10 +8,10 @@ and a gloo all-reduce), then runs each layout for real under torchrun (a fresh s
 per layout: peak RSS is per process) and prints one JSON object: per layout the predicted and
 measured step time (median over the timed steps, slowest rank), model-state bytes per rank
 (predicted by ``zerostack.estimate`` vs ``engine.memory_breakdown()``), peak RSS (predicted: the
-ranks' RSS before the model exists, after a first autograd matmul and collective, plus the
-estimate's bytes; measured: ``ru_maxrss``, max over ranks); and overall the Spearman rank
-correlation of predicted vs measured step time and how far the planner's top choice among these
-layouts is from the fastest measured one.
+ranks' RSS before the model exists, after a first autograd matmul, collective and optimizer
+step, plus the estimate's bytes; measured: ``ru_maxrss``, max over ranks); and overall the
+Spearman rank correlation of predicted vs measured step time and how far the planner's top
+choice among these layouts is from the fastest measured one.
 """
 
 from __future__ import annotations
@@ -103,9 +103,11 @@ def run_layout(args) -> None:
     c = _candidate(json.loads(args.layout))
     zerostack.init_distributed("gloo")
     rank = dist.get_rank()
-    # the process before the model: libraries loaded by a first autograd matmul and collective
-    w = torch.randn(64, 64, requires_grad=True)
+    # the process before the model: what a first autograd matmul, collective and optimizer step
+    # load (the optimizer brings in torch._dynamo: about 60 MiB per process)
+    w = torch.nn.Parameter(torch.randn(64, 64))
     (w @ w).sum().backward()
+    torch.optim.AdamW([w]).step()
     dist.all_reduce(torch.ones(1024))
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     topo = zerostack.Topology.build(pp=c.pp, tp=c.tp)

@@ -309,3 +309,15 @@ def test_estimate_from_the_model_description_matches_every_rank():
         for r in results:  # each rank's own tensors, pipeline stage by stage
             sizes, stage = r[name][4], r[name][5]
             assert sorted(model.rank_tensors(layout.tp, layout.pp, stage)) == sizes, name
+
+
+def test_full_recompute_keeps_inputs_and_one_recomputed_layer():
+    """Full recompute: per micro-batch in flight each layer's input (d s b h), plus, once, the
+    activations of the layer backward is recomputing."""
+    from zerostack.estimate import stage_activation_bytes
+
+    m = Transformer(layers=8, hidden=64, heads=4, vocab=100, seq=32, dropout=False)
+    full = stage_activation_bytes(m, 2, pp=2, in_flight=2, recompute="full", dtype_bytes=4)
+    layer = layer_activation_bytes(m, 2, dtype_bytes=4)
+    inputs = 4 * 32 * 2 * 64
+    assert full == 2 * 4 * inputs + layer  # stage 0 of 2: 4 layers, 2 micro-batches in flight

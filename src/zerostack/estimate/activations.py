@@ -150,7 +150,8 @@ def stage_activation_bytes(
     """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
     its ``layers / pp`` layers (1F1B: ``min(pp - stage, gas)``; no pipeline: 1), plus the
     first stage's embedding-dropout mask and the last stage's final LayerNorm and output-layer
-    inputs and logits (compute dtype, and fp32 for the loss: Korthikanti's 4 s b v / t)."""
+    inputs and logits (compute dtype, and fp32 for the loss: Korthikanti's 4 s b v / t). With
+    full recompute, also the one layer whose activations backward is recomputing."""
     if not 0 <= stage < pp:
         raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
     if m.layers % pp:
@@ -166,9 +167,13 @@ def stage_activation_bytes(
     )
     s, b, h, d = m.seq, micro_batch, m.hidden, dtype_bytes
     sp = tp if sequence_parallel else 1
-    extra = 0.0
+    extra, once = 0.0, 0.0
+    if recompute == "full":  # backward recomputes one layer at a time: its activations too
+        once = layer_activation_bytes(
+            m, micro_batch, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=d, flash=flash
+        )
     if stage == 0 and m.dropout:
         extra += s * b * h / sp
     if stage == pp - 1:
         extra += 2 * d * s * b * h / sp + (d + 4) * s * b * m.vocab / tp
-    return in_flight * (per_layer * m.layers // pp + extra)
+    return in_flight * (per_layer * m.layers // pp + extra) + once

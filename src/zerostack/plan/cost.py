@@ -139,13 +139,18 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         critical = (compute + bubble) * hw.shared_cores / c.world
         bubble = max(0.0, critical - compute)
 
-    # tensor parallelism (sequence parallel): per layer an all-gather before and a
-    # reduce-scatter after attention and the MLP, in forward, backward and a recomputed forward;
-    # ranks tp apart are adjacent (tp is the innermost axis of the grid)
+    # tensor parallelism (sequence parallel), per micro-batch: per layer an all-gather before
+    # and a reduce-scatter after attention and the MLP, in forward, backward and a recomputed
+    # forward, and an all-reduce of each replicated parameter's gradient (two LayerNorms, two
+    # row-parallel biases); the embeddings and the vocabulary-parallel loss add a few. All are
+    # on the critical path. Ranks tp apart are adjacent (tp is the innermost axis of the grid).
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    per_layer = 8 + (4 if c.recompute == "full" else 0)
-    tp_s = (m.layers / c.pp) * c.gas * per_layer * _ring(act, c.tp, bw, lat)
+    layers = m.layers / c.pp
+    big = layers * (8 + (4 if c.recompute == "full" else 0)) + 4
+    small = layers * 6 + 4
+    per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
+    tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 
     # pipeline: stage boundaries are tp x dp devices apart
     bw, lat = _link(hw, c.tp * c.dp * 2)
@@ -162,9 +167,9 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)
         overlap = backward
     else:
-        dp_s = c.gas * _ring(grads, c.dp, bw, lat, passes=3)  # gather fwd, gather bwd, reduce
-        # one gather per module with parameters, twice (forward, backward): latency each
-        dp_s += c.gas * 2 * (6 * m.layers / c.pp + 3) * (c.dp - 1) * lat if c.dp > 1 else 0.0
+        # gather forward, gather backward, reduce: prefetched, asynchronous, a few modules at a
+        # time, so their latency hides behind compute and only the volume counts
+        dp_s = c.gas * _ring(grads, c.dp, bw, 0.0, passes=3)
         overlap = compute
     if hw.shared_cores:  # collectives run on the cores compute needs
         overlap = 0.0

@@ -130,11 +130,13 @@ def calibrate(
     ranks = gpus or cores
     share = min(1.0, cores / ranks)
     group = max(2, min(ranks, 8))  # as many processes as will share the cores (up to 8)
-    seconds = _gloo_seconds(comm_bytes, group)
-    latency = _gloo_seconds(4, group) / (2 * (group - 1))  # a ring all-reduce: 2 (n - 1) hops
+    figures = _gloo_figures(comm_bytes, group)
+    hops = 2 * (group - 1)  # a ring all-reduce: 2 (n - 1) steps
+    latency = figures["idle"] / hops
     # bus bandwidth: a ring all-reduce moves 2 (n - 1) / n of the buffer per rank
-    hops = 2 * (group - 1)
-    bw = hops / group * comm_bytes / max(seconds - latency * hops, 1e-9)
+    bw = hops / group * comm_bytes / max(figures["large"] - figures["idle"], 1e-9)
+    if ranks > cores:  # a collective waits for ranks the scheduler has not run yet
+        latency = max(latency, figures["busy"] / hops)
     return Hardware(
         name="this-machine",
         gpus=ranks,
@@ -175,9 +177,11 @@ def _host_memory() -> float:
         return 16 * GB
 
 
-def _gloo_seconds(nbytes: int, world: int = 2) -> float:
-    """Seconds of a gloo all-reduce of ``nbytes`` among ``world`` local processes (best of 5,
-    the slowest rank)."""
+def _gloo_figures(nbytes: int, world: int) -> dict[str, float]:
+    """Gloo all-reduce figures among ``world`` local processes (the slowest rank's): seconds of
+    a 4-byte one when every rank waits for it (``idle``) and when the ranks arrive from compute
+    (``busy``: a ~1 ms matmul before each; ranks sharing cores arrive as the scheduler lets
+    them), and of an ``nbytes`` one (``large``)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -192,10 +196,10 @@ def _gloo_seconds(nbytes: int, world: int = 2) -> float:
         ]
         for p in procs:
             p.start()
-        seconds = max(queue.get(timeout=120) for _ in procs)
+        results = [queue.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(timeout=60)
-    return seconds
+    return {k: max(r[k] for r in results) for k in results[0]}
 
 
 def _allreduce_worker(rank: int, world: int, store_path: str, nbytes: int, queue) -> None:
@@ -209,13 +213,26 @@ def _allreduce_worker(rank: int, world: int, store_path: str, nbytes: int, queue
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    t = torch.ones(max(1, nbytes // 4))
-    dist.all_reduce(t)  # warm up
-    best = float("inf")
-    for _ in range(5):
-        dist.barrier()
+    small, large = torch.ones(1), torch.ones(max(1, nbytes // 4))
+    dist.all_reduce(large)  # warm up
+
+    def best_of(t: torch.Tensor, n: int = 5) -> float:
+        best = float("inf")
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    a = torch.randn(256, 256)
+    waits = []
+    dist.barrier()
+    for _ in range(40):
+        for _ in range(8):
+            a @ a  # about a millisecond of compute
         t0 = time.perf_counter()
-        dist.all_reduce(t)
-        best = min(best, time.perf_counter() - t0)
-    queue.put(best)
+        dist.all_reduce(small)
+        waits.append(time.perf_counter() - t0)
+    queue.put({"idle": best_of(small), "large": best_of(large), "busy": sum(waits) / len(waits)})
     dist.destroy_process_group()
