@@ -390,6 +390,13 @@ MUTANTS = [
         "out += norm",
         ("tests/test_estimate.py::test_estimate_from_the_model_description_matches_every_rank",),
     ),
+    Mutant(
+        "auto stage: the highest stage that fits, not the lowest",
+        "plan/auto.py",
+        "stage = fits[0]",
+        "stage = fits[-1]",
+        ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
+    ),
 ]
 
 

@@ -19,6 +19,7 @@ from .data.sampler import ResumableSampler
 from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
+from .plan.auto import resolve as resolve_auto
 from .topology import Topology, init_distributed
 
 
@@ -228,6 +229,7 @@ def initialize(
     if dist_init_required is not False:
         init_distributed()
     topo = _topology(model, cfg, topology, mpu)
+    cfg = resolve_auto(cfg, model, topo)  # "auto" stage / micro-batch, chosen and logged
     groups = _param_groups(model, optimizer, model_parameters)
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)

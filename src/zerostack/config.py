@@ -117,6 +117,20 @@ def _list_to_tuple(v: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _stage_or_auto(v: Any) -> Any:
+    # "auto" passes as itself; anything else must be a whole number (one clean error, not a
+    # union's two).
+    if v == "auto":
+        return v
+    v = _integral(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        _fail(f"must be a valid integer or 'auto' (got {v!r})")
+    return v
+
+
+StageOrAuto = Annotated[int | str, BeforeValidator(_stage_or_auto)]
 PositiveInt = Annotated[Int, Field(gt=0)]
 NonNegInt = Annotated[Int, Field(ge=0)]
 BatchSize = Annotated[PositiveInt | None, BeforeValidator(_auto_is_none)]
@@ -392,7 +406,7 @@ class OffloadConfig(_Model):
 
 def _check_implemented(zero: "ZeroConfig") -> None:
     """The one place that knows what this version implements: widen it as features land."""
-    if zero.stage not in SUPPORTED_ZERO_STAGES:
+    if zero.stage != "auto" and zero.stage not in SUPPORTED_ZERO_STAGES:
         supported = ", ".join(map(str, sorted(SUPPORTED_ZERO_STAGES)))
         msg = f"{zero.stage} is not implemented yet in this version of zerostack"
         _fail(f"{msg} (supported: {supported})", "stage")
@@ -405,8 +419,10 @@ def _check_implemented(zero: "ZeroConfig") -> None:
 class ZeroConfig(_Model):
     """The ``zero_optimization`` block."""
 
-    stage: Int = 0
-    """ZeRO stage: 0 (plain data parallel), 1, 2 or 3; see SUPPORTED_ZERO_STAGES."""
+    stage: StageOrAuto = 0
+    """ZeRO stage: 0 (plain data parallel), 1, 2 or 3; see SUPPORTED_ZERO_STAGES. "auto": the
+    lowest stage whose bytes per rank fit the device, chosen at ``initialize``
+    (:mod:`zerostack.plan.auto`) and logged."""
     allgather_partitions: bool = True
     """All-gather updated partitions (vs. a series of broadcasts). Accepted for DeepSpeed
     compatibility; no effect yet."""
@@ -489,9 +505,9 @@ class ZeroConfig(_Model):
 
     @field_validator("stage")
     @classmethod
-    def _stage_range(cls, v: int) -> int:
-        if v not in range(4):
-            _fail(f"{v} is not one of 0, 1, 2, 3")
+    def _stage_range(cls, v: int | str) -> int | str:
+        if v != "auto" and v not in range(4):
+            _fail(f"{v} is not one of 0, 1, 2, 3, auto")
         return v
 
     @model_validator(mode="after")
@@ -504,10 +520,10 @@ class ZeroConfig(_Model):
             self.cpu_offload = None
         # Rule errors come before "not implemented yet", so they are seen while it still holds.
         if self.offload_param is not None and self.offload_param.device != "none":
-            if self.stage != 3:
+            if self.stage not in (3, "auto"):
                 _fail(f"only valid with stage 3 (stage is {self.stage})", "offload_param")
         if self.offload_optimizer is not None and self.offload_optimizer.device != "none":
-            if self.stage == 0:
+            if self.stage == 0:  # "auto" picks a stage that can
                 _fail("needs ZeRO stage 1, 2 or 3 (stage is 0)", "offload_optimizer")
         _check_implemented(self)
         return self
@@ -616,6 +632,22 @@ class ZeroStackConfig(_Model):
     """Batch size of one forward/backward on one rank ("auto" = not given)."""
     gradient_accumulation_steps: BatchSize = None
     """Micro batches per optimizer step ("auto" = not given)."""
+    planned_batch: frozenset[str] = Field(default=frozenset(), exclude=True)
+    """Not a config key: which of train_micro_batch_size_per_gpu and gradient_accumulation_steps
+    were "auto", for :mod:`zerostack.plan.auto` to choose at ``initialize`` (with
+    train_batch_size given and a model it can describe; else "auto" means not given)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _note_auto_batch(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if "planned_batch" in data:
+                _fail("not a config key (set by the loader)", "planned_batch")
+            keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+            auto = frozenset(k for k in keys if data.get(k) == "auto")
+            if auto:
+                data = {**data, "planned_batch": auto}
+        return data
     steps_per_print: PositiveInt = 10
     """Log progress every this many optimizer steps."""
     gradient_clipping: NonNegFloat = 0.0
