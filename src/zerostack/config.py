@@ -648,6 +648,7 @@ class ZeroStackConfig(_Model):
             if auto:
                 data = {**data, "planned_batch": auto}
         return data
+
     steps_per_print: PositiveInt = 10
     """Log progress every this many optimizer steps."""
     gradient_clipping: NonNegFloat = 0.0
