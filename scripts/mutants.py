@@ -328,7 +328,7 @@ MUTANTS = [
     Mutant(
         "plan: the pipeline bubble left out of the step time",
         "plan/cost.py",
-        "bubble = compute * (c.pp - 1) / c.gas if c.pp > 1 else 0.0",
+        "bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]",
         "bubble = 0.0",
         ("tests/test_plan.py::test_the_published_1t_layout",),
     ),

@@ -344,7 +344,15 @@ def _engine_profile(rank, world, gas):
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False},
+        "steps_per_print": 1,
     }
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("zerostack").addHandler(handler)
+    logging.getLogger("zerostack").setLevel(logging.INFO)
     engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
     out = io.StringIO()
     seen = []
@@ -354,7 +362,8 @@ def _engine_profile(rank, world, gas):
             engine.backward(engine(x, x))
             engine.step()
             seen.append(engine.flops_profile.active)
-    return out.getvalue(), engine.flops_profile.last_step_flops, seen, cfg
+    steps = [r for r in records if r.startswith("step=")]
+    return out.getvalue(), engine.flops_profile.last_step_flops, seen, cfg, steps
 
 
 @pytest.mark.parametrize("gas", [1, 2])
@@ -364,9 +373,12 @@ def test_the_engine_profiles_the_configured_step(gas):
     (forward x 3) over the global batch."""
     from distributed import run_distributed
 
-    text, flops, seen, cfg = run_distributed(_engine_profile, 1, args=(gas,))[0]
+    text, flops, seen, cfg, steps = run_distributed(_engine_profile, 1, args=(gas,))[0]
     assert text.count("Profile Summary at step 1:") == 1, text
     layers, h, s, v = cfg.n_layer, cfg.d_model, cfg.block_size, cfg.vocab_size
     assert flops == transformer_flops(layers, h, cfg.n_head, v, s, batch=2 * gas)
     # active during the micro-steps of the second step only
     assert seen == [False] * gas + [True] * (gas - 1) + [False] * (gas + 1)
+    # the step log: samples/s from its second line, model TFLOP/s per rank once profiled
+    assert len(steps) == 3 and "samples/s=" not in steps[0], steps
+    assert all("samples/s=" in line and "TFLOP/s per rank=" in line for line in steps[1:]), steps

@@ -111,3 +111,16 @@ def test_no_model_is_one_line():
 def test_a_model_that_fits_nowhere_names_the_families():
     with pytest.raises(PlanError, match="no layout fits 8 x a100-80gb: tp 1 x pp 1"):
         search(GPT_1T, profile("a100-80gb", gpus=8), 8, offload=False)
+
+
+def test_the_bubble_is_the_simulated_schedule():
+    """Small schedules are run by pipeline/simulate.py (1F1B and interleaved): the bubble and the
+    micro-batches the first stage holds; they agree with the closed forms used past its size."""
+    from zerostack.plan.cost import pipeline
+
+    assert pipeline(1, 8) == (0.0, 1.0)
+    assert pipeline(4, 4) == (0.75, 4.0)  # (pp - 1) / gas; pp micro-batches in flight
+    bubble, held = pipeline(8, 64, 2)  # interleaved, two chunks per rank
+    assert bubble == pytest.approx(7 / 128) and held == 8 * (1 + 7 / 16)
+    big, held = pipeline(64, 512, 2)  # past the simulator's size: the closed forms
+    assert big == pytest.approx(63 / 1024) and held == 64 * (1 + 63 / 128)

@@ -276,12 +276,13 @@ class Engine(EngineAPI, nn.Module):
         if self.global_rank != 0 or self.global_steps % self.config.steps_per_print:
             return
         log.info(
-            "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s",
+            "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s %s",
             self.global_steps,
             self.skipped_steps,
             [f"{lr:.3g}" for lr in self.get_lr()],
             self.loss_scale,
             self._global_grad_norm,
+            self.throughput_since_print(),
         )
         if self.config.wall_clock_breakdown:
             log.info("time (s): %s", {k: round(v, 4) for k, v in self.timers.items()})

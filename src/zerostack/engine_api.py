@@ -9,6 +9,7 @@ counters through ``training_state``), the full fp32 weights, memory figures and 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -16,6 +17,22 @@ from .tensor_parallel import join_tensors, partition_spec
 
 
 class EngineAPI:
+    def throughput_since_print(self) -> str:
+        """Samples per second since the last step log (and, once the flops profiler has measured
+        a step, model TFLOP/s per rank), for the step log; resets the clock."""
+        now, samples = time.perf_counter(), self.global_samples
+        last = getattr(self, "_print_clock", None)
+        self._print_clock = (now, samples, self.global_steps)
+        if last is None or now <= last[0]:
+            return ""
+        seconds = now - last[0]
+        out = f"samples/s={(samples - last[1]) / seconds:.3g}"
+        flops = getattr(self.flops_profile, "last_step_flops", None)
+        if flops:
+            per_rank = flops * (self.global_steps - last[2]) / seconds / self.world_size
+            out += f" TFLOP/s per rank={per_rank / 1e12:.3g}"
+        return out
+
     def training_state(self) -> dict[str, int]:
         """The engine's counters, as checkpoints keep them."""
         return {

@@ -31,6 +31,7 @@ class Workload:
     recompute: str = "none"
     sequence_parallel: bool = False
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
+    in_flight: float = 0.0  # micro-batches the first pipeline stage holds (0: 1F1B's min(pp, gas))
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (elements)
@@ -94,7 +95,7 @@ def estimate(
         "buffer_bytes_per_rank": _buffers(local, largest, layout, work),
     }
     if model is not None:
-        in_flight = min(layout.pp, work.gas)  # 1F1B: the first stage holds pp micro-batches
+        in_flight = work.in_flight or min(layout.pp, work.gas)  # 1F1B: pp on the first stage
         out["activation_bytes_per_rank"] = stage_activation_bytes(
             model,
             work.micro_batch,

@@ -7,8 +7,10 @@ Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a glo
   forward 24 B s l h^2 (1 + s / 6h) + 2 B s h V; backward twice that; full recompute one more
   forward, selective the attention core's 4 B s^2 l h again) split over dp x tp x pp, at
   ``peak x matmul_efficiency``;
-* **pipeline bubble**: 1F1B over ``gas`` micro-batches idles ``(pp - 1) / (gas x chunks)`` of the
-  compute (:func:`zerostack.pipeline.simulate` measures the same for the schedules it runs);
+* **pipeline bubble**: the schedule run by :func:`zerostack.pipeline.simulate.simulate` (1F1B,
+  or interleaved with ``chunks`` model chunks per rank; backward twice a forward), which also
+  gives the micro-batches the first stage holds; past 20,000 instructions in all, the closed
+  form the simulator agrees with, ``(pp - 1) / (gas x chunks)``;
 * **tensor parallelism**: per layer and micro-batch, 2 all-reduces of ``b s h`` values in forward
   and 2 in backward (2 more per recomputed forward), never overlapped;
 * **pipeline sends**: an activation and its gradient per micro-batch per stage boundary;
@@ -28,9 +30,12 @@ runs at the inter-node bandwidth.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from ..estimate import Layout, Transformer, Workload, estimate
 from ..estimate.memory import PRECISION_BYTES
+from ..pipeline.schedule import build_streams
+from ..pipeline.simulate import simulate
 from ..profiling.flops import transformer_flops
 from .hardware import Hardware
 
@@ -48,6 +53,7 @@ class Candidate:
     recompute: str = "none"
     offload: str = "none"
     precision: str = "bf16"
+    chunks: int = 1  # model chunks per pipeline rank (2: the interleaved schedule)
 
     @property
     def world(self) -> int:
@@ -70,7 +76,25 @@ class Candidate:
             gas=self.gas,
             recompute=self.recompute,
             sequence_parallel=self.tp > 1,
+            in_flight=pipeline(self.pp, self.gas, self.chunks)[1],
         )
+
+
+SIMULATED = 20_000  # instructions over all ranks up to which the schedule is simulated
+
+
+@lru_cache(maxsize=512)
+def pipeline(pp: int, gas: int, chunks: int = 1) -> tuple[float, float]:
+    """``(bubble, in_flight)``: idle time as a share of a rank's compute, and the micro-batches
+    (through all of a rank's layers) the first stage holds at its peak."""
+    if pp == 1:
+        return 0.0, 1.0
+    if pp * 3 * gas * chunks <= SIMULATED:
+        name = "interleaved" if chunks > 1 else "1f1b"
+        r = simulate(build_streams(name, pp, gas, chunks), forward=1, backward=2, chunks=chunks)
+        return r.makespan / (3 * gas) - 1, r.peak_activations[0] / chunks
+    in_flight = min(pp, gas) * (1 + (pp - 1) / (pp * chunks)) if chunks > 1 else min(pp, gas)
+    return (pp - 1) / (gas * chunks), in_flight
 
 
 def model_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float:
@@ -134,7 +158,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     flops = model_flops(m, batch, recompute=c.recompute)
     compute = flops / c.world / achieved
     backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
-    bubble = compute * (c.pp - 1) / c.gas if c.pp > 1 else 0.0
+    bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]
     if hw.shared_cores:  # idle ranks lend their cores: the machine's throughput bounds the step
         critical = (compute + bubble) * hw.shared_cores / c.world
         bubble = max(0.0, critical - compute)

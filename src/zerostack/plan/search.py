@@ -16,6 +16,7 @@ The feasible layouts are ranked by predicted step time (:func:`~.cost.predict`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -95,19 +96,20 @@ def search(
             for mb in _powers_of_two(per_rank):
                 if per_rank % mb:
                     continue
-                for stage in stages:
-                    for where in ("none", "cpu") if offload and stage > 0 else ("none",):
-                        for recompute in RECOMPUTE:
-                            considered += 1
-                            c = Candidate(
-                                dp, tp, pp, stage, mb, per_rank // mb, recompute, where, precision
-                            )
-                            p = predict(m, batch, c, hw)
-                            key = (tp, pp)
-                            smallest[key] = min(smallest.get(key, p.memory_bytes), p.memory_bytes)
-                            if p.memory_bytes <= budget:
-                                fits.add(key)
-                                ranked.append(p)
+                gas = per_rank // mb
+                for stage, chunks in itertools.product(stages, _chunks(m, pp, gas)):
+                    wheres = ("none", "cpu") if offload and stage > 0 else ("none",)
+                    for where, recompute in itertools.product(wheres, RECOMPUTE):
+                        considered += 1
+                        c = Candidate(
+                            dp, tp, pp, stage, mb, gas, recompute, where, precision, chunks
+                        )
+                        p = predict(m, batch, c, hw)
+                        key = (tp, pp)
+                        smallest[key] = min(smallest.get(key, p.memory_bytes), p.memory_bytes)
+                        if p.memory_bytes <= budget:
+                            fits.add(key)
+                            ranked.append(p)
     for (tp, pp), least in smallest.items():
         if (tp, pp) not in fits:
             reason = f"tp {tp} x pp {pp}: its smallest layout needs {least / GB:.1f} GB per device"
@@ -117,6 +119,14 @@ def search(
         raise PlanError(f"no layout fits {hw.gpus} x {hw.name}: {reasons}")
     ranked.sort(key=lambda p: p.step_s)
     return Plan(ranked, dict(dropped), considered, time.perf_counter() - t0)
+
+
+def _chunks(m: Transformer, pp: int, gas: int) -> tuple[int, ...]:
+    """1F1B (one chunk per rank) and, where the layers and micro-batches divide, interleaved
+    with two chunks."""
+    if pp > 1 and m.layers % (2 * pp) == 0 and gas % pp == 0:
+        return (1, 2)
+    return (1,)
 
 
 def ds_config(p: Prediction, batch: int) -> dict:
@@ -136,6 +146,8 @@ def ds_config(p: Prediction, batch: int) -> dict:
         cfg["tensor_parallel"] = {"autotp_size": c.tp}
     if c.pp > 1:
         cfg["pipeline"] = {"stages": c.pp}
+        if c.chunks > 1:
+            cfg["pipeline"].update(schedule="interleaved", virtual_stages=c.chunks)
         if c.recompute == "full":
             cfg["pipeline"]["activation_checkpoint_interval"] = 1
     if c.recompute != "none":
@@ -158,14 +170,15 @@ def render(plan: Plan, hw: Hardware, top: int = 10) -> str:
         f"{plan.considered} layouts considered on {hw.gpus} x {hw.name}"
         f"{' (nominal profile)' if hw.nominal else ' (calibrated)'} in {plan.seconds:.2f} s; "
         f"{len(plan.ranked)} fit",
-        f"{'rank':>4} {'dp':>5} {'tp':>3} {'pp':>4} {'zero':>4} {'mb':>3} {'gas':>5} "
+        f"{'rank':>4} {'dp':>5} {'tp':>3} {'pp':>4} {'v':>2} {'zero':>4} {'mb':>3} {'gas':>5} "
         f"{'recompute':>9} {'offload':>7} | {'step s':>8} {'MFU':>6} {'GB/rank':>8}",
     ]
     for i, p in enumerate(plan.ranked[:top]):
         c = p.candidate
         lines.append(
-            f"{i + 1:>4} {c.dp:>5} {c.tp:>3} {c.pp:>4} {c.stage:>4} {c.micro_batch:>3} "
-            f"{c.gas:>5} {c.recompute:>9} {c.offload:>7} | {p.step_s:8.3f} {p.mfu:6.1%} "
+            f"{i + 1:>4} {c.dp:>5} {c.tp:>3} {c.pp:>4} {c.chunks:>2} {c.stage:>4} "
+            f"{c.micro_batch:>3} {c.gas:>5} {c.recompute:>9} {c.offload:>7} | {p.step_s:8.3f} "
+            f"{p.mfu:6.1%} "
             f"{p.memory_bytes / GB:8.1f}"
         )
     if plan.dropped:
