@@ -397,6 +397,16 @@ MUTANTS = [
         "stage = fits[-1]",
         ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
     ),
+    Mutant(
+        "recomputation hands autograd the saved tensor itself (the graph leaks every step)",
+        "activation_checkpointing/recompute.py",
+        "            return len(out) - 1",
+        "            return x",
+        (
+            "tests/test_activation_checkpointing.py"
+            "::test_the_recomputed_graph_is_freed_after_backward",
+        ),
+    ),
 ]
 
 

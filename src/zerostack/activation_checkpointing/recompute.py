@@ -162,9 +162,12 @@ class _Frame:
         args = self.inputs.restore(s)
         out: dict[int, torch.Tensor] = {}
 
-        def record(x: torch.Tensor) -> torch.Tensor:
+        def record(x: torch.Tensor) -> int:
+            # Keep a detached copy of what the forward saves; hand autograd a plain index, not
+            # x: a saved output returned as itself holds its own grad_fn, a reference cycle
+            # in C++ that Python's gc cannot see, and the recomputed graph would never be freed.
             out[len(out)] = x.detach()
-            return x
+            return len(out) - 1
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.rng.replayed())
