@@ -1,6 +1,7 @@
 """The planner's cost model against real runs on this machine: predicted beside measured.
 
     python benchmarks/plan.py                        # 13 layouts of the reference GPT, world 4
+                                                     # (2 rounds, alternating; about 7 minutes)
     python benchmarks/plan.py --out plan.json --plot plan.png
 
 Calibrates this machine (``zerostack.plan.calibrate``: a matmul per rank's share of the cores
@@ -65,7 +66,8 @@ def _args(argv=None):
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per layout")
+    p.add_argument("--rounds", type=int, default=2, help="runs of every layout; the best kept")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="also write the JSON object here")
     p.add_argument("--plot", help="write a predicted-vs-measured scatter plot (PNG) here")
@@ -214,13 +216,21 @@ def main(args) -> dict:
     hw = calibrate_cached()
     m = _transformer(args)
     env = dict(os.environ, OMP_NUM_THREADS="1", ZS_PLAN_HW=json.dumps(vars(hw)))
+    measured: dict[int, dict] = {}
+    for r in range(args.rounds):  # alternate the order: machine noise hits every layout alike
+        order = list(range(len(LAYOUTS)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            layout = LAYOUTS[i]
+            argv = [*sys.argv[1:], "--layout", json.dumps(layout)]
+            got = torchrun(os.path.abspath(__file__), _candidate(layout).world, argv, env, 900)
+            if i not in measured or got.get("median_s", 1e9) < measured[i].get("median_s", 1e9):
+                measured[i] = got  # the round with the lowest median
+            print(json.dumps({"layout": layout, **got}), file=sys.stderr, flush=True)
     rows = []
-    for layout in LAYOUTS:
-        c = _candidate(layout)
+    for i, layout in enumerate(LAYOUTS):
+        c, got = _candidate(layout), measured[i]
         p = predict(m, BATCH, c, hw)
         est = estimate(int(m.params), c.layout(), model=m, work=c.workload())
-        argv = [*sys.argv[1:], "--layout", json.dumps(layout)]
-        got = torchrun(os.path.abspath(__file__), c.world, argv, env, timeout=900)
         row = {
             "layout": dict(zip(KEYS, layout, strict=True)),
             "predicted_s": p.step_s,
@@ -233,7 +243,6 @@ def main(args) -> dict:
             row["states_error"] = states / got["model_states_bytes"] - 1
             row["rss_error"] = row["predicted_rss_bytes"] / got["peak_rss_bytes"] - 1
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
     ok = [r for r in rows if "error" not in r]
     pred = [r["predicted_s"] for r in ok]
     meas = [r["median_s"] for r in ok]
