@@ -65,3 +65,30 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
         if d > worst:
             worst, name = d, k
     return worst, name
+
+
+def run_cli(*argv) -> tuple[int, str, str]:
+    """``zerostack <argv>`` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from zerostack import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def tiny_transformer():
+    """TINY as :class:`zerostack.estimate.Transformer` describes it."""
+    from zerostack.estimate import Transformer
+
+    return Transformer(
+        layers=TINY.n_layer,
+        hidden=TINY.d_model,
+        heads=TINY.n_head,
+        vocab=TINY.vocab_size,
+        seq=TINY.block_size,
+        bias=TINY.bias,
+    )

@@ -5,17 +5,14 @@ against the same per-stage formulas, which the estimator must equal)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
-from common import TINY, batch, tiny_gpt
+from common import TINY, batch, run_cli, tiny_gpt, tiny_transformer
 from distributed import run_distributed
 from test_memory import expected
 
 import zerostack
-from zerostack import cli
 from zerostack.estimate import (
     EstimateError,
     Layout,
@@ -33,11 +30,7 @@ from zerostack.zero.init import full_shape
 PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO paper, Figure 1: 7.5B params, N = 64
 
 
-def _cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    return code, out.getvalue(), err.getvalue()
+_cli = run_cli
 
 
 def test_the_zero_papers_figure_1():
@@ -91,14 +84,7 @@ def test_parameter_counts_of_known_models():
     """GPT-2 small from its config.json has 124,439,808 parameters; the reference GPT's count."""
     gpt2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
     assert Transformer.from_hf_config(gpt2).params == 124_439_808
-    m = Transformer(
-        layers=TINY.n_layer,
-        hidden=TINY.d_model,
-        heads=TINY.n_head,
-        vocab=TINY.vocab_size,
-        seq=TINY.block_size,
-        bias=TINY.bias,
-    )
+    m = tiny_transformer()
     assert m.params == TINY.num_params == sum(p.numel() for p in tiny_gpt().parameters())
 
 
@@ -279,14 +265,7 @@ def test_estimate_from_the_model_description_matches_every_rank():
     """From the GPT's description alone (no live model): the busiest rank's model-state bytes
     equal the most any rank holds, with tp splitting some tensors and not others, a pipeline's
     last stage holding the tied output layer, and stage 3 holding small parameters whole."""
-    model = Transformer(
-        layers=TINY.n_layer,
-        hidden=TINY.d_model,
-        heads=TINY.n_head,
-        vocab=TINY.vocab_size,
-        seq=TINY.block_size,
-        bias=TINY.bias,
-    )
+    model = tiny_transformer()
     results = run_distributed(_live, 2, args=(LIVE,))
     for name, case in LIVE.items():
         if case.get("offload_param"):

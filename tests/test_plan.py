@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
+from common import run_cli
 
-from zerostack import cli
 from zerostack.config import load_config
 from zerostack.estimate import Transformer
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
@@ -20,11 +18,7 @@ from zerostack.plan.search import search
 GPT_1T = Transformer(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048, dropout=False)
 
 
-def _cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    return code, out.getvalue(), err.getvalue()
+_cli = run_cli
 
 
 def test_flops_are_narayanans_formula():

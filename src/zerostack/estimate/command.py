@@ -7,6 +7,15 @@ import sys
 
 from zerostack import estimate as est
 
+MODEL_KEYS = ("layers", "hidden", "heads", "vocab", "seq")
+
+
+def add_model_arguments(group) -> None:
+    """A GPT-style description (``--layers ... --seq``) or a Hugging Face ``--hf-config``."""
+    for name in MODEL_KEYS:
+        group.add_argument(f"--{name}", type=int)
+    group.add_argument("--hf-config", help="a Hugging Face config.json (--seq overrides it)")
+
 
 def add_parser(sub) -> None:
     e = sub.add_parser(
@@ -19,9 +28,7 @@ def add_parser(sub) -> None:
     )
     m = e.add_argument_group("the model")
     m.add_argument("--params", type=float, help="trainable parameters, e.g. 7.5e9")
-    for name in ("layers", "hidden", "heads", "vocab", "seq"):
-        m.add_argument(f"--{name}", type=int)
-    m.add_argument("--hf-config", help="a Hugging Face config.json (--seq overrides its length)")
+    add_model_arguments(m)
     m.add_argument("--dropout", action="store_true", help="count dropout masks")
     g = e.add_argument_group("the layout")
     g.add_argument("--world", type=int, default=1, help="ranks in all")

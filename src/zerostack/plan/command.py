@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..estimate import EstimateError, describe
+from ..estimate.command import MODEL_KEYS, add_model_arguments
 from .hardware import GB, PlanError, calibrate, profile
 from .search import as_json, ds_config, render, search, torchrun_command
 
@@ -21,9 +22,7 @@ def add_parser(sub) -> None:
         "a ds_config that zerostack.initialize accepts unchanged.",
     )
     m = p.add_argument_group("the model")
-    for name in ("layers", "hidden", "heads", "vocab", "seq"):
-        m.add_argument(f"--{name}", type=int)
-    m.add_argument("--hf-config", help="a Hugging Face config.json (--seq overrides its length)")
+    add_model_arguments(m)
     m.add_argument("--batch", type=int, required=True, help="global batch, in sequences")
     m.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="bf16")
     h = p.add_argument_group("the machine")
@@ -58,8 +57,7 @@ def _hardware(args):
 
 def run(args) -> int:
     try:
-        names = ("layers", "hidden", "heads", "vocab", "seq")
-        if args.hf_config is None and all(getattr(args, n) is None for n in names):
+        if args.hf_config is None and all(getattr(args, n) is None for n in MODEL_KEYS):
             raise PlanError("the model: give --layers ... --seq or --hf-config")
         _, model = describe(
             layers=args.layers,
