@@ -314,8 +314,8 @@ MUTANTS = [
     Mutant(
         "estimate: tensor-split activations divided by the sequence-parallel factor",
         "estimate/activations.py",
-        "split = (4 * d + 8 * d * wide) * sbh / t",
-        "split = (4 * d + 8 * d * wide) * sbh / sp",
+        "split = ((2 + 2 * kv) * d + mlp * d) * sbh / t",
+        "split = ((2 + 2 * kv) * d + mlp * d) * sbh / sp",
         ("tests/test_estimate.py::test_korthikanti_table_2",),
     ),
     Mutant(
@@ -406,6 +406,13 @@ MUTANTS = [
             "tests/test_activation_checkpointing.py"
             "::test_the_recomputed_graph_is_freed_after_backward",
         ),
+    ),
+    Mutant(
+        "estimate: a gated MLP counted with two matrices",
+        "estimate/activations.py",
+        "mats = 3 if self.gated else 2",
+        "mats = 2",
+        ("tests/test_estimate.py::test_llama_style_configs_count_their_published_parameters",),
     ),
 ]
 

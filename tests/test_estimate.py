@@ -300,3 +300,51 @@ def test_full_recompute_keeps_inputs_and_one_recomputed_layer():
     layer = layer_activation_bytes(m, 2, dtype_bytes=4)
     inputs = 4 * 32 * 2 * 64
     assert full == 2 * 4 * inputs + layer  # stage 0 of 2: 4 layers, 2 micro-batches in flight
+
+
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+MISTRAL_7B = {
+    **LLAMA2_7B,
+    "model_type": "mistral",
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+}
+
+
+def test_llama_style_configs_count_their_published_parameters():
+    """Gated MLP, no biases, no position table, grouped-query attention, an untied output
+    layer: Llama-2-7B has 6,738,415,616 parameters and Mistral-7B 7,241,732,096."""
+    assert Transformer.from_hf_config(LLAMA2_7B).params == 6_738_415_616
+    mistral = Transformer.from_hf_config(MISTRAL_7B)
+    assert mistral.params == 7_241_732_096
+    assert (mistral.kv_hidden, mistral.gated, mistral.positions, mistral.tied) == (
+        1024,
+        True,
+        False,
+        False,
+    )
+
+
+def test_llama_style_flops_are_two_per_weight_per_token():
+    """A forward's matrix products: 2 flops per weight of each layer's matrices per token, the
+    output layer's, and the attention scores' 4 s^2 h per layer (Mistral-7B at s = 4096)."""
+    from zerostack.profiling.flops import transformer_flops
+
+    m = Transformer.from_hf_config(MISTRAL_7B, seq=4096)
+    h, f, kv, s, L, V = m.hidden, m.ffn_hidden, m.kv_hidden, m.seq, m.layers, m.vocab
+    weights = L * (2 * h * h + 2 * h * kv + 3 * h * f)
+    want = 2 * s * weights + 2 * s * h * V + 4 * s * s * h * L
+    got = transformer_flops(L, h, m.heads, V, s, 1, ffn=f, backward=False, kv_hidden=kv, gated=True)
+    assert got == want

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from .memory import EstimateError
 
+ROTARY = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma", "phi3"})
+
 
 @dataclass(frozen=True)
 class Transformer:
@@ -22,6 +24,10 @@ class Transformer:
     ffn: int = 0  # 0: 4 x hidden
     dropout: bool = True  # dropout masks are kept (1 byte per element) when dropout is on
     bias: bool = True  # Linear and LayerNorm biases (the parameter count only)
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    gated: bool = False  # a gated MLP (SwiGLU: gate, up and down matrices), as Llama's
+    positions: bool = True  # learned position embeddings (GPT-2); False: rotary, no table
+    tied: bool = True  # the output layer is the token embedding (False: its own matrix)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -35,14 +41,23 @@ class Transformer:
         return self.ffn or 4 * self.hidden
 
     @property
+    def kv_hidden(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
     def params(self) -> int:
         """Weights and biases: per layer QKV, projection, two MLP matrices and two LayerNorms;
         token and position embeddings (the output layer tied to the token embedding), final
         LayerNorm."""
-        h, f, b = self.hidden, self.ffn_hidden, int(self.bias)
-        per_layer = (3 * h * h + 3 * h * b) + (h * h + h * b) + (2 * h * f + (f + h) * b)
-        per_layer += 2 * (h + h * b)
-        return self.layers * per_layer + self.vocab * h + self.seq * h + (h + h * b)
+        h, f, b, kv = self.hidden, self.ffn_hidden, int(self.bias), self.kv_hidden
+        attention = (h * h + 2 * h * kv + (h + 2 * kv) * b) + (h * h + h * b)
+        mats = 3 if self.gated else 2
+        mlp = mats * h * f + ((mats - 1) * f + h) * b
+        per_layer = attention + mlp + 2 * (h + h * b)
+        embeddings = self.vocab * h * (1 if self.tied else 2)
+        embeddings += self.seq * h if self.positions else 0
+        return self.layers * per_layer + embeddings + (h + h * b)
 
     def rank_tensors(self, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
         """The element counts of the parameter tensors one rank holds, as the reference GPT lays
@@ -70,7 +85,9 @@ class Transformer:
     @classmethod
     def from_hf_config(cls, config: dict, seq: int | None = None) -> Transformer:
         """From a Hugging Face ``config.json`` (GPT-2, Llama, Mistral, GPT-NeoX, OPT, BERT key
-        names); ``seq`` overrides the config's maximum length."""
+        names); ``seq`` overrides the config's maximum length. Llama-style models (rotary
+        positions: Llama, Mistral, Qwen2, ...) have a gated MLP, no biases, no position table,
+        grouped-query attention and, unless tied, their own output matrix."""
 
         def pick(*names):
             for n in names:
@@ -78,13 +95,20 @@ class Transformer:
                     return config[n]
             raise EstimateError(f"config.json: none of {', '.join(names)} is given")
 
+        rotary = config.get("model_type") in ROTARY or "rope_theta" in config
+        heads = int(pick("num_attention_heads", "n_head"))
         return cls(
             layers=int(pick("num_hidden_layers", "n_layer", "num_layers")),
             hidden=int(pick("hidden_size", "n_embd", "d_model")),
-            heads=int(pick("num_attention_heads", "n_head")),
+            heads=heads,
             vocab=int(pick("vocab_size")),
             seq=int(seq or pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length")),
             ffn=int(config.get("intermediate_size") or config.get("n_inner") or 0),
+            bias=not rotary and bool(config.get("bias", True)),
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            gated=rotary,
+            positions=not rotary,
+            tied=bool(config.get("tie_word_embeddings", not rotary)),
         )
 
 
@@ -123,8 +147,10 @@ def layer_activation_bytes(
         return d * sbh / sp
     mask = 1 if m.dropout else 0
     wide = m.ffn_hidden / (4 * h)
+    kv = m.kv_hidden / h  # K and V relative to Q (grouped-query attention keeps them smaller)
     whole = (4 * d + 2 * mask) * sbh / sp
-    split = (4 * d + 8 * d * wide) * sbh / t
+    mlp = 4 * 4 * wide if m.gated else 8 * wide  # gate, up, act(gate), product; or fc, gelu
+    split = ((2 + 2 * kv) * d + mlp * d) * sbh / t
     if recompute == "selective":
         core = 0.0
     elif flash:

@@ -110,6 +110,8 @@ def model_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float
         batch,
         ffn=m.ffn_hidden,
         recompute=recompute == "full",
+        kv_hidden=m.kv_hidden,
+        gated=m.gated,
     )
     if recompute == "selective":
         total += 4 * batch * m.seq * m.seq * m.layers * m.hidden

@@ -45,6 +45,8 @@ def transformer_flops(
     ffn: int | None = None,
     backward: bool = True,
     recompute: bool = False,
+    kv_hidden: int | None = None,
+    gated: bool = False,
 ) -> int:
     """Flops of one step over ``batch`` sequences of ``seq`` tokens (an exact int).
 
@@ -52,6 +54,8 @@ def transformer_flops(
     forward is run again in the backward, Narayanan et al.'s 96·B·s·l·h²·(...) count.
     ``ffn``: the MLP's inner width (default 4 · hidden). ``heads`` must divide ``hidden``; the
     count does not depend on it (the attention products cost the same however h is split).
+    ``kv_hidden``: the key and value projections' width under grouped-query attention (default
+    ``hidden``); ``gated``: a gated MLP (SwiGLU's three matrices: 6·B·s·h·f, not 4).
 
     >>> transformer_flops(2, 64, 4, 256, 32, 2, backward=False)
     15728640
@@ -66,7 +70,9 @@ def transformer_flops(
     if recompute and not backward:
         raise ValueError("transformer_flops: recompute=True needs backward=True")
     tokens = batch * seq
-    layer = tokens * (8 * hidden * hidden + 4 * hidden * ffn) + 4 * tokens * seq * hidden
+    kv = hidden if kv_hidden is None else kv_hidden
+    mlp = (6 if gated else 4) * hidden * ffn
+    layer = tokens * (4 * hidden * hidden + 4 * hidden * kv + mlp) + 4 * tokens * seq * hidden
     logits = 2 * tokens * hidden * vocab
     passes = 1 + (2 if backward else 0)  # a backward is two forwards' worth of products
     return layers * layer * (passes + (1 if recompute else 0)) + logits * passes
