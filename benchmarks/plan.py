@@ -82,15 +82,7 @@ def _gpt(args) -> GPTConfig:
 
 
 def _transformer(args) -> Transformer:
-    c = _gpt(args)
-    return Transformer(
-        layers=c.n_layer,
-        hidden=c.d_model,
-        heads=c.n_head,
-        vocab=c.vocab_size,
-        seq=c.block_size,
-        dropout=False,
-    )
+    return Transformer.from_gpt_config(_gpt(args))
 
 
 def _candidate(layout) -> Candidate:

@@ -84,11 +84,4 @@ def tiny_transformer():
     """TINY as :class:`zerostack.estimate.Transformer` describes it."""
     from zerostack.estimate import Transformer
 
-    return Transformer(
-        layers=TINY.n_layer,
-        hidden=TINY.d_model,
-        heads=TINY.n_head,
-        vocab=TINY.vocab_size,
-        seq=TINY.block_size,
-        bias=TINY.bias,
-    )
+    return Transformer.from_gpt_config(TINY)

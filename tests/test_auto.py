@@ -31,8 +31,8 @@ def test_the_lowest_stage_that_fits():
     model, desc = tiny_gpt(), describe_module(tiny_gpt())
     trained, _, _ = count_parameters(model)
     assert resolve(_cfg(), model, TOPO, memory_bytes=1e12).zero_optimization.stage == 0
-    b3 = _bytes(model, desc, _cfg(), TOPO, 3, 1, 1)
-    b2 = _bytes(model, desc, _cfg(), TOPO, 2, 1, 1)
+    b3 = _bytes(count_parameters(model), desc, _cfg(), TOPO, 3, 1, 1)
+    b2 = _bytes(count_parameters(model), desc, _cfg(), TOPO, 2, 1, 1)
     states = {s: model_states(trained, Layout(dp=4, stage=s)).device for s in (2, 3)}
     assert b2 - b3 == states[2] - states[3] > 0
     budget = (b3 + (b2 - b3) / 2) / 0.9
@@ -61,8 +61,8 @@ def test_the_largest_micro_batch_that_fits():
     assert cfg.planned_batch == {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
     roomy = resolve(cfg, model, TOPO, memory_bytes=1e12)
     assert roomy.resolve_batch(4) == (32, 8, 1)
-    two = _bytes(model, describe_module(model), cfg, TOPO, 0, 2, 4)
-    three_or_more = _bytes(model, describe_module(model), cfg, TOPO, 0, 4, 2)
+    two = _bytes(count_parameters(model), describe_module(model), cfg, TOPO, 0, 2, 4)
+    three_or_more = _bytes(count_parameters(model), describe_module(model), cfg, TOPO, 0, 4, 2)
     tight = resolve(cfg, model, TOPO, memory_bytes=(two + three_or_more) / 2 / 0.9)
     assert tight.resolve_batch(4) == (32, 2, 4)
     assert tight.zero_optimization.stage == 0  # not "auto": left as given

@@ -83,6 +83,19 @@ class Transformer:
         return out
 
     @classmethod
+    def from_gpt_config(cls, cfg) -> Transformer:
+        """From zerostack's reference GPT's ``GPTConfig`` (``zerostack.models``)."""
+        return cls(
+            layers=cfg.n_layer,
+            hidden=cfg.d_model,
+            heads=cfg.n_head,
+            vocab=cfg.vocab_size,
+            seq=cfg.block_size,
+            dropout=cfg.dropout > 0,
+            bias=cfg.bias,
+        )
+
+    @classmethod
     def from_hf_config(cls, config: dict, seq: int | None = None) -> Transformer:
         """From a Hugging Face ``config.json`` (GPT-2, Llama, Mistral, GPT-NeoX, OPT, BERT key
         names); ``seq`` overrides the config's maximum length. Llama-style models (rotary

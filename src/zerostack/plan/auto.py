@@ -28,6 +28,8 @@ from ..estimate import (
     stage_activation_bytes,
 )
 from ..estimate.memory import OPTIMIZER_STATE_BYTES, PRECISION_BYTES
+from ..precision import Precision
+from .hardware import host_memory
 
 log = logging.getLogger("zerostack")
 GB = 1e9
@@ -38,15 +40,7 @@ def describe_module(module: nn.Module) -> Transformer | None:
     ``cfg``) or a Hugging Face model (its ``config``); None otherwise."""
     cfg = getattr(module, "cfg", None)
     if cfg is not None and hasattr(cfg, "n_layer") and hasattr(cfg, "d_model"):
-        return Transformer(
-            layers=cfg.n_layer,
-            hidden=cfg.d_model,
-            heads=cfg.n_head,
-            vocab=cfg.vocab_size,
-            seq=cfg.block_size,
-            dropout=cfg.dropout > 0,
-            bias=cfg.bias,
-        )
+        return Transformer.from_gpt_config(cfg)
     hf = getattr(module, "config", None)
     if hf is not None and hasattr(hf, "to_dict"):
         try:
@@ -63,17 +57,13 @@ def device_memory(topology) -> float:
         import torch
 
         return float(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        host = 16 * GB
     local = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
-    return host / max(1, local)
+    return host_memory() / max(1, local)
 
 
 def _layout(cfg: ZeroStackConfig, topology, stage: int) -> Layout:
     zero = cfg.zero_optimization
-    precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    precision = Precision.from_config(cfg).name
     opt = (cfg.optimizer.type if cfg.optimizer is not None else "adam").lower()
     return Layout(
         dp=topology.dp,
@@ -85,9 +75,10 @@ def _layout(cfg: ZeroStackConfig, topology, stage: int) -> Layout:
     )
 
 
-def _bytes(module, model, cfg, topology, stage: int, micro: int, gas: int) -> float:
-    """Device bytes per rank at ``stage`` with ``micro`` x ``gas`` micro-batches."""
-    trained, frozen, _ = count_parameters(module)
+def _bytes(counts, model, cfg, topology, stage: int, micro: int, gas: int) -> float:
+    """Device bytes per rank at ``stage`` with ``micro`` x ``gas`` micro-batches, for the
+    ``(trained, frozen, _)`` parameter ``counts`` of this rank's module."""
+    trained, frozen, _ = counts
     layout = _layout(cfg, topology, stage)
     total = model_states(trained, layout, frozen=frozen).device
     if model is not None:
@@ -118,6 +109,7 @@ def resolve(
         return cfg
     budget = fraction * (memory_bytes if memory_bytes is not None else device_memory(topology))
     model = describe_module(module)
+    counts = count_parameters(module)
     micro = cfg.train_micro_batch_size_per_gpu or 1
     gas = cfg.gradient_accumulation_steps or 1
     stage = zero.stage
@@ -127,7 +119,7 @@ def resolve(
             stages = [s for s in stages if s >= 1]
         if zero.offload_param is not None and zero.offload_param.device != "none":
             stages = [3]
-        need = {s: _bytes(module, model, cfg, topology, s, micro, gas) for s in stages}
+        need = {s: _bytes(counts, model, cfg, topology, s, micro, gas) for s in stages}
         fits = [s for s in stages if need[s] <= budget]
         if not fits:
             last = stages[-1]
@@ -162,7 +154,7 @@ def resolve(
             (
                 m
                 for m in sizes
-                if _bytes(module, model, cfg, topology, stage, m, per_rank // m) <= budget
+                if _bytes(counts, model, cfg, topology, stage, m, per_rank // m) <= budget
             ),
             sizes[-1],
         )

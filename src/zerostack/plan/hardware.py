@@ -141,7 +141,7 @@ def calibrate(
         name="this-machine",
         gpus=ranks,
         gpus_per_node=ranks,
-        memory_bytes=_host_memory() / ranks,
+        memory_bytes=host_memory() / ranks,
         peak_flops=flops * share,
         matmul_efficiency=1.0,  # measured on a matmul already
         intra_bw=bw,
@@ -170,7 +170,7 @@ def matmul_flops(size: int = 1024, repeats: int = 3) -> float:
     return 2 * size**3 / best
 
 
-def _host_memory() -> float:
+def host_memory() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
