@@ -5,6 +5,7 @@ against the same per-stage formulas, which the estimator must equal)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -232,23 +233,33 @@ def _live(rank, world, cases):
     return out
 
 
+@functools.cache
+def _live_results():
+    """Every LIVE case on 2 ranks, once for the tests that read them."""
+    return run_distributed(_live, 2, args=(LIVE,))
+
+
+def _case_layout(case: dict, dp: int, *, offload_param: bool = True) -> Layout:
+    return Layout(
+        dp=dp,
+        tp=case.get("tp", 1),
+        pp=case.get("pp", 1),
+        stage=case["stage"],
+        precision=case.get("precision", "fp32"),
+        optimizer="adamw",
+        offload_optimizer=case.get("offload", "none"),
+        offload_param=case.get("offload_param", "none") if offload_param else "none",
+    )
+
+
 def test_estimate_matches_live_engines():
     """Per rank, what the estimator predicts for the parameters this rank's tp x pp slice holds
     equals engine.memory_breakdown() up to padding (fewer than dp elements per bucket, or per
     parameter at stage 3)."""
-    for got in run_distributed(_live, 2, args=(LIVE,)):
+    for got in _live_results():
         for name, case in LIVE.items():
             local, units, dp, breakdown, _, _ = got[name]
-            layout = Layout(
-                dp=dp,
-                tp=case.get("tp", 1),
-                pp=case.get("pp", 1),
-                stage=case["stage"],
-                precision=case.get("precision", "fp32"),
-                optimizer="adamw",
-                offload_optimizer=case.get("offload", "none"),
-                offload_param=case.get("offload_param", "none"),
-            )
+            layout = _case_layout(case, dp)
             want = model_states(local, layout).by_kind()
             slack = 8 * dp * units  # padding, and Adam's 4-byte step counter per tensor
             for kind, value in want.items():
@@ -266,20 +277,12 @@ def test_estimate_from_the_model_description_matches_every_rank():
     equal the most any rank holds, with tp splitting some tensors and not others, a pipeline's
     last stage holding the tied output layer, and stage 3 holding small parameters whole."""
     model = tiny_transformer()
-    results = run_distributed(_live, 2, args=(LIVE,))
+    results = _live_results()
     for name, case in LIVE.items():
         if case.get("offload_param"):
             continue  # memory_breakdown counts only the pieces read in right now
         dp = results[0][name][2]
-        layout = Layout(
-            dp=dp,
-            tp=case.get("tp", 1),
-            pp=case.get("pp", 1),
-            stage=case["stage"],
-            precision=case.get("precision", "fp32"),
-            optimizer="adamw",
-            offload_optimizer=case.get("offload", "none"),
-        )
+        layout = _case_layout(case, dp, offload_param=False)
         work = Workload(persistence_threshold=100_000 if case.get("persist") else 0)
         got = max(sum(r[name][3].values()) for r in results)
         want = estimate(model.params, layout, model=model, work=work)["model_states"]["total"]
