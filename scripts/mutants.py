@@ -414,6 +414,24 @@ MUTANTS = [
         "mats = 2",
         ("tests/test_estimate.py::test_llama_style_configs_count_their_published_parameters",),
     ),
+    Mutant(
+        "sequence parallelism: the column layer saves its gathered input",
+        "tensor_parallel/mappings.py",
+        "        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, comm), weight, bias)",
+        "        x = _all_gather(x, SEQ_DIM, comm)\n        ctx.save_for_backward(x, weight)\n"
+        "        return torch.nn.functional.linear(x, weight, bias)",
+        (
+            "tests/test_tensor_parallel.py::"
+            "test_sequence_parallel_layer_keeps_one_tp_th_of_its_activations",
+        ),
+    ),
+    Mutant(
+        "plan: the column layers' backward re-gather left out of the tp cost",
+        "plan/cost.py",
+        'big = layers * (10 + (4 if recompute == "full" else 0)) + 5',
+        'big = layers * (8 + (4 if recompute == "full" else 0)) + 4',
+        ("tests/test_tensor_parallel.py::test_comm_per_layer",),
+    ),
 ]
 
 

@@ -19,6 +19,7 @@ from zerostack import ConfigError, Topology
 from zerostack.checkpointing import checkpoint
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt import join_state_dicts, split_state_dict, tp_spec
+from zerostack.plan.cost import tp_collectives
 from zerostack.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -170,9 +171,49 @@ def test_comm_per_layer(sp):
     if not sp:
         assert per_block == {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0}
         assert whole == {"all_reduce": 4 * L + 2, "all_gather": 0, "reduce_scatter": 0}
-    else:  # each all-reduce becomes an all-gather + reduce-scatter pair
-        assert per_block == {"all_reduce": 0, "all_gather": 4, "reduce_scatter": 4}
-        assert whole == {"all_reduce": 0, "all_gather": 4 * L + 2, "reduce_scatter": 4 * L + 2}
+    else:  # each all-reduce becomes an all-gather + reduce-scatter pair, and the two column
+        # layers (and the output layer) gather their input again in backward: they keep only
+        # their sequence shard for it
+        assert per_block == {"all_reduce": 0, "all_gather": 6, "reduce_scatter": 4}
+        assert whole == {"all_reduce": 0, "all_gather": 6 * L + 3, "reduce_scatter": 4 * L + 2}
+        # the planner's cost model charges what the CommLog counts
+        assert whole["all_gather"] + whole["reduce_scatter"] == tp_collectives(L)[0]
+
+
+# ------------------------------------------------------------------------ activation memory
+def _saved_bytes(rank, world, sp):
+    """Bytes of the distinct storages one transformer layer's forward saves for backward, not
+    counting the parameters' own (a census through autograd's saved-tensor hooks)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=4, d_model=64, bias=True)
+    model = GPT(cfg)
+    if world > 1:
+        model.parallelize(Topology.build(tp=world), sequence_parallel=sp)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(2, cfg.block_size // (world if sp else 1), cfg.d_model, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x)
+    return sum(saved.values())
+
+
+def test_sequence_parallel_layer_keeps_one_tp_th_of_its_activations():
+    """Korthikanti et al.: with sequence parallelism a layer keeps exactly 1/tp of what it keeps
+    on one rank (the column layers save their input's sequence shard, not the gathered input);
+    without it, the LayerNorm and the column layers' inputs stay whole on every rank."""
+    one = _saved_bytes(0, 1, False)
+    for tp in (2, 4):
+        with_sp = run_distributed(_saved_bytes, tp, args=(True,))[0]
+        without = run_distributed(_saved_bytes, tp, args=(False,))[0]
+        assert with_sp * tp == one, (tp, with_sp, one)
+        assert without > with_sp
 
 
 # ------------------------------------------------------------------------ random streams

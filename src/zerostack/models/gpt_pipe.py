@@ -20,7 +20,7 @@ from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from ..tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp,
-    gather_from_sp,
+    gather_linear_from_sp,
     split_tensor,
     vocab_parallel_cross_entropy,
 )
@@ -54,14 +54,12 @@ class TokenEmbedding(nn.Module):
 
 def head_forward(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
     """The tied embedding as the output layer: logits (vocabulary-split under tp)."""
-    topo = embedding.topology
-    if topo is not None:
-        x = (
-            gather_from_sp(x, topo.comm)
-            if embedding.sequence_parallel
-            else copy_to_tp(x, topo.comm)
-        )
-    return F.linear(x, embedding.wte.weight)
+    topo, weight = embedding.topology, embedding.wte.weight
+    if topo is None:
+        return F.linear(x, weight)
+    if embedding.sequence_parallel and topo.tp > 1:
+        return gather_linear_from_sp(x, weight, None, topo.comm)
+    return F.linear(copy_to_tp(x, topo.comm), weight)
 
 
 class AddPositions(nn.Module):

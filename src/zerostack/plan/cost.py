@@ -153,6 +153,15 @@ class Prediction:
         return out
 
 
+def tp_collectives(layers: float, recompute: str = "none") -> tuple[float, float]:
+    """Collectives over the tp axis per micro-batch under sequence parallelism, forward and
+    backward through ``layers`` layers plus the embedding and the output layer: (activation-sized
+    all-gathers and reduce-scatters, small all-reduces of replicated parameters' gradients).
+    ``tests/test_tensor_parallel.py`` holds it to what the CommLog counts."""
+    big = layers * (10 + (4 if recompute == "full" else 0)) + 5
+    return big, layers * 6 + 4
+
+
 def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Prediction:
     """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
     d = PRECISION_BYTES[c.precision]
@@ -165,16 +174,15 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         critical = (compute + bubble) * hw.shared_cores / c.world
         bubble = max(0.0, critical - compute)
 
-    # tensor parallelism (sequence parallel), per micro-batch: per layer an all-gather before
-    # and a reduce-scatter after attention and the MLP, in forward, backward and a recomputed
-    # forward, and an all-reduce of each replicated parameter's gradient (two LayerNorms, two
-    # row-parallel biases); the embeddings and the vocabulary-parallel loss add a few. All are
-    # on the critical path. Ranks tp apart are adjacent (tp is the innermost axis of the grid).
+    # tensor parallelism (sequence parallel), per micro-batch (tp_collectives): per layer an
+    # all-gather before and a reduce-scatter after attention and the MLP, in forward, backward
+    # and a recomputed forward, the column layers' inputs gathered again in backward, and an
+    # all-reduce of each replicated parameter's gradient (two LayerNorms, two row-parallel
+    # biases); the embeddings and the vocabulary-parallel loss add a few. All are on the
+    # critical path. Ranks tp apart are adjacent (tp is the innermost axis of the grid).
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    layers = m.layers / c.pp
-    big = layers * (8 + (4 if c.recompute == "full" else 0)) + 4
-    small = layers * 6 + 4
+    big, small = tp_collectives(m.layers / c.pp, c.recompute)
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 

@@ -25,8 +25,8 @@ from ..topology import Topology
 from ..zero.linear import linear_saving_weight
 from .mappings import (
     copy_to_tp,
-    gather_from_sp,
     gather_from_tp,
+    gather_linear_from_sp,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_tp,
@@ -151,8 +151,10 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm
-        x = gather_from_sp(x, comm) if self.sequence_parallel else copy_to_tp(x, comm)
-        y = linear_saving_weight(x, self.weight, self.bias)
+        if self.sequence_parallel and comm.topo.tp > 1:
+            y = gather_linear_from_sp(x, self.weight, self.bias, comm)
+        else:
+            y = linear_saving_weight(copy_to_tp(x, comm), self.weight, self.bias)
         return gather_from_tp(y, comm) if self.gather_output else y
 
     def extra_repr(self) -> str:

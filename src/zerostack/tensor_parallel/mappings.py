@@ -14,6 +14,7 @@ scatter_to_tp         keep this rank's last-dim part all-gather along the last d
 gather_from_tp        all-gather along the last dim  keep this rank's part
 scatter_to_sp         keep this rank's sequence part all-gather along the sequence
 gather_from_sp        all-gather along the sequence  reduce-scatter along the sequence
+gather_linear_from_sp all-gather, then F.linear      reduce-scatter; all-gather again
 reduce_scatter_to_sp  reduce-scatter along sequence  all-gather along the sequence
 ====================  =============================  =============================
 
@@ -141,6 +142,34 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.comm), None
 
 
+class _GatherLinearFromSP(torch.autograd.Function):
+    """``F.linear`` of the all-gathered sequence shards that keeps only this rank's shard for
+    backward and gathers it again there (Korthikanti et al.; Megatron does the same): the layer
+    holds ``1 / tp`` of its input between forward and backward, at the price of one more
+    all-gather. Like ``linear_saving_weight``, it saves the weight parameter itself, so a stage-3
+    release frees the gathered storage during forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, comm), weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        shard, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _reduce_scatter(gy.matmul(weight), SEQ_DIM, ctx.comm)
+        flat = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            x = _all_gather(shard, SEQ_DIM, ctx.comm)
+            gw = flat.t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = flat.sum(0)
+        return gx, gw, gb, None
+
+
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Enter a tp region (Megatron's f): identity forward, all-reduce of the gradient backward.
 
@@ -173,6 +202,15 @@ def gather_from_sp(x: torch.Tensor, comm: Comm, *, grad_is_partial: bool = True)
     """All-gather the sequence shards. Backward reduce-scatters the gradient when the gathered
     tensor feeds a tp-split layer (each rank holds a partial sum), else keeps this rank's part."""
     return x if comm.topo.tp == 1 else _GatherFromSP.apply(x, comm, grad_is_partial)
+
+
+def gather_linear_from_sp(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm
+) -> torch.Tensor:
+    """``F.linear(gather_from_sp(x), weight, bias)`` keeping only the sequence shard ``x`` for
+    backward (the full input is gathered again there): a column-parallel layer's input under
+    sequence parallelism costs ``1 / tp`` of its size in activation memory."""
+    return _GatherLinearFromSP.apply(x, weight, bias, comm)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
