@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from common import run_cli
+from common import batch, run_cli
+from distributed import run_distributed
 
 from zerostack.config import load_config
 from zerostack.estimate import Transformer
+from zerostack.models import GPT, GPTConfig
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
 from zerostack.plan.search import search
 
@@ -118,3 +120,48 @@ def test_the_bubble_is_the_simulated_schedule():
     assert bubble == pytest.approx(7 / 128) and held == 8 * (1 + 7 / 16)
     big, held = pipeline(64, 512, 2)  # past the simulator's size: the closed forms
     assert big == pytest.approx(63 / 1024) and held == 64 * (1 + 63 / 128)
+
+
+# ------------------------------------------------------------ the cost model against the CommLog
+WIDE = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=256)
+
+
+def _dp_hops(rank, world, stage, gas):
+    """Ring hops of the dp collectives one optimizer step issues, as the CommLog records them:
+    an all-reduce is 2 (n - 1) hops, an all-gather or a reduce-scatter n - 1."""
+    import zerostack
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = zerostack.initialize(model=GPT(WIDE), config=config)
+    x, y = batch(0, 1, WIDE.block_size)
+    for _ in range(2):  # the second step: buffers and optimizer state already exist
+        start = len(engine.comm.log.records)
+        for _ in range(gas):
+            engine.backward(engine(x, y))
+            engine.step()
+    records = [r for r in engine.comm.log.records[start:] if r.axis == "dp"]
+    engine.destroy()
+    return sum((2 if r.op == "all_reduce" else 1) * (world - 1) for r in records)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_the_dp_collectives_are_what_the_engine_issues(gas):
+    """With unlimited bandwidth, 1 s per hop and no overlap, the cost model's exposed dp time is
+    its count of collective hops: at stages 0-2 it equals what the engine's CommLog records
+    (the gradients' all-reduce at the boundary; a reduce-scatter per micro-batch at stage 2; the
+    gather of the stepped shards and the norm's all-reduce at stages 1-2). Stage 3's gathers
+    depend on its prefetching and persistence: ``stage3_fetch_units`` is what the CommLog counts
+    for the reference GPT of benchmarks/plan.py (7 per pass for 4 layers), not an exact rule."""
+    hw = profile("a100-80gb", gpus=2, gpus_per_node=2).scaled(
+        intra_bw=1e30, intra_latency=1.0, shared_cores=1
+    )
+    for stage in range(3):
+        want = run_distributed(_dp_hops, 2, args=(stage, gas))[0]
+        c = Candidate(2, 1, 1, stage, 1, gas, "none", "none", precision="fp32")
+        got = predict(Transformer.from_gpt_config(WIDE), 2 * gas, c, hw).dp_exposed_s
+        assert got == pytest.approx(want), (stage, got, want)

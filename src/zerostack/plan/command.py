@@ -27,7 +27,11 @@ def add_parser(sub) -> None:
     m.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="bf16")
     h = p.add_argument_group("the machine")
     h.add_argument("--hardware", default="a100-80gb", help="a bundled nominal profile")
-    h.add_argument("--calibrate", action="store_true", help="measure this machine instead")
+    h.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (and one of the model's layers) instead",
+    )
     h.add_argument("--gpus", type=int, help="devices in all")
     h.add_argument("--gpus-per-node", type=int)
     h.add_argument("--gpu-memory", type=float, help="GB per device")
@@ -40,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _hardware(args):
+def _hardware(args, model):
     scale = {
         "gpus_per_node": args.gpus_per_node,
         "memory_bytes": args.gpu_memory * GB if args.gpu_memory else None,
@@ -49,7 +53,7 @@ def _hardware(args):
         "inter_bw": args.inter_bw * GB if args.inter_bw else None,
     }
     if args.calibrate:
-        hw = calibrate(gpus=args.gpus)
+        hw = calibrate(gpus=args.gpus, model=model)
         changes = {k: v for k, v in scale.items() if v is not None}
         return hw.scaled(**changes) if changes else hw
     return profile(args.hardware, gpus=args.gpus, **scale)
@@ -71,7 +75,7 @@ def run(args) -> int:
             raise PlanError(
                 "the model: give --layers/--hidden/--heads/--vocab/--seq or --hf-config"
             )
-        hw = _hardware(args)
+        hw = _hardware(args, model)
         plan = search(model, hw, args.batch, precision=args.precision, offload=not args.no_offload)
     except (PlanError, EstimateError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)

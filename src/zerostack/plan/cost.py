@@ -153,6 +153,15 @@ class Prediction:
         return out
 
 
+def stage3_fetch_units(layers: float) -> float:
+    """The gathers stage 3 issues per forward (and again per backward): about one per layer,
+    plus the embeddings, the final norm and the output layer. What the CommLog counts for the
+    reference GPT of benchmarks/plan.py (7 per pass for 4 layers at the default persistence
+    threshold); the exact number follows the prefetch buckets and which small parameters stay
+    whole, so this is an approximation, not a rule."""
+    return layers + 3
+
+
 def tp_collectives(layers: float, recompute: str = "none") -> tuple[float, float]:
     """Collectives over the tp axis per micro-batch under sequence parallelism, forward and
     backward through ``layers`` layers plus the embedding and the output layer: (activation-sized
@@ -194,6 +203,8 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     psi = m.params / (c.tp * c.pp)
     bw, lat = _link(hw, c.tp * c.dp)
     grads = psi * d
+    # stages 1-3: the gradient norm's all-reduce over the shards (stage 0 has whole gradients)
+    norm = _ring(4, c.dp, bw, lat, passes=2) if c.stage else 0.0
     if c.stage <= 1:
         dp_s = _ring(grads, c.dp, bw, lat, passes=2)  # all-reduce (or reduce-scatter + gather)
         overlap = backward
@@ -201,13 +212,15 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)
         overlap = backward
     else:
-        # gather forward, gather backward, reduce: prefetched, asynchronous, a few modules at a
-        # time, so their latency hides behind compute and only the volume counts
-        dp_s = c.gas * _ring(grads, c.dp, bw, 0.0, passes=3)
+        # per micro-batch each fetch unit gathered in forward and again in backward, and the
+        # gradients reduced; prefetched and asynchronous, so it overlaps compute where it can
+        units = stage3_fetch_units(m.layers / c.pp)
+        gathers = 2 * units * _ring(grads / units, c.dp, bw, lat)
+        dp_s = c.gas * (gathers + _ring(grads, c.dp, bw, lat))
         overlap = compute
     if hw.shared_cores:  # collectives run on the cores compute needs
         overlap = 0.0
-    dp_exposed = max(0.0, dp_s - overlap)
+    dp_exposed = max(0.0, dp_s - overlap) + norm  # the norm waits for the last reduction
 
     shard = psi / (c.dp if c.stage > 0 else 1)
     if c.offload == "none":

@@ -117,15 +117,23 @@ def profile(name: str, *, gpus: int | None = None, **overrides) -> Hardware:
 
 
 def calibrate(
-    *, gpus: int | None = None, size: int = 1024, repeats: int = 3, comm_bytes: int = 8 * 2**20
+    *,
+    gpus: int | None = None,
+    model=None,
+    size: int = 1024,
+    repeats: int = 3,
+    comm_bytes: int = 8 * 2**20,
 ) -> Hardware:
     """This machine, measured (``nominal=False``): one process's fp32 matmul rate (its
-    ``torch.get_num_threads()`` threads, as a training rank runs) as peak and achieved flops, and
-    a gloo all-reduce among as many local processes as ranks (up to 8): its latency per hop
-    from a 4-byte one and its bus bandwidth from a ``comm_bytes`` one, for every link. One
+    ``torch.get_num_threads()`` threads, as a training rank runs) as peak flops, the fraction of
+    it one of ``model``'s layers reaches forward and backward (:func:`layer_efficiency`; 1
+    without a model), and a gloo all-reduce among as many local processes as ranks (up to 8):
+    its latency per hop from a 4-byte one and its bus bandwidth from a ``comm_bytes`` one, for
+    every link. One
     "device" per core by default; ``gpus`` ranks on fewer cores share them (each gets
     ``cores / gpus`` of the rate) and the host's memory."""
     flops = matmul_flops(size, repeats)
+    efficiency = 1.0 if model is None else min(1.0, layer_efficiency(model, flops))
     cores = os.cpu_count() or 1
     ranks = gpus or cores
     share = min(1.0, cores / ranks)
@@ -143,7 +151,7 @@ def calibrate(
         gpus_per_node=ranks,
         memory_bytes=host_memory() / ranks,
         peak_flops=flops * share,
-        matmul_efficiency=1.0,  # measured on a matmul already
+        matmul_efficiency=efficiency,
         intra_bw=bw,
         inter_bw=bw,
         intra_latency=latency,
@@ -168,6 +176,41 @@ def matmul_flops(size: int = 1024, repeats: int = 3) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best
+
+
+def layer_efficiency(
+    m,
+    flops_per_s: float,
+    *,
+    micro_batch: int = 1,
+    repeats: int = 3,
+    max_hidden: int = 1024,
+    max_seq: int = 512,
+) -> float:
+    """Achieved over ``flops_per_s`` on one of the model's own layers, forward and backward in
+    fp32 on this process: what a training step reaches of a bare matmul's rate (LayerNorms,
+    softmax, GELU and the memory traffic between the products make it less than 1). Layers
+    wider than ``max_hidden`` or longer than ``max_seq`` are sampled at those sizes, the
+    head width kept."""
+    import torch
+
+    from ..models.gpt import Block, GPTConfig
+    from ..profiling.flops import transformer_flops
+
+    head = m.hidden // m.heads
+    hidden = min(m.hidden, max(head, max_hidden // head * head))
+    heads, seq = hidden // head, min(m.seq, max_seq)
+    block = Block(GPTConfig(block_size=seq, n_layer=1, n_head=heads, d_model=hidden, bias=m.bias))
+    x = torch.randn(micro_batch, seq, hidden, requires_grad=True)
+    sizes = dict(hidden=hidden, heads=heads, vocab=1, seq=seq, batch=micro_batch)
+    flops = transformer_flops(2, **sizes) - transformer_flops(1, **sizes)  # one layer
+    best = float("inf")
+    for i in range(repeats + 1):  # the first run warms up
+        t0 = time.perf_counter()
+        block(x).sum().backward()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return flops / best / flops_per_s
 
 
 def host_memory() -> float:
