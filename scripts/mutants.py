@@ -432,6 +432,61 @@ MUTANTS = [
         'big = layers * (8 + (4 if recompute == "full" else 0)) + 4',
         ("tests/test_tensor_parallel.py::test_comm_per_layer",),
     ),
+    Mutant(
+        "plan: the gradient norm's all-reduce left out of stages 1-3",
+        "plan/cost.py",
+        "norm = _ring(4, c.dp, bw, lat, passes=2) if c.stage else 0.0",
+        "norm = 0.0",
+        ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
+    ),
+    Mutant(
+        "plan: stage 2 reduces once per step, not per micro-batch",
+        "plan/cost.py",
+        "dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
+        "dp_s = _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
+        ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
+    ),
+    Mutant(
+        "watchdog: a silent peer is given ten times the bound",
+        "watchdog.py",
+        "if now - when > self.timeout and not",
+        "if now - when > 10 * self.timeout and not",
+        (
+            "tests/test_watchdog.py::test_a_silent_peer_is_named_with_its_last_position",
+            "tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",
+        ),
+    ),
+    Mutant(
+        "watchdog: a posted verdict is not read by the other ranks",
+        "watchdog.py",
+        "        if self.store.check([key]):\n            return self.store.get(key).decode()\n",
+        "",
+        (
+            "tests/test_watchdog.py::test_a_posted_verdict_ends_every_rank",
+            "tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",
+        ),
+    ),
+    Mutant(
+        "watchdog: an async collective stays in flight after its wait",
+        "comm.py",
+        "            self._work = None\n        self._log.end(self._record)",
+        "            self._work = None",
+        ("tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",),
+    ),
+    Mutant(
+        "watchdog: stop waits out the interval",
+        "watchdog.py",
+        '            self._wake_w.send(b"\\0")',
+        "            pass",
+        ("tests/test_watchdog.py::test_stop_returns_at_once",),
+    ),
+    Mutant(
+        "watchdog: a failed collective does not say why the job is ending",
+        "comm.py",
+        "verdict = self.explain() if self.explain is not None else None",
+        "verdict = None",
+        ("tests/test_watchdog.py::test_a_failed_collective_carries_the_posted_verdict",),
+    ),
 ]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,19 +35,59 @@ class CommRecord:
     bytes: int
     seconds: float
     step: int
+    seq: int = 0  # this rank's count of collectives before this one
+    started: float = 0.0  # time.monotonic() when it was posted
+    done: bool = True
+
+    def describe(self) -> str:
+        state = "done" if self.done else f"waiting {time.monotonic() - self.started:.1f} s"
+        where = f"{self.op} #{self.seq} on {self.axis}"
+        return f"{where} ({self.bytes} bytes, step {self.step}, {state})"
 
 
 class CommLog:
-    """Every collective of the job: op, axis, bytes, seconds, and the optimizer step it fell in."""
+    """Every collective of the job: op, axis, bytes, seconds, and the optimizer step it fell in;
+    and the ones posted but not yet complete (``in_flight``), which a hang report names."""
 
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
         self.step = 0
+        self.in_flight: dict[int, CommRecord] = {}
+        # set by a watchdog: why the job is ending, if it is (a verdict posted by some rank)
+        self.explain: Callable[[], str | None] | None = None
 
     def add(self, op: str, axis: str, nbytes: int, seconds: float) -> CommRecord:
-        rec = CommRecord(op, axis, int(nbytes), seconds, self.step)
+        rec = CommRecord(op, axis, int(nbytes), seconds, self.step, len(self.records))
         self.records.append(rec)
         return rec
+
+    def begin(self, op: str, axis: str, nbytes: int) -> CommRecord:
+        """A collective about to be posted: recorded now, in flight until :meth:`end`."""
+        rec = self.add(op, axis, nbytes, 0.0)
+        rec.started, rec.done = time.monotonic(), False
+        self.in_flight[rec.seq] = rec
+        return rec
+
+    def end(self, rec: CommRecord) -> None:
+        rec.done = True
+        self.in_flight.pop(rec.seq, None)
+
+    def failed(self, rec: CommRecord, exc: Exception) -> Exception:
+        """The error to raise for a collective that failed: when a watchdog says the job is
+        ending (a peer stopped answering and another rank ended the job, resetting this rank's
+        connections), that verdict, so every rank names the cause; else ``exc`` itself."""
+        self.end(rec)
+        verdict = self.explain() if self.explain is not None else None
+        if verdict is None:
+            return exc
+        return RuntimeError(
+            f"[zerostack watchdog] the job is ending: {verdict}; this rank's {rec.op} #{rec.seq} "
+            f"on {rec.axis} at step {rec.step} failed: {exc}"
+        )
+
+    def oldest_in_flight(self) -> CommRecord | None:
+        pending = list(self.in_flight.values())  # read from the watchdog's thread too
+        return min(pending, key=lambda r: r.seq) if pending else None
 
     def next_step(self) -> None:
         self.step += 1
@@ -77,16 +118,21 @@ class CommLog:
 class Handle:
     """An in-flight async collective; ``wait()`` adds the wait to the call's recorded seconds."""
 
-    def __init__(self, work: dist.Work | None, record: CommRecord) -> None:
+    def __init__(self, work: dist.Work | None, record: CommRecord, log: CommLog) -> None:
         self._work = work
         self._record = record
+        self._log = log
 
     def wait(self) -> None:
         if self._work is not None:
             t0 = time.perf_counter()
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise self._log.failed(self._record, exc) from exc
             self._record.seconds += time.perf_counter() - t0
             self._work = None
+        self._log.end(self._record)
 
 
 class Comm:
@@ -103,10 +149,14 @@ class Comm:
     def _run(
         self, op: str, axis: str, nbytes: int, fn, async_op: bool, group=None
     ) -> Handle | None:
+        rec = self.log.begin(op, axis, nbytes)
         t0 = time.perf_counter()
-        work = fn(group if group is not None else self.group(axis), async_op)
-        rec = self.log.add(op, axis, nbytes, time.perf_counter() - t0)
-        handle = Handle(work, rec)
+        try:
+            work = fn(group if group is not None else self.group(axis), async_op)
+        except RuntimeError as exc:
+            raise self.log.failed(rec, exc) from exc
+        rec.seconds = time.perf_counter() - t0
+        handle = Handle(work, rec, self.log)
         if async_op:
             return handle
         handle.wait()
@@ -227,6 +277,7 @@ class Comm:
         if not ops:
             return
         group = self.topo.group(axis)
+        records = [self.log.begin(kind, axis, t.numel() * t.element_size()) for kind, t, _ in ops]
         t0 = time.perf_counter()
         p2p_ops = [
             dist.P2POp(
@@ -237,12 +288,16 @@ class Comm:
             )
             for kind, t, peer in ops
         ]
-        works = dist.batch_isend_irecv(p2p_ops)
-        for w in works:
-            w.wait()
+        try:
+            works = dist.batch_isend_irecv(p2p_ops)
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            raise self.log.failed(records[0], exc) from exc
         seconds = time.perf_counter() - t0
-        for kind, t, _ in ops:
-            self.log.add(kind, axis, t.numel() * t.element_size(), seconds / len(ops))
+        for rec in records:
+            rec.seconds = seconds / len(ops)
+            self.log.end(rec)
 
     def barrier(self, *, axis: str = "dp") -> None:
         self._run("barrier", axis, 0, lambda g, a: dist.barrier(group=g, async_op=a), False)

@@ -21,6 +21,7 @@ from .optim import build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
 from .topology import Topology, init_distributed
+from .watchdog import start_watchdog
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
@@ -249,4 +250,5 @@ def initialize(
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position
+    engine.watchdog = start_watchdog(engine.comm.log, cfg.watchdog, topo)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -621,6 +621,22 @@ class FlopsProfilerConfig(_Model):
 # --- top level ------------------------------------------------------------------------------
 
 
+class WatchdogConfig(_Model):
+    """The ``watchdog`` block (zerostack's): a rank that stops answering, or ranks waiting in
+    different collectives, end the job within ``timeout`` seconds with a report naming who
+    stopped where (:mod:`zerostack.watchdog`)."""
+
+    enabled: bool = True
+    """Run the watchdog on every rank of a world larger than one."""
+    timeout: PositiveFloat | None = None
+    """Seconds without a heartbeat, or in one collective, before the job ends (default: 120, or
+    the process group's timeout from ``init_distributed(timeout=...)`` when shorter)."""
+    interval: PositiveFloat | None = None
+    """Seconds between heartbeats and checks (default: timeout / 4, at most 10)."""
+    history: PositiveInt = 16
+    """Collectives each rank lists in its report."""
+
+
 class ZeroStackConfig(_Model):
     """The whole config. Build it with :func:`load_config`, which turns pydantic's errors
     into :class:`ConfigError` (constructing it directly raises pydantic's ValidationError)."""
@@ -699,6 +715,8 @@ class ZeroStackConfig(_Model):
     """CSV metric files."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's flops profiler (see zerostack.profiling)."""
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    """Hang and frozen-rank detection (see zerostack.watchdog)."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroStackConfig":

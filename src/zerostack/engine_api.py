@@ -126,7 +126,12 @@ class EngineAPI:
         )
 
     def destroy(self) -> None:
-        """Release what the engine holds outside the process (NVMe offload files)."""
+        """Release what the engine holds outside the process (NVMe offload files) and stop its
+        watchdog."""
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+            self.watchdog = None
         self.zero.close()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,301 @@
+"""A rank that stops answering, or a job whose ranks wait in different collectives, ends the
+job within a bound, and every rank says who stopped where.
+
+Each rank runs a daemon thread (:class:`Watchdog`) that every ``interval`` seconds publishes a
+heartbeat in the job's key-value store (the one ``torch.distributed`` was initialised with:
+torchrun's TCPStore, served by the node agent, so it answers even when a worker does not) and
+reads its peers' heartbeats. A heartbeat carries a counter, the step and the collective the rank
+is waiting in (from its :class:`~zerostack.comm.CommLog`). The thread is independent of the
+training thread, so a rank that computes for a long time still beats; a rank that is stopped
+(``SIGSTOP``, a stuck driver, a debugger) does not. Two verdicts end the job:
+
+* a peer's counter has not moved for ``timeout`` seconds (on this rank's clock): it stopped
+  answering; its last heartbeat says at which step and in which collective;
+* this rank has waited ``timeout`` seconds in one collective while every peer still beats: the
+  ranks are in different collectives (a skipped forward, a rank-dependent branch), or one is
+  computing for too long; every rank's position is listed, so a mismatch shows.
+
+The rank that reaches a verdict posts it in the store, prints it with its last collectives and
+exits non-zero; every other rank sees the posted verdict within ``interval``, prints its own
+position and last collectives and exits too. ``SIGUSR1`` prints the same report without ending
+anything (the signal wakes the thread through ``signal.set_wakeup_fd``, so the report comes even
+while the training thread is blocked inside a collective).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from .comm import CommLog
+
+PREFIX = "zerostack/watchdog/"
+EXIT_CODE = 75  # not 1: a watchdog exit is told apart from an exception in the logs
+
+
+class Watchdog:
+    """Heartbeats through ``store`` for one rank of ``world``; see the module's description."""
+
+    def __init__(
+        self,
+        log: CommLog,
+        store,
+        *,
+        rank: int,
+        world: int,
+        timeout: float,
+        interval: float | None = None,
+        history: int = 16,
+        exit: Callable[[int], None] = os._exit,
+        out=None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"watchdog.timeout: {timeout} must be positive")
+        self.log, self.store, self.rank, self.world = log, store, rank, world
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval else max(0.2, min(10.0, self.timeout / 4))
+        self.history = history
+        self._exit, self._out = exit, out
+        self._beat = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its counter, when it changed)
+        self._peers: dict[int, dict] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._old_wakeup: int | None = None
+        self._old_handler = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Watchdog:
+        self._listen_for_sigusr1()
+        self.log.explain = self.posted_verdict
+        self._publish()
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in range(self.world) if r != self.rank}
+        self._thread = threading.Thread(target=self._run, name="zerostack-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating, telling the peers this rank left on purpose (it is not stale)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        if self.log.explain == self.posted_verdict:
+            self.log.explain = None
+        if self._wake_w is not None:
+            self._wake_w.send(b"\0")  # wake the thread's select now, not an interval later
+        if self._wake_r is not None:
+            try:
+                signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
+                signal.signal(signal.SIGUSR1, self._old_handler or signal.SIG_DFL)
+            except ValueError:  # not the main thread: leave them
+                pass
+        self._thread.join(timeout=self.interval + 5)
+        self._thread = None
+        try:
+            self._publish(left=True)
+        except Exception:  # the store may be gone at shutdown
+            pass
+
+    # ------------------------------------------------------------------ heartbeat
+    def state(self) -> dict:
+        """This rank's position: step, collectives so far, the one it waits in."""
+        pending = self.log.oldest_in_flight()
+        waiting = None
+        if pending is not None:
+            waiting = [pending.op, pending.seq, pending.axis, time.monotonic() - pending.started]
+        return {"beat": self._beat, "step": self.log.step, "calls": len(self.log.records),
+                "waiting": waiting}  # fmt: skip
+
+    def _publish(self, left: bool = False) -> None:
+        self._beat += 1
+        body = self.state()
+        body["left"] = left
+        self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps(body))
+
+    def _read_peers(self) -> None:
+        now = time.monotonic()
+        for r in self._seen:
+            key = f"{PREFIX}hb/{r}"
+            if not self.store.check([key]):
+                continue  # not started yet: stale from this rank's start on
+            body = json.loads(self.store.get(key))
+            self._peers[r] = body
+            if body["beat"] != self._seen[r][0]:
+                self._seen[r] = (body["beat"], now)
+
+    # ------------------------------------------------------------------ verdicts
+    def posted_verdict(self) -> str | None:
+        """The verdict some rank posted, if any (for a collective that failed meanwhile)."""
+        key = f"{PREFIX}verdict"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
+
+    def check(self) -> str | None:
+        """A verdict if the job must end now, else None (reads the store; one round)."""
+        key = f"{PREFIX}verdict"
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        self._read_peers()
+        now = time.monotonic()
+        stale = [
+            r
+            for r, (_, when) in self._seen.items()
+            if now - when > self.timeout and not self._peers.get(r, {}).get("left")
+        ]
+        if stale:
+            names = "; ".join(
+                f"rank {r}, last heard {now - self._seen[r][1]:.1f} s ago, {self._position(r)}"
+                for r in stale
+            )
+            return (
+                f"rank {stale[0]} stopped answering (no heartbeat for more than "
+                f"{self.timeout:g} s, seen by rank {self.rank}): {names}; rank {self.rank} is "
+                f"{self._own_position()}"
+            )
+        pending = self.log.oldest_in_flight()
+        if pending is not None and now - pending.started > self.timeout:
+            others = "; ".join(f"rank {r} {self._position(r)}" for r in sorted(self._peers))
+            return (
+                f"rank {self.rank} waited more than {self.timeout:g} s in {pending.op} "
+                f"#{pending.seq} on {pending.axis} at step {pending.step} while its peers answer "
+                f"(ranks in different collectives, or one computing too long): {others}"
+            )
+        return None
+
+    def _own_position(self) -> str:
+        pending = self.log.oldest_in_flight()
+        where = f"at step {self.log.step}, after {len(self.log.records)} collectives"
+        if pending is None:
+            return where + ", in no collective"
+        waited = time.monotonic() - pending.started
+        where += f", in {pending.op} #{pending.seq} on {pending.axis}"
+        return where + f" (waiting {waited:.1f} s)"
+
+    def _position(self, r: int) -> str:
+        body = self._peers.get(r)
+        if body is None:
+            return "(never beat)"
+        where = f"at step {body['step']}, after {body['calls']} collectives"
+        if body["waiting"]:
+            op, seq, axis, waited = body["waiting"]
+            where += f", in {op} #{seq} on {axis} (waiting {waited:.1f} s when last seen)"
+        else:
+            where += ", in no collective"
+        return where
+
+    def report(self) -> str:
+        """This rank's position and its last ``history`` collectives, one per line."""
+        lines = [f"[zerostack watchdog] rank {self.rank}: step {self.log.step}"]
+        recent = self.log.records[-self.history :]
+        lines += [f"[zerostack watchdog] rank {self.rank}:   {r.describe()}" for r in recent]
+        return "\n".join(lines)
+
+    def _say(self, text: str) -> None:
+        out = self._out or sys.stderr
+        print(text, file=out, flush=True)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sleep():
+                self._say(self.report())
+                continue
+            if self._stop.is_set():
+                return
+            try:
+                self._publish()
+                verdict = self.check()
+            except Exception as exc:  # the store itself is gone: the agent ended the job
+                if self._stop.is_set():
+                    return
+                verdict = f"the job's store stopped answering ({type(exc).__name__}: {exc})"
+            if verdict is None:
+                continue
+            key = f"{PREFIX}verdict"
+            try:
+                self.store.compare_set(key, "", verdict)  # the first verdict stands
+            except Exception:
+                pass
+            self._say(f"[zerostack watchdog] rank {self.rank}: ending the job: {verdict}")
+            self._say(self.report())
+            self._exit(EXIT_CODE)
+            return
+
+    def _sleep(self) -> bool:
+        """Wait one interval; True if SIGUSR1 arrived meanwhile."""
+        if self._wake_r is None:
+            self._stop.wait(self.interval)
+            return False
+        ready, _, _ = select.select([self._wake_r], [], [], self.interval)
+        if not ready:
+            return False
+        got = self._wake_r.recv(64)
+        return bytes([signal.SIGUSR1]) in got
+
+    def _listen_for_sigusr1(self) -> None:
+        """SIGUSR1 -> a report, through a wakeup fd (only from the main thread, and only when no
+        one else, e.g. an asyncio loop, owns the wakeup fd)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        if old != -1:  # someone else's: give it back
+            signal.set_wakeup_fd(old)
+            r.close()
+            w.close()
+            return
+        self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: None)
+        self._wake_r, self._wake_w, self._old_wakeup = r, w, None
+
+
+def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
+    """The ``watchdog`` config block's watchdog for this rank, started (None for a world of one,
+    when disabled, or when torch.distributed has no store). The default bound is 120 s, or the
+    process group's timeout (``init_distributed(timeout=...)``) when that is shorter."""
+    import torch.distributed as dist
+
+    from .topology import world_timeout
+
+    if not cfg.enabled or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = default_store()
+    if store is None:
+        return None
+    timeout = cfg.timeout or min(120.0, world_timeout().total_seconds())
+    return Watchdog(
+        log,
+        store,
+        rank=topo.global_rank,
+        world=topo.world_size,
+        timeout=timeout,
+        interval=cfg.interval,
+        history=cfg.history,
+    ).start()
+
+
+def default_store():
+    """The store ``torch.distributed`` was initialised with (None if it has none)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None

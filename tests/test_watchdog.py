@@ -1,0 +1,258 @@
+"""The watchdog: a frozen rank (``SIGSTOP``, real processes) or ranks in different collectives
+end the job within the bound, with a report that names who stopped where; the verdict logic on
+its own against an in-memory store; SIGUSR1 prints the report without ending anything."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from zerostack.comm import CommLog
+from zerostack.config import ConfigError, load_config
+from zerostack.watchdog import EXIT_CODE, PREFIX, Watchdog
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "watchdog_job.py")
+TIMEOUT, INTERVAL = 2.0, 0.25  # as tests/watchdog_job.py configures the watchdog
+
+
+# ------------------------------------------------------------------ the verdicts, in process
+def _dog(store, rank=0, world=2, **kw) -> tuple[Watchdog, list[int]]:
+    codes: list[int] = []
+    log = CommLog()
+    kw.setdefault("timeout", 0.3)
+    dog = Watchdog(log, store, rank=rank, world=world, exit=codes.append, out=io.StringIO(), **kw)
+    return dog, codes
+
+
+def _beat(store, rank, beat, step=0, calls=0, waiting=None, left=False):
+    body = dict(beat=beat, step=step, calls=calls, waiting=waiting, left=left)
+    store.set(f"{PREFIX}hb/{rank}", json.dumps(body))
+
+
+def test_a_silent_peer_is_named_with_its_last_position():
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog._publish()
+    dog._seen = {1: (-1, time.monotonic())}
+    _beat(store, 1, 1, step=7, calls=152, waiting=["all_gather", 151, "dp", 0.5])
+    assert dog.check() is None  # it just beat
+    time.sleep(0.4)
+    verdict = dog.check()
+    assert verdict.startswith("rank 1 stopped answering (no heartbeat for more than 0.3 s")
+    assert "rank 1, last heard 0.4 s ago, at step 7, after 152 collectives, in all_gather #151" in (
+        verdict
+    )
+    assert verdict.endswith("rank 0 is at step 0, after 0 collectives, in no collective")
+
+
+def test_a_peer_that_keeps_beating_is_not_stale():
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog._seen = {1: (-1, time.monotonic())}
+    for beat in range(6):
+        _beat(store, 1, beat)
+        assert dog.check() is None
+        time.sleep(0.1)
+
+
+def test_a_peer_that_left_on_purpose_is_not_stale():
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog._seen = {1: (-1, time.monotonic())}
+    _beat(store, 1, 3, left=True)
+    dog.check()
+    time.sleep(0.4)
+    assert dog.check() is None
+
+
+def test_waiting_too_long_in_a_collective_lists_every_rank():
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog._seen = {1: (-1, time.monotonic())}
+    rec = dog.log.begin("reduce_scatter", "dp", 1024)
+    rec.started -= 1.0  # posted a second ago
+    _beat(store, 1, 1, step=3, calls=9, waiting=["all_gather", 8, "dp", 1.0])
+    verdict = dog.check()
+    assert verdict.startswith("rank 0 waited more than 0.3 s in reduce_scatter #0 on dp at step 0")
+    assert "rank 1 at step 3, after 9 collectives, in all_gather #8 on dp" in verdict
+    dog.log.end(rec)
+    assert dog.check() is None
+
+
+def test_a_posted_verdict_ends_every_rank():
+    store = dist.HashStore()
+    dog, codes = _dog(store, interval=0.05)
+    store.set(f"{PREFIX}verdict", "rank 3 stopped answering")
+    dog.start()
+    dog._thread.join(timeout=5)
+    dog.stop()
+    assert codes == [EXIT_CODE]
+    assert "ending the job: rank 3 stopped answering" in dog._out.getvalue()
+
+
+def test_sigusr1_prints_the_report_and_the_job_goes_on():
+    store = dist.HashStore()
+    dog, codes = _dog(store, timeout=60, interval=5)
+    dog.log.add("all_reduce", "dp", 64, 0.0)
+    dog.start()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while "all_reduce #0 on dp" not in dog._out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "[zerostack watchdog] rank 0:   all_reduce #0 on dp (64 bytes" in dog._out.getvalue()
+        assert codes == []
+    finally:
+        dog.stop()
+
+
+def test_config_block():
+    cfg = load_config({"watchdog": {"timeout": 30}})
+    assert cfg.watchdog.enabled and cfg.watchdog.timeout == 30
+    with pytest.raises(ConfigError, match="watchdog.timeout"):
+        load_config({"watchdog": {"timeout": 0}})
+
+
+# ------------------------------------------------------------------ real processes
+def _launch(phase: str, world: int) -> dict:
+    """Run the job on ``world`` processes around a store this test holds (as torchrun's agent
+    holds it, it outlives any worker); SIGKILL whatever is left once the live ranks have ended
+    (torchrun does the same after its grace period). Returns the ranks' outputs and timings."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank joins this store as a client
+        OMP_NUM_THREADS="1",
+    )
+    procs = []
+    for r in range(world):
+        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, JOB, phase],
+                env=env_r,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    victim = procs[1]
+    live = [p for i, p in enumerate(procs) if i != 1]
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(ended) < len(live) and time.monotonic() < deadline:
+            for p in live:
+                if p.pid not in ended and p.poll() is not None:
+                    ended[p.pid] = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+        del store
+    return {
+        "outs": outs,
+        "codes": [p.returncode for p in procs],
+        "ended": [ended.get(p.pid) for p in live],
+        "victim_code": victim.returncode,
+    }
+
+
+def _frozen_at(out: str) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith("FROZE "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize(
+    "phase, world, waiting",
+    [
+        ("forward", 2, "all_gather"),  # stage 3: rank 0 gathers the next block's weights
+        ("backward", 2, "reduce_scatter"),  # stage 3: the gradients of the last block done
+        ("step", 2, "all_reduce"),  # the optimizer step's gradient norm
+        ("checkpoint", 2, None),  # a collective of save_checkpoint
+        ("pipeline", 4, None),  # pp 2 x dp 2: a send/recv or the dp reduction
+    ],
+)
+def test_a_frozen_rank_ends_the_job_within_the_bound(phase, world, waiting):
+    got = _launch(phase, world)
+    frozen = _frozen_at(got["outs"][1])
+    live_outs = [o for i, o in enumerate(got["outs"]) if i != 1]
+    for code, out, ended in zip(
+        [c for i, c in enumerate(got["codes"]) if i != 1], live_outs, got["ended"], strict=True
+    ):
+        # the watchdog's exit, or gloo's error once a peer's exit reset the connection: then
+        # the error carries the verdict
+        assert code == EXIT_CODE or "[zerostack watchdog] the job is ending" in out, out[-3000:]
+        assert code != 0 and "FINISHED" not in out
+        # every live rank names the frozen one; the bound: the timeout and two rounds of checks,
+        # plus the time it takes a posted verdict to be seen (one more round)
+        assert "rank 1 stopped answering" in out, out[-3000:]
+        assert ended - frozen < TIMEOUT + 4 * INTERVAL + 2.0, (ended - frozen, out[-2000:])
+    # the rank that saw it says where it was itself: in a collective it could not finish
+    verdict = next(ln for o in live_outs for ln in o.splitlines() if "seen by rank" in ln)
+    own = verdict.split("; rank ")[-1]  # "R is at step S, after N collectives, in OP #K on AXIS"
+    assert " (waiting " in own, verdict
+    if waiting is not None:
+        assert f", in {waiting} #" in own, verdict
+    assert got["victim_code"] == -signal.SIGKILL  # frozen until the launcher killed it
+
+
+def test_ranks_in_different_collectives_are_reported_and_end():
+    """Rank 1 skips a forward: the ranks wait in different collectives; each report lists both
+    positions, and the job ends."""
+    got = _launch("skip", 2)
+    outs = got["outs"]
+    # the job ends: the rank that reached the verdict with the watchdog's code, the other with
+    # it too or, when its peer's exit reset the connection first, with gloo's error
+    assert all(c not in (0, None) for c in got["codes"]), [o[-2000:] for o in outs]
+    verdicts = [ln for o in outs for ln in o.splitlines() if "ending the job:" in ln]
+    assert verdicts, [o[-2000:] for o in outs]
+    first = verdicts[0]
+    assert "waited more than 2 s in" in first, first
+    # both positions, this rank's and its peer's, in one line
+    waiter = int(first.split("ending the job: rank ")[1].split()[0])
+    assert f"rank {waiter} waited more than 2 s in " in first
+    assert f"rank {1 - waiter} at step " in first, first
+
+
+def test_stop_returns_at_once():
+    """engine.destroy() stops the watchdog: it must not sit out an interval (10 s by default)."""
+    dog, _ = _dog(dist.HashStore(), timeout=120, interval=5)
+    dog.start()
+    t0 = time.monotonic()
+    dog.stop()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_failed_collective_carries_the_posted_verdict():
+    """A rank whose collective fails because a peer ended the job (connection reset) raises the
+    verdict, so its log names the cause too; without a verdict the error is gloo's own."""
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog.log.explain = dog.posted_verdict
+    rec = dog.log.begin("all_gather", "dp", 64)
+    plain = RuntimeError("Connection reset by peer")
+    assert dog.log.failed(rec, plain) is plain
+    store.set(f"{PREFIX}verdict", "rank 1 stopped answering")
+    rec = dog.log.begin("all_gather", "dp", 64)
+    err = dog.log.failed(rec, plain)
+    assert str(err) == (
+        "[zerostack watchdog] the job is ending: rank 1 stopped answering; this rank's "
+        "all_gather #1 on dp at step 0 failed: Connection reset by peer"
+    )
+    assert dog.log.in_flight == {}
