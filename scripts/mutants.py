@@ -487,6 +487,62 @@ MUTANTS = [
         "verdict = None",
         ("tests/test_watchdog.py::test_a_failed_collective_carries_the_posted_verdict",),
     ),
+    Mutant(
+        "monitor: the train loss not averaged over the accumulation window",
+        "monitor/training.py",
+        "mean = self._loss_sum / self._losses",
+        "mean = self._loss_sum",
+        ("tests/test_monitor.py::test_tensorboard_and_csv_hold_what_the_loop_saw",),
+    ),
+    Mutant(
+        "monitor: events at x = optimizer steps, not DeepSpeed's global_samples",
+        "monitor/training.py",
+        "x = engine.global_samples",
+        "x = engine.global_steps",
+        ("tests/test_monitor.py::test_tensorboard_and_csv_hold_what_the_loop_saw",),
+    ),
+    Mutant(
+        "monitor: steps_per_print unseen without a logging set-up",
+        "engine.py",
+        "        print(text, flush=True)",
+        "        log.info(text)",
+        ("tests/test_monitor.py::test_steps_per_print_is_seen_on_stdout_once",),
+    ),
+    Mutant(
+        "safe_get_full_grad: the summed gradient not averaged over dp",
+        "full_params.py",
+        "grad = zero.window_grad(p).mul_(post)",
+        "grad = zero.window_grad(p)",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
+    ),
+    Mutant(
+        "safe_get_full_grad mid-window at stages 0-1: the local gradients not summed over dp",
+        "zero/flat_state.py",
+        'self.comm.all_reduce(grad, axis="dp")',
+        "pass",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
+    ),
+    Mutant(
+        "safe_set_full_fp32_param: the compute-dtype parameter keeps its old value",
+        "full_params.py",
+        "            zero.write_param(p, flat)",
+        "            pass",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s3_cpu]",),
+    ),
+    Mutant(
+        "save_checkpoint ignores exclude_frozen_parameters",
+        "checkpoint/state.py",
+        "excluded = _frozen_names(engine) if exclude_frozen else set()",
+        "excluded = set()",
+        ("tests/test_engine_surface.py::test_load_checkpoint_keywords_and_excluded_frozen[1]",),
+    ),
+    Mutant(
+        "load_module_strict=False still refuses a parameter the checkpoint lacks",
+        "checkpoint/restore.py",
+        "        if load_module_strict:\n            raise CheckpointError(",
+        "        if True:\n            raise CheckpointError(",
+        ("tests/test_engine_surface.py::test_load_checkpoint_keywords_and_excluded_frozen[1]",),
+    ),
 ]
 
 

@@ -14,7 +14,7 @@ Switching from DeepSpeed is one import::
 
 from __future__ import annotations
 
-from . import activation_checkpointing, checkpointing, zero
+from . import activation_checkpointing, checkpointing, utils, zero
 from .comm import Comm, CommLog
 from .compose import initialize
 from .config import ConfigError, ZeroStackConfig, load_config
@@ -35,5 +35,6 @@ __all__ = [
     "initialize",
     "load_config",
     "shutdown",
+    "utils",
     "zero",
 ]

@@ -474,9 +474,9 @@ class ZeroConfig(_Model):
         "stage3_gather_fp16_weights_on_model_save",
         "gather_16bit_weights_on_model_save",
     )
-    """Stage 3: gather full 16-bit weights when saving the model (aliases
-    stage3_gather_fp16_weights_on_model_save, gather_16bit_weights_on_model_save). Accepted for
-    DeepSpeed compatibility; no effect yet."""
+    """Stage 3: let ``engine.save_16bit_model`` gather the whole 16-bit weights (without it,
+    as in DeepSpeed, it writes nothing and returns False) (aliases
+    stage3_gather_fp16_weights_on_model_save, gather_16bit_weights_on_model_save)."""
     round_robin_gradients: bool = False
     """Stage 1/2 gradient partitioning order. Accepted for DeepSpeed compatibility; no effect
     yet."""
@@ -587,7 +587,8 @@ class ActivationCheckpointingConfig(_Model):
 
 
 class MonitorConfig(_Model):
-    """The ``tensorboard`` and ``csv_monitor`` blocks."""
+    """The ``tensorboard`` and ``csv_monitor`` blocks: write the training metrics (see
+    :mod:`zerostack.monitor`) under ``<output_path>/<job_name>/`` on global rank 0."""
 
     enabled: bool = False
     """Write training metrics."""
@@ -595,6 +596,20 @@ class MonitorConfig(_Model):
     """Directory for the output ("" means the current directory)."""
     job_name: str = "DeepSpeedJobName"
     """Subdirectory / run name under output_path."""
+
+
+class WandbConfig(_Model):
+    """The ``wandb`` block (DeepSpeed's keys): log the training metrics to a Weights & Biases
+    run (``WANDB_MODE=offline`` keeps it on disk)."""
+
+    enabled: bool = False
+    """Log to Weights & Biases (needs the wandb package)."""
+    group: str | None = None
+    """The run's group."""
+    team: str | None = None
+    """The run's entity (team or user)."""
+    project: str = "deepspeed"
+    """The run's project."""
 
 
 class FlopsProfilerConfig(_Model):
@@ -666,7 +681,8 @@ class ZeroStackConfig(_Model):
         return data
 
     steps_per_print: PositiveInt = 10
-    """Log progress every this many optimizer steps."""
+    """Print a progress line on rank 0 every this many optimizer steps (to the "zerostack"
+    logger when logging shows INFO, else to stdout) and flush the monitors."""
     gradient_clipping: NonNegFloat = 0.0
     """Clip the global gradient norm to this value; 0 means no clipping."""
     seed: NonNegInt = 0
@@ -710,9 +726,11 @@ class ZeroStackConfig(_Model):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism (used with a PipelineModule)."""
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
-    """TensorBoard event files."""
+    """TensorBoard event files (needs the tensorboard package)."""
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
-    """CSV metric files."""
+    """CSV metric files (one per metric)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's flops profiler (see zerostack.profiling)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)

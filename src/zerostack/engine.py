@@ -23,6 +23,8 @@ from torch import nn
 from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
+from .full_params import FullParams, attach
+from .monitor import StepMonitor
 from .precision import Precision, make_loss_scaler
 from .profiling.flops_profiler.step import StepProfile
 from .runner import map_tensors, repeat_loader, run_micro_batches
@@ -64,6 +66,8 @@ class Engine(EngineAPI, nn.Module):
         device = topology.device
         module.to(device)
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
+        # the monitor blocks: files opened on rank 0 (a bad path or missing package fails here)
+        self.monitor = StepMonitor(config, topology, self.comm)
         # Parameters not split by tensor parallelism are replicas on the tp ranks: start them
         # alike, and count them once in the gradient norm (tp rank 0 counts them).
         replicas = [p for p in module.parameters() if partition_spec(p) is None]
@@ -84,6 +88,8 @@ class Engine(EngineAPI, nn.Module):
             prescale=prescale,
         )
         self.comm.log.step = 0
+        self.full_params = FullParams(self)  # one parameter's full values (zerostack.utils)
+        attach(self, module)
         self.optimizer = optimizer_factory(self.zero.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
         self.loss_scaler = make_loss_scaler(config)
@@ -93,6 +99,9 @@ class Engine(EngineAPI, nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
+        self._step_applied = False  # whether the last step() updated the weights
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._inside_no_sync = False
         self.timers: dict[str, float] = defaultdict(float)
         # initialize(training_data=...)'s loader: train_batch() repeats it; checkpoints keep its
         # sampler's position
@@ -118,6 +127,11 @@ class Engine(EngineAPI, nn.Module):
                 self.comm.broadcast(t.data, src=0, axis="tp")
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step closes an accumulation window: every
+        ``gradient_accumulation_steps``-th, or what ``set_gradient_accumulation_boundary`` said
+        last."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self._gas == 0
 
     def train(self, mode: bool = True) -> Engine:
@@ -143,7 +157,10 @@ class Engine(EngineAPI, nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = time.perf_counter()
-        self.zero.begin_backward(self.is_gradient_accumulation_boundary())
+        self.monitor.add_loss(loss)
+        # inside no_sync() gradients accumulate locally, reduced by the next backward outside it
+        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.zero.begin_backward(boundary)
         scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_backward()
@@ -152,7 +169,10 @@ class Engine(EngineAPI, nn.Module):
 
     def step(self) -> None:
         """Count the micro-step; on an accumulation boundary, update the weights."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = time.perf_counter()
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self.apply_step()
             if self.flops_profile is not None:
@@ -202,9 +222,12 @@ class Engine(EngineAPI, nn.Module):
             total /= self.topology.dp
         return total
 
-    def _count_global_step(self) -> None:
+    def _count_global_step(self, loss: torch.Tensor | None = None) -> None:
+        """After a step: count it, write its metrics (``loss``: the step's mean loss when the
+        caller has it), print every ``steps_per_print``."""
         self.global_steps += 1
         self.global_samples += self._train_batch_size
+        self.monitor.write_step(self, loss)
         self.comm.log.next_step()
         self._maybe_print()
 
@@ -227,6 +250,7 @@ class Engine(EngineAPI, nn.Module):
             self.zero.step(self.optimizer, coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._step_applied = not overflow
         self.loss_scaler.update(overflow)
         self.zero.zero_grad()
 
@@ -275,14 +299,22 @@ class Engine(EngineAPI, nn.Module):
     def _maybe_print(self) -> None:
         if self.global_rank != 0 or self.global_steps % self.config.steps_per_print:
             return
-        log.info(
-            "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s %s",
-            self.global_steps,
-            self.skipped_steps,
-            [f"{lr:.3g}" for lr in self.get_lr()],
-            self.loss_scale,
-            self._global_grad_norm,
-            self.throughput_since_print(),
+        lrs = [f"{lr:.3g}" for lr in self.get_lr()]
+        print_progress(
+            f"step={self.global_steps} skipped={self.skipped_steps} lr={lrs} "
+            f"loss_scale={self.loss_scale:g} grad_norm={self._global_grad_norm} "
+            f"{self.throughput_since_print()}".rstrip()
         )
         if self.config.wall_clock_breakdown:
-            log.info("time (s): %s", {k: round(v, 4) for k, v in self.timers.items()})
+            print_progress(f"time (s): { {k: round(v, 4) for k, v in self.timers.items()} }")
+
+
+def print_progress(text: str) -> None:
+    """A progress line, seen once whatever the logging set-up: DeepSpeed prints its step line
+    to stdout on rank 0; zerostack sends it to the "zerostack" logger when logging shows that
+    logger's INFO (a handler, and INFO enabled), else prints it to stdout, unless the
+    "zerostack" logger's own level is set above INFO (which silences it)."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(text)
+    elif log.level <= logging.INFO:
+        print(text, flush=True)

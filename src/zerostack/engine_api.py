@@ -1,19 +1,38 @@
 """DeepSpeed's engine accessors and the engine's state in and out (mixed into
 :class:`~.engine.Engine`, which sequences the training step).
 
-Read-only figures (ranks, batch sizes, learning rates, the last gradient norm), checkpoints
-(``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, given the engine's
-counters through ``training_state``), the full fp32 weights, memory figures and ``destroy``.
+Read-only figures (ranks, batch sizes, precision, learning rates, the last gradient norm),
+DeepSpeed's accumulation controls (``set_gradient_accumulation_boundary``, ``no_sync``),
+checkpoints (``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, given
+the engine's counters through ``training_state``), the full fp32 weights and DeepSpeed's 16-bit
+model file, memory figures and ``destroy``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 
 import torch
 
-from .tensor_parallel import join_tensors, partition_spec
+log = logging.getLogger("zerostack")
+
+
+class LossScale(float):
+    """``engine.loss_scale``: the current loss scale, a number (zerostack's spelling, also
+    DeepSpeed's ``engine.optimizer.loss_scale``). Called, ``engine.loss_scale()``, it is
+    DeepSpeed's engine method: the configured static scale, ``fp16.loss_scale`` (0 means dynamic
+    scaling; the current scale is then ``engine._get_optimizer_loss_scale()``)."""
+
+    def __new__(cls, value: float, static: float = 0.0) -> LossScale:
+        out = super().__new__(cls, value)
+        out.static = float(static)
+        return out
+
+    def __call__(self) -> float:
+        return self.static
 
 
 class EngineAPI:
@@ -68,8 +87,38 @@ class EngineAPI:
         return self.topology.dp
 
     @property
-    def loss_scale(self) -> float:
+    def loss_scale(self) -> LossScale:
+        """The current loss scale; ``engine.loss_scale()`` is DeepSpeed's ``fp16.loss_scale``."""
+        return LossScale(self.loss_scaler.loss_scale, self.config.fp16.loss_scale)
+
+    def _get_optimizer_loss_scale(self) -> float:
+        """The current loss scale (DeepSpeed's name)."""
         return self.loss_scaler.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_stage(self) -> int:
+        """The configured ZeRO stage (a pipeline runs stage 2 as 1; this still says 2)."""
+        return self.config.zero_optimization.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def train_batch_size(self) -> int:
         return self._train_batch_size
@@ -79,6 +128,42 @@ class EngineAPI:
 
     def gradient_accumulation_steps(self) -> int:
         return self._gas
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self._train_batch_size, self._micro_batch, self._gas
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights (False between accumulation
+        boundaries and when a non-finite gradient skipped the step)."""
+        return self._step_applied
+
+    # ------------------------------------------------------------------ accumulation control
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """From now on, the next backward and ``step()`` close a window (True) or not (False),
+        whatever ``gradient_accumulation_steps`` says: set it before each micro-step, as in
+        DeepSpeed. The loss is still divided by ``gradient_accumulation_steps``."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients on each rank without reducing them; the
+        first backward outside, on a boundary, reduces the sum. ``step()`` is refused inside. As
+        in DeepSpeed, ZeRO stages 2 and 3 (which reduce gradients as they go, keeping only this
+        rank's part) refuse it, and it does not nest."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise RuntimeError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of "
+                f"ZeRO stage {stage}"
+            )
+        if self._inside_no_sync:
+            raise RuntimeError("no_sync context manager reentry is unsupported")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -97,32 +182,56 @@ class EngineAPI:
         )
         return {**self.zero.memory_breakdown(), "optimizer": state}
 
-    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag=None,
+        client_state=None,
+        save_latest=True,
+        exclude_frozen_parameters=False,
+    ):
         """DeepSpeed's save: every rank writes its own slices (a collective); default tag
-        ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path."""
+        ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path.
+        ``exclude_frozen_parameters``: leave out parameters with ``requires_grad=False`` (a
+        LoRA run's frozen base); loading keeps the model's own values for them."""
         from .checkpoint import save
 
-        return save(self, save_dir, tag, client_state, save_latest)
+        return save(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,
         load_dir: str,
         tag=None,
+        load_module_strict=True,
         load_optimizer_states=True,
         load_lr_scheduler_states=True,
         load_module_only=False,
+        custom_load_fn=None,
     ):
         """DeepSpeed's load (``tag=None``: the ``latest`` one), on any ZeRO stage and dp size;
-        returns ``(path, client_state)``."""
+        returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
+        and there is no ``latest`` file (nothing saved yet). A named tag that is missing, or a
+        damaged checkpoint, raises :class:`~.checkpoint.CheckpointError`.
+
+        ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their
+        values, and those the model lacks are ignored (shapes must still agree).
+        ``custom_load_fn(src=state_dict, dst=module)`` replaces the loading of the weights:
+        ``state_dict`` is the checkpoint's, shaped as this rank's module holds them (its
+        tensor-parallel slices; at stage 3 the module's parameters are gathered while it runs),
+        and what it leaves in the module becomes the fp32 masters."""
         from .checkpoint import load
 
         return load(
             self,
             load_dir,
             tag,
+            load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
         )
 
     def destroy(self) -> None:
@@ -132,22 +241,98 @@ class EngineAPI:
         if watchdog is not None:
             watchdog.stop()
             self.watchdog = None
+        self.monitor.close()  # flush and close the monitors' files
         self.zero.close()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
         call it on every rank)."""
         master = self.zero.full_master()
-        tp = self.topology.tp
         out = {}
         for name, p in self.module.named_parameters():
             src = master.get(p)
             t = (src if src is not None else p.detach()).float()
-            spec = partition_spec(p)
-            if tp > 1 and spec is not None:
-                t = t.contiguous()
-                parts = t.new_empty((tp, *t.shape))
-                self.comm.all_gather(parts.view(-1), t.view(-1), axis="tp")
-                t = join_tensors(list(parts.unbind(0)), dim=spec[0], chunks=spec[1])
-            out[name] = t.cpu().clone()
+            out[name] = self.full_params.join_tp(p, t).cpu().clone()
         return out
+
+    # ------------------------------------------------------------------ DeepSpeed's model files
+    def module_state_dict(
+        self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False
+    ):
+        """``module.state_dict()`` (this rank's tensor-parallel slices; at stage 3 the
+        parameters are empty between uses, as DeepSpeed's are), frozen parameters left out
+        with ``exclude_frozen_parameters``. For whole weights, :meth:`full_state_dict`."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def _consolidated_16bit(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+        """Every entry of ``module.state_dict()`` whole (dp pieces and tp slices joined), the
+        parameters in the 16-bit dtype (the compute dtype; fp32 without fp16/bf16), the buffers
+        as held; tied names are copies (a collective)."""
+        if self.topology.pp > 1:
+            raise NotImplementedError(
+                "the 16-bit model of a pipeline: each stage holds its own layers; save a "
+                "checkpoint and run `zerostack consolidate` on it"
+            )
+        full = self.full_state_dict()
+        dtype = self.precision.compute_dtype
+        canonical = {id(p): (n, p) for n, p in self.module.named_parameters()}
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in canonical:  # a buffer
+                out[key] = t.detach().cpu().clone()
+                continue
+            name, p = canonical[id(t)]
+            if not (exclude_frozen and not p.requires_grad):
+                out[key] = full[name].to(dtype, copy=True)
+        return out
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """DeepSpeed's: at ZeRO stage 3, the whole model state dict in the 16-bit dtype, on the
+        CPU, on global rank 0 (None on the others). A collective: every rank calls it."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        out = self._consolidated_16bit(exclude_frozen_parameters)
+        return out if self.global_rank == 0 else None
+
+    def save_16bit_model(
+        self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """Write the whole model in the 16-bit dtype (the compute dtype; fp32 without fp16/bf16)
+        to ``save_dir/save_filename`` from global rank 0; returns True once written. A
+        collective: every rank calls it. At ZeRO stage 3 it needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed: without
+        it nothing is written and it returns False).
+
+        The file is safetensors whatever its name (zerostack never pickles): DeepSpeed's default
+        ``pytorch_model.bin`` holds safetensors content, loaded with
+        ``safetensors.torch.load_file``, not ``torch.load``; name it ``model.safetensors`` for
+        Hugging Face's loaders. Unlike DeepSpeed at stages 0-2, the weights are whole (tensor
+        parallel slices joined), and tied names are separate copies."""
+        from .checkpoint.state import _atomic_replace, _barrier
+
+        path = os.path.join(save_dir, save_filename)
+        gather = self.zero_gather_16bit_weights_on_model_save()
+        if self.zero_optimization_stage() == 3 and not gather:
+            if self.global_rank == 0:
+                log.info(
+                    "Did not save the model %s because "
+                    "stage3_gather_16bit_weights_on_model_save is False",
+                    path,
+                )
+            return False
+        state = self._consolidated_16bit(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            from safetensors.torch import save_file
+
+            if not save_filename.endswith(".safetensors"):
+                log.info("save_16bit_model: %s is written in the safetensors format", path)
+            os.makedirs(save_dir, exist_ok=True)
+            tensors = {k: v.contiguous() for k, v in state.items()}
+            _atomic_replace(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        _barrier(self.comm)
+        return True

@@ -9,6 +9,7 @@ parameter. A failure on any rank fails every rank with the same error.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections import defaultdict
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
+from ..zero.init import GatheredParameters
 from .state import (
     FORMAT,
     LATEST,
@@ -28,6 +30,8 @@ from .state import (
     _sampler,
     _sha256,
 )
+
+log = logging.getLogger("zerostack")
 
 
 class _Reader:
@@ -119,49 +123,112 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
-def load(engine, load_dir: str, tag=None, **options):
-    """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state).
+def load(engine, load_dir: str, tag=None, custom_load_fn=None, **options):
+    """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state),
+    or (None, None) when ``tag`` is None and ``load_dir`` has no ``latest`` file (as DeepSpeed).
 
-    ``options``: ``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only``
-    (DeepSpeed's, all as :meth:`Engine.load_checkpoint` documents). Every rank reads what it needs;
-    if any rank finds a damaged or missing file, every rank raises the same error (naming the
-    file) rather than some waiting on the others.
+    ``options``: ``load_module_strict``, ``load_optimizer_states``, ``load_lr_scheduler_states``,
+    ``load_module_only`` (DeepSpeed's, all as :meth:`Engine.load_checkpoint` documents). Every
+    rank reads what it needs; if any rank finds a damaged or missing file, every rank raises the
+    same error (naming the file) rather than some waiting on the others.
     """
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        missing = _gather_errors(engine.comm, None if os.path.isfile(latest) else "missing")
+        if len(missing) == engine.world_size:
+            if engine.global_rank == 0:
+                log.warning(
+                    "Unable to find latest file at %s, if trying to load latest checkpoint please "
+                    "ensure this file exists or pass an explicit checkpoint tag when loading a "
+                    "checkpoint.",
+                    latest,
+                )
+            return None, None
+        if missing:
+            raise CheckpointError(f"{latest}: missing on ranks {[r for r, _ in missing]} only")
     try:
-        result, error = _load(engine, load_dir, tag, **options), None
+        (folder, client_state, reader), error = _load(engine, load_dir, tag, **options), None
     except CheckpointError as exc:
-        result, error = None, str(exc)
+        error = str(exc)
     errors = _gather_errors(engine.comm, error)
     if errors:
         raise CheckpointError(errors[0][1])
+    if custom_load_fn is not None:
+        _custom_load(engine, reader, custom_load_fn)
     engine.zero.after_load()  # the masters into the compute-dtype parameters (a collective)
-    return result
+    return folder, client_state
+
+
+def _module_state(engine, reader: _Reader) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights and buffers as this rank's module holds them (its tp slices,
+    whole over dp), fp32 for parameters, under every name ``module.state_dict()`` uses."""
+    tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
+    saved, aliases = reader.manifest["params"], reader.manifest["aliases"]
+    ours = dict(engine.module.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name in saved:
+        t = reader.full(name)
+        spec = partition_spec(ours[name]) if name in ours else None
+        if spec is not None and tp > 1:
+            t = split_tensor(t, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
+        out[name] = t
+    for alias, name in aliases.items():
+        if name in out:
+            out[alias] = out[name]
+    for name, file in reader.buffers.items():
+        out[name] = reader.get(file, f"buffer/{name}")
+    return out
+
+
+def _custom_load(engine, reader: _Reader, fn) -> None:
+    """DeepSpeed's ``custom_load_fn(src=state_dict, dst=module)`` in place of loading the
+    weights: run with the module's parameters whole (gathered at stage 3), then what it left in
+    them becomes the masters (trained parameters) and the held values (frozen ones)."""
+    src = _module_state(engine, reader)
+    params = list(engine.module.parameters())
+    trained = [p for p in params if engine.zero.is_trained(p)]
+    with GatheredParameters(params):  # stage 3 (a collective); nothing to do at stages 0-2
+        fn(src=src, dst=engine.module)
+        for p in trained:
+            engine.full_params.set_local(p, p.detach().reshape(-1).float())
+        for p, lo, hi, held in engine.zero.frozen_slices():
+            if hi > lo:
+                held.copy_(p.detach().reshape(-1)[lo:hi])
 
 
 def _load(
     engine,
     load_dir: str,
     tag,
+    load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ):
     folder, manifest = read_manifest(load_dir, tag)
     reader = _Reader(folder, manifest)
-    names = {p: n for n, p in engine.module.named_parameters()}
     saved = manifest["params"]
+    # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
+    # model's values; with load_module_strict=False so do those it simply lacks.
+    kept = set(manifest.get("excluded", []))
+    every = {p: n for n, p in engine.module.named_parameters()}
     tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
-    for p, name in names.items():
-        if name not in saved:
+    for name in every.values():
+        if name in saved or name in kept:
+            continue
+        if load_module_strict:
             raise CheckpointError(f"{folder}: no parameter {name!r} in the checkpoint")
+        kept.add(name)
+    names = {p: n for p, n in every.items() if n not in kept}
+    for p, name in names.items():
         if _full_shape(p, tp) != saved[name]:
             raise CheckpointError(
                 f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
                 f"{_full_shape(p, tp)} in the model"
             )
-    if engine.topology.pp == 1:  # with a pipeline, the other stages hold the rest
+    if engine.topology.pp == 1 and load_module_strict:  # with a pipeline, others hold the rest
         for name in saved:
-            if name not in names.values():
+            if name not in every.values():
                 raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
     saved_tp = reader.saved_tp
     opt = engine.optimizer
@@ -194,7 +261,7 @@ def _load(
     kinds = keys if with_state else []
     owned = defaultdict(list)
     for p, lo, hi, master, a, _ in engine.zero.owned_slices():
-        if hi > lo:
+        if hi > lo and p in names:
             owned[master].append((p, lo, hi, a))
     for master in engine.zero.masters():  # one at a time: on NVMe, read, filled, written back
         values = engine.zero.read_master(master, opt, kinds)
@@ -203,7 +270,7 @@ def _load(
                 read(values[kind], p, kind, lo, hi, a)
         engine.zero.write_master(master, opt, values)
     for p, lo, hi, held in engine.zero.frozen_slices():  # frozen: into what they hold, in place
-        if hi > lo:
+        if hi > lo and p in names:
             read(held, p, "master", lo, hi, 0)
     if with_state:
         for g, saved_g in zip(opt.param_groups, manifest["optimizer_groups"], strict=True):
@@ -218,6 +285,8 @@ def _load(
                         opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
     for name, buf in engine.module.named_buffers():
         if name not in reader.buffers:
+            if not load_module_strict:
+                continue
             raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
         buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
     if not load_module_only:
@@ -242,4 +311,4 @@ def _load(
             }
             if tracker:
                 get_rng_tracker().set_states(tracker)
-    return folder, manifest["client_state"]
+    return folder, manifest["client_state"], reader

@@ -4,7 +4,8 @@ A tag folder holds one safetensors file per rank and ``manifest.json``::
 
     global_step40/
       manifest.json           layout, counters, loss scaler, LR schedule, optimizer groups,
-                              data-loader position, and per file: size, and per tensor: sha256
+                              data-loader position, frozen parameters left out (``excluded``,
+                              exclude_frozen_parameters), and per file: size, per tensor: sha256
       rank00000.safetensors   master/<name>@<lo>, exp_avg/<name>@<lo>, ... rng/cpu, buffer/...
 
 A tensor ``<kind>/<name>@<lo>`` holds elements ``[lo, hi)`` of parameter ``name`` flattened (its
@@ -72,9 +73,27 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_shard(engine, folder: str) -> dict:
-    """This rank's tensors into its file; returns what the manifest records about it."""
-    names = {p: n for n, p in engine.module.named_parameters()}
+def _atomic_replace(path: str, write) -> None:
+    """``write(tmp)`` a file beside ``path``, then rename it into place (no half-written file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _frozen_names(engine) -> set[str]:
+    """Names of the parameters with ``requires_grad=False`` (``exclude_frozen_parameters``)."""
+    return {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+
+
+def _write_shard(engine, folder: str, exclude_frozen: bool = False) -> dict:
+    """This rank's tensors into its file; returns what the manifest records about it
+    (``exclude_frozen``: parameters with ``requires_grad=False`` are left out, and listed)."""
+    excluded = _frozen_names(engine) if exclude_frozen else set()
+    names = {p: n for n, p in engine.module.named_parameters() if n not in excluded}
     tensors: dict[str, torch.Tensor] = {}
     slices = []
     topo = engine.topology
@@ -84,7 +103,7 @@ def _write_shard(engine, folder: str) -> dict:
     if engine.zero.owns_replica:
         held: tuple = (None, {})  # a master's value and state, read once (from its file on NVMe)
         for p, lo, hi, master, a, b in engine.zero.owned_slices():
-            if hi <= lo or p in elsewhere:
+            if hi <= lo or p in elsewhere or p not in names:
                 continue
             if held[0] is not master:
                 held = master, engine.zero.read_master(master, engine.optimizer)
@@ -101,6 +120,8 @@ def _write_shard(engine, folder: str) -> dict:
         c = max(1, -(-math.prod(_full_shape(p, 1)) // dp))
         x, y = max(lo, dp_rank * c), min(hi, (dp_rank + 1) * c)
         if x >= y or p in elsewhere:
+            continue
+        if p not in names:  # excluded (exclude_frozen_parameters)
             continue
         tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
         key = _key(names[p], tp_rank, x)
@@ -120,12 +141,11 @@ def _write_shard(engine, folder: str) -> dict:
         "bytes": os.path.getsize(path),
         "sha256": {k: _sha256(v) for k, v in tensors.items()},
         "slices": slices,
-        "params": {n: _full_shape(p, topo.tp) for n, p in engine.module.named_parameters()},
+        "params": {n: _full_shape(p, topo.tp) for p, n in names.items()},
         "specs": {
-            n: list(partition_spec(p))
-            for n, p in engine.module.named_parameters()
-            if partition_spec(p) is not None
+            n: list(partition_spec(p)) for p, n in names.items() if partition_spec(p) is not None
         },
+        "excluded": sorted(excluded),
     }
 
 
@@ -153,8 +173,17 @@ def _tracker_states() -> dict[str, torch.Tensor]:
     return get_rng_tracker().get_states()
 
 
-def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
-    """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path."""
+def save(
+    engine,
+    save_dir: str,
+    tag=None,
+    client_state=None,
+    save_latest: bool = True,
+    exclude_frozen: bool = False,
+) -> str:
+    """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path.
+    ``exclude_frozen``: leave out the parameters with ``requires_grad=False`` (the manifest
+    lists them under ``excluded``; a load keeps the model's values for them)."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     client_state = {} if client_state is None else client_state
     try:
@@ -170,7 +199,7 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
         os.makedirs(folder)
     _barrier(engine.comm)
     try:
-        record, error = _write_shard(engine, folder), None
+        record, error = _write_shard(engine, folder, exclude_frozen), None
         _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps(record))
     except Exception as exc:  # every rank learns of it below, then all raise
         error = f"{type(exc).__name__}: {exc}"
@@ -212,14 +241,16 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
     # record (with a pipeline, each stage knows only its own parameters).
     params: dict[str, list[int]] = {}
     specs: dict[str, list[int]] = {}
+    excluded: set[str] = set()
     for rec in records:
         params.update(rec.pop("params"))
         specs.update(rec.pop("specs"))
+        excluded.update(rec.pop("excluded"))
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {  # a tied weight under its other names, for a plain load_state_dict
         n: canonical[id(t)]
         for n, t in engine.module.state_dict(keep_vars=True).items()
-        if id(t) in canonical and canonical[id(t)] != n
+        if id(t) in canonical and canonical[id(t)] != n and canonical[id(t)] not in excluded
     }
     return {
         "format": FORMAT,
@@ -234,6 +265,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
             "precision": engine.precision.name,
         },
         "params": params,
+        "excluded": sorted(excluded),  # frozen parameters left out (exclude_frozen_parameters)
         "tp_specs": specs,
         "counters": engine.training_state(),
         "loss_scaler": engine.loss_scaler.state_dict(),

@@ -127,8 +127,9 @@ class PipelineEngine(Engine):
             on_step=self.apply_step,
         )
         self.micro_steps += gas
-        self._count_global_step()
-        return self._mean_loss(losses, gas)
+        loss = self._mean_loss(losses, gas)
+        self._count_global_step(loss)
+        return loss
 
     @torch.no_grad()
     def eval_batch(self, data_iter=None) -> torch.Tensor:

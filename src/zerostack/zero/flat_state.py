@@ -66,6 +66,46 @@ class FlatState:
         """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
         self.after_step()
 
+    # ------------------------------------------------------------------ one parameter
+    def is_trained(self, p: nn.Parameter) -> bool:
+        """Whether the optimizer steps ``p`` (it has a master and gradients here)."""
+        return p in self._where
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
+        over dp and scaled as its master gets it at the step (times :meth:`grad_post` is the
+        mean). A collective over dp: at stages 0-1 it waits for the boundary's reduction if
+        backward launched it, or sums a copy of the local gradients mid-window."""
+        b, rng = self._where[p]
+        st = self.buckets[b]
+        fg = self.groups[st.group]
+        lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
+        if self.stage == 2:
+            off = st.bucket.shard_offset
+            return self._whole_bucket(fg.grad_shard[off : off + st.bucket.piece_numel])[lo:hi]
+        reduced = self.dp > 1 and self.reducer.settle()
+        if reduced and self.stage == 1:
+            return self._whole_bucket(st.piece)[lo:hi]
+        grad = fg.grads_flat[rng].to(torch.float32, copy=True)
+        if self.dp > 1 and not reduced:
+            grad.mul_(self.prescale)
+            self.comm.all_reduce(grad, axis="dp")
+        return grad
+
+    def _whole_bucket(self, piece: torch.Tensor) -> torch.Tensor:
+        """A bucket, fp32, from every rank's piece of it (all-gathered over dp)."""
+        piece = piece.to(device=self.comm.topo.device, dtype=torch.float32)
+        if self.dp == 1:
+            return piece
+        out = piece.new_empty(piece.numel() * self.dp)
+        self.comm.all_gather(out, piece, axis="dp")
+        return out
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
+        every rank holds all of it, so nothing is gathered."""
+        p.data.copy_(value.view_as(p))
+
     def master_value(self, master: nn.Parameter) -> torch.Tensor:
         """A master's current fp32 value (read back from its file when it is on NVMe)."""
         return self.store.read(master)

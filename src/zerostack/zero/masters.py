@@ -127,6 +127,10 @@ class GradShards:
     def norm_sq(self, p: nn.Parameter) -> torch.Tensor:
         return torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
 
+    def piece(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s gradient so far in the window (summed over dp)."""
+        return p._zs.grad
+
     def hand_to(self, groups: Iterable) -> None:
         """Each master gets its gradient shard as ``.grad``."""
         for g in groups:
@@ -174,6 +178,13 @@ class GradFiles:
 
     def norm_sq(self, p: nn.Parameter) -> torch.Tensor | float:
         return self.sq.get(p, 0.0)
+
+    def piece(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s gradient so far in the window, read from its file."""
+        out = torch.zeros(p._zs.piece.numel(), dtype=torch.float32)
+        if p in self.written:
+            self.files.read_into(self.key[p], [out])
+        return out
 
     def hand_to(self, groups: Iterable) -> None:
         """A stand-in marks "has a gradient"; :meth:`load` is what the optimizer steps with."""

@@ -51,14 +51,26 @@ class GradReducer:
         self._handles.append((bucket, self._launch(bucket)))
         self._next += 1
 
-    def flush(self) -> list[int]:
-        """Launch every bucket not launched yet, wait for all; the buckets of this backward, in
-        launch order. The reducer is then reset."""
+    def settle(self) -> bool:
+        """If this backward has reported or launched anything: launch the buckets left and wait
+        for every one, keeping the record (a later :meth:`flush` launches nothing again).
+        Returns whether there was anything (False: no reduction of this window has begun)."""
+        if self._next == 0 and not any(self._arrived):
+            return False
+        self._launch_rest_and_wait()
+        return True
+
+    def _launch_rest_and_wait(self) -> None:
         while self._next < len(self._sizes):
             self._start(self._next)
         for _, handle in self._handles:
             if handle is not None:
                 handle.wait()
+
+    def flush(self) -> list[int]:
+        """Launch every bucket not launched yet, wait for all; the buckets of this backward, in
+        launch order. The reducer is then reset."""
+        self._launch_rest_and_wait()
         done = [b for b, _ in self._handles]
         self.reset()
         return done

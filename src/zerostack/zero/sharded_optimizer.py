@@ -271,6 +271,11 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                 grad = st.host_grad.copy_(grad)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
+        return self.grad_post(loss_scale)
+
+    def grad_post(self, loss_scale: float) -> float:
+        """The factor that turns the summed, scaled gradients into the mean over the global
+        batch, unscaled (at dp = 1 nothing was reduced or prescaled)."""
         return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
 
     def scale_grads(self, factor: float) -> None:

@@ -294,6 +294,11 @@ class Stage3(Stage3State, StepSequence):
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel._prepare_step)."""
         self.grads.hand_to(self.groups)
+        return self.grad_post(loss_scale)
+
+    def grad_post(self, loss_scale: float) -> float:
+        """The factor that turns the summed, scaled gradients into the mean over the global
+        batch, unscaled (the prescale is applied at dp = 1 too)."""
         return 1.0 / (loss_scale * self.prescale * self.dp)
 
     def scale_grads(self, factor: float) -> None:

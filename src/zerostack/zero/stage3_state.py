@@ -93,6 +93,41 @@ class Stage3State:
         self.after_step()
         self._refresh_persistent([p for p in self._persistent if p not in self._trainable])
 
+    # ------------------------------------------------------------------ one parameter
+    def is_trained(self, p: nn.Parameter) -> bool:
+        """Whether the optimizer steps ``p`` (it has a master and gradient pieces here)."""
+        return p in self._trainable
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
+        over dp and scaled as its master gets it (times :meth:`grad_post` is the mean): every
+        rank's piece, all-gathered (a collective over dp). ``p.grad`` is None after backward
+        at stage 3; the pieces are where the gradient is."""
+        st = p._zs
+        piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
+        return gather_full([type(st)(st.shape, st.numel, piece)], self.comm)[0].reshape(-1)
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
+        return self.grads.piece(p).to(torch.float32, copy=True)
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
+        this rank's piece (in memory or its file), and the gathered copy a persistent one
+        keeps."""
+        st = p._zs
+        pn, n = st.piece.numel(), st.numel
+        lo = min(self.rank * pn, n)
+        hi = min(lo + pn, n)
+        piece = torch.zeros(pn, dtype=torch.float32, device=value.device)
+        piece[: hi - lo] = value[lo:hi]
+        if self.param_swapper.holds(p):  # its file (offload_param)
+            self.param_swapper.update(p, piece)
+        if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
+            st.piece.copy_(piece)
+        if st.gathered and p.numel() == n:
+            p.data.copy_(value.view_as(p))
+
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""
         self.store.close()

@@ -90,6 +90,23 @@ class ZeroStrategy(Protocol):
     def after_load(self) -> None:
         """Loaded masters into the compute-dtype parameters (a collective)."""
 
+    # ------------------------------------------------------------------ one parameter
+    # (``zerostack.utils``' safe_get_full_* / safe_set_full_*, through :mod:`zerostack.full_params`)
+    grads_sharded: bool  # whether each dp rank holds a different part of masters and gradients
+
+    def is_trained(self, p: nn.Parameter) -> bool:
+        """Whether the optimizer steps ``p``."""
+
+    def grad_post(self, loss_scale: float) -> float:
+        """The factor from the summed, scaled gradients to the mean over the global batch."""
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s whole gradient so far in the window, fp32, flat, summed over dp and scaled
+        (a collective over dp)."""
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``p``'s compute-dtype value (its master is written through ``write_master``)."""
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held: params, grads, master."""
 

@@ -1,0 +1,446 @@
+"""DeepSpeed's engine surface as Transformers and Accelerate call it, on real gloo ranks.
+
+* ``zerostack.utils.safe_get_full_*`` / ``safe_set_full_*`` at ZeRO stages 0-3, with optimizer
+  offload and with tensor parallelism, against single-process fp32 training with torch AdamW:
+  the full gradient between backward and step (mid-window and on the boundary), the full fp32
+  parameter and Adam's ``exp_avg`` after each step, and a value set on the engine changing the
+  next step exactly as setting it on the single-process model does. Tolerance 1e-5 relative per
+  tensor, as the parity tests: only the order of floating-point sums differs.
+* ``load_checkpoint``: ``(None, None)`` with nothing saved, ``load_module_strict=False``,
+  ``custom_load_fn``; ``save_checkpoint(exclude_frozen_parameters=True)``.
+* ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict``: the file's entries are the
+  model's state dict, whole, in the compute dtype, equal to the engine's own weights.
+* ``no_sync``, ``set_gradient_accumulation_boundary``, ``was_step_applied``, the loss scale and
+  the accessors. These use SGD: one AdamW step moves every weight by about lr whatever the
+  gradient's scale, so a lost factor would not show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from common import batch, max_rel_diff, tiny_gpt
+from distributed import run_distributed
+from safetensors.torch import load_file
+from torch import nn
+
+import zerostack
+from zerostack import Topology
+from zerostack.checkpoint import CheckpointError
+from zerostack.models import GPT, GPTConfig
+from zerostack.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+B, GAS, STEPS, TOL = 8, 2, 3, 1e-5
+LR, WD = 1e-3, 0.01
+# 4 heads so that tp = 2 splits them; no biases (see common.TINY)
+TP_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32, bias=False)
+# stage, optimizer offload, tp
+CASES = {
+    "s0": (0, None, 1),
+    "s1": (1, None, 1),
+    "s2": (2, None, 1),
+    "s3": (3, None, 1),
+    "s2_cpu": (2, "cpu", 1),
+    "s3_cpu": (3, "cpu", 1),
+    "s2_nvme": (2, "nvme", 1),
+    "s3_nvme": (3, "nvme", 1),
+    "s1_tp2": (1, None, 2),
+}
+SET = ("blocks.0.attn.qkv.weight", "blocks.1.ln1.weight")  # a tp-split matrix, a replicated vector
+
+
+def _surface(rank, world, stage, offload, tp, root):
+    zero = {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 64}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": root}
+    dp = world // tp
+    per = B // dp // GAS
+    config = {
+        "train_micro_batch_size_per_gpu": per,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": zero,
+    }
+    if tp > 1:
+        topo = Topology.build(tp=tp)
+        torch.manual_seed(0)
+        model, cfg = GPT(TP_CFG, topology=topo), TP_CFG
+    else:
+        topo, model, cfg = None, tiny_gpt(), None
+    engine, *_ = zerostack.initialize(model=model, topology=topo, config=config)
+    ref = tiny_gpt(cfg=cfg) if cfg is not None else tiny_gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    ours = dict(engine.module.named_parameters())
+    theirs = dict(ref.named_parameters())
+    dp_rank = engine.topology.dp_rank
+    out = {"mid": [], "grad": [], "param": [], "exp_avg": []}
+
+    def ref_grads(x, y, scale=1.0):
+        ref.zero_grad(set_to_none=True)
+        (ref(x, y) * scale).backward()
+        return {n: p.grad.clone() for n, p in theirs.items()}
+
+    def train_step(step):
+        x, y = batch(step, B)
+        half = ref_grads(x[: dp * per], y[: dp * per], 1.0 / GAS)  # micro-batch 0 of every rank
+        whole = ref_grads(x, y)
+        for m in range(GAS):
+            lo = (m * dp + dp_rank) * per
+            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+            grads = {n: safe_get_full_grad(p) for n, p in ours.items()}
+            out["mid" if m == 0 else "grad"].append(max_rel_diff(grads, half if m == 0 else whole))
+            engine.step()
+        opt.step()
+        params = {n: safe_get_full_fp32_param(p) for n, p in ours.items()}
+        out["param"].append(max_rel_diff(params, {n: p.detach() for n, p in theirs.items()}))
+        moments = {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in ours.items()}
+        out["exp_avg"].append(
+            max_rel_diff(moments, {n: opt.state[p]["exp_avg"] for n, p in theirs.items()})
+        )
+
+    for step in range(STEPS):
+        train_step(step)
+    # Set a weight and its first moment on both, the same values; the next step must agree.
+    roundtrip = []
+    for name in SET:
+        value = theirs[name].detach() * 0.5 + 0.01
+        moment = opt.state[theirs[name]]["exp_avg"] * -2.0
+        safe_set_full_fp32_param(ours[name], value)
+        safe_set_full_optimizer_state(ours[name], moment, "exp_avg")
+        with torch.no_grad():
+            theirs[name].copy_(value)
+            opt.state[theirs[name]]["exp_avg"].copy_(moment)
+        got = safe_get_full_fp32_param(ours[name])
+        got_moment = safe_get_full_optimizer_state(ours[name], "exp_avg")
+        roundtrip.append(torch.equal(got.cpu(), value) and torch.equal(got_moment.cpu(), moment))
+    out["roundtrip"] = roundtrip
+    x, y = batch(STEPS, B)  # the forward right after the set uses the new values
+    lo = dp_rank * per
+    out["loss_after_set"] = (
+        engine(x[lo : lo + per], y[lo : lo + per]).item(),
+        ref(x[lo : lo + per], y[lo : lo + per]).item(),
+    )
+    train_step(STEPS)
+    local = safe_get_local_fp32_param(ours[SET[0]]) if stage == 3 else None
+    out["local"] = None if local is None else (local.numel(), ours[SET[0]]._zs.piece.numel())
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_full_values_match_single_process(case, tmp_path):
+    stage, offload, tp = CASES[case]
+    results = run_distributed(_surface, 2, args=(stage, offload, tp, str(tmp_path)))
+    for rank, out in enumerate(results):
+        for key in ("mid", "grad", "param", "exp_avg"):
+            worst, name = max(out[key])
+            assert worst < TOL, f"rank {rank} {key}: {name} differs by {worst:.2e}"
+        assert out["roundtrip"] == [True, True], f"rank {rank}: a set value does not read back"
+        ours, theirs = out["loss_after_set"]
+        assert abs(ours - theirs) < TOL * abs(theirs), f"rank {rank}: loss {ours} vs {theirs}"
+        if stage == 3:
+            assert out["local"][0] == out["local"][1]
+
+
+def _fp16_grads(rank, world, stage):
+    config = {
+        "train_micro_batch_size_per_gpu": B // world,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 8},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    ref = tiny_gpt()
+    x, y = batch(0, B)
+    ref(x, y).backward()
+    per = B // world
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+    return engine.loss_scale, max_rel_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_grad_is_unscaled_in_fp16(stage):
+    """The loss scale (256) is taken out; fp16 arithmetic leaves ~1e-3 relative differences."""
+    for scale, (worst, name) in run_distributed(_fp16_grads, 2, args=(stage,)):
+        assert scale == 256.0
+        assert worst < 2e-2, f"{name} differs by {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------- checkpoints
+class Net(nn.Module):
+    """Two Linears, ``a`` then ``second`` (named as asked), ``a`` frozen if asked."""
+
+    def __init__(self, seed: int, second: str = "b", frozen: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(6, 6)
+        self.add_module(second, nn.Linear(6, 3))
+        self.second = second
+        if frozen:
+            self.a.requires_grad_(False)
+
+    def forward(self, x, y):
+        return F.cross_entropy(getattr(self, self.second)(torch.tanh(self.a(x))), y)
+
+
+def _net_config(world, stage, lr=0.1, gas=1, **extra):
+    return {
+        "train_micro_batch_size_per_gpu": B // world // gas,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def _net_engine(world, stage, seed, **kwargs):
+    extra = kwargs.pop("config", {})
+    engine, *_ = zerostack.initialize(
+        model=Net(seed, **kwargs), config=_net_config(world, stage, **extra)
+    )
+    return engine
+
+
+def _net_step(engine, rank, world, step):
+    x, y = _data(step)
+    per = B // world
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    engine.step()
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _checkpoints(rank, world, root, stage):
+    records = _Records()
+    logging.getLogger("zerostack").addHandler(records)
+    first = _net_engine(world, stage, seed=1)
+    _net_step(first, rank, world, 0)
+    # nothing saved yet: (None, None) and DeepSpeed's warning, on rank 0 only
+    empty = os.path.join(root, "empty")
+    assert first.load_checkpoint(empty) == (None, None)
+    warned = [m for m in records.messages if m.startswith("Unable to find latest file at")]
+    assert len(warned) == (1 if rank == 0 else 0), records.messages
+    assert f"{empty}/latest" in warned[0] if warned else True
+    # a named tag that does not exist is an error, as in DeepSpeed
+    with pytest.raises(CheckpointError) as info:
+        first.load_checkpoint(empty, tag="nope")
+    assert str(info.value) == f"{empty}/nope/manifest.json: missing (not a complete checkpoint)"
+
+    first.save_checkpoint(os.path.join(root, "plain"), tag="t")
+    saved = first.full_state_dict()
+    # load_module_strict: the other model has c where the checkpoint has b
+    other = _net_engine(world, stage, seed=2, second="c")
+    before = other.full_state_dict()
+    with pytest.raises(CheckpointError) as info:
+        other.load_checkpoint(os.path.join(root, "plain"))
+    assert str(info.value) == f"{root}/plain/t: no parameter 'c.weight' in the checkpoint"
+    path, client = other.load_checkpoint(os.path.join(root, "plain"), load_module_strict=False)
+    assert path == os.path.join(root, "plain", "t") and client == {}
+    after = other.full_state_dict()
+    for name in after:
+        expected = saved[name] if name.startswith("a.") else before[name]
+        assert torch.equal(after[name], expected), name
+
+    # exclude_frozen_parameters: a frozen, left out; a load keeps the model's own a
+    lora = _net_engine(world, stage, seed=3, frozen=True)
+    _net_step(lora, rank, world, 1)
+    assert safe_get_full_fp32_param(lora.module.a.weight) is None  # frozen: no master
+    lora.save_checkpoint(os.path.join(root, "lora"), tag="t", exclude_frozen_parameters=True)
+    trained = lora.full_state_dict()
+    manifest = json.load(open(os.path.join(root, "lora", "t", "manifest.json")))
+    assert manifest["excluded"] == ["a.bias", "a.weight"]
+    assert sorted(manifest["params"]) == ["b.bias", "b.weight"]
+    keys = [k for rec in manifest["files"] for k in rec["sha256"]]
+    assert not [k for k in keys if k.startswith("master/a.")], keys
+    fresh = _net_engine(world, stage, seed=4, frozen=True)
+    own = fresh.full_state_dict()
+    fresh.load_checkpoint(os.path.join(root, "lora"))  # strict: excluded is not missing
+    loaded = fresh.full_state_dict()
+    for name in loaded:
+        assert torch.equal(loaded[name], own[name] if name.startswith("a.") else trained[name])
+
+    # custom_load_fn(src=state_dict, dst=module) loads the weights; what it leaves is trained
+    seen = []
+
+    def custom(src, dst):
+        seen.append(sorted(src))
+        dst.load_state_dict(src)
+        with torch.no_grad():
+            dst.b.weight.mul_(2.0)
+
+    target = _net_engine(world, stage, seed=5)
+    target.load_checkpoint(os.path.join(root, "plain"), custom_load_fn=custom)
+    assert seen == [["a.bias", "a.weight", "b.bias", "b.weight"]]
+    for name, value in target.full_state_dict().items():
+        expected = saved[name] * 2.0 if name == "b.weight" else saved[name]
+        assert torch.equal(value, expected), name
+    assert torch.equal(
+        safe_get_full_fp32_param(target.module.b.weight).cpu(), saved["b.weight"] * 2
+    )
+    logging.getLogger("zerostack").removeHandler(records)
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_checkpoint_keywords_and_excluded_frozen(stage, tmp_path):
+    assert run_distributed(_checkpoints, 2, args=(str(tmp_path), stage)) == [True, True]
+
+
+# ---------------------------------------------------------------------------- 16-bit model
+def _save16(rank, world, root, stage):
+    gather = {"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {}
+    config = {
+        "train_micro_batch_size_per_gpu": B // world,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **gather},
+    }
+    model = tiny_gpt()
+    model.wpe.requires_grad_(False)
+    engine, *_ = zerostack.initialize(model=model, config=config)
+    x, y = batch(0, B)
+    per = B // world
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    engine.step()
+    full = engine.full_state_dict()
+    assert engine.save_16bit_model(root) is True
+    assert engine.save_16bit_model(root, "lora.safetensors", exclude_frozen_parameters=True)
+    keys = list(engine.module.state_dict())  # with the tied head's second name
+    if stage == 3:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        assert (sd is None) == (rank != 0)
+        config["zero_optimization"].pop("stage3_gather_16bit_weights_on_model_save")
+        plain, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+        assert plain.save_16bit_model(root, "not_saved.bin") is False
+    else:
+        with pytest.raises(ValueError, match="^this function requires ZeRO-3 mode$"):
+            engine._zero3_consolidated_16bit_state_dict()
+        held = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
+    if rank != 0:
+        return True
+    saved = load_file(os.path.join(root, "pytorch_model.bin"))  # safetensors, whatever the name
+    assert sorted(saved) == sorted(keys)
+    for key, t in saved.items():
+        assert t.dtype == torch.bfloat16, key
+        assert torch.equal(t, full["wte.weight" if key == "head.weight" else key].bfloat16()), key
+        if stage != 3:  # the engine's own bf16 weights, whole at stages 0-2
+            assert torch.equal(t, held[key]), key
+    if stage == 3:
+        assert list(sd) == keys and all(torch.equal(sd[k], saved[k]) for k in keys)
+        assert not os.path.exists(os.path.join(root, "not_saved.bin"))
+    lora = load_file(os.path.join(root, "lora.safetensors"))
+    assert sorted(lora) == sorted(k for k in keys if k != "wpe.weight")
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_16bit_model_writes_the_whole_bf16_weights(stage, tmp_path):
+    assert run_distributed(_save16, 2, args=(str(tmp_path), stage)) == [True, True]
+
+
+# ---------------------------------------------------------------------------- controls
+def _reference_two_micro_batches(lr=0.1):
+    """SGD on the sum of the two micro-batches' mean losses (what accumulating them gives)."""
+    ref = Net(10)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    loss = sum(ref(*_data(step)) for step in (0, 1))
+    loss.backward()
+    opt.step()
+    return {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _reductions(engine, since: int) -> int:
+    return sum(
+        1
+        for r in engine.comm.log.records[since:]
+        if r.axis == "dp" and r.op in ("all_reduce", "reduce_scatter")
+    )
+
+
+def _controls(rank, world):
+    expected = _reference_two_micro_batches()
+    engine = _net_engine(world, 1, seed=10)
+    assert engine.get_batch_info() == (B, B // world, 1)
+    assert (engine.fp16_enabled(), engine.bfloat16_enabled()) == (False, False)
+    assert engine.zero_optimization_stage() == 1
+    assert engine.loss_scale == 1.0 and engine.loss_scale() == 0.0
+    # no_sync: the first micro-batch's gradients stay on each rank; the next backward reduces
+    with engine.no_sync():
+        since = len(engine.comm.log.records)
+        _net_backward(engine, rank, world, 0)
+        assert _reductions(engine, since) == 0
+        with pytest.raises(RuntimeError, match="^no_sync context manager reentry is unsupported$"):
+            with engine.no_sync():
+                pass
+        with pytest.raises(RuntimeError, match=r"^engine.step\(\) inside engine.no_sync\(\)"):
+            engine.step()
+    _net_backward(engine, rank, world, 1)
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+    diff, name = max_rel_diff(engine.full_state_dict(), expected)
+    assert diff < TOL, (name, diff)
+    # set_gradient_accumulation_boundary: the same two micro-batches, one step
+    manual = _net_engine(world, 1, seed=10)
+    manual.set_gradient_accumulation_boundary(False)
+    _net_backward(manual, rank, world, 0)
+    manual.step()
+    assert not manual.was_step_applied() and manual.global_steps == 0
+    manual.set_gradient_accumulation_boundary(True)
+    _net_backward(manual, rank, world, 1)
+    manual.step()
+    assert manual.was_step_applied() and manual.global_steps == 1
+    diff, name = max_rel_diff(manual.full_state_dict(), expected)
+    assert diff < TOL, (name, diff)
+    # stages 2-3 reduce gradients as backward goes: no_sync is refused, as in DeepSpeed
+    partitioned = _net_engine(world, 2, seed=10)
+    with pytest.raises(RuntimeError) as info:
+        with partitioned.no_sync():
+            pass
+    assert str(info.value) == (
+        "no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage 2"
+    )
+    # the loss scale: the current one as a number, DeepSpeed's configured one when called
+    static = _net_engine(world, 0, seed=10, config={"fp16": {"enabled": True, "loss_scale": 128}})
+    assert static.loss_scale == 128.0 and static.loss_scale() == 128.0
+    assert static.fp16_enabled() and not static.dynamic_loss_scale()
+    dynamic = _net_engine(
+        world, 0, seed=10, config={"fp16": {"enabled": True, "initial_scale_power": 8}}
+    )
+    assert dynamic.loss_scale == 256.0 and dynamic.loss_scale() == 0.0
+    assert dynamic._get_optimizer_loss_scale() == 256.0 and dynamic.dynamic_loss_scale()
+    return True
+
+
+def _net_backward(engine, rank, world, step):
+    x, y = _data(step)
+    per = B // world
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+
+
+def test_no_sync_and_manual_boundary_accumulate_like_one_batch():
+    assert run_distributed(_controls, 2) == [True, True]
