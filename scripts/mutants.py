@@ -488,6 +488,13 @@ MUTANTS = [
         ("tests/test_watchdog.py::test_a_failed_collective_carries_the_posted_verdict",),
     ),
     Mutant(
+        "watchdog: an exception is not posted as the verdict",
+        "watchdog.py",
+        "        sys.excepthook = self._excepthook\n",
+        "",
+        ("tests/test_watchdog.py::test_a_rank_that_raises_is_named_by_every_rank",),
+    ),
+    Mutant(
         "monitor: the train loss not averaged over the accumulation window",
         "monitor/training.py",
         "mean = self._loss_sum / self._losses",

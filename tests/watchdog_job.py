@@ -4,7 +4,8 @@ skips a forward at a chosen point, and the others must end with the watchdog's r
     python tests/watchdog_job.py <phase>    # with RANK, WORLD_SIZE, MASTER_ADDR/PORT set
 
 Phases: forward, backward, step (stage 3), checkpoint (stage 1, in save_checkpoint), pipeline
-(pp 2 x dp 2, inside a stage's forward), skip (stage 3: rank 1 skips a forward), none.
+(pp 2 x dp 2, inside a stage's forward), skip (stage 3: rank 1 skips a forward), raise (stage 3:
+rank 1 raises), none.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main(phase: str) -> None:
         if phase == "pipeline":
             engine.train_batch(iter([(x[:1], y[:1]), (x[1:], y[1:])]))
             continue
+        if phase == "raise" and at_victim_step():
+            raise RuntimeError("rank 1 ran out of data")
         if phase == "skip" and at_victim_step():
             engine.step()  # rank 1 skipped its forward and backward
             continue

@@ -72,11 +72,13 @@ class Watchdog:
         self._wake_w: socket.socket | None = None
         self._old_wakeup: int | None = None
         self._old_handler = None
+        self._old_excepthook = sys.excepthook
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Watchdog:
         self._listen_for_sigusr1()
         self.log.explain = self.posted_verdict
+        self._chain_excepthook()
         self._publish()
         now = time.monotonic()
         self._seen = {r: (-1, now) for r in range(self.world) if r != self.rank}
@@ -91,6 +93,8 @@ class Watchdog:
         self._stop.set()
         if self.log.explain == self.posted_verdict:
             self.log.explain = None
+        if getattr(sys.excepthook, "__self__", None) is self:
+            sys.excepthook = self._old_excepthook
         if self._wake_w is not None:
             self._wake_w.send(b"\0")  # wake the thread's select now, not an interval later
         if self._wake_r is not None:
@@ -243,6 +247,21 @@ class Watchdog:
             return False
         got = self._wake_r.recv(64)
         return bytes([signal.SIGUSR1]) in got
+
+    def _chain_excepthook(self) -> None:
+        """An exception that ends this rank's training thread is posted as the verdict before
+        the traceback prints: the peers, whose collectives then fail as this process exits,
+        raise it, so every rank's log says which rank raised what, at which step."""
+        self._old_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+
+    def _excepthook(self, kind, value, tb) -> None:
+        verdict = f"rank {self.rank} raised {kind.__name__}: {value} (at step {self.log.step})"
+        try:
+            self.store.compare_set(f"{PREFIX}verdict", "", verdict)
+        except Exception:
+            pass
+        self._old_excepthook(kind, value, tb)
 
     def _listen_for_sigusr1(self) -> None:
         """SIGUSR1 -> a report, through a wakeup fd (only from the main thread, and only when no
