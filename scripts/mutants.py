@@ -44,6 +44,7 @@ C = "tests/test_checkpoint.py"
 E = "tests/test_stage3_edges.py::test_stage3_matches_single_process"
 T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
 S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
+CD = "tests/test_comm_dtype.py"
 
 MUTANTS = [
     Mutant(
@@ -468,7 +469,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: an async collective stays in flight after its wait",
-        "comm.py",
+        "comm/grid.py",
         "            self._work = None\n        self._log.end(self._record)",
         "            self._work = None",
         ("tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",),
@@ -482,7 +483,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a failed collective does not say why the job is ending",
-        "comm.py",
+        "comm/records.py",
         "verdict = self.explain() if self.explain is not None else None",
         "verdict = None",
         ("tests/test_watchdog.py::test_a_failed_collective_carries_the_posted_verdict",),
@@ -549,6 +550,162 @@ MUTANTS = [
         "        if load_module_strict:\n            raise CheckpointError(",
         "        if True:\n            raise CheckpointError(",
         ("tests/test_engine_surface.py::test_load_checkpoint_keywords_and_excluded_frozen[1]",),
+    ),
+    Mutant(
+        "communication_data_type ignored: gradients reduced in the compute dtype",
+        "precision.py",
+        "return self.comm_dtype or self.compute_dtype",
+        "return self.compute_dtype",
+        (f"{CD}::test_fp32_reduction_sends_fp32_and_sums_exactly",),
+    ),
+    Mutant(
+        "communication_data_type at stage 0: the all-reduced copy not written back",
+        "zero/flat_reduce.py",
+        "return handle if sent is chunk else CastBack(handle, sent, chunk)",
+        "return handle",
+        (f"{CD}::test_fp32_reduction_sends_fp32_and_sums_exactly",),
+    ),
+    Mutant(
+        "communication_data_type at stage 3: buckets staged in the compute dtype",
+        "zero/stage3.py",
+        "dtype=precision.reduce_dtype,",
+        "dtype=dtype,",
+        (f"{CD}::test_fp32_reduction_sends_fp32_and_sums_exactly",),
+    ),
+    Mutant(
+        "grad_accum_dtype at stages 0-1: a micro-batch's .grad kept after it is summed",
+        "zero/flat_reduce.py",
+        "p.grad = view if view.dtype == p.grad.dtype else None",
+        "p.grad = view if view.dtype == p.grad.dtype else p.grad",
+        (f"{CD}::test_fp32_accumulation_buffer_across_micro_batches",),
+    ),
+    Mutant(
+        "grad_accum_dtype at stage 3: the gradient shard always fp32",
+        "zero/masters.py",
+        "return torch.zeros_like(master, dtype=self.dtype)",
+        "return torch.zeros_like(master)",
+        (f"{CD}::test_fp32_accumulation_buffer_across_micro_batches",),
+    ),
+    Mutant(
+        "grad_accum_dtype under a pipeline: tied copies summed in .grad, not the fp32 buffer",
+        "pipeline/engine.py",
+        "grad = self.zero.accumulated_grad(p)",
+        "grad = p.grad",
+        (f"{CD}::test_training_matches_mixed_precision_reference",),
+    ),
+    Mutant(
+        "grad_accum_dtype other than the model's accepted at stage 0",
+        "config.py",
+        "    if stage == 0 and accum != model:  # DeepSpeed",
+        "    if False:  # DeepSpeed",
+        (f"{CD}::test_bad_values_and_combinations_fail_in_one_line",),
+    ),
+    Mutant(
+        "comms logger: all_reduce busbw without its 2 (n - 1) / n factor",
+        "comm/summary.py",
+        "algbw, busbw = 2 * size / ms, size / ms * (2 * (n - 1) / n)",
+        "algbw, busbw = 2 * size / ms, size / ms",
+        ("tests/test_ds_comm.py::test_log_summary_prints_deepspeeds_table",),
+    ),
+    Mutant(
+        "comms logger: an all-gather's bandwidth misses the other ranks' pieces",
+        "comm/summary.py",
+        "algbw = size * n / ms",
+        "algbw = size / ms",
+        ("tests/test_ds_comm.py::test_log_summary_prints_deepspeeds_table",),
+    ),
+    Mutant(
+        "comms logger: an all-gather's message size is its whole output",
+        "comm/summary.py",
+        "return nbytes // max(ranks, 1) if op in _GATHERS else nbytes",
+        "return nbytes",
+        ("tests/test_ds_comm.py::test_log_summary_prints_deepspeeds_table",),
+    ),
+    Mutant(
+        "comms logger: prof_ops ignored, every op recorded",
+        "comm/summary.py",
+        "return self.enabled and (prof or self.prof_all or name in self.prof_ops)",
+        "return self.enabled",
+        ("tests/test_ds_comm.py::test_prof_ops_and_debug",),
+    ),
+    Mutant(
+        "comms_logger block: the engine's collectives are not summarised",
+        "compose.py",
+        "    comms_logger.follow(topo.comm.log)\n",
+        "",
+        ("tests/test_ds_comm.py::test_comms_logger_block_summarises_the_engines_collectives",),
+    ),
+    Mutant(
+        "fp16.auto_cast ignored: no input is cast",
+        "runner.py",
+        "    if not auto_cast:\n        return inputs",
+        "    if True:\n        return inputs",
+        ("tests/test_input_cast.py::test_inputs_are_cast_as_deepspeed_casts_them",),
+    ),
+    Mutant(
+        "auto_cast casts keyword arguments too",
+        "engine.py",
+        "out = self.module(*args, **kwargs)",
+        "out = self.module(*args, **cast_inputs(kwargs, self.config.fp16.auto_cast))",
+        ("tests/test_input_cast.py::test_inputs_are_cast_as_deepspeed_casts_them",),
+    ),
+    Mutant(
+        "pipeline: the first stage's input is not cast with auto_cast",
+        "pipeline/executor.py",
+        "return cast_inputs(x, self.auto_cast)",
+        "return x",
+        (
+            "tests/test_input_cast.py::test_pipeline_casts_the_first_stage_input_with_auto_cast_and_never_the_labels",
+        ),
+    ),
+    Mutant(
+        "an unsupported DeepSpeed key loads silently",
+        "config.py",
+        "elif entry.status == UNSUPPORTED and entry.asks(value):",
+        "elif False:",
+        ("tests/test_config_keys.py::test_unsupported_messages",),
+    ),
+    Mutant(
+        "an unsupported DeepSpeed key is refused at its default too",
+        "config.py",
+        "elif entry.status == UNSUPPORTED and entry.asks(value):",
+        "elif entry.status == UNSUPPORTED:",
+        ("tests/test_config_keys.py::test_an_unsupported_key_is_refused_naming_it_and_why",),
+    ),
+    Mutant(
+        "no-effect keys: the warning on every rank",
+        "config_keys.py",
+        "if settings and rank == 0:",
+        "if settings:",
+        ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
+    ),
+    Mutant(
+        "no-effect keys: a nested key named at its default",
+        "config_keys.py",
+        "if found is not None and found[0] != found[1]:",
+        "if found is not None:",
+        ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
+    ),
+    Mutant(
+        "torch_adam ignored: CPUAdam with the optimizer offloaded",
+        "optim/__init__.py",
+        "if offload and not p.torch_adam:",
+        "if offload:",
+        ("tests/test_config_keys.py::test_torch_adam_is_torch_optims_plain_adam_also_offloaded",),
+    ),
+    Mutant(
+        "memory_breakdown: no memory line",
+        "engine.py",
+        "        if self.config.memory_breakdown:\n",
+        "        if False:\n",
+        ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
+    ),
+    Mutant(
+        "log_level not applied",
+        "compose.py",
+        "    if cfg.log_level is not None:",
+        "    if False:",
+        ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
     ),
 ]
 

@@ -451,7 +451,7 @@ BAD_CONFIGS = [
         f"{MEAN} 'warmup_max_lr'?)",
     ),
     ({"bfloat16": {"enabld": True}}, "bf16.enabld", f"{MEAN} 'enabled'?)"),
-    ({"checkpoint": {"tag_validation": "Warn"}}, "checkpoint", "unknown key"),
+    ({"frobnicate": {"tag_validation": "Warn"}}, "frobnicate", "unknown key"),
     (opt("Adam", momentum=0.9), "optimizer.params.momentum", "unknown key"),
     ({"bf16": {}, "bfloat16": {}}, "bf16", "given twice (as 'bf16' and 'bfloat16')"),
     # wrong types
@@ -610,8 +610,8 @@ def test_bad_config(bad, path, problem):
 
 def test_unknown_key_without_a_close_match_has_no_suggestion():
     with pytest.raises(ConfigError) as info:
-        load_config({"checkpoint": {}})
-    assert str(info.value) == "checkpoint: unknown key"
+        load_config({"frobnicate": {}})
+    assert str(info.value) == "frobnicate: unknown key"
 
 
 def test_several_errors_are_joined_on_one_line():

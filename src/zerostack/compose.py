@@ -7,6 +7,7 @@ inside the engine (:class:`~zerostack.engine.Engine`, or the pipeline engine for
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,7 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import activation_checkpointing
-from .config import ConfigError, ZeroStackConfig, load_config
+from .comm import comms_logger
+from .comm import configure as configure_comms
+from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_config
+from .config_keys import warn_no_effect
 from .data.sampler import ResumableSampler
 from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
@@ -230,13 +234,23 @@ def initialize(
     if dist_init_required is not False:
         init_distributed()
     topo = _topology(model, cfg, topology, mpu)
+    if cfg.log_level is not None:  # DeepSpeed sets its own logger's level from the key
+        logging.getLogger("zerostack").setLevel(cfg.log_level.upper())
+    warn_no_effect(cfg, topo.global_rank)
     cfg = resolve_auto(cfg, model, topo)  # "auto" stage / micro-batch, chosen and logged
+    refusal = grad_accum_refusal(cfg, cfg.zero_optimization.stage)  # the stage "auto" chose
+    if refusal is not None:
+        raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
     groups = _param_groups(model, optimizer, model_parameters)
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     cfg.resolve_batch(topo.dp)  # batch errors before any work
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
         activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
+    # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
+    # included) are summarised with zerostack.comm's while the logger is enabled
+    configure_comms(deepspeed_config=cfg)
+    comms_logger.follow(topo.comm.log)
     engine_cls = Engine
     if isinstance(model, PipelineModule):
         engine_cls = PipelineEngine

@@ -15,7 +15,9 @@ Usage::
 
 Every problem surfaces as one :class:`ConfigError` whose one-line message starts with the dotted
 JSON key path, e.g. ``fp16.initial_scale_powr: unknown key (did you mean 'initial_scale_power'?)``.
-Keys documented as "accepted for DeepSpeed compatibility; no effect yet" are validated but not used.
+Every top-level key of DeepSpeed's config is known (:mod:`zerostack.config_keys`): it works, or
+it is accepted with no effect (warned about once at ``initialize``), or it is refused with a
+``ConfigError`` saying why.
 """
 
 import difflib
@@ -37,6 +39,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from .config_keys import DEEPSPEED_KEYS, UNSUPPORTED, unsupported_error
 
 DEFAULT_BUCKET_NUMEL = 4_000_000
 """Gradient bucket size when ``reduce_bucket_size`` is not given (torch DDP uses 25 MB)."""
@@ -146,6 +150,9 @@ def _aliases(default: Any, *names: str) -> Any:
 
 
 class _Model(BaseModel):
+    _ALSO_KNOWN: ClassVar[tuple[str, ...]] = ()
+    """Keys without a field that a misspelling may be suggested as."""
+
     # Strict: JSON is typed, so "16" for an int or 1 for a bool is a mistake, not a value.
     model_config = ConfigDict(
         extra="forbid",
@@ -174,7 +181,7 @@ class _Model(BaseModel):
         for key, value in data.items():
             name = canonical.get(key) if isinstance(key, str) else None
             if name is None:
-                close = difflib.get_close_matches(str(key), list(canonical), n=1)
+                close = difflib.get_close_matches(str(key), [*canonical, *cls._ALSO_KNOWN], n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 msg = f"unknown key{hint}"
                 loc = (str(key),)
@@ -208,7 +215,8 @@ class AdamParams(_Model):
     """As in DeepSpeed: with type "Adam", true (the default) means decoupled weight decay
     (AdamW) and false means L2 regularisation (classic Adam). Type "AdamW" is always decoupled."""
     torch_adam: bool = False
-    """Use torch.optim's implementation instead of a fused one."""
+    """Use torch.optim's plain (not fused) Adam / AdamW, also with the optimizer offloaded (where
+    CPUAdam is the default), as DeepSpeed does."""
     amsgrad: bool = False
     """Use the AMSGrad variant."""
 
@@ -350,7 +358,9 @@ class FP16Config(_Model):
     enabled: bool = False
     """Train in fp16 with fp32 master weights and loss scaling."""
     auto_cast: bool = False
-    """Cast the model's floating-point inputs to fp16."""
+    """Cast the floating-point tensors among the engine's positional inputs to fp16, as
+    DeepSpeed does (keyword arguments and integer tensors are left as they are; see
+    ``Engine.forward``). Without it no input is cast."""
     loss_scale: NonNegFloat = 0.0
     """Static loss scale; 0 means dynamic loss scaling."""
     initial_scale_power: Annotated[Int, Field(ge=0, le=64)] = 16
@@ -371,7 +381,57 @@ class BF16Config(_Model):
     enabled: bool = False
     """Train in bf16 with fp32 master weights (no loss scaling needed)."""
     immediate_grad_update: bool = False
-    """Accepted for DeepSpeed compatibility; no effect yet."""
+    """Accepted for DeepSpeed compatibility; no effect (see zerostack.config_keys)."""
+
+
+# DeepSpeed's spellings of a dtype (its DtypeEnum; communication_data_type in any case).
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+
+
+def _dtype_name(v: Any) -> Any:
+    return _DTYPE_ALIASES.get(v.lower(), v.lower()) if isinstance(v, str) else v
+
+
+DtypeName = Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_dtype_name)]
+
+
+class DataTypesConfig(_Model):
+    """The ``data_types`` block."""
+
+    grad_accum_dtype: DtypeName | None = None
+    """The dtype gradients are summed in across the micro-batches of an accumulation window
+    (fp32, fp16, bf16). Not given: at stages 0-1 the model's dtype (DeepSpeed's default); at
+    stages 2-3 fp32, where zerostack keeps the reduced pieces (DeepSpeed keeps them in the
+    model's dtype: give it to get DeepSpeed's bytes). Stage 0 takes only the model's dtype, as in
+    DeepSpeed."""
+
+
+def grad_accum_refusal(cfg: "ZeroStackConfig", stage: int) -> tuple[tuple[str, ...], str] | None:
+    """Why ``cfg`` cannot accumulate gradients in ``data_types.grad_accum_dtype`` at ZeRO
+    ``stage``: (the keys at fault, what is wrong), or None when it can."""
+    accum, model = cfg.data_types.grad_accum_dtype, cfg.model_dtype
+    if accum is None:
+        return None
+    if stage == 0 and accum != model:  # DeepSpeed: "unsupported mix of model_dtype and ..."
+        keys = ("data_types.grad_accum_dtype", "zero_optimization.stage")
+        return keys, (
+            f"{accum} accumulation of a {model} model needs ZeRO stage 1, 2 or 3 (stage 0 "
+            f"accumulates in the model's dtype, as in DeepSpeed)"
+        )
+    offload = cfg.zero_optimization.offload_optimizer
+    if stage == 3 and accum != "fp32" and offload is not None and offload.device == "nvme":
+        keys = ("data_types.grad_accum_dtype", "zero_optimization.offload_optimizer.device")
+        return keys, f"stage 3 with nvme offload keeps its gradients in fp32 files, not {accum}"
+    return None
 
 
 class OffloadConfig(_Model):
@@ -446,8 +506,8 @@ class ZeroConfig(_Model):
     """Copy gradients into one contiguous buffer. Accepted for DeepSpeed compatibility; no
     effect: gradients always live in contiguous flat buffers."""
     sub_group_size: PositiveInt = 1_000_000_000
-    """Optimizer step granularity for NVMe offload. Accepted for DeepSpeed compatibility; no
-    effect yet (no offload)."""
+    """Elements of fp32 masters stepped at a time with the optimizer offloaded to NVMe (each
+    sub-group is read, stepped and written back in turn)."""
     stage3_prefetch_bucket_size: NonNegInt = _aliases(
         50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size"
     )
@@ -633,7 +693,39 @@ class FlopsProfilerConfig(_Model):
     """Write the profile to this file instead of stdout (None: stdout)."""
 
 
+class CommsLoggerConfig(_Model):
+    """The ``comms_logger`` block (DeepSpeed's keys and defaults): summarise every collective by
+    op and message size, with latency and bandwidth, printed by
+    :func:`zerostack.comm.log_summary` on rank 0."""
+
+    enabled: bool = False
+    """Record the collectives (the engine's and zerostack.comm's)."""
+    verbose: bool = False
+    """Also print each collective as it completes (rank 0)."""
+    prof_all: bool = True
+    """Record every op; false: only those named in prof_ops."""
+    debug: bool = False
+    """Name each row with where the op ran too (its grid axis, or the calling function)."""
+    prof_ops: list[str] = Field(default_factory=list)
+    """Ops recorded when prof_all is false (e.g. ["all_reduce", "all_gather"])."""
+
+
 # --- top level ------------------------------------------------------------------------------
+
+
+_KIND_NAMES: dict[Any, str] = {
+    object: "any value",
+    dict: "a JSON object",
+    bool: "true or false",
+    str: "a string",
+    (int, float): "a number",
+}
+
+
+def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
+    if kind is not bool and isinstance(value, bool):  # JSON true is not a number
+        return kind is object
+    return isinstance(value, kind)
 
 
 class WatchdogConfig(_Model):
@@ -702,9 +794,20 @@ class ZeroStackConfig(_Model):
     gradient_predivide_factor: PositiveFloat = 1.0
     """Divide gradients by this before the all-reduce and by dp_size / factor after."""
     zero_allow_untested_optimizer: bool = False
-    """Accepted for DeepSpeed compatibility; no effect yet."""
+    """Accepted for DeepSpeed compatibility; no effect: any torch optimizer runs under ZeRO."""
     memory_breakdown: bool = False
-    """Log memory usage along with the timings."""
+    """Print this rank's bytes held (``engine.memory_breakdown()``: parameters, gradients, fp32
+    masters, optimizer state) after each ``steps_per_print`` progress line."""
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error", "critical"] | None,
+        BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v),
+    ] = None
+    """Level set on the "zerostack" logger at ``initialize`` (case-insensitive, as DeepSpeed
+    sets its own logger's); None leaves it as it is."""
+    deepspeed_only: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    """Not a config key: the DeepSpeed keys accepted without a field of their own
+    (:mod:`zerostack.config_keys`: no effect, or not supported but given their default), as
+    given; ``to_dict`` writes them back."""
     optimizer: OptimizerConfig | None = None
     """Optimizer built by the engine; None means the caller passes one."""
     scheduler: SchedulerConfig | None = None
@@ -733,14 +836,70 @@ class ZeroStackConfig(_Model):
     """Weights & Biases."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's flops profiler (see zerostack.profiling)."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """DeepSpeed's comms logger (see zerostack.comm.log_summary)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Hang and frozen-rank detection (see zerostack.watchdog)."""
+    communication_data_type: DtypeName | None = None
+    """The dtype gradients are reduced in over the data-parallel ranks (fp32, fp16, bf16; e.g.
+    fp32 under bf16, as FSDP2's reduce_dtype): each bucket is cast to it, reduced, and the result
+    summed into the gradients. Not given: the model's dtype, as in DeepSpeed."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """Gradient accumulation dtype."""
+
+    _ALSO_KNOWN = tuple(DEEPSPEED_KEYS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_keys(cls, data: Any) -> Any:
+        """DeepSpeed's keys without a field: refused when not supported and asking for
+        something, else kept in deepspeed_only; ``zero_optimization: true`` is stage 1."""
+        if not isinstance(data, dict):
+            return data
+        if "deepspeed_only" in data:
+            _fail("not a config key (set by the loader)", "deepspeed_only")
+        data = dict(data)
+        if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
+            data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+        named = set(cls.model_fields)
+        for field in cls.model_fields.values():
+            if isinstance(field.validation_alias, AliasChoices):
+                named.update(a for a in field.validation_alias.choices if isinstance(a, str))
+        kept: dict[str, Any] = {}
+        errors: list[InitErrorDetails] = []
+        for key, entry in DEEPSPEED_KEYS.items():
+            if key not in data or key in named:
+                continue
+            value = data.pop(key)
+            if not _is_kind(value, entry.kind):
+                msg = f"must be {_KIND_NAMES[entry.kind]} (got {_show(value)})"
+            elif entry.status == UNSUPPORTED and entry.asks(value):
+                msg = unsupported_error(key)
+            else:
+                kept[key] = value
+                continue
+            err = PydanticCustomError("zerostack", "{msg}", {"msg": msg, "paths": ()})
+            errors.append(InitErrorDetails(type=err, loc=(key,), input=value))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        if kept:
+            data["deepspeed_only"] = kept
+        return data
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroStackConfig":
         if self.fp16.enabled and self.bf16.enabled:
             _fail("only one of fp16 and bf16 can be enabled", "fp16.enabled", "bf16.enabled")
+        stage = self.zero_optimization.stage
+        refusal = grad_accum_refusal(self, stage) if stage != "auto" else None
+        if refusal is not None:  # "auto": checked once the stage is chosen (build_strategy)
+            _fail(refusal[1], *refusal[0])
         return self
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model computes in: "fp16", "bf16" or "fp32"."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     def resolve_batch(self, dp_world_size: int) -> tuple[int, int, int]:
         """``(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)`` with
@@ -786,7 +945,10 @@ class ZeroStackConfig(_Model):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict with DeepSpeed key names; ``load_config`` reads it back."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return {
+            **self.model_dump(mode="json", by_alias=True, exclude_none=True),
+            **self.deepspeed_only,
+        }
 
 
 # --- loading --------------------------------------------------------------------------------

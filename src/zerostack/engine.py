@@ -27,17 +27,13 @@ from .full_params import FullParams, attach
 from .monitor import StepMonitor
 from .precision import Precision, make_loss_scaler
 from .profiling.flops_profiler.step import StepProfile
-from .runner import map_tensors, repeat_loader, run_micro_batches
+from .runner import cast_inputs, repeat_loader, run_micro_batches
 from .tensor_parallel import partition_spec
 from .topology import Topology
 from .zero.init import is_sharded
 from .zero.strategy import GradStats, ZeroStrategy, build_strategy
 
 log = logging.getLogger("zerostack")
-
-
-def _cast_floats(obj, dtype: torch.dtype):
-    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class Engine(EngineAPI, nn.Module):
@@ -141,13 +137,15 @@ class Engine(EngineAPI, nn.Module):
 
     # ------------------------------------------------------------------ the step
     def forward(self, *args, **kwargs):
-        """Run the model; floating-point inputs are cast to the compute dtype."""
+        """Run the model on the inputs, cast as DeepSpeed casts them: with ``fp16.auto_cast``
+        the floating-point tensors among the positional arguments (also inside lists, tuples
+        and dicts) become fp16; integer tensors and keyword arguments are never cast, and
+        without ``auto_cast`` nothing is (in bf16 or fp16, a model that takes floating-point
+        inputs gets them as given and casts them itself)."""
         t0 = time.perf_counter()
         if self.flops_profile is not None:
             self.flops_profile.forward_begins()
-        if self.precision.mixed:
-            args = _cast_floats(args, self.precision.compute_dtype)
-            kwargs = _cast_floats(kwargs, self.precision.compute_dtype)
+        args = cast_inputs(args, self.config.fp16.auto_cast)
         out = self.module(*args, **kwargs)
         self.timers["forward"] += time.perf_counter() - t0
         return out
@@ -307,6 +305,8 @@ class Engine(EngineAPI, nn.Module):
         )
         if self.config.wall_clock_breakdown:
             print_progress(f"time (s): { {k: round(v, 4) for k, v in self.timers.items()} }")
+        if self.config.memory_breakdown:
+            print_progress(f"memory (bytes): {self.memory_breakdown()}")
 
 
 def print_progress(text: str) -> None:

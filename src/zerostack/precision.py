@@ -1,8 +1,12 @@
 """Mixed-precision policy (one object) and DeepSpeed's dynamic loss scaler for fp16.
 
-The policy says which dtype the model computes in and whether fp32 master weights are kept::
+The policy says which dtype the model computes in, whether fp32 master weights are kept, which
+dtype gradients are reduced in over dp (``communication_data_type``) and which they are summed in
+across micro-batches (``data_types.grad_accum_dtype``)::
 
     policy = Precision.from_config(cfg)     # fp32, fp16 or bf16
+    policy.reduce_dtype                     # torch.float32 with communication_data_type "fp32"
+    policy.accum_dtype(stage=1)             # the model's dtype unless grad_accum_dtype says
     scaler = DynamicLossScaler(initial_scale_power=16, loss_scale_window=1000, hysteresis=2)
     scaler.update(overflow=True)   # skip the step; halve the scale once hysteresis is spent
 """
@@ -13,18 +17,36 @@ from dataclasses import dataclass
 
 import torch
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class Precision:
     compute_dtype: torch.dtype = torch.float32
+    comm_dtype: torch.dtype | None = None
+    """``communication_data_type`` (None: the compute dtype, DeepSpeed's default)."""
+    grad_accum_dtype: torch.dtype | None = None
+    """``data_types.grad_accum_dtype`` (None: the stage's default, see :meth:`accum_dtype`)."""
 
     @classmethod
     def from_config(cls, cfg) -> Precision:
-        if cfg.fp16.enabled:
-            return cls(torch.float16)
-        if cfg.bf16.enabled:
-            return cls(torch.bfloat16)
-        return cls(torch.float32)
+        compute = DTYPES[cfg.model_dtype]
+        comm = cfg.communication_data_type
+        accum = cfg.data_types.grad_accum_dtype
+        return cls(compute, comm and DTYPES[comm], accum and DTYPES[accum])
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradient buckets are reduced in over dp."""
+        return self.comm_dtype or self.compute_dtype
+
+    def accum_dtype(self, stage: int) -> torch.dtype:
+        """The dtype a ZeRO ``stage`` sums gradients in across micro-batches: the configured one,
+        else the compute dtype at stages 0-1 (the local full gradients, as DeepSpeed) and fp32 at
+        stages 2-3 (the reduced pieces; DeepSpeed keeps them in the compute dtype)."""
+        if self.grad_accum_dtype is not None:
+            return self.grad_accum_dtype
+        return self.compute_dtype if stage < 2 else torch.float32
 
     @property
     def mixed(self) -> bool:

@@ -45,6 +45,17 @@ def to_device(batch, device: torch.device):
     return map_tensors(batch, lambda t: t.to(device))
 
 
+def cast_inputs(inputs, auto_cast: bool):
+    """DeepSpeed's input rule (its engine's ``_cast_inputs_half``, applied to the positional
+    inputs only): with ``fp16.auto_cast`` every floating-point tensor in ``inputs`` (inside
+    lists, tuples and dicts too) becomes fp16, whatever the precision; integer and bool tensors
+    stay as they are. Without it nothing is cast: under bf16 or plain fp16 the model gets its
+    inputs as given."""
+    if not auto_cast:
+        return inputs
+    return map_tensors(inputs, lambda t: t.half() if t.is_floating_point() else t)
+
+
 def _call(engine, batch):
     if isinstance(batch, dict):
         return engine(**batch)

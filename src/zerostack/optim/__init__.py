@@ -22,11 +22,13 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
     ``adam_w_mode`` is false, "AdamW" always does. The fused implementation is used where torch
     has one for the device (on CPU it is several times faster than the default loop). With the
     optimizer offloaded, Adam and AdamW are :class:`CPUAdam` (as DeepSpeed uses its CPU Adam).
+    ``torch_adam`` asks for torch.optim's default implementation instead, offloaded or not (as
+    DeepSpeed's ``torch_adam`` does).
     """
     p = spec.params
     if spec.type in ("Adam", "AdamW"):
         decoupled = spec.type == "AdamW" or p.adam_w_mode
-        if offload:
+        if offload and not p.torch_adam:
             return CPUAdam(
                 groups,
                 lr=p.lr,
@@ -40,7 +42,7 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
         kwargs = dict(
             lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay, amsgrad=p.amsgrad
         )
-        if _fused_ok(groups):
+        if _fused_ok(groups) and not p.torch_adam:
             kwargs["fused"] = True
         return cls(groups, **kwargs)
     if spec.type == "SGD":

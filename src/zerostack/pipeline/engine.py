@@ -74,7 +74,7 @@ class PipelineEngine(Engine):
         _check_config(module, config, config.resolve_batch(topology.dp)[2])
         super().__init__(module=module, config=config, topology=topology, **kwargs)
         self.schedule = config.pipeline.schedule
-        self.executor = PipelineExecutor(module, self.comm, self.precision.compute_dtype)
+        self.executor = PipelineExecutor(module, self.comm, config.fp16.auto_cast)
         self._tied_copies = module.tied_copies()
 
     def _zero_stage(self, stage: int) -> int:
@@ -165,6 +165,9 @@ class PipelineEngine(Engine):
             if tie.group is None:
                 continue
             for p in self.module.tied_parameters(tie):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self.comm.all_reduce(p.grad, axis="tied", group=tie.group)
+                # the window's sum, wherever the strategy keeps it (with grad_accum_dtype other
+                # than the parameter's, not in p.grad)
+                grad = self.zero.accumulated_grad(p)
+                if grad is None:
+                    grad = p.grad = torch.zeros_like(p)
+                self.comm.all_reduce(grad, axis="tied", group=tie.group)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..comm import Comm
+from ..runner import cast_inputs
 from .module import PipelineModule
 from .schedule import (
     Backward,
@@ -77,8 +78,10 @@ class PipelineExecutor:
     (``total_s``).
     """
 
-    def __init__(self, module: PipelineModule, comm: Comm, compute_dtype: torch.dtype) -> None:
-        self.module, self.comm, self.dtype = module, comm, compute_dtype
+    def __init__(self, module: PipelineModule, comm: Comm, auto_cast: bool = False) -> None:
+        # auto_cast: fp16.auto_cast, DeepSpeed's rule for the first stage's inputs (the labels
+        # are never cast); see zerostack.runner.cast_inputs
+        self.module, self.comm, self.auto_cast = module, comm, auto_cast
         self.p, self.stage, self.v = module.num_stages, module.stage_id, module.virtual_stages
         self.last_vs = self.p * self.v - 1
         self._meta_in: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk received
@@ -210,9 +213,7 @@ class PipelineExecutor:
         x = self.batches[mb][0]
         if torch.is_tensor(x):
             x = x.to(self.comm.topo.device)
-            if x.is_floating_point():
-                x = x.to(self.dtype)
-        return x
+        return cast_inputs(x, self.auto_cast)
 
     def _forward(self, mb: int, chunk: int, losses: list) -> None:
         vs = self._vs(chunk)

@@ -7,10 +7,15 @@ bucket is complete, in bucket order on every rank.
 stage 0   gradients stay in the flat buffer; on the boundary each bucket is all-reduced in place
 stage 1   the same, reduce-scattered: this rank's reduced piece (``st.piece``) for the step
 stage 2   every micro-step: the bucket's gradients are copied out (``st.staging``), the
-          full-size ones dropped, reduce-scattered, and the piece added into the fp32 shard
+          full-size ones dropped, reduce-scattered, and the piece added into the shard
 ========  ======================================================================================
 
-It uses the strategy's own parts: ``groups``, ``buckets``, ``_where``, ``reducer``, ``boundary``.
+Two dtypes (``precision.py``): the flat buffer (stages 0-1) or the shard (stage 2) holds the
+window's sum in ``self.accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the
+parameters' dtype, each micro-step's ``.grad`` is added into the buffer and dropped. A bucket is
+reduced in ``self.reduce_dtype`` (``communication_data_type``), cast when the gradients are held
+in another. It uses the strategy's own parts: ``groups``, ``buckets``, ``_where``, ``reducer``,
+``boundary``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from ..comm import Handle
+from .reducer import CastBack, in_dtype
 
 
 class FlatBackward:
@@ -34,9 +40,10 @@ class FlatBackward:
         if fg.grads_flat is not None:
             view = fg.grads_flat[rng].view_as(p)
             if p.grad.data_ptr() != view.data_ptr():
-                # Someone replaced .grad (e.g. set it to None): fold it back into the flat buffer.
+                # A .grad of its own (the buffer is in another dtype, or someone replaced .grad):
+                # fold it into the flat buffer.
                 view.add_(p.grad)
-                p.grad = view
+                p.grad = view if view.dtype == p.grad.dtype else None
         if not self._communicates_now and self.stage < 2:
             return
         if p in self._ready:
@@ -46,33 +53,42 @@ class FlatBackward:
             )
         self._ready.add(p)
         if self.stage == 2:
-            if st.staging is None:
-                st.staging = torch.zeros(st.bucket.numel, dtype=p.grad.dtype, device=p.device)
+            if st.staging is None:  # in the dtype it is reduced in
+                st.staging = torch.zeros(st.bucket.numel, dtype=self.reduce_dtype, device=p.device)
             st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
                 p.grad.view(-1)
             )
             p.grad = None  # the full-size gradient does not outlive its bucket
         self.reducer.arrived(b, launch=self._communicates_now)
 
-    def _launch(self, b: int) -> Handle:
+    def _launch(self, b: int) -> Handle | CastBack:
         st = self.buckets[b]
         fg = self.groups[st.group]
         if self.stage == 2:
             if st.staging is None:  # no parameter of this bucket got a gradient
                 st.staging = torch.zeros(
-                    st.bucket.numel,
-                    dtype=self.precision.compute_dtype,
-                    device=fg.params_flat.device,
+                    st.bucket.numel, dtype=self.reduce_dtype, device=fg.params_flat.device
                 )
             chunk = st.staging
         else:
             chunk = fg.grads_flat[st.bucket.start : st.bucket.end]
-        if self.prescale != 1.0:
-            chunk.mul_(self.prescale)
+        sent = in_dtype(chunk, self.reduce_dtype, self.prescale)
         if self.stage == 0:
-            return self.comm.all_reduce(chunk, axis="dp", async_op=True)
-        st.piece = chunk.new_empty(st.bucket.piece_numel)
-        return self.comm.reduce_scatter(st.piece, chunk, axis="dp", async_op=True)
+            handle = self.comm.all_reduce(sent, axis="dp", async_op=True)
+            return handle if sent is chunk else CastBack(handle, sent, chunk)
+        st.piece = sent.new_empty(st.bucket.piece_numel)
+        return self.comm.reduce_scatter(st.piece, sent, axis="dp", async_op=True)
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The tensor ``p``'s gradient is summed in over the window at stages 0-1: its view of
+        the flat buffer (in the accumulation dtype), which a sum over another axis (a pipeline's
+        tied copies) may reduce in place; ``p.grad`` for a parameter the optimizer does not
+        train, None at stage 2 (only reduced pieces are kept)."""
+        if p not in self._where:
+            return p.grad
+        b, rng = self._where[p]
+        grads_flat = self.groups[self.buckets[b].group].grads_flat
+        return None if grads_flat is None else grads_flat[rng].view_as(p)
 
     def _flush(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for every collective

@@ -111,14 +111,16 @@ def master_store(
 
 
 class GradShards:
-    """Stage 3's fp32 gradients in memory: one flat shard per (sub-)group, each parameter's
-    gradient a view of it (``st.grad``); the master takes the shard as its ``.grad``."""
+    """Stage 3's gradients in memory: one flat shard per (sub-)group, in ``dtype`` (fp32, or
+    ``data_types.grad_accum_dtype``), each parameter's gradient a view of it (``st.grad``); the
+    master takes the shard (an fp32 copy of it in another dtype) as its ``.grad``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device  # where reduced pieces are added (host memory when offloaded)
+        self.dtype = dtype
 
     def shard_for(self, master: torch.Tensor) -> torch.Tensor | None:
-        return torch.zeros_like(master)
+        return torch.zeros_like(master, dtype=self.dtype)
 
     def add(self, p: nn.Parameter, reduced: torch.Tensor, final: bool) -> None:
         """Add a micro-step's reduced piece of ``p`` (``final``: the window's last)."""
@@ -134,7 +136,7 @@ class GradShards:
     def hand_to(self, groups: Iterable) -> None:
         """Each master gets its gradient shard as ``.grad``."""
         for g in groups:
-            g.master.grad = g.grad_shard
+            g.master.grad = g.grad_shard.to(torch.float32)
 
     def scale(self, groups: Iterable, factor: float) -> None:
         for g in groups:

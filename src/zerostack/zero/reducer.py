@@ -10,20 +10,45 @@ collectives in the same order even when gradients become ready in a different or
 and waits for all of them.
 
 What a bucket's collective is (all-reduce, reduce-scatter) and where its result goes is the
-strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for).
+strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for). A bucket is reduced
+in ``communication_data_type``: :func:`in_dtype` gives the tensor to send (a cast copy when the
+gradients are held in another dtype), and :class:`CastBack` copies an all-reduce's result back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ..comm import Handle
+
+
+def in_dtype(grads: torch.Tensor, dtype: torch.dtype, prescale: float = 1.0) -> torch.Tensor:
+    """``grads`` as the collective sends them: in ``dtype`` (a copy when it differs, else
+    ``grads`` itself), times ``prescale`` (in place)."""
+    out = grads if grads.dtype == dtype else grads.to(dtype)
+    return out.mul_(prescale) if prescale != 1.0 else out
+
+
+class CastBack:
+    """An all-reduce run on a copy in another dtype: :meth:`wait` waits, then writes the result
+    into the gradients it was made from (once, however often it is waited on)."""
+
+    def __init__(self, handle: Handle, sent: torch.Tensor, into: torch.Tensor) -> None:
+        self._handle, self._sent, self._into = handle, sent, into
+
+    def wait(self) -> None:
+        self._handle.wait()
+        if self._sent is not None:
+            self._into.copy_(self._sent)
+            self._sent = None
 
 
 class GradReducer:
     """Readiness and in-order async launch of gradient buckets."""
 
-    def __init__(self, sizes: list[int], launch: Callable[[int], Handle | None]) -> None:
+    def __init__(self, sizes: list[int], launch: Callable[[int], Handle | CastBack | None]) -> None:
         self._sizes = list(sizes)  # parameters per bucket
         self._launch = launch
         self.reset()
@@ -32,7 +57,7 @@ class GradReducer:
         """Start a new backward: nothing arrived, nothing launched."""
         self._arrived = [0] * len(self._sizes)
         self._next = 0
-        self._handles: list[tuple[int, Handle | None]] = []
+        self._handles: list[tuple[int, Handle | CastBack | None]] = []
 
     def arrived(self, bucket: int, *, launch: bool = True) -> None:
         """One parameter of ``bucket`` has its gradient staged; launch what is ready (unless

@@ -15,6 +15,10 @@ stage     gradients held              reduction                        fp32 mast
 2         this rank's pieces, fp32    reduce-scatter, every micro-step this rank's pieces
 ========  ==========================  ===============================  =========================
 
+The gradients held are in ``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0
+only takes the compute dtype), and reduced in ``communication_data_type`` (see
+:mod:`.flat_reduce`).
+
 The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (with the default
 bucket size that is one tensor per group). In fp32 training at stages 0-2 those tensors are views of
 the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate fp32 masters
@@ -87,7 +91,7 @@ class FlatGroup:
     layout: FlatLayout
     params_flat: torch.Tensor
     grads_flat: torch.Tensor | None  # stages 0-1
-    grad_shard: torch.Tensor | None  # stage 2, fp32
+    grad_shard: torch.Tensor | None  # stage 2, in the accumulation dtype (fp32 by default)
     buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
 
     @classmethod
@@ -101,10 +105,12 @@ class FlatGroup:
         dtype: torch.dtype,
         device: torch.device,
         grad_shard_device: torch.device | None,
+        grad_dtype: torch.dtype,
     ) -> tuple[FlatGroup, torch.Tensor]:
         """The group's buffers, its parameters made views of them; also the fp32 values (dp
-        rank 0's, broadcast). Gradients: a full flat buffer in ``dtype``, or, given
-        ``grad_shard_device``, an fp32 shard there (stage 2)."""
+        rank 0's, broadcast). Gradients, in ``grad_dtype``: a full flat buffer (whose views are
+        the parameters' ``.grad`` when it is in ``dtype``), or, given ``grad_shard_device``, a
+        shard there (stage 2)."""
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         for slot in layout.slots:
             full[slot.offset : slot.end].copy_(params[slot.index].detach().reshape(-1))
@@ -113,15 +119,16 @@ class FlatGroup:
         params_flat = full if dtype == torch.float32 else full.to(dtype)
         grads_flat = grad_shard = None
         if grad_shard_device is None:
-            grads_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            grads_flat = torch.zeros(layout.padded_numel, dtype=grad_dtype, device=device)
         else:
             shard = layout.shard_numel
-            grad_shard = torch.zeros(shard, dtype=torch.float32, device=grad_shard_device)
+            grad_shard = torch.zeros(shard, dtype=grad_dtype, device=grad_shard_device)
         for slot in layout.slots:
             p = params[slot.index]
             p.data = params_flat[slot.offset : slot.end].view(slot.shape)
-            grad = None if grads_flat is None else grads_flat[slot.offset : slot.end]
-            p.grad = None if grad is None else grad.view(slot.shape)
+            # autograd sums into the buffer itself when it is in the parameters' dtype
+            as_grad = grads_flat is not None and grad_dtype == dtype
+            p.grad = grads_flat[slot.offset : slot.end].view(slot.shape) if as_grad else None
         return cls(params, options, layout, params_flat, grads_flat, grad_shard), full
 
 
@@ -151,6 +158,8 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
+        self.reduce_dtype = precision.reduce_dtype
+        self.accum_dtype = precision.accum_dtype(stage)
         self.groups: list[FlatGroup] = []
         self.buckets: list[_BucketState] = []
         # param -> (bucket state index, its range in the group's flat buffer)
@@ -164,7 +173,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         if self.offload == "nvme" and sub_group_numel:
             # a rank's piece of a bucket is one sub-group: the unit swapped to and from the disk
             bucket_numel = min(bucket_numel, sub_group_numel * shard_world)
-        # stage 2 keeps fp32 gradient pieces (on the host when offloaded), stages 0-1 full ones
+        # stage 2 keeps gradient pieces (on the host when offloaded), stages 0-1 full ones
         shard_device = host_device() if self.offload != "none" else device
         shard_device = shard_device if stage == 2 else None
 
@@ -182,6 +191,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                 dtype=dtype,
                 device=device,
                 grad_shard_device=shard_device,
+                grad_dtype=self.accum_dtype,
             )
             for bucket in layout.buckets:
                 # fp32: the master *is* this rank's piece of the parameter buffer (a view);

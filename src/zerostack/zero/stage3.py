@@ -4,7 +4,8 @@ Every parameter is stored as this rank's piece (see :mod:`.init`). :mod:`.coordi
 a module's parameters just before its forward and again before its backward, and frees them right
 after (prefetching in the recorded order). When every trainable parameter of a unit has its
 gradient (post-accumulate-grad hooks), its gradients are reduce-scattered, asynchronously and a
-few modules to a bucket, into this rank's fp32 gradient shard. Parameters smaller than
+few modules to a bucket, into this rank's gradient shard (fp32, or ``data_types.grad_accum_dtype``;
+reduced in ``communication_data_type``). Parameters smaller than
 ``stage3_param_persistence_threshold`` elements stay whole and are refreshed after each step.
 
 The optimizer sees one fp32 tensor per group: the concatenation of this rank's pieces of the
@@ -45,7 +46,7 @@ class _Group:
     options: dict
     master: nn.Parameter  # fp32, this rank's pieces end to end
     pieces: torch.Tensor  # compute dtype (the master itself in fp32 training)
-    grad_shard: torch.Tensor  # fp32
+    grad_shard: torch.Tensor  # the accumulation dtype (fp32 by default)
     index: int = 0  # the optimizer group it belongs to
 
 
@@ -125,7 +126,8 @@ class Stage3(Stage3State, StepSequence):
             self.grads = GradFiles(files, trainable, self._group_of)
             self.store.swapper.grad_source = self.grads.load
         else:
-            self.grads = GradShards(host_device() if self.offload != "none" else comm.topo.device)
+            device = host_device() if self.offload != "none" else comm.topo.device
+            self.grads = GradShards(device, precision.accum_dtype(3))
         self.groups: list[_Group] = []
         limit = sub_group_numel if self.offload == "nvme" else None
         for index, group in enumerate(groups):
@@ -176,7 +178,7 @@ class Stage3(Stage3State, StepSequence):
         self.reduce = PieceReducer(
             self._owned[::-1],
             comm=comm,
-            dtype=dtype,
+            dtype=precision.reduce_dtype,
             prescale=prescale,
             bucket_numel=reduce_bucket_numel,
             deliver=self._accumulate,

@@ -38,7 +38,8 @@ class PieceReducer:
         to: torch.device,
     ) -> None:
         """``units``: the parameters each bucket keeps together (a module's), in launch order;
-        ``to``: where the reduced pieces are delivered (the host when the gradients are)."""
+        ``dtype``: the one gradients are reduced in (``communication_data_type``); ``to``: where
+        the reduced pieces are delivered (the host when the gradients are)."""
         self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
         self.to = to
         self.dp = comm.topo.dp
@@ -64,9 +65,9 @@ class PieceReducer:
     def stage(self, p: nn.Parameter) -> None:
         """Copy p's full gradient into its bucket, as pieces, and drop it."""
         b = self.bucket[p]
-        if b not in self._staging:
+        if b not in self._staging:  # in the dtype it is reduced in
             size = (self.dp, self.width[b])
-            self._staging[b] = torch.zeros(size, dtype=p.grad.dtype, device=p.device)
+            self._staging[b] = torch.zeros(size, dtype=self.dtype, device=p.device)
         at, pn = self.at[p], p._zs.piece.numel()
         grad = p.grad.reshape(-1)
         if grad.numel() != pn * self.dp:  # pad to whole pieces first

@@ -1,10 +1,8 @@
 """Named, counted collectives over the axes of a :class:`~zerostack.topology.Topology`.
 
-Every collective zerostack issues goes through :class:`Comm`, so :class:`CommLog` sees the op, the
-grid axis, the bytes and the time of each call. ``bytes`` is the size of the full (unsharded)
-buffer a call works on: an all-reduce of ``t`` counts ``t.nbytes``; a reduce-scatter counts its
-input, an all-gather its output. That is the unit of the ZeRO paper's communication volume
-(stages 0-2 move 2 psi per step, stage 3 moves 3 psi)::
+Every collective zerostack issues goes through :class:`Comm`, so its
+:class:`~zerostack.comm.CommLog` sees the op, the grid axis, the bytes and the time of each call
+(see :mod:`zerostack.comm.records` for what ``bytes`` counts)::
 
     comm = Comm(topo)
     comm.all_reduce(grad, axis="dp")
@@ -14,105 +12,16 @@ input, an all-gather its output. That is the unit of the ZeRO paper's communicat
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .topology import Topology
+from ..topology import Topology
+from .records import CommLog, CommRecord
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecates the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass
-class CommRecord:
-    op: str
-    axis: str
-    bytes: int
-    seconds: float
-    step: int
-    seq: int = 0  # this rank's count of collectives before this one
-    started: float = 0.0  # time.monotonic() when it was posted
-    done: bool = True
-
-    def describe(self) -> str:
-        state = "done" if self.done else f"waiting {time.monotonic() - self.started:.1f} s"
-        where = f"{self.op} #{self.seq} on {self.axis}"
-        return f"{where} ({self.bytes} bytes, step {self.step}, {state})"
-
-
-class CommLog:
-    """Every collective of the job: op, axis, bytes, seconds, and the optimizer step it fell in;
-    and the ones posted but not yet complete (``in_flight``), which a hang report names."""
-
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
-        self.step = 0
-        self.in_flight: dict[int, CommRecord] = {}
-        # set by a watchdog: why the job is ending, if it is (a verdict posted by some rank)
-        self.explain: Callable[[], str | None] | None = None
-
-    def add(self, op: str, axis: str, nbytes: int, seconds: float) -> CommRecord:
-        rec = CommRecord(op, axis, int(nbytes), seconds, self.step, len(self.records))
-        self.records.append(rec)
-        return rec
-
-    def begin(self, op: str, axis: str, nbytes: int) -> CommRecord:
-        """A collective about to be posted: recorded now, in flight until :meth:`end`."""
-        rec = self.add(op, axis, nbytes, 0.0)
-        rec.started, rec.done = time.monotonic(), False
-        self.in_flight[rec.seq] = rec
-        return rec
-
-    def end(self, rec: CommRecord) -> None:
-        rec.done = True
-        self.in_flight.pop(rec.seq, None)
-
-    def failed(self, rec: CommRecord, exc: Exception) -> Exception:
-        """The error to raise for a collective that failed: when a watchdog says the job is
-        ending (a peer stopped answering and another rank ended the job, resetting this rank's
-        connections), that verdict, so every rank names the cause; else ``exc`` itself."""
-        self.end(rec)
-        verdict = self.explain() if self.explain is not None else None
-        if verdict is None:
-            return exc
-        return RuntimeError(
-            f"[zerostack watchdog] the job is ending: {verdict}; this rank's {rec.op} #{rec.seq} "
-            f"on {rec.axis} at step {rec.step} failed: {exc}"
-        )
-
-    def oldest_in_flight(self) -> CommRecord | None:
-        pending = list(self.in_flight.values())  # read from the watchdog's thread too
-        return min(pending, key=lambda r: r.seq) if pending else None
-
-    def next_step(self) -> None:
-        self.step += 1
-
-    def for_step(self, step: int | None = None) -> list[CommRecord]:
-        step = self.step if step is None else step
-        return [r for r in self.records if r.step == step]
-
-    def step_summary(self, step: int | None = None) -> dict[str, dict[str, float]]:
-        """Calls, bytes and seconds per op (``op@axis`` keys when several axes are used)."""
-        out: dict[str, dict[str, float]] = defaultdict(
-            lambda: {"calls": 0, "bytes": 0, "seconds": 0.0}
-        )
-        for r in self.for_step(step):
-            entry = out[r.op if r.axis == "dp" else f"{r.op}@{r.axis}"]
-            entry["calls"] += 1
-            entry["bytes"] += r.bytes
-            entry["seconds"] += r.seconds
-        return dict(out)
-
-    def total_bytes(self, step: int | None = None, op: str | None = None) -> int:
-        return sum(r.bytes for r in self.for_step(step) if op is None or r.op == op)
-
-    def clear(self) -> None:
-        self.records.clear()
 
 
 class Handle:
@@ -149,10 +58,11 @@ class Comm:
     def _run(
         self, op: str, axis: str, nbytes: int, fn, async_op: bool, group=None
     ) -> Handle | None:
-        rec = self.log.begin(op, axis, nbytes)
+        group = group if group is not None else self.group(axis)
+        rec = self.log.begin(op, axis, nbytes, dist.get_world_size(group))
         t0 = time.perf_counter()
         try:
-            work = fn(group if group is not None else self.group(axis), async_op)
+            work = fn(group, async_op)
         except RuntimeError as exc:
             raise self.log.failed(rec, exc) from exc
         rec.seconds = time.perf_counter() - t0
@@ -277,7 +187,10 @@ class Comm:
         if not ops:
             return
         group = self.topo.group(axis)
-        records = [self.log.begin(kind, axis, t.numel() * t.element_size()) for kind, t, _ in ops]
+        n = dist.get_world_size(group)
+        records = [
+            self.log.begin(kind, axis, t.numel() * t.element_size(), n) for kind, t, _ in ops
+        ]
         t0 = time.perf_counter()
         p2p_ops = [
             dist.P2POp(

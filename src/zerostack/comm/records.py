@@ -1,0 +1,112 @@
+"""What every collective did: :class:`CommRecord` (op, axis, bytes, seconds, step) and
+:class:`CommLog`, the list of them plus the ones still in flight (which a hang report names).
+
+``bytes`` is the size of the full (unsharded) buffer a call works on: an all-reduce of ``t``
+counts ``t.nbytes``; a reduce-scatter counts its input, an all-gather its output. That is the
+unit of the ZeRO paper's communication volume (stages 0-2 move 2 psi per step, stage 3 3 psi).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class CommRecord:
+    op: str
+    axis: str
+    bytes: int
+    seconds: float
+    step: int
+    seq: int = 0  # this rank's count of collectives before this one
+    started: float = 0.0  # time.monotonic() when it was posted
+    done: bool = True
+    ranks: int = 1  # the size of the group it ran on (the n of the bandwidth formulas)
+
+    def describe(self) -> str:
+        state = "done" if self.done else f"waiting {time.monotonic() - self.started:.1f} s"
+        where = f"{self.op} #{self.seq} on {self.axis}"
+        return f"{where} ({self.bytes} bytes, step {self.step}, {state})"
+
+
+class CommLog:
+    """Every collective of the job: op, axis, bytes, seconds, and the optimizer step it fell in;
+    and the ones posted but not yet complete (``in_flight``), which a hang report names.
+
+    ``observers`` are called with each record as it completes (the comms logger's summary).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.step = 0
+        self.in_flight: dict[int, CommRecord] = {}
+        # set by a watchdog: why the job is ending, if it is (a verdict posted by some rank)
+        self.explain: Callable[[], str | None] | None = None
+        self.observers: list[Callable[[CommRecord], None]] = []
+
+    def add(self, op: str, axis: str, nbytes: int, seconds: float, ranks: int = 1) -> CommRecord:
+        rec = CommRecord(op, axis, int(nbytes), seconds, self.step, len(self.records), ranks=ranks)
+        self.records.append(rec)
+        return rec
+
+    def begin(self, op: str, axis: str, nbytes: int, ranks: int = 1) -> CommRecord:
+        """A collective about to be posted: recorded now, in flight until :meth:`end`."""
+        rec = self.add(op, axis, nbytes, 0.0, ranks)
+        rec.started, rec.done = time.monotonic(), False
+        self.in_flight[rec.seq] = rec
+        return rec
+
+    def end(self, rec: CommRecord) -> None:
+        """``rec`` completed (its ``seconds`` are final): out of flight, shown to observers."""
+        self._close(rec)
+        for observe in self.observers:
+            observe(rec)
+
+    def _close(self, rec: CommRecord) -> None:
+        rec.done = True
+        self.in_flight.pop(rec.seq, None)
+
+    def failed(self, rec: CommRecord, exc: Exception) -> Exception:
+        """The error to raise for a collective that failed: when a watchdog says the job is
+        ending (a peer stopped answering and another rank ended the job, resetting this rank's
+        connections), that verdict, so every rank names the cause; else ``exc`` itself."""
+        self._close(rec)
+        verdict = self.explain() if self.explain is not None else None
+        if verdict is None:
+            return exc
+        return RuntimeError(
+            f"[zerostack watchdog] the job is ending: {verdict}; this rank's {rec.op} #{rec.seq} "
+            f"on {rec.axis} at step {rec.step} failed: {exc}"
+        )
+
+    def oldest_in_flight(self) -> CommRecord | None:
+        pending = list(self.in_flight.values())  # read from the watchdog's thread too
+        return min(pending, key=lambda r: r.seq) if pending else None
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def for_step(self, step: int | None = None) -> list[CommRecord]:
+        step = self.step if step is None else step
+        return [r for r in self.records if r.step == step]
+
+    def step_summary(self, step: int | None = None) -> dict[str, dict[str, float]]:
+        """Calls, bytes and seconds per op (``op@axis`` keys when several axes are used)."""
+        out: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"calls": 0, "bytes": 0, "seconds": 0.0}
+        )
+        for r in self.for_step(step):
+            entry = out[r.op if r.axis == "dp" else f"{r.op}@{r.axis}"]
+            entry["calls"] += 1
+            entry["bytes"] += r.bytes
+            entry["seconds"] += r.seconds
+        return dict(out)
+
+    def total_bytes(self, step: int | None = None, op: str | None = None) -> int:
+        return sum(r.bytes for r in self.for_step(step) if op is None or r.op == op)
+
+    def clear(self) -> None:
+        self.records.clear()
