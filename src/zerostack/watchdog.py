@@ -127,12 +127,18 @@ class Watchdog:
         self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps(body))
 
     def _read_peers(self) -> None:
+        """Every peer's last heartbeat: one round trip to the store once all have beaten (a
+        ``multi_get``), not one or two per peer; until then, those that have."""
         now = time.monotonic()
-        for r in self._seen:
-            key = f"{PREFIX}hb/{r}"
-            if not self.store.check([key]):
-                continue  # not started yet: stale from this rank's start on
-            body = json.loads(self.store.get(key))
+        ranks = list(self._seen)
+        keys = [f"{PREFIX}hb/{r}" for r in ranks]
+        if self.store.check(keys):
+            got = dict(zip(ranks, self.store.multi_get(keys), strict=True))
+        else:  # some have not started yet: stale from this rank's start on
+            pairs = zip(ranks, keys, strict=True)
+            got = {r: self.store.get(k) for r, k in pairs if self.store.check([k])}
+        for r, raw in got.items():
+            body = json.loads(raw)
             self._peers[r] = body
             if body["beat"] != self._seen[r][0]:
                 self._seen[r] = (body["beat"], now)
