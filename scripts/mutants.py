@@ -45,6 +45,7 @@ E = "tests/test_stage3_edges.py::test_stage3_matches_single_process"
 T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
 S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
 CD = "tests/test_comm_dtype.py"
+HF = "tests/test_hf.py"
 
 MUTANTS = [
     Mutant(
@@ -706,6 +707,63 @@ MUTANTS = [
         "    if cfg.log_level is not None:",
         "    if False:",
         ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
+    ),
+    # Hugging Face models (tests/test_hf.py)
+    Mutant(
+        "autotp splits GPT-2's fused q, k, v as one block",
+        "tensor_parallel/autotp.py",
+        'chunks={"attn.c_attn": 3},',
+        'chunks={"attn.c_attn": 1},',
+        (f"{HF}::test_hf_model_matches_single_process_training[gpt2]",),
+    ),
+    Mutant(
+        "autotp row-parallel outputs not all-reduced",
+        "tensor_parallel/autotp.py",
+        "y = reduce_from_tp(self._matmul(x, None), comm)",
+        "y = self._matmul(x, None)",
+        (f"{HF}::test_hf_model_matches_single_process_training[llama]",),
+    ),
+    Mutant(
+        "autotp size check skipped",
+        "tensor_parallel/autotp.py",
+        "        if size % tp:",
+        "        if False:",
+        (f"{HF}::test_autotp_refuses_what_it_cannot_split",),
+    ),
+    Mutant(
+        "zero.Init leaves Hugging Face's initialisation to empty pieces",
+        "zero/init.py",
+        "self._undo_hf = patch_init_weights()",
+        "self._undo_hf = None",
+        (f"{HF}::test_hf_model_matches_single_process_training[llama]",),
+    ),
+    Mutant(
+        "Hugging Face initialisation not written back into the pieces",
+        "integrations/hf.py",
+        "GatheredParameters([p for p in params if is_sharded(p)], modifier_rank=0)",
+        "GatheredParameters([p for p in params if is_sharded(p)], modifier_rank=None)",
+        (f"{HF}::test_hf_model_matches_single_process_training[gpt2]",),
+    ),
+    Mutant(
+        "zero.Init(module=) ignored",
+        "zero/init.py",
+        "            for m in module.modules():",
+        "            for m in []:",
+        (f"{HF}::test_hf_model_matches_single_process_training[llama]",),
+    ),
+    Mutant(
+        "ds_status not AVAILABLE while gathered",
+        "zero/init.py",
+        "    p.ds_status = ZeroParamStatus.AVAILABLE\n",
+        "",
+        (f"{HF}::test_stage3_parameters_carry_deepspeeds_attributes",),
+    ),
+    Mutant(
+        "save_16bit_model writes safetensors under a .bin name",
+        "engine_api.py",
+        'if save_filename.endswith(".safetensors"):',
+        "if True:",
+        (f"{HF}::test_16bit_model_files_load_in_torch_and_transformers[1]",),
     ),
 ]
 

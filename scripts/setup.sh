@@ -10,3 +10,5 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[dev]"
 # the optional monitors' packages (extras tensorboard, wandb), pinned: tests/test_monitor.py
 python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
+# Hugging Face models (extra hf), pinned: tests/test_hf.py, examples/hf_causal_lm.py
+python -m pip install -q "transformers==5.24.0" "peft==0.21.2"

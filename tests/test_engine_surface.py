@@ -343,7 +343,8 @@ def _save16(rank, world, root, stage):
         held = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
     if rank != 0:
         return True
-    saved = load_file(os.path.join(root, "pytorch_model.bin"))  # safetensors, whatever the name
+    # DeepSpeed's .bin: a plain tensor state dict that loads without unpickling code
+    saved = torch.load(os.path.join(root, "pytorch_model.bin"), weights_only=True)
     assert sorted(saved) == sorted(keys)
     for key, t in saved.items():
         assert t.dtype == torch.bfloat16, key

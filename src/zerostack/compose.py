@@ -24,6 +24,8 @@ from .engine import Engine
 from .optim import build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
+from .tensor_parallel.autotp import POLICIES, model_type
+from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology, init_distributed
 from .watchdog import start_watchdog
 
@@ -121,12 +123,19 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
             f"tp={topo.tp}"
         )
     if built is None and topo.tp > 1:
-        if not callable(getattr(model, "parallelize", None)):
+        if callable(getattr(model, "parallelize", None)):
+            model.parallelize(topo)
+        elif model_type(model) is not None:  # a Hugging Face model: the per-architecture table
+            try:
+                autotp_parallelize(model, topo)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        else:
             raise ConfigError(
                 f"tensor_parallel.autotp_size: tp={topo.tp} needs a tensor-parallel model: build "
-                "it from zerostack.tensor_parallel layers or give it a parallelize(topology) method"
+                "it from zerostack.tensor_parallel layers, give it a parallelize(topology) "
+                f"method, or pass a Hugging Face model of a known type ({', '.join(POLICIES)})"
             )
-        model.parallelize(topo)
     return topo
 
 

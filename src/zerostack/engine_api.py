@@ -308,11 +308,12 @@ class EngineAPI:
         ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed: without
         it nothing is written and it returns False).
 
-        The file is safetensors whatever its name (zerostack never pickles): DeepSpeed's default
-        ``pytorch_model.bin`` holds safetensors content, loaded with
-        ``safetensors.torch.load_file``, not ``torch.load``; name it ``model.safetensors`` for
-        Hugging Face's loaders. Unlike DeepSpeed at stages 0-2, the weights are whole (tensor
-        parallel slices joined), and tied names are separate copies."""
+        As DeepSpeed writes it: a ``.safetensors`` name gets the safetensors format (what
+        Hugging Face's ``from_pretrained`` prefers), any other name (``pytorch_model.bin``) a
+        plain state dict of tensors in ``torch.save``'s format, which ``torch.load(path,
+        weights_only=True)`` and ``from_pretrained`` read without unpickling code. Unlike
+        DeepSpeed at stages 0-2, the weights are whole (tensor-parallel slices joined), and tied
+        names are separate copies. The file is written to a temporary name and renamed."""
         from .checkpoint.state import _atomic_replace, _barrier
 
         path = os.path.join(save_dir, save_filename)
@@ -327,12 +328,14 @@ class EngineAPI:
             return False
         state = self._consolidated_16bit(exclude_frozen_parameters)
         if self.global_rank == 0:
-            from safetensors.torch import save_file
-
-            if not save_filename.endswith(".safetensors"):
-                log.info("save_16bit_model: %s is written in the safetensors format", path)
             os.makedirs(save_dir, exist_ok=True)
             tensors = {k: v.contiguous() for k, v in state.items()}
-            _atomic_replace(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+
+                write = lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})
+            else:
+                write = lambda tmp: torch.save(tensors, tmp)
+            _atomic_replace(path, write)
         _barrier(self.comm)
         return True

@@ -15,6 +15,8 @@ flattened and padded to a multiple of the dp size::
 from __future__ import annotations
 
 import contextlib
+import enum
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -71,6 +73,27 @@ class ShardState:
         return self.active > 0 or self.persistent
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` of a stage-3 parameter (same names and values)."""
+
+    AVAILABLE = 1  # gathered: ``p.data`` is the whole parameter
+    NOT_AVAILABLE = 2  # released: ``p.data`` is empty, only this rank's piece is held
+    INFLIGHT = 3  # DeepSpeed's state while a gather runs; zerostack's gathers complete in place
+
+
+_ds_ids = itertools.count()
+
+
+def _mark_ds(p: nn.Parameter, state: ShardState) -> None:
+    """DeepSpeed's attributes on a stage-3 parameter, which Transformers and PEFT read
+    (``ds_shape`` and ``ds_numel`` for the real size of a parameter whose ``shape`` is empty)."""
+    p.ds_id = next(_ds_ids)
+    p.ds_shape = state.shape
+    p.ds_numel = state.numel
+    p.ds_persist = False
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a stage-3 parameter (its value is this rank's piece, ``p._zs``)."""
     return hasattr(p, "_zs")
@@ -88,6 +111,7 @@ def empty_like_released(p: torch.Tensor) -> torch.Tensor:
 def hold(p: nn.Parameter, full: torch.Tensor, meter: StorageMeter | None, copied: bool) -> None:
     """Point ``p`` at its gathered value (counted in ``meter`` when it is a fresh copy)."""
     p.data = full
+    p.ds_status = ZeroParamStatus.AVAILABLE
     if meter is not None and p._zs.held_bytes:
         meter.sub(p._zs.held_bytes)
         p._zs.held_bytes = 0
@@ -99,6 +123,7 @@ def hold(p: nn.Parameter, full: torch.Tensor, meter: StorageMeter | None, copied
 def release(p: nn.Parameter, meter: StorageMeter | None) -> None:
     """Drop ``p``'s gathered value, keeping only the shard."""
     p.data = empty_like_released(p)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
     if meter is not None:
         meter.sub(p._zs.held_bytes)
     p._zs.held_bytes = 0
@@ -120,6 +145,7 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     state = ShardState(p.shape, n, piece, comm=comm, meter=meter)
     p._zs = state
     p.data = empty_like_released(p)
+    _mark_ds(p, state)
     return state
 
 
@@ -177,6 +203,11 @@ class Init:
     shard of the model is ever in memory; ``"cpu"`` keeps the pieces in (pinned) host memory. The
     engine's stage 3 takes the files over. DeepSpeed's other keyword arguments are accepted;
     ``enabled=False`` makes it a no-op.
+
+    ``Init(module=model)`` shards an already built model's parameters at once, module by module
+    (DeepSpeed's use; the context is then not needed). A Hugging Face model built inside the
+    context (``AutoModelForCausalLM.from_config(cfg)``) gets its own weight initialisation, run on
+    gathered parameters (:mod:`zerostack.integrations.hf`).
     """
 
     def __init__(
@@ -198,16 +229,31 @@ class Init:
         self.remote_device = remote_device if remote_device not in (None, "none") else None
         if self.remote_device not in (None, "cpu", "nvme"):
             raise ValueError(f"zero.Init: remote_device {remote_device!r} is not 'cpu' or 'nvme'")
+        self.comm: Comm | None = None
         self._config = config_dict_or_path if config_dict_or_path is not None else config
         self._pin = pin_memory
         self.swapper = None
+        self._undo_hf = None
+        if module is not None and enabled:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"zero.Init: module is a {type(module).__name__}, not an nn.Module")
+            self._start()
+            for m in module.modules():  # children before the parameters they share are seen
+                self._shard_module(m)
+
+    def _start(self) -> None:
+        if self.comm is None:
+            self.comm = (self.topology or Topology.build()).comm
+            if self.remote_device is not None:
+                self.swapper = self._make_swapper()
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        self.comm = (self.topology or Topology.build()).comm
-        if self.remote_device is not None:
-            self.swapper = self._make_swapper()
+        from ..integrations.hf import patch_init_weights
+
+        self._start()
+        self._undo_hf = patch_init_weights()
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._wrap(cls)
@@ -274,6 +320,9 @@ class Init:
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
+        if self._undo_hf is not None:
+            self._undo_hf()
+            self._undo_hf = None
         for cls, original in self._saved.items():
             cls.__init__ = original
         self._saved.clear()

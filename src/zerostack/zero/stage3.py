@@ -148,6 +148,7 @@ class Stage3(Stage3State, StepSequence):
         self._persistent = [p for p in everything if p._zs.numel < persistence_threshold]
         for p in self._persistent:
             p._zs.persistent = True
+            p.ds_persist = True
             if self.param_swapper.holds(p):
                 self.param_swapper.keep(p)
         self._refresh_persistent(self._persistent)

@@ -1,0 +1,190 @@
+"""Tensor parallelism for Hugging Face models, from an explicit table per architecture.
+
+DeepSpeed's AutoTP guesses which linear layers to split; here each architecture names them
+(Megatron's pattern: the first projection of a block is split by output features, "column", the
+second by input features, "row", so each attention and each MLP costs one all-reduce forward and
+one backward). Embeddings, norms and the LM head stay replicated. An architecture that is not in
+the table is refused with the list of those that are::
+
+    config = {..., "tensor_parallel": {"autotp_size": 2}}
+    engine, *_ = zerostack.initialize(model=hf_model, config=config)
+
+The split happens in place: each parameter keeps its identity and its name, and holds this tp
+rank's slice (``tensor_model_parallel``, ``partition_dim``, ``partition_chunks`` as the other
+tensor-parallel layers), so the optimizer groups a user built before still apply, and
+``full_state_dict`` / ``save_16bit_model`` join the slices back into the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..topology import Topology
+from .layers import mark_split, split_tensor
+from .mappings import copy_to_tp, reduce_from_tp
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which submodules of an architecture are split, by the end of their qualified names."""
+
+    column: tuple[str, ...]  # output features split; the input arrives whole
+    row: tuple[str, ...]  # input features split; the partial outputs are all-reduced
+    chunks: dict[str, int] = field(default_factory=dict)  # fused outputs (q, k, v) split per part
+    divisible: Callable[[object], dict[str, int]] = lambda cfg: {}  # sizes tp must divide
+    adjust: Callable[[nn.Module, int], None] | None = None  # attention bookkeeping per block
+
+
+def _gpt2_sizes(cfg) -> dict[str, int]:
+    if getattr(cfg, "add_cross_attention", False):
+        raise ValueError("tensor parallelism: GPT-2 with cross-attention is not in the table")
+    return {"n_head": cfg.n_head, "n_inner": cfg.n_inner or 4 * cfg.n_embd}
+
+
+def _gpt2_adjust(model: nn.Module, tp: int) -> None:
+    for m in model.modules():
+        if type(m).__name__ == "GPT2Attention":
+            m.split_size //= tp  # c_attn's output is this rank's q, k and v heads
+            m.num_heads //= tp
+            m.embed_dim //= tp
+
+
+def _llama_sizes(cfg) -> dict[str, int]:
+    return {
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads or cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+    }
+
+
+POLICIES: dict[str, Policy] = {
+    "gpt2": Policy(
+        column=("attn.c_attn", "mlp.c_fc"),
+        row=("attn.c_proj", "mlp.c_proj"),
+        chunks={"attn.c_attn": 3},
+        divisible=_gpt2_sizes,
+        adjust=_gpt2_adjust,
+    ),
+    # Llama's attention reshapes with -1 heads and keeps the q/kv group ratio: nothing to adjust
+    "llama": Policy(
+        column=(
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ),
+        row=("self_attn.o_proj", "mlp.down_proj"),
+        divisible=_llama_sizes,
+    ),
+}
+
+
+def model_type(model: nn.Module) -> str | None:
+    """The Hugging Face ``config.model_type`` of ``model`` (None for a model without one)."""
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def policy_for(model: nn.Module) -> Policy:
+    kind = model_type(model)
+    if kind not in POLICIES:
+        what = f"model_type {kind!r}" if kind else f"{type(model).__name__} (no config.model_type)"
+        raise ValueError(
+            f"tensor_parallel.autotp_size: no tensor-parallel policy for {what}; known: "
+            f"{', '.join(sorted(POLICIES))} (or build the model from zerostack.tensor_parallel "
+            "layers, or give it a parallelize(topology) method)"
+        )
+    return POLICIES[kind]
+
+
+class TPLinear(nn.Module):
+    """A linear layer (``nn.Linear``, or transformers' ``Conv1D`` with its weight stored
+    ``[in, out]``) whose parameters hold this tp rank's slice; the same parameter objects."""
+
+    def __init__(self, layer: nn.Module, *, mode: str, topology: Topology, chunks: int = 1):
+        super().__init__()
+        self.transposed = type(layer).__name__ == "Conv1D"
+        if not (self.transposed or isinstance(layer, nn.Linear)):
+            raise ValueError(f"tensor parallelism: cannot split a {type(layer).__name__}")
+        self.mode, self.topology = mode, topology
+        tp, rank = topology.tp, topology.rank("tp")
+        out_dim = 1 if self.transposed else 0
+        dim = out_dim if mode == "column" else 1 - out_dim
+        self.weight = _cut(layer.weight, dim, tp, rank, chunks)
+        self.bias = layer.bias
+        if self.bias is not None and mode == "column":
+            self.bias = _cut(self.bias, 0, tp, rank, chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.topology.comm
+        if self.mode == "column":
+            x = copy_to_tp(x, comm)
+            return self._matmul(x, self.bias)
+        y = reduce_from_tp(self._matmul(x, None), comm)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, bias)
+        y = x.reshape(-1, x.shape[-1])
+        y = y @ self.weight if bias is None else torch.addmm(bias, y, self.weight)
+        return y.view(*x.shape[:-1], self.weight.shape[1])
+
+    def extra_repr(self) -> str:
+        return f"{self.mode}, weight={tuple(self.weight.shape)}, tp={self.topology.tp}"
+
+
+def _cut(p: nn.Parameter, dim: int, tp: int, rank: int, chunks: int) -> nn.Parameter:
+    p.data = split_tensor(p.data, parts=tp, rank=rank, dim=dim, chunks=chunks)
+    return mark_split(p, dim=dim, chunks=chunks)
+
+
+def parallelize(model: nn.Module, topology: Topology) -> nn.Module:
+    """Split ``model``'s linear layers over ``topology``'s tp ranks by its architecture's policy."""
+    from ..zero.init import is_sharded
+
+    tp = topology.tp
+    policy = policy_for(model)
+    if any(is_sharded(p) for p in model.parameters()):
+        raise ValueError(
+            "tensor_parallel.autotp_size: the model's parameters are already stage-3 pieces "
+            "(zero.Init); build it outside zero.Init: stage 3 shards it at initialize, after "
+            "the tensor-parallel split"
+        )
+    for name, size in policy.divisible(model.config).items():
+        if size % tp:
+            raise ValueError(
+                f"tensor_parallel.autotp_size: {model_type(model)} config.{name} = {size} does "
+                f"not split into {tp} tp ranks"
+            )
+    found = 0
+    for qualified, module in list(model.named_modules()):
+        mode = _mode(policy, qualified)
+        if mode is None:
+            continue
+        parent_name, _, attr = qualified.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        chunks = next((c for s, c in policy.chunks.items() if qualified.endswith(s)), 1)
+        setattr(parent, attr, TPLinear(module, mode=mode, topology=topology, chunks=chunks))
+        found += 1
+    if not found:
+        raise ValueError(
+            f"tensor_parallel.autotp_size: none of {model_type(model)}'s policy layers "
+            f"({', '.join(policy.column + policy.row)}) is in the model"
+        )
+    if policy.adjust is not None:
+        policy.adjust(model, tp)
+    return model
+
+
+def _mode(policy: Policy, qualified: str) -> str | None:
+    if any(qualified.endswith(s) for s in policy.column):
+        return "column"
+    if any(qualified.endswith(s) for s in policy.row):
+        return "row"
+    return None
