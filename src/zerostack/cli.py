@@ -5,6 +5,7 @@
     zerostack train --nproc 4 --tp 2 --sequence-parallel --zero-stage 2
     zerostack train --nproc 4 --pp 2 --tp 2 --schedule interleaved --grad-accum 4
     zerostack train --config ds_config.json
+    zerostack launch -H hostfile train.py --deepspeed_config ds.json   # DeepSpeed's launcher
 
 Without a launcher it re-executes itself under torchrun with ``--nproc`` ranks.
 """
@@ -136,10 +137,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", default=None, help="a tag other than the latest")
     c.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
     from zerostack.estimate.command import add_parser as add_estimate
+    from zerostack.launcher.runner import add_parser as add_launch
     from zerostack.plan.command import add_parser as add_plan
 
     add_estimate(sub)
     add_plan(sub)
+    add_launch(sub)
     return p
 
 
@@ -265,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     elif args.command == "plan":
         from zerostack.plan.command import run
+
+        return run(args)
+    elif args.command == "launch":
+        from zerostack.launcher.runner import run
 
         return run(args)
     elif args.command == "consolidate":

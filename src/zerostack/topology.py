@@ -44,17 +44,37 @@ def init_distributed(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    *,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
     **_ignored,
 ) -> None:
-    """Initialise ``torch.distributed`` once, from torchrun's environment (DeepSpeed's signature).
+    """Initialise ``torch.distributed`` once, from the launcher's environment (DeepSpeed's
+    signature).
 
-    Under ``torchrun`` the rendezvous comes from ``RANK``/``WORLD_SIZE``/``MASTER_*``. A plain
-    ``python script.py`` runs as a world of one with an in-memory store, so scripts need no
-    launcher to try things. Calling again after initialisation does nothing.
+    Under ``torchrun`` the rendezvous comes from ``RANK``/``WORLD_SIZE``/``MASTER_*``. Without
+    them, the rank and world size come from Open MPI, MPICH/PMI or Slurm's ``srun`` (with
+    ``auto_mpi_discovery``), rank 0's address from ``MASTER_ADDR`` or Slurm's node list, the port
+    from ``MASTER_PORT`` or ``distributed_port`` (see :mod:`zerostack.launcher.discovery`); a
+    world larger than one with no address is a ``RendezvousError``. A plain ``python script.py``
+    runs as a world of one with an in-memory store, so scripts need no launcher to try things.
+    Calling again after initialisation does nothing.
     """
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    if init_method is None and not _launched_by_torchrun():
+        from .launcher.discovery import discover
+
+        found = discover(
+            os.environ,
+            rank=rank,
+            world_size=world_size,
+            default_port=distributed_port,
+            mpi=auto_mpi_discovery,
+        )
+        if found is not None and found.world_size > 1:
+            os.environ.update(found.env())  # what torch's env:// and LOCAL_RANK readers expect
     if backend == "nccl" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if init_method is not None or _launched_by_torchrun():

@@ -35,13 +35,22 @@ def init_distributed(
     world_size: int = -1,
 ) -> None:
     """DeepSpeed's ``init_distributed``: the config's ``comms_logger`` block, then torch's
-    process group from torchrun's environment (or a world of one without a launcher; see
-    :func:`zerostack.topology.init_distributed`). MPI discovery is not done."""
+    process group from torchrun's environment, else (``auto_mpi_discovery``) from Open MPI's,
+    MPICH's or Slurm's, with ``distributed_port`` when ``MASTER_PORT`` is unset; a world of one
+    without a launcher (see :func:`zerostack.topology.init_distributed`)."""
     configure(deepspeed_config=config)
     if dist_init_required is False:
         _require("init_distributed(dist_init_required=False)")
         return
-    _init_torch(dist_backend, timeout, init_method, rank, world_size)
+    _init_torch(
+        dist_backend,
+        timeout,
+        init_method,
+        rank,
+        world_size,
+        auto_mpi_discovery=auto_mpi_discovery,
+        distributed_port=distributed_port,
+    )
 
 
 def configure(
