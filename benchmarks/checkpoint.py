@@ -8,6 +8,15 @@ Each stage runs in one torchrun launch of 2 ranks: a few training steps, then (r
 ``dcp.load`` of exactly the tensors zerostack writes (each rank's master and Adam slices, under
 rank-unique keys so that every rank writes its own, as zerostack does). Prints JSON: seconds per
 save and load (slowest rank), bytes written per rank, the tensors' own bytes, and the ratios.
+
+    python benchmarks/checkpoint.py --stall           # the step-time stall of a save, ZeRO 2
+
+``--stall``: training steps of the same GPT at ZeRO stage 2 (dp 2), one of which ends with a
+save: ``save_checkpoint`` (synchronous), ``save_checkpoint(async_save=True)``, and
+``torch.distributed.checkpoint.async_save`` of the same tensors (its own gloo group, as its
+documentation asks). Per mode: the seconds the save call blocks the training loop, and the
+stall: the extra seconds of the steps from the save to the write's end over as many plain steps
+(median of ``--repeats``; slowest rank each step), and the ratios to the synchronous save.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ def _args(argv=None):
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--bench-stage", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--stall", action="store_true", help="measure the step-time stall of a save")
+    p.add_argument("--bench-stall", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -126,6 +137,122 @@ def run_stage(args) -> None:
     zerostack.shutdown()
 
 
+def _step(engine, rank: int, i: int) -> None:
+    t = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(i + 10 * rank))
+    engine.backward(engine(t[:, :-1], t[:, 1:]))
+    engine.step()
+
+
+def run_stall(args) -> None:
+    """One launch: the stall of each save mode (see the module's description)."""
+    from statistics import median
+
+    zerostack.init_distributed("gloo")
+    rank = dist.get_rank()
+    cfg = GPTConfig(block_size=64, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head)
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    ckpt_group = dist.new_group(backend="gloo")  # DCP's background coordination, not training's
+    state = {}  # the same tensors for DCP: this rank's master and moment slices, live
+    for p, lo, hi, master, a, b in engine.zero.owned_slices():
+        if hi > lo:
+            state[f"rank{rank}/master/{lo}/{id(p)}"] = master.detach().reshape(-1)[a:b]
+            for k, v in engine.optimizer.state[master].items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state[f"rank{rank}/{k}/{lo}/{id(p)}"] = v.reshape(-1)[a:b]
+    i = 0
+
+    def timed_step(save=None) -> tuple[float, float]:
+        nonlocal i
+        dist.barrier()
+        t0 = time.perf_counter()
+        _step(engine, rank, i)
+        t1 = time.perf_counter()
+        out = save() if save is not None else None
+        t2 = time.perf_counter()
+        i += 1
+        return _slowest(t2 - t0), _slowest(t2 - t1), out
+
+    for _ in range(2):  # warm-up
+        timed_step()
+    plain = median(timed_step()[0] for _ in range(3))
+    modes = {
+        "sync": (lambda: engine.save_checkpoint(os.path.join(args.dir, "sync"), tag="s"), None),
+        "async": (
+            lambda: engine.save_checkpoint(os.path.join(args.dir, "async"), async_save=True),
+            lambda _: not engine.auto_checkpoint._saver.pending,
+        ),
+        "dcp_async": (
+            lambda: dcp.async_save(
+                state, checkpoint_id=os.path.join(args.dir, "dcp"), process_group=ckpt_group
+            ),
+            lambda fut: fut.done(),
+        ),
+    }
+    results = {}
+    for name, (save, done) in modes.items():
+        blocked, stall, steps = [], [], []
+        for _ in range(args.repeats):
+            total, call, handle = timed_step(save)
+            n = 1
+            while done is not None and not _all_done(done(handle)) and n < 50:
+                total += timed_step()[0]
+                n += 1
+            if name == "async":
+                engine.wait_for_checkpoint()
+            elif name == "dcp_async":
+                handle.result()
+            blocked.append(call)
+            stall.append(total - n * plain)
+            steps.append(n)
+        results[name] = {
+            "save_call_s": round(median(blocked), 3),
+            "stall_s": round(median(stall), 3),
+            "steps_until_written": int(median(steps)),
+        }
+    if rank == 0:
+        sync = results["sync"]["stall_s"]
+        out = {
+            "mode": "stall",
+            "zero_stage": 2,
+            "parameters": cfg.num_params,
+            "plain_step_s": round(plain, 3),
+            "saves": results,
+            "stall_vs_sync": {
+                k: round(v["stall_s"] / sync, 3) if sync > 0 else None for k, v in results.items()
+            },
+        }
+        print(json.dumps(out), flush=True)
+    engine.destroy()
+    zerostack.shutdown()
+
+
+def _all_done(mine: bool) -> bool:
+    """Whether the write is done on every rank (so every rank runs the same steps)."""
+    t = torch.tensor([0 if mine else 1])
+    dist.all_reduce(t)
+    return int(t) == 0
+
+
+def main_stall(args) -> dict:
+    root = args.dir or tempfile.mkdtemp(prefix="zs-ckpt-stall-")
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        argv = [*sys.argv[1:], "--dir", root, "--bench-stall"]
+        res = torchrun(os.path.abspath(__file__), 2, argv, env, 1800)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    out = {"benchmark": "checkpoint_stall", "world_size": 2, "torch": torch.__version__, **res}
+    return emit(out, args.out)
+
+
 def main(args) -> dict:
     root = args.dir or tempfile.mkdtemp(prefix="zs-ckpt-bench-")
     results = []
@@ -147,7 +274,11 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     a = _args()
-    if a.bench_stage is not None:
+    if a.bench_stall:
+        run_stall(a)
+    elif a.stall:
+        main_stall(a)
+    elif a.bench_stage is not None:
         run_stage(a)
     else:
         main(a)

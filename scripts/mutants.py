@@ -46,6 +46,7 @@ T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
 S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
 CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
+LIVE = "tests/test_stage3_live.py"
 
 MUTANTS = [
     Mutant(
@@ -155,8 +156,8 @@ MUTANTS = [
     ),
     Mutant(
         "frozen parameters not written to checkpoints",
-        "checkpoint/state.py",
-        "if x >= y or p in elsewhere:",
+        "checkpoint/shard.py",
+        "if x >= y or p in elsewhere or p not in names:",
         "if True:",
         ("tests/test_frozen.py",),
     ),
@@ -177,8 +178,8 @@ MUTANTS = [
     Mutant(
         "stage-3 parameter released before its last use",
         "zero/coordinator.py",
-        "if not st.gathered:",
-        "if True:",
+        "            if st.gathered:\n                continue\n",
+        "            if False:\n                continue\n",
         (f"{E}[2-foreign]",),
     ),
     Mutant(
@@ -540,7 +541,7 @@ MUTANTS = [
     ),
     Mutant(
         "save_checkpoint ignores exclude_frozen_parameters",
-        "checkpoint/state.py",
+        "checkpoint/shard.py",
         "excluded = _frozen_names(engine) if exclude_frozen else set()",
         "excluded = set()",
         ("tests/test_engine_surface.py::test_load_checkpoint_keywords_and_excluded_frozen[1]",),
@@ -820,6 +821,242 @@ MUTANTS = [
         "            os.environ.update(found.env())",
         "            pass",
         ("tests/test_launch.py::test_open_mpi_variables_alone_form_one_world",),
+    ),
+    # Checkpoints with offload, disk faults (tests/test_offload_checkpoint.py, test_disk_faults.py)
+    Mutant(
+        "streaming save skips the last sub-group",
+        "checkpoint/shard.py",
+        "    for m, cuts in shard.owned.items():\n        values = zero.read_master(m, opt)",
+        "    for m, cuts in list(shard.owned.items())[:-1]:\n        values = "
+        "zero.read_master(m, opt)",
+        (
+            "tests/test_offload_checkpoint.py::test_exact_resume_in_fresh_processes_and_without_offload",
+        ),
+    ),
+    Mutant(
+        "a save keeps every sub-group it read in memory",
+        "checkpoint/shard.py",
+        "        del values\n",
+        '        engine.__dict__.setdefault("_held", []).append(values)\n',
+        ("tests/test_offload_checkpoint.py::test_a_save_holds_one_sub_group_at_a_time",),
+    ),
+    Mutant(
+        "an NVMe load restores the masters but not their optimizer state",
+        "zero/offload.py",
+        'names = [k for k in values if k != "master"]',
+        "names = []",
+        (
+            "tests/test_offload_checkpoint.py::test_exact_resume_in_fresh_processes_and_without_offload",
+        ),
+    ),
+    Mutant(
+        "a failed checkpoint write is not shared with the other ranks",
+        "checkpoint/state.py",
+        "    errors = _gather_errors(engine.comm, error)\n    if not errors:\n        return\n",
+        "    errors = [(engine.global_rank, error)] if error else []\n"
+        "    if not errors:\n        return\n",
+        ("tests/test_disk_faults.py::test_a_failed_checkpoint_write_fails_every_rank",),
+    ),
+    Mutant(
+        "an NVMe swap write error is swallowed",
+        "zero/nvme.py",
+        '            raise self._failed("writing", key, exc) from exc',
+        "            pass",
+        ("tests/test_disk_faults.py::test_a_failed_swap_write_ends_every_rank[1]",),
+    ),
+    Mutant(
+        "nvme space check off by the dtype size (stages 1-2)",
+        "zero/sharded_optimizer.py",
+        "need = sum(st.master.numel() for st in self.buckets) * 4 * 3",
+        "need = sum(st.master.numel() for st in self.buckets) * 3",
+        ("tests/test_disk_faults.py::test_an_nvme_path_too_small_is_refused",),
+    ),
+    Mutant(
+        "nvme space check: two offloads on one disk checked apart",
+        "zero/nvme.py",
+        "mine = need = self.need + sum(s.need for s in list(_LIVE) if s.dev == self.dev)",
+        "mine = need = self.need",
+        ("tests/test_disk_faults.py::test_what_shares_a_disk_is_counted_together",),
+    ),
+    Mutant(
+        "nvme space check: the other ranks on this host not counted",
+        "zero/nvme.py",
+        "        need *= local\n",
+        "",
+        ("tests/test_disk_faults.py::test_what_shares_a_disk_is_counted_together",),
+    ),
+    Mutant(
+        "resumed sampler starts its epoch over",
+        "data/sampler.py",
+        "        self._resume = True",
+        "        self._resume = False",
+        (
+            "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
+        ),
+    ),
+    Mutant(
+        "automatic save before the micro-step is counted",
+        "engine.py",
+        "        self.micro_steps += 1  # before the count: an automatic save keeps whole windows\n"
+        "        if boundary:\n"
+        "            self._count_global_step()",
+        "        if boundary:\n"
+        "            self._count_global_step()\n"
+        "        self.micro_steps += 1",
+        (
+            "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
+        ),
+    ),
+    Mutant(
+        "async save: rank 0 moves latest without the other ranks' writes",
+        "checkpoint/async_save.py",
+        '[f"{job.key}/rank{r}" for r in range(job.world)]',
+        '[f"{job.key}/rank{r}" for r in range(1)]',
+        (
+            "tests/test_async_save.py::test_a_failed_write_on_one_rank_leaves_latest_and_fails_every_rank",
+        ),
+    ),
+    Mutant(
+        "async save snapshot aliases the live masters",
+        "checkpoint/shard.py",
+        'tensors = {k: t.detach().to("cpu", copy=True) for k, t in produce(engine, shard)}',
+        'tensors = {k: t.detach().to("cpu") for k, t in produce(engine, shard)}',
+        ("tests/test_async_save.py::test_async_save_is_a_snapshot_and_resumes_exactly[2]",),
+    ),
+    Mutant(
+        "keep_last removes the tag latest names",
+        "checkpoint/auto_resume.py",
+        "        if tag == latest:",
+        "        if False:",
+        ("tests/test_async_save.py::test_keep_last_never_removes_latest_nor_other_tags",),
+    ),
+    Mutant(
+        "a failed background write is not raised by step()",
+        "checkpoint/auto_resume.py",
+        "        self.poll()\n        every = self.cfg.save_interval",
+        "        every = self.cfg.save_interval",
+        (
+            "tests/test_async_save.py::test_a_failed_write_on_one_rank_leaves_latest_and_fails_every_rank",
+        ),
+    ),
+    Mutant(
+        "safe_set_full_grad mid-window at stages 0-1: each rank's share not divided by dp",
+        "full_params.py",
+        "share = self._held(flat) / (zero.prescale * zero.dp)",
+        "share = self._held(flat)",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
+    ),
+    Mutant(
+        "safe_set_full_grad at stage 1: written before the boundary's reduction is waited for",
+        "full_params.py",
+        "reduced = zero.stage == 2 or (zero.dp > 1 and zero.reducer.settle())",
+        "reduced = zero.stage == 2",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
+    ),
+    Mutant(
+        "safe_set_full_grad: the mean stored as is, not summed over dp and scaled",
+        "full_params.py",
+        "return mean / self.engine.zero.grad_post(self.engine.loss_scaler.loss_scale)",
+        "return mean",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s2]",),
+    ),
+    Mutant(
+        "safe_set_full_grad on NVMe (stage 3): the step's norm keeps the old gradient",
+        "full_params.py",
+        "grads.sq[p] = torch.linalg.vector_norm(held, dtype=torch.float32).square().cpu()",
+        "pass",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s3_nvme]",),
+    ),
+    Mutant(
+        "safe_set_local_fp32_param: the other ranks' pieces not gathered",
+        "full_params.py",
+        "flat = gather_full([type(st)(st.shape, st.numel, piece)], self.engine.comm)[0]",
+        "flat = piece.repeat(self.engine.zero.dp)[: st.numel]",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s3]",),
+    ),
+    Mutant(
+        "safe_update_full_grad_vectorized: the updated gradient not written back",
+        "utils.py",
+        "            safe_set_full_grad(p, update_func(grad, p))",
+        "            update_func(grad, p)",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s0]",),
+    ),
+    Mutant(
+        "api table: a name it says works renamed in zerostack",
+        "utils.py",
+        "def safe_get_local_grad(param",
+        "def safe_get_local_gradient(param",
+        (
+            "tests/test_api_surface.py::test_names_that_work_or_differ_resolve_and_unsupported_ones_do_not",
+        ),
+    ),
+    Mutant(
+        "api table: zerostack grows a name the table says is not supported",
+        "utils.py",
+        "from .full_params import engine_of\n",
+        "from .full_params import engine_of\n\ngroups = None\n",
+        (
+            "tests/test_api_surface.py::test_names_that_work_or_differ_resolve_and_unsupported_ones_do_not",
+        ),
+    ),
+    Mutant(
+        "api table: an engine method zerostack lacks marked works",
+        "api_surface.py",
+        'f"{ENGINE}.set_train_batch_size": _no(',
+        'f"{ENGINE}.set_train_batch_size": _works(',
+        ("tests/test_api_surface.py::test_engine_methods_and_attributes_on_a_real_engine",),
+    ),
+    Mutant(
+        "api table: an entry edited without regenerating the README",
+        "api_surface.py",
+        '_no("no fused transformer kernels")',
+        '_no("no fused kernels")',
+        ("tests/test_api_surface.py::test_the_readme_table_is_the_generated_one",),
+    ),
+    # stage 3's gather budget (tests/test_stage3_live.py)
+    Mutant(
+        "stage-3 prefetch ignores stage3_max_live_parameters",
+        "zero/coordinator.py",
+        "room = min(self.prefetch_numel - inflight, self.max_live_numel - self.live_numel)",
+        "room = self.prefetch_numel - inflight",
+        (LIVE,),
+    ),
+    Mutant(
+        "stage-3 default prefetch is DeepSpeed's 5e7 (a small model gathered whole)",
+        "config.py",
+        "return self.stage3_prefetch_bucket_size if given else None",
+        "return self.stage3_prefetch_bucket_size",
+        (LIVE,),
+    ),
+    Mutant(
+        "stage3_max_reuse_distance ignored",
+        "zero/coordinator.py",
+        "            if p in reused:",
+        "            if False:",
+        (LIVE,),
+    ),
+    Mutant(
+        "a resolved gather keeps its receive buffer alive",
+        "zero/coordinator.py",
+        "        self._finish = None  # the receive buffer: the parameters hold their own copies",
+        "",
+        (LIVE,),
+    ),
+    Mutant(
+        "the watchdog leaves a stopped peer on its host to the launcher",
+        "watchdog.py",
+        "            self._end_stopped_peers()\n",
+        "",
+        (
+            "tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound[step-2-all_reduce]",
+        ),
+    ),
+    Mutant(
+        "empty_partition_cache releases nothing",
+        "zero/coordinator.py",
+        "        self._drop_inflight()\n        self._drop_kept()\n\n    def _begin_pass",
+        "        pass\n\n    def _begin_pass",
+        (LIVE,),
     ),
 ]
 

@@ -4,8 +4,11 @@
   offload and with tensor parallelism, against single-process fp32 training with torch AdamW:
   the full gradient between backward and step (mid-window and on the boundary), the full fp32
   parameter and Adam's ``exp_avg`` after each step, and a value set on the engine changing the
-  next step exactly as setting it on the single-process model does. Tolerance 1e-5 relative per
-  tensor, as the parity tests: only the order of floating-point sums differs.
+  next step exactly as setting it on the single-process model does. Gradients set with
+  ``safe_set_full_grad`` (after the first micro-batch, so the second adds to it, and on the
+  boundary), ``safe_update_full_grad_vectorized`` and, at stage 3, the ``safe_set_local_*``
+  setters: the step is the one the single-process model takes with those ``p.grad``. Tolerance
+  1e-5 relative per tensor, as the parity tests: only the order of floating-point sums differs.
 * ``load_checkpoint``: ``(None, None)`` with nothing saved, ``load_module_strict=False``,
   ``custom_load_fn``; ``save_checkpoint(exclude_frozen_parameters=True)``.
 * ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict``: the file's entries are the
@@ -38,8 +41,15 @@ from zerostack.utils import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
     safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 
 B, GAS, STEPS, TOL = 8, 2, 3, 1e-5
@@ -110,15 +120,68 @@ def _surface(rank, world, stage, offload, tp, root):
             max_rel_diff(moments, {n: opt.state[p]["exp_avg"] for n, p in theirs.items()})
         )
 
+    def piece(name, value):
+        """This rank's stage-3 piece of a whole value (padded), as the local setters take it."""
+        pn = ours[name]._zs.piece.numel()
+        out = torch.zeros(pn)
+        part = value.reshape(-1)[dp_rank * pn : (dp_rank + 1) * pn]
+        out[: part.numel()] = part
+        return out
+
+    def set_grads_step(step):
+        """SET[0]'s gradient set after the first micro-batch (the second adds to it), then
+        doubled on the boundary; SET[1]'s set on the boundary (at stage 3: this rank's piece)."""
+        x, y = batch(step, B)
+        half = ref_grads(x[: dp * per], y[: dp * per], 1.0 / GAS)
+        whole = ref_grads(x, y)
+        first, second = SET
+        mid, end = half[first] * -3.0 + 0.01, whole[second] * 0.5 - 0.02
+        expected = dict(whole)
+        expected[first] = (mid + whole[first] - half[first]) * 2.0
+        expected[second] = end
+        for m in range(GAS):
+            lo = (m * dp + dp_rank) * per
+            engine.backward(engine(x[lo : lo + per], y[lo : lo + per]))
+            if m == 0:
+                safe_set_full_grad(ours[first], mid)
+                out["mid_set"] = max_rel_diff(
+                    {first: safe_get_full_grad(ours[first])}, {first: mid}
+                )
+            if m == GAS - 1:
+                if stage == 3:
+                    safe_set_local_grad(ours[second], piece(second, end))
+                    local = safe_get_local_grad(ours[second]).cpu()
+                    out["local_grad"] = torch.equal(local, piece(second, end))
+                else:
+                    safe_set_full_grad(ours[second], end)
+                safe_update_full_grad_vectorized([ours[first]], lambda g, p: g * 2.0)
+                grads = {n: safe_get_full_grad(p) for n, p in ours.items()}
+                out["grad_set"] = max_rel_diff(grads, expected)
+            engine.step()
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in expected.values()]))
+        out["norm"] = (engine.get_global_grad_norm(), norm.item())  # the set values counted
+        for n, p in theirs.items():
+            p.grad = expected[n].clone()
+        opt.step()
+        params = {n: safe_get_full_fp32_param(p) for n, p in ours.items()}
+        out["after_grad_set"] = max_rel_diff(params, {n: p.detach() for n, p in theirs.items()})
+
     for step in range(STEPS):
         train_step(step)
     # Set a weight and its first moment on both, the same values; the next step must agree.
+    # At stage 3 SET[1] (kept whole: under the persistence threshold) is set piece by piece.
     roundtrip = []
     for name in SET:
         value = theirs[name].detach() * 0.5 + 0.01
         moment = opt.state[theirs[name]]["exp_avg"] * -2.0
-        safe_set_full_fp32_param(ours[name], value)
-        safe_set_full_optimizer_state(ours[name], moment, "exp_avg")
+        if stage == 3 and name == SET[1]:
+            safe_set_local_fp32_param(ours[name], piece(name, value))
+            safe_set_local_optimizer_state(ours[name], piece(name, moment), "exp_avg")
+            got = safe_get_local_optimizer_state(ours[name], "exp_avg").cpu()
+            out["local_state"] = torch.equal(got, piece(name, moment))
+        else:
+            safe_set_full_fp32_param(ours[name], value)
+            safe_set_full_optimizer_state(ours[name], moment, "exp_avg")
         with torch.no_grad():
             theirs[name].copy_(value)
             opt.state[theirs[name]]["exp_avg"].copy_(moment)
@@ -133,8 +196,29 @@ def _surface(rank, world, stage, offload, tp, root):
         ref(x[lo : lo + per], y[lo : lo + per]).item(),
     )
     train_step(STEPS)
+    set_grads_step(STEPS + 1)
     local = safe_get_local_fp32_param(ours[SET[0]]) if stage == 3 else None
     out["local"] = None if local is None else (local.numel(), ours[SET[0]]._zs.piece.numel())
+    p = ours[SET[0]]
+    if stage == 3:
+        with pytest.raises(ValueError) as info:
+            safe_set_local_grad(p, torch.zeros(3))
+        assert str(info.value) == (
+            f"safe_set_local_grad: value has 3 elements, this rank's piece "
+            f"{p._zs.piece.numel()} (padding included)"
+        )
+    else:  # as in DeepSpeed, the local setters are for stage 3's pieces only
+        for setter, args in (
+            (safe_set_local_grad, ()),
+            (safe_set_local_fp32_param, ()),
+            (safe_set_local_optimizer_state, ("exp_avg",)),
+        ):
+            with pytest.raises(ValueError) as info:
+                setter(p, torch.zeros(3), *args)
+            assert str(info.value) == (
+                f"{setter.__name__}: only defined for ZeRO stage 3 partitioned parameters "
+                f"(this engine runs stage {stage})"
+            )
     engine.destroy()
     return out
 
@@ -147,7 +231,14 @@ def test_full_values_match_single_process(case, tmp_path):
         for key in ("mid", "grad", "param", "exp_avg"):
             worst, name = max(out[key])
             assert worst < TOL, f"rank {rank} {key}: {name} differs by {worst:.2e}"
+        for key in ("mid_set", "grad_set", "after_grad_set"):
+            worst, name = out[key]
+            assert worst < TOL, f"rank {rank} {key}: {name} differs by {worst:.2e}"
         assert out["roundtrip"] == [True, True], f"rank {rank}: a set value does not read back"
+        ours, theirs = out["norm"]
+        assert abs(ours - theirs) < TOL * theirs, f"rank {rank}: gradient norm {ours} vs {theirs}"
+        if stage == 3:
+            assert out["local_grad"] and out["local_state"], f"rank {rank}: a local value differs"
         ours, theirs = out["loss_after_set"]
         assert abs(ours - theirs) < TOL * abs(theirs), f"rank {rank}: loss {ours} vs {theirs}"
         if stage == 3:
@@ -168,15 +259,25 @@ def _fp16_grads(rank, world, stage):
     per = B // world
     engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
     grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
-    return engine.loss_scale, max_rel_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+    # a gradient set in the same (unscaled) terms reads back: the loss scale is put in and out
+    value = expected["wpe.weight"] * -0.5
+    safe_set_full_grad(engine.module.wpe.weight, value)
+    back = {"wpe.weight": safe_get_full_grad(engine.module.wpe.weight)}
+    return (
+        engine.loss_scale,
+        max_rel_diff(grads, expected),
+        max_rel_diff(back, {"wpe.weight": value}),
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_full_grad_is_unscaled_in_fp16(stage):
     """The loss scale (256) is taken out; fp16 arithmetic leaves ~1e-3 relative differences."""
-    for scale, (worst, name) in run_distributed(_fp16_grads, 2, args=(stage,)):
+    for scale, *diffs in run_distributed(_fp16_grads, 2, args=(stage,)):
         assert scale == 256.0
-        assert worst < 2e-2, f"{name} differs by {worst:.2e}"
+        for worst, name in diffs:
+            assert worst < 2e-2, f"{name} differs by {worst:.2e}"
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -154,8 +154,8 @@ def _launch(phase: str, world: int) -> dict:
     ended: dict[int, float] = {}
     deadline = time.monotonic() + 120
     try:
-        while len(ended) < len(live) and time.monotonic() < deadline:
-            for p in live:
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for p in procs:  # the stopped one too: the rank that names it kills it
                 if p.pid not in ended and p.poll() is not None:
                     ended[p.pid] = time.time()
             time.sleep(0.05)
@@ -170,6 +170,7 @@ def _launch(phase: str, world: int) -> dict:
         "codes": [p.returncode for p in procs],
         "ended": [ended.get(p.pid) for p in live],
         "victim_code": victim.returncode,
+        "victim_ended": ended.get(victim.pid),
     }
 
 
@@ -211,7 +212,10 @@ def test_a_frozen_rank_ends_the_job_within_the_bound(phase, world, waiting):
     assert " (waiting " in own, verdict
     if waiting is not None:
         assert f", in {waiting} #" in own, verdict
-    assert got["victim_code"] == -signal.SIGKILL  # frozen until the launcher killed it
+    # the stopped rank itself is killed by the rank that named it (same host), within the bound
+    assert got["victim_code"] == -signal.SIGKILL
+    assert any("killed stopped rank 1 (pid " in o for o in live_outs), live_outs[0][-2000:]
+    assert got["victim_ended"] - frozen < TIMEOUT + 4 * INTERVAL + 6.0
 
 
 def test_ranks_in_different_collectives_are_reported_and_end():

@@ -125,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in --save-dir"
     )
+    t.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="the config's checkpoint block (for torchrun --max-restarts): initialize resumes "
+        "from --save-dir's latest, and the engine saves there every --save-every steps",
+    )
+    t.add_argument(
+        "--keep-last", type=int, default=0, help="keep only the newest M checkpoints (0: all)"
+    )
+    t.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     c = sub.add_parser(
         "consolidate",
@@ -193,6 +203,17 @@ def _build_config(args) -> dict:
         zero["offload_optimizer"] = dict(place)
         if zero["stage"] == 3:
             zero["offload_param"] = dict(place)
+    if args.auto_resume or args.keep_last or args.async_save:
+        ckpt = cfg.setdefault("checkpoint", {})
+        if args.save_dir:
+            ckpt.setdefault("save_dir", args.save_dir)
+        if args.auto_resume:
+            ckpt["auto_resume"] = True
+            ckpt["save_interval"] = args.save_every
+        if args.keep_last:
+            ckpt["keep_last"] = args.keep_last
+        if args.async_save:
+            ckpt["async_save"] = True
     if args.schedule is not None:
         pipe = cfg.setdefault("pipeline", {})
         pipe["schedule"] = args.schedule
@@ -226,8 +247,8 @@ def _check_grid(args) -> None:
         raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide --nproc {args.nproc}")
     if args.offload == "nvme" and not args.nvme_path:
         raise ValueError("--offload nvme needs --nvme-path")
-    if (args.save_every or args.resume) and not args.save_dir:
-        raise ValueError("--save-every and --resume need --save-dir")
+    if (args.save_every or args.resume or args.auto_resume) and not args.save_dir:
+        raise ValueError("--save-every, --resume and --auto-resume need --save-dir")
     if args.schedule is not None and args.pp == 1:
         raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:

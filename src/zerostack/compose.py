@@ -274,4 +274,5 @@ def initialize(
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position
     engine.watchdog = start_watchdog(engine.comm.log, cfg.watchdog, topo)
+    engine.auto_checkpoint.resume(engine)  # checkpoint.auto_resume: latest, if there is one
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -512,7 +512,10 @@ class ZeroConfig(_Model):
         50_000_000, "stage3_prefetch_bucket_size", "prefetch_bucket_size"
     )
     """Stage 3: elements of parameters whose all-gather is launched ahead of use, in the order
-    recorded on the first step (alias prefetch_bucket_size); 0 disables prefetching."""
+    recorded on the first step (alias prefetch_bucket_size); 0 disables prefetching. When the
+    key is not given, the largest module's parameter count (see
+    ``effective_prefetch_bucket_size``): DeepSpeed's default of 5e7 gathers the whole of any
+    model under 50M parameters at its first module."""
     stage3_param_persistence_threshold: NonNegInt = _aliases(
         100_000, "stage3_param_persistence_threshold", "param_persistence_threshold"
     )
@@ -521,13 +524,17 @@ class ZeroConfig(_Model):
     stage3_max_live_parameters: NonNegInt = _aliases(
         1_000_000_000, "stage3_max_live_parameters", "max_live_parameters"
     )
-    """Stage 3: parameters resident at once (alias max_live_parameters). Accepted for
-    DeepSpeed compatibility; no effect yet."""
+    """Stage 3: at most this many parameter elements gathered at once, counting the prefetched
+    ones (alias max_live_parameters); as in DeepSpeed it limits what is prefetched, never what
+    the running module needs."""
     stage3_max_reuse_distance: NonNegInt = _aliases(
         1_000_000_000, "stage3_max_reuse_distance", "max_reuse_distance"
     )
-    """Stage 3: keep parameters reused within this distance (alias max_reuse_distance).
-    Accepted for DeepSpeed compatibility; no effect yet."""
+    """Stage 3: a module done with its parameters keeps those gathered that the recorded order
+    uses again within this many elements of gathers (alias max_reuse_distance). When the key is
+    not given, 0: released at once (see ``effective_max_reuse_distance``); DeepSpeed's default
+    of 1e9 keeps the whole of a model under 0.5B parameters gathered from its forward to its
+    backward."""
     stage3_gather_16bit_weights_on_model_save: bool = _aliases(
         False,
         "stage3_gather_16bit_weights_on_model_save",
@@ -555,6 +562,18 @@ class ZeroConfig(_Model):
     cpu_offload: bool | None = Field(default=None, exclude=True)
     """Deprecated DeepSpeed key: true means offload_optimizer.device "cpu". It is translated
     while parsing, so it always reads None afterwards."""
+
+    @property
+    def effective_prefetch_bucket_size(self) -> int | None:
+        """``stage3_prefetch_bucket_size`` if given, else None: the largest module's count."""
+        given = {"stage3_prefetch_bucket_size"} & self.model_fields_set
+        return self.stage3_prefetch_bucket_size if given else None
+
+    @property
+    def effective_max_reuse_distance(self) -> int:
+        """``stage3_max_reuse_distance`` if given, else 0 (release as soon as done)."""
+        given = {"stage3_max_reuse_distance"} & self.model_fields_set
+        return self.stage3_max_reuse_distance if given else 0
 
     @property
     def effective_reduce_bucket_size(self) -> int:
@@ -744,6 +763,51 @@ class WatchdogConfig(_Model):
     """Collectives each rank lists in its report."""
 
 
+class ParallelWriteConfig(_Model):
+    """``checkpoint.parallel_write`` (DeepSpeed's; no effect: every rank writes its own file)."""
+
+    pipeline_stage: bool = False
+    """DeepSpeed: each pipeline stage writes its own layers' files."""
+
+
+class CheckpointConfig(_Model):
+    """The ``checkpoint`` block: DeepSpeed's I/O options (accepted, no effect) and zerostack's
+    automatic checkpoints (:mod:`zerostack.checkpoint.auto_resume`, :mod:`.async_save`)."""
+
+    save_dir: str | None = None
+    """Folder of the automatic checkpoints (``auto_resume``, ``save_interval``)."""
+    auto_resume: bool = False
+    """At ``initialize``, load ``latest`` from ``save_dir`` when there is one (the engine's
+    loader continues at the next unseen sample), e.g. after torchrun restarted the job."""
+    save_interval: NonNegInt = 0
+    """Save to ``save_dir`` every this many optimizer steps, inside ``step()`` (0: never)."""
+    keep_last: NonNegInt = 0
+    """Keep only the newest this many ``global_step<N>`` tags in ``save_dir`` (0: all); the tag
+    ``latest`` names is never removed."""
+    async_save: bool = False
+    """``save_checkpoint`` (and the automatic saves) copy the state to host memory and write it
+    in the background; ``latest`` moves once every rank's files are written and verified."""
+    tag_validation: Annotated[
+        Literal["Ignore", "Warn", "Fail"],
+        BeforeValidator(lambda v: v.capitalize() if isinstance(v, str) else v),
+    ] = "Warn"
+    """DeepSpeed's check that every rank saves the same tag (no effect)."""
+    load_universal: bool = False
+    """DeepSpeed's universal-checkpoint load (no effect: every checkpoint loads on any layout)."""
+    use_node_local_storage: bool = False
+    """DeepSpeed's node-local checkpoint folders (no effect)."""
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    """DeepSpeed's parallel write options (no effect)."""
+    writer: dict[str, Any] | None = None
+    """DeepSpeed's checkpoint writer block (no effect: safetensors, one file per rank)."""
+
+    @model_validator(mode="after")
+    def _needs_dir(self) -> "CheckpointConfig":
+        if (self.auto_resume or self.save_interval) and not self.save_dir:
+            _fail("needed by auto_resume and save_interval", "save_dir")
+        return self
+
+
 class ZeroStackConfig(_Model):
     """The whole config. Build it with :func:`load_config`, which turns pydantic's errors
     into :class:`ConfigError` (constructing it directly raises pydantic's ValidationError)."""
@@ -840,6 +904,8 @@ class ZeroStackConfig(_Model):
     """DeepSpeed's comms logger (see zerostack.comm.log_summary)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Hang and frozen-rank detection (see zerostack.watchdog)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Automatic and background checkpoints (see zerostack.checkpoint.auto_resume)."""
     communication_data_type: DtypeName | None = None
     """The dtype gradients are reduced in over the data-parallel ranks (fp32, fp16, bf16; e.g.
     fp32 under bf16, as FSDP2's reduce_dtype): each bucket is cast to it, reduced, and the result

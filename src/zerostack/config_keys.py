@@ -169,11 +169,8 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         "only DeepSpeed's tensor-core alignment warning reads it", lambda v: v is not None
     ),
     # checkpoints and I/O
-    "checkpoint": _no_effect(
-        "checkpoints load on any layout already; tag_validation, writer and the node-local / "
-        "parallel writes are DeepSpeed's I/O options",
-        _non_empty,
-        dict,
+    "checkpoint": _works(
+        "auto_resume, save_interval, keep_last, async_save; DeepSpeed's I/O sub-keys no effect"
     ),
     "datastates_ckpt": _no_effect(
         "checkpoints are written in zerostack's own format", lambda v: v is not False
@@ -222,16 +219,17 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "zero_optimization.overlap_comm": "reduction always overlaps backward",
     "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter, stage 0 all-reduces",
     "zero_optimization.contiguous_gradients": "gradients always live in flat buffers",
-    "zero_optimization.stage3_max_live_parameters": "stage 3 frees each module's parameters "
-    "after use",
-    "zero_optimization.stage3_max_reuse_distance": "stage 3 frees each module's parameters "
-    "after use",
     "zero_optimization.round_robin_gradients": "gradient partitions follow bucket order",
     "zero_optimization.elastic_checkpoint": "checkpoints load on any layout already",
     "zero_optimization.ignore_unused_parameters": "parameters without a gradient are "
     "always tolerated",
     "zero_optimization.load_from_fp32_weights": "fp32 masters are always restored from the "
     "checkpoint",
+    "checkpoint.tag_validation": "tags are not compared; every rank must pass the same",
+    "checkpoint.load_universal": "checkpoints load on any layout already",
+    "checkpoint.use_node_local_storage": "checkpoints go to the one folder given",
+    "checkpoint.parallel_write.pipeline_stage": "every rank writes its own file",
+    "checkpoint.writer": "safetensors files, one per rank",
     **{f"zero_optimization.offload_optimizer.{k}": v for k, v in _OFFLOAD_NO_EFFECT.items()},
     **{f"zero_optimization.offload_param.{k}": v for k, v in _OFFLOAD_NO_EFFECT.items()},
 }

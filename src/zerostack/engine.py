@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from .checkpoint.auto_resume import AutoCheckpoint
 from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
@@ -104,6 +105,8 @@ class Engine(EngineAPI, nn.Module):
         self.training_dataloader = None
         self._data_iter = None
         self.flops_profile = None  # the flops_profiler block: one step's forwards profiled
+        # the checkpoint block: resume at initialize, saves every save_interval steps, async
+        self.auto_checkpoint = AutoCheckpoint(config.checkpoint)
         if config.flops_profiler.enabled:
             self.flops_profile = StepProfile(self, config.flops_profiler)
 
@@ -171,12 +174,14 @@ class Engine(EngineAPI, nn.Module):
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = time.perf_counter()
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self.apply_step()
             if self.flops_profile is not None:
                 self.flops_profile.step_ends()
+        self.micro_steps += 1  # before the count: an automatic save keeps whole windows
+        if boundary:
             self._count_global_step()
-        self.micro_steps += 1
         self.timers["step"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ whole batches
@@ -228,6 +233,7 @@ class Engine(EngineAPI, nn.Module):
         self.monitor.write_step(self, loss)
         self.comm.log.next_step()
         self._maybe_print()
+        self.auto_checkpoint.after_step(self)  # checkpoint.save_interval; async save errors
 
     def apply_step(self) -> None:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner

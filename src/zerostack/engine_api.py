@@ -189,16 +189,29 @@ class EngineAPI:
         client_state=None,
         save_latest=True,
         exclude_frozen_parameters=False,
+        async_save=None,
     ):
         """DeepSpeed's save: every rank writes its own slices (a collective); default tag
         ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path.
         ``exclude_frozen_parameters``: leave out parameters with ``requires_grad=False`` (a
-        LoRA run's frozen base); loading keeps the model's own values for them."""
-        from .checkpoint import save
-
-        return save(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters
+        LoRA run's frozen base); loading keeps the model's own values for them.
+        ``async_save`` (None: the config's ``checkpoint.async_save``): copy the state to host
+        memory and write it in the background (:mod:`zerostack.checkpoint.async_save`);
+        :meth:`wait_for_checkpoint` waits for it. Any save first waits for a pending one."""
+        return self.auto_checkpoint.save(
+            self,
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+            async_save=async_save,
         )
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the pending background save is written and ``latest`` moved; raise
+        :class:`~.checkpoint.CheckpointError` (on every rank) if it failed on any rank."""
+        self.auto_checkpoint.wait()
 
     def load_checkpoint(
         self,
@@ -223,6 +236,7 @@ class EngineAPI:
         and what it leaves in the module becomes the fp32 masters."""
         from .checkpoint import load
 
+        self.auto_checkpoint.wait()  # a pending background save completes first
         return load(
             self,
             load_dir,
@@ -234,15 +248,24 @@ class EngineAPI:
             custom_load_fn=custom_load_fn,
         )
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: at stage 3, release every gathered parameter the engine keeps between
+        uses (kept for a reuse under ``stage3_max_reuse_distance``, or prefetched); a no-op at
+        stages 0-2. Call it outside forward and backward, e.g. before evaluation."""
+        release = getattr(self.zero, "release_gathered", None)
+        if release is not None:
+            release()
+
     def destroy(self) -> None:
-        """Release what the engine holds outside the process (NVMe offload files) and stop its
-        watchdog."""
+        """Finish a pending background save (raising its error), release what the engine holds
+        outside the process (NVMe offload files) and stop its watchdog."""
         watchdog = getattr(self, "watchdog", None)
         if watchdog is not None:
             watchdog.stop()
             self.watchdog = None
         self.monitor.close()  # flush and close the monitors' files
         self.zero.close()
+        self.auto_checkpoint.wait()  # a pending background save is written (or its error raised)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:

@@ -14,7 +14,9 @@ None, as in DeepSpeed.
 
 Gradients are the mean over the global batch so far in the accumulation window, unscaled: what
 the optimizer step would apply before clipping. (DeepSpeed's fp16 gradients at that point are
-still multiplied by the loss scale; in bf16 and fp32 the two agree.)
+still multiplied by the loss scale; in bf16 and fp32 the two agree.) A gradient set is given in
+the same terms and stored as the strategy holds it (summed over dp and scaled), so the step
+clips, unscales and averages it like one backward made; later micro-steps of the window add to it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from .tensor_parallel import join_tensors, partition_spec, split_tensor
-from .zero.init import full_shape
+from .zero.init import full_shape, gather_full
 
 
 class _EngineRef:
@@ -166,7 +168,88 @@ class FullParams:
         grad = zero.window_grad(p).mul_(post)
         return self.join_tp(p, grad.view(full_shape(p)))
 
+    def set_grad(self, p: nn.Parameter, value: torch.Tensor, what: str = "") -> None:
+        """Make the whole ``value`` (the same on every rank) ``p``'s gradient so far in this
+        window: what :meth:`grad` reads back and, between ``backward`` and ``step`` on the
+        boundary, what the step applies before clipping. A no-op for a parameter the optimizer
+        does not step. At stages 0-1 a collective over dp (it waits for the boundary's
+        reduction)."""
+        zero = self.engine.zero
+        if not zero.is_trained(p):
+            return
+        flat = self.split_tp(p, value, what)
+        if zero.stage == 3:
+            self._hold_piece_grad(p, self._piece_of(p, flat))
+        else:
+            self._hold_flat_grad(p, flat)
+
+    def _held(self, mean: torch.Tensor) -> torch.Tensor:
+        """A mean, unscaled gradient as the strategy holds it: summed over dp and scaled."""
+        return mean / self.engine.zero.grad_post(self.engine.loss_scaler.loss_scale)
+
+    # The two writers below belong beside ``window_grad`` in zero/flat_state.py and
+    # zero/stage3_state.py: they use the same parts of the strategy (its buffers as
+    # ``window_grad`` reads them).
+    def _hold_flat_grad(self, p: nn.Parameter, flat: torch.Tensor) -> None:
+        """Stages 0-2: write ``p``'s gradient where the step will read it."""
+        zero = self.engine.zero
+        b, rng = zero._where[p]
+        st = zero.buckets[b]
+        # stage 2 holds reduced pieces; stages 0-1 reduce on the boundary's backward
+        reduced = zero.stage == 2 or (zero.dp > 1 and zero.reducer.settle())
+        if zero.dp > 1 and not reduced:
+            # each rank's own gradient, summed over dp (and prescaled) at the boundary: every
+            # rank holds an equal share, so the sum is the value
+            share = self._held(flat) / (zero.prescale * zero.dp)
+            zero.groups[st.group].grads_flat[rng].copy_(share)
+            return
+        held = zero._grad_piece(st)  # this rank's piece of the bucket, aligned with its master
+        value = self._held(flat)
+        for lo, hi, _master, a, b_ in self._slices_of(p):
+            held[a:b_].copy_(value[lo:hi])
+
+    def _hold_piece_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
+        """Stage 3: write this rank's piece of ``p``'s gradient (mean, unscaled, padding
+        included) into its shard or its file."""
+        grads = self.engine.zero.grads
+        held = self._held(piece.to(torch.float32))
+        held[self._local_extent(p) :] = 0.0  # the padding is no part of the gradient
+        files = getattr(grads, "files", None)
+        if files is None:  # a shard in memory: p._zs.grad is its view
+            grads.piece(p).copy_(held)
+            return
+        # NVMe (GradFiles): the file, and its share of the norm the step takes
+        files.write(grads.key[p], [held.to("cpu")])
+        grads.written.add(p)
+        grads.sq[p] = torch.linalg.vector_norm(held, dtype=torch.float32).square().cpu()
+
     # ------------------------------------------------------------------ this rank's piece
+    def _local_extent(self, p: nn.Parameter) -> int:
+        """How many elements of this rank's stage-3 piece are the parameter's (the rest pad)."""
+        pn, n = p._zs.piece.numel(), p._zs.numel
+        lo = min(self.engine.zero.rank * pn, n)
+        return min(lo + pn, n) - lo
+
+    def _piece_of(self, p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's stage-3 piece (padded) of ``flat``, this tp rank's whole parameter."""
+        pn = p._zs.piece.numel()
+        lo = min(self.engine.zero.rank * pn, p._zs.numel)
+        n = self._local_extent(p)
+        out = torch.zeros(pn, dtype=torch.float32, device=flat.device)
+        out[:n] = flat[lo : lo + n]
+        return out
+
+    def _check_piece(self, p: nn.Parameter, value: torch.Tensor, what: str) -> torch.Tensor:
+        """``value`` as this rank's piece of ``p``: flat fp32 on the engine's device."""
+        pn = p._zs.piece.numel()
+        if value.numel() != pn:
+            raise ValueError(
+                f"{what}: value has {value.numel()} elements, this rank's piece {pn} "
+                "(padding included)"
+            )
+        flat = value.detach().reshape(-1)
+        return flat.to(device=self.engine.device, dtype=torch.float32, copy=True)
+
     def _require_stage3(self, what: str) -> None:
         if self.engine.zero.stage != 3:
             raise ValueError(
@@ -194,3 +277,32 @@ class FullParams:
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
         return zero.local_grad(p).to(self.engine.device).mul_(post)
+
+    def set_local_value(self, p: nn.Parameter, value: torch.Tensor, kind: str, what: str) -> None:
+        """Set this rank's piece of ``p``'s fp32 master (``kind="master"``) or optimizer state
+        ``kind`` (stage 3; ``value`` padded as :meth:`local_value` gives it). Setting the master
+        is a collective over dp (every rank sets its own piece): the pieces are gathered so that
+        a parameter kept whole (``stage3_param_persistence_threshold``) is updated too, and the
+        next forward uses the new value, as :meth:`set_value`."""
+        self._require_stage3(what)
+        if not self.engine.zero.is_trained(p):
+            return
+        self._check_kind(kind, what)
+        piece, n, st = self._check_piece(p, value, what), self._local_extent(p), p._zs
+        piece[n:] = 0.0
+        if kind == "master":
+            flat = gather_full([type(st)(st.shape, st.numel, piece)], self.engine.comm)[0]
+            self.set_local(p, flat.reshape(-1), kind)
+            return
+        # only this rank's elements [lo, lo + n) are read from ``flat``: no communication
+        lo = min(self.engine.zero.rank * piece.numel(), st.numel)
+        flat = torch.zeros(st.numel, dtype=torch.float32, device=piece.device)
+        flat[lo : lo + n] = piece[:n]
+        self.set_local(p, flat, kind)
+
+    def set_local_grad(self, p: nn.Parameter, value: torch.Tensor, what: str = "") -> None:
+        """Set this rank's piece of ``p``'s gradient (stage 3; mean, unscaled, as
+        :meth:`local_grad` gives it). No communication."""
+        self._require_stage3(what)
+        if self.engine.zero.is_trained(p):
+            self._hold_piece_grad(p, self._check_piece(p, value, what))

@@ -24,11 +24,21 @@ Two differences, both on the side of saying what the model trains on:
 * ``safe_set_full_fp32_param`` sets the compute-dtype parameter too, so the next forward uses
   the new value (DeepSpeed writes only the fp32 master, which reaches the model at the next step).
 
-The ``safe_*_local_*`` getters give this rank's ZeRO-3 piece (padding included) and, as in
-DeepSpeed, refuse other stages.
+``safe_set_full_grad`` takes a gradient in the same terms as ``safe_get_full_grad`` gives it
+(the mean, unscaled): set between ``engine.backward`` and ``engine.step`` on the boundary, the
+step applies it as if backward had produced it (clipping included); set earlier in the window,
+later micro-batches add to it. At stages 0-1 DeepSpeed writes ``param.grad`` (this rank's
+unreduced gradient); here the value is the gradient the step sees, at every stage.
+
+The ``safe_*_local_*`` getters and setters take this rank's ZeRO-3 piece (padding included) and,
+as in DeepSpeed, refuse other stages. ``safe_set_local_fp32_param`` is a collective over dp
+(every rank sets its own piece), so that the next forward uses the value, as
+``safe_set_full_fp32_param``; the other local setters need no communication.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -42,7 +52,12 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]
 
 
@@ -88,6 +103,28 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     return None if access is None else access.grad(param)
 
 
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param``'s gradient so far in this accumulation window to the whole ``value`` (the
+    mean over the global batch, unscaled, the same on every rank), as :func:`safe_get_full_grad`
+    reads it. Between ``engine.backward`` and ``engine.step`` on the boundary it is the gradient
+    the step applies; earlier, later micro-batches add to it. A collective at stages 0-1."""
+    access = _access(param)
+    if access is not None:
+        access.set_grad(param, value, what="safe_set_full_grad")
+
+
+def safe_update_full_grad_vectorized(
+    param_list: Iterable[torch.Tensor],
+    update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """For each parameter, set its full gradient to ``update_func(full_grad, param)`` (a
+    collective; parameters no engine trains are skipped)."""
+    for p in param_list:
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            safe_set_full_grad(p, update_func(grad, p))
+
+
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of ``param``'s fp32 master (ZeRO stage 3 only)."""
     access = _access(param)
@@ -106,3 +143,29 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of :func:`safe_get_full_grad` (stage 3 only)."""
     access = _access(param)
     return None if access is None else access.local_grad(param, what="safe_get_local_grad")
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set this rank's piece of ``param``'s fp32 master, and the model's weights, to ``value``
+    (stage 3; as :func:`safe_get_local_fp32_param` gives it). A collective over dp."""
+    access = _access(param)
+    if access is not None:
+        access.set_local_value(param, value, "master", what="safe_set_local_fp32_param")
+
+
+def safe_set_local_optimizer_state(
+    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set this rank's piece of ``param``'s optimizer state ``optim_state_key`` (stage 3)."""
+    access = _access(param)
+    if access is not None:
+        what = "safe_set_local_optimizer_state"
+        access.set_local_value(param, value, optim_state_key, what=what)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set this rank's piece of ``param``'s gradient (stage 3; mean and unscaled, as
+    :func:`safe_get_local_grad` gives it)."""
+    access = _access(param)
+    if access is not None:
+        access.set_local_grad(param, value, what="safe_set_local_grad")

@@ -17,7 +17,10 @@ training thread, so a rank that computes for a long time still beats; a rank tha
 
 The rank that reaches a verdict posts it in the store, prints it with its last collectives and
 exits non-zero; every other rank sees the posted verdict within ``interval``, prints its own
-position and last collectives and exits too. ``SIGUSR1`` prints the same report without ending
+position and last collectives and exits too. A stopped peer on the same host (its heartbeat
+carries its host, pid and process start time) is sent ``SIGKILL`` by the rank that named it: a
+stopped process cannot act on the launcher's ``SIGTERM``, and torchrun would wait 30 s before
+killing it itself. ``SIGUSR1`` prints the same report without ending
 anything (the signal wakes the thread through ``signal.set_wakeup_fd``, so the report comes even
 while the training thread is blocked inside a collective).
 """
@@ -73,6 +76,8 @@ class Watchdog:
         self._old_wakeup: int | None = None
         self._old_handler = None
         self._old_excepthook = sys.excepthook
+        self._process = {"host": socket.gethostname(), "pid": os.getpid(), "start": _started()}
+        self._stale: list[int] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Watchdog:
@@ -124,6 +129,7 @@ class Watchdog:
         self._beat += 1
         body = self.state()
         body["left"] = left
+        body.update(self._process)
         self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps(body))
 
     def _read_peers(self) -> None:
@@ -164,6 +170,7 @@ class Watchdog:
             for r, (_, when) in self._seen.items()
             if now - when > self.timeout and not self._peers.get(r, {}).get("left")
         ]
+        self._stale = stale
         if stale:
             names = "; ".join(
                 f"rank {r}, last heard {now - self._seen[r][1]:.1f} s ago, {self._position(r)}"
@@ -240,8 +247,25 @@ class Watchdog:
                 pass
             self._say(f"[zerostack watchdog] rank {self.rank}: ending the job: {verdict}")
             self._say(self.report())
+            self._end_stopped_peers()
             self._exit(EXIT_CODE)
             return
+
+    def _end_stopped_peers(self) -> None:
+        """``SIGKILL`` the stale peers that run on this host (checked by pid and start time, so
+        a pid reused since is left alone)."""
+        for r in self._stale:
+            body = self._peers.get(r, {})
+            pid = body.get("pid")
+            if body.get("host") != self._process["host"] or not pid or pid == os.getpid():
+                continue
+            if body.get("start") is None or _started(pid) != body["start"]:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+            self._say(f"[zerostack watchdog] rank {self.rank}: killed stopped rank {r} (pid {pid})")
 
     def _sleep(self) -> bool:
         """Wait one interval; True if SIGUSR1 arrived meanwhile."""
@@ -285,6 +309,16 @@ class Watchdog:
             return
         self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: None)
         self._wake_r, self._wake_w, self._old_wakeup = r, w, None
+
+
+def _started(pid: int | str = "self") -> int | None:
+    """A process's start time in clock ticks since boot (Linux), to tell it from a later process
+    given the same pid; None where /proc is not there."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:

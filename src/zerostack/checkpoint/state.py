@@ -14,9 +14,14 @@ what it holds, so it may be frozen or trained on load alike), so a checkpoint is
 the ZeRO stage and dp size that wrote it: a rank of any other layout reads just the tensors that
 overlap its own slices, checks their sha256, and copies the overlap. Writes go to
 ``.<tag>.incomplete`` and are renamed into place only when every rank has finished; ``latest`` is
-replaced after that, so an interrupted save leaves the previous checkpoint as it was. Nothing is
-unpickled: tensors come from safetensors, everything else from JSON (client state must be
-JSON-serialisable).
+replaced after that, so an interrupted save leaves the previous checkpoint as it was; a failed
+write on any rank (a full disk, an I/O error) makes every rank raise, and the incomplete folder is
+removed. Nothing is unpickled: tensors come from safetensors, everything else from JSON (client
+state must be JSON-serialisable).
+
+A rank's file is streamed (:mod:`.stream`): its header is planned first, then one master
+(sub-group) at a time is read, from memory or its NVMe file, written and let go, so a save holds
+about one sub-group in host memory beyond what training holds, whatever the offload.
 
 This module holds the format's names and helpers and the writing side (:func:`save`);
 :mod:`.restore` reads a checkpoint back (:func:`~.restore.load`).
@@ -24,18 +29,21 @@ This module holds the format's names and helpers and the writing side (:func:`sa
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import shutil
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
-from ..tensor_parallel import partition_spec
-from ..zero.init import full_shape
+from .shard import (
+    collect_shard,
+    full_shape_of,
+    key_of,
+    tracker_states,
+    write_file,
+    write_shard,
+)
+from .stream import sha256
 
 FORMAT = "zerostack-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -46,8 +54,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+_sha256 = sha256  # the per-tensor checksum the manifest records (restore checks it)
 
 
 def _gather_errors(comm, error: str | None) -> list[tuple[int, str]]:
@@ -65,12 +72,15 @@ def _barrier(comm) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``text`` to ``path`` whole or not at all (a full disk leaves ``path`` as it was)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_replace(path, write)
 
 
 def _atomic_replace(path: str, write) -> None:
@@ -84,93 +94,15 @@ def _atomic_replace(path: str, write) -> None:
             os.remove(tmp)
 
 
-def _frozen_names(engine) -> set[str]:
-    """Names of the parameters with ``requires_grad=False`` (``exclude_frozen_parameters``)."""
-    return {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-
-
-def _write_shard(engine, folder: str, exclude_frozen: bool = False) -> dict:
-    """This rank's tensors into its file; returns what the manifest records about it
-    (``exclude_frozen``: parameters with ``requires_grad=False`` are left out, and listed)."""
-    excluded = _frozen_names(engine) if exclude_frozen else set()
-    names = {p: n for n, p in engine.module.named_parameters() if n not in excluded}
-    tensors: dict[str, torch.Tensor] = {}
-    slices = []
-    topo = engine.topology
-    # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
-    # first pipeline stage that holds it (the parameters the gradient norm skips).
-    elsewhere = engine.replicated_elsewhere()
-    if engine.zero.owns_replica:
-        held: tuple = (None, {})  # a master's value and state, read once (from its file on NVMe)
-        for p, lo, hi, master, a, b in engine.zero.owned_slices():
-            if hi <= lo or p in elsewhere or p not in names:
-                continue
-            if held[0] is not master:
-                held = master, engine.zero.read_master(master, engine.optimizer)
-            tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
-            key = _key(names[p], tp_rank, lo)
-            for k, v in held[1].items():  # "master" (fp32), then the optimizer's moments
-                tensors[f"{k}/{key}"] = v[a:b].cpu().clone()
-            slices.append([names[p], tp_rank, lo, hi])
-    # Frozen parameters: their value as master slices (fp32 of what is held), no optimizer state.
-    # dp rank r writes elements [r*c, (r+1)*c), c = ceil(n / dp): at stage 3 the piece it holds,
-    # at stages 0-2 (all ranks hold the whole) the same cut, so a frozen base is written by all.
-    dp, dp_rank = topo.dp, topo.rank("dp")
-    for p, lo, hi, value in engine.zero.frozen_slices():
-        c = max(1, -(-math.prod(_full_shape(p, 1)) // dp))
-        x, y = max(lo, dp_rank * c), min(hi, (dp_rank + 1) * c)
-        if x >= y or p in elsewhere:
-            continue
-        if p not in names:  # excluded (exclude_frozen_parameters)
-            continue
-        tp_rank = topo.rank("tp") if partition_spec(p) is not None else None
-        key = _key(names[p], tp_rank, x)
-        tensors[f"master/{key}"] = value[x - lo : y - lo].float().cpu().clone()
-        slices.append([names[p], tp_rank, x, y])
-    if topo.rank("dp") == 0 and topo.rank("tp") == 0:  # each stage's buffers, once
-        for name, buf in engine.module.named_buffers():
-            tensors[f"buffer/{name}"] = buf.detach().cpu().clone()
-    tensors["rng/cpu"] = torch.get_rng_state()
-    for k, v in _tracker_states().items():
-        tensors[f"rng/tracker/{k}"] = v
-    file = f"rank{engine.global_rank:05d}.safetensors"
-    path = os.path.join(folder, file)
-    save_file(tensors, path)
-    return {
-        "file": file,
-        "bytes": os.path.getsize(path),
-        "sha256": {k: _sha256(v) for k, v in tensors.items()},
-        "slices": slices,
-        "params": {n: _full_shape(p, topo.tp) for p, n in names.items()},
-        "specs": {
-            n: list(partition_spec(p)) for p, n in names.items() if partition_spec(p) is not None
-        },
-        "excluded": sorted(excluded),
-    }
-
-
-def _key(name: str, tp_rank: int | None, lo: int) -> str:
-    return f"{name}@{lo}" if tp_rank is None else f"{name}#tp{tp_rank}@{lo}"
-
-
-def _full_shape(p: torch.Tensor, tp: int) -> list[int]:
-    shape = list(full_shape(p))
-    spec = partition_spec(p)
-    if spec is not None:
-        shape[spec[0]] *= tp
-    return shape
+# The shard's parts (:mod:`.shard`), under the names the restore and async-save modules import.
+_key, _full_shape, _tracker_states = key_of, full_shape_of, tracker_states
+_write_shard, _collect_shard, _write_file = write_shard, collect_shard, write_file
 
 
 def _sampler(engine):
     """The sampler of the engine's own data loader (initialize's), if it keeps a position."""
     sampler = getattr(engine.training_dataloader, "sampler", None)
     return sampler if callable(getattr(sampler, "load_state_dict", None)) else None
-
-
-def _tracker_states() -> dict[str, torch.Tensor]:
-    from ..tensor_parallel import get_rng_tracker
-
-    return get_rng_tracker().get_states()
 
 
 def save(
@@ -203,26 +135,46 @@ def save(
         _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps(record))
     except Exception as exc:  # every rank learns of it below, then all raise
         error = f"{type(exc).__name__}: {exc}"
-    errors = _gather_errors(engine.comm, error)
-    if errors:
-        listed = "; ".join(f"rank {r}: {e}" for r, e in errors)
-        raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
-    if rank == 0:
-        records = [
-            json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
-            for r in range(engine.world_size)
-        ]
-        manifest = _manifest(engine, tag, records, client_state)
-        _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
-        for r in range(engine.world_size):
-            os.remove(os.path.join(folder, f"rank{r:05d}.json"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(folder, final)
-        if save_latest:
-            _atomic_write(os.path.join(save_dir, LATEST), tag)
-    _barrier(engine.comm)
+    _fail_together(engine, error, folder, final)
+    error = None
+    if rank == 0:  # the manifest, then the rename, then latest: each step atomic
+        try:
+            _publish(engine, folder, final, tag, client_state, save_dir if save_latest else None)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    _fail_together(engine, error, folder, final)  # rank 0's failure ends every rank, no barrier
     return final
+
+
+def _fail_together(engine, error: str | None, folder: str, final: str) -> None:
+    """Every rank raises if any rank failed (an all-gather of the errors: no rank is left in a
+    collective the failing one never reaches); rank 0 removes the incomplete folder first, so a
+    full disk gets its space back. ``latest`` still names the previous checkpoint."""
+    errors = _gather_errors(engine.comm, error)
+    if not errors:
+        return
+    if engine.global_rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    listed = "; ".join(f"rank {r}: {e}" for r, e in errors)
+    raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
+
+
+def _publish(engine, folder: str, final: str, tag: str, client_state, latest_dir) -> None:
+    """Rank 0, once every shard is written: the manifest, the folder renamed into place, and
+    ``latest`` (in ``latest_dir``; None leaves it) replaced."""
+    records = [
+        json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
+        for r in range(engine.world_size)
+    ]
+    manifest = _manifest(engine, tag, records, client_state)
+    _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
+    for r in range(engine.world_size):
+        os.remove(os.path.join(folder, f"rank{r:05d}.json"))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(folder, final)
+    if latest_dir is not None:
+        _atomic_write(os.path.join(latest_dir, LATEST), tag)
 
 
 def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:

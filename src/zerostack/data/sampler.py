@@ -53,9 +53,21 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed_samples": self.position * self.num_replicas}
+        """The epoch, the samples handed out in it over all replicas, and the shuffle's seed."""
+        return {
+            "epoch": self.epoch,
+            "consumed_samples": self.position * self.num_replicas,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state``'s position (the next pass skips what it counts); the seed must
+        be the one the order was drawn with, or the skipped samples would be other ones."""
+        if "seed" in state and int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"seed: the saved data order was shuffled with seed {state['seed']}, this "
+                f"loader's is {self.seed}; set the config's seed to {state['seed']} to resume it"
+            )
         self.epoch = int(state["epoch"])
         self.position = min(int(state["consumed_samples"]) // self.num_replicas, self.num_samples)
         self._resume = True

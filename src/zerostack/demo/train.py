@@ -45,7 +45,12 @@ def train(args, config: dict) -> dict:
     flops_per_step, peak, peak_source = _flops_and_peak(engine, model_cfg, args)
     monitor = RunMonitor(args.out, total=args.steps, enabled=rank0, progress=not args.no_progress)
     tokens_per_step = engine.train_batch_size() * args.block_size
-    if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
+    auto = engine.config.checkpoint  # auto_resume: initialize has loaded latest already
+    if (
+        args.resume
+        and not auto.auto_resume
+        and os.path.exists(os.path.join(args.save_dir, "latest"))
+    ):
         engine.load_checkpoint(args.save_dir)  # the loader continues after the last batch saved
     checkpoint, first_step = None, engine.global_steps
     t_start = time.perf_counter()
@@ -62,8 +67,14 @@ def train(args, config: dict) -> dict:
             tokens_per_s=tokens_per_step / (time.perf_counter() - t0),
         )
         due = args.save_every and engine.global_steps % args.save_every == 0
-        if args.save_dir and (due or engine.global_steps == args.steps):
+        last = engine.global_steps == args.steps
+        if args.save_dir and not auto.save_interval and (due or last):
             checkpoint = engine.save_checkpoint(args.save_dir)
+    if auto.save_interval:  # the engine saved every save_interval steps; the last one too
+        if engine.global_steps % auto.save_interval:
+            engine.save_checkpoint(auto.save_dir)
+        checkpoint = os.path.join(auto.save_dir, f"global_step{engine.global_steps}")
+    engine.wait_for_checkpoint()  # a background save is complete before the summary names it
     elapsed = time.perf_counter() - t_start
     val_loss = _evaluate(engine, val_set, args.block_size)
     summary = {

@@ -33,7 +33,7 @@ class Workload:
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
     in_flight: float = 0.0  # micro-batches the first pipeline stage holds (0: 1F1B's min(pp, gas))
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
-    prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
+    prefetch_bucket: int | None = None  # stage3_prefetch_bucket_size (None: the largest module)
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (elements)
 
 
@@ -45,7 +45,8 @@ def _buffers(params: int, largest: int, layout: Layout, work: Workload) -> int:
     if layout.stage == 2 and layout.dp > 1:
         return c * min(work.reduce_bucket, params)
     if layout.stage == 3:
-        return c * (largest + min(work.prefetch_bucket, params) + min(work.reduce_bucket, params))
+        ahead = largest if work.prefetch_bucket is None else work.prefetch_bucket
+        return c * (largest + min(ahead, params) + min(work.reduce_bucket, params))
     return 0
 
 

@@ -14,8 +14,13 @@ is not seen.
 
 Prefetch: the first training forward + backward records the order in which units are gathered
 (a no_grad pass, which has no backward, is neither recorded nor followed); later passes launch the
-next units' gathers (up to ``prefetch_numel`` elements ahead) while the current module computes.
-Every rank runs the same graph, so every rank issues the same collectives in the same order.
+next units' gathers (up to ``prefetch_numel`` elements ahead, by default the largest unit's, and
+never past ``max_live_numel`` elements gathered at once: DeepSpeed's
+``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters``) while the current module
+computes. A unit done with its parameters keeps those that the recorded order uses again within
+``max_reuse_numel`` elements of gathers (DeepSpeed's ``stage3_max_reuse_distance``; 0, the
+default here, releases at once). Every rank runs the same graph, so every rank issues the same
+collectives in the same order.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class _Gather:
         for p, full in zip(self.params, self._finish(), strict=True):
             hold(p, full, self.meter, self.copies)
         self.done = True
+        self._finish = None  # the receive buffer: the parameters hold their own copies
 
 
 class _GatherOnRead(dict):
@@ -81,6 +87,10 @@ class _GatherOnRead(dict):
         return dict, (dict(self),)
 
 
+def _numel(params: list[nn.Parameter]) -> int:
+    return sum(p._zs.numel for p in params if not p._zs.persistent)
+
+
 def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
     """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
     if params:
@@ -97,11 +107,14 @@ class ParamCoordinator:
         *,
         comm: Comm,
         meter: StorageMeter,
-        prefetch_numel: int,
+        prefetch_numel: int | None,
         trainable: set[nn.Parameter],
         swapper: ParamSwapper | ResidentPieces,
+        max_live_numel: int = 1_000_000_000,
+        max_reuse_numel: int = 0,
     ) -> None:
-        self.comm, self.meter, self.prefetch_numel = comm, meter, prefetch_numel
+        self.comm, self.meter = comm, meter
+        self.max_live_numel, self.max_reuse_numel = max_live_numel, max_reuse_numel
         self._trainable, self.param_swapper = trainable, swapper
         # Units, their owners (a tied parameter is reduced once, by the first module holding it).
         self.units: list[list[nn.Parameter]] = []
@@ -123,6 +136,9 @@ class ParamCoordinator:
         for m in module.modules():  # see linear_saving_weight
             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
                 m.forward = partial(_linear_forward, m)
+        if prefetch_numel is None:  # the next unit's gather overlaps this one's compute
+            prefetch_numel = max((_numel(ps) for ps in self.units), default=0)
+        self.prefetch_numel = prefetch_numel
         self._bwd_need = [sum(p in trainable for p in ps) for ps in self.units]
         self._bwd_held: dict[int, int] = {}  # unit -> gradients it still waits for
         self._running: list[int] = []  # units whose forward is in progress, innermost last
@@ -132,7 +148,9 @@ class ParamCoordinator:
         self._ptr = 0
         self._prefetching = False
         self._inflight: dict[nn.Parameter, _Gather] = {}
+        self._kept: set[nn.Parameter] = set()  # released by their units, kept for a reuse
         self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
+        self.live_numel = self.peak_live_numel = 0  # elements gathered (not persistent) now, peak
 
     def grad_arrived(self, p: nn.Parameter) -> None:
         """``p`` has its gradient: release each unit holding it that waits for nothing else."""
@@ -150,11 +168,18 @@ class ParamCoordinator:
             self._release(u)
         self._bwd_held = {}
         self._drop_inflight()
+        self._drop_kept()
+
+    def release_gathered(self) -> None:
+        """Release what is gathered without a module running: prefetched, or kept for reuse."""
+        self._drop_inflight()
+        self._drop_kept()
 
     def _begin_pass(self, module, args) -> None:
         if self._trace is None and self._recording:
             self._trace = self._recording
         self._drop_inflight()
+        self._drop_kept()
         self._running.clear()
         self._ptr = 0
         self._training_pass = torch.is_grad_enabled()
@@ -164,7 +189,9 @@ class ParamCoordinator:
         """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
         ps = self.units[u]
         need = [p for p in ps if not p._zs.gathered and p not in self._inflight]
+        self._count(need, +1)
         ahead = self._plan_prefetch(u, exclude=set(need))
+        self._count(ahead, +1)
         if need or ahead:
             g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper)
             for p in need + ahead:
@@ -173,6 +200,9 @@ class ParamCoordinator:
             pending = self._inflight.pop(p, None)
             if pending is not None:
                 pending.resolve()
+            if p._zs.kept:  # its unit holds it again; the next release decides anew
+                p._zs.kept = False
+                self._kept.discard(p)
             p._zs.active += 1
 
     def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
@@ -187,7 +217,8 @@ class ParamCoordinator:
             self._prefetching = False  # this pass differs from the recorded one
             return []
         self._ptr += 1
-        room = self.prefetch_numel - sum(p._zs.numel for p in self._inflight)
+        inflight = sum(p._zs.numel for p in self._inflight)
+        room = min(self.prefetch_numel - inflight, self.max_live_numel - self.live_numel)
         ahead: list[nn.Parameter] = []
         for nxt in self._trace[self._ptr :]:
             if room <= 0:
@@ -205,18 +236,53 @@ class ParamCoordinator:
         return ahead
 
     def _release(self, u: int) -> None:
+        reused = self._reused_soon()
         for p in self.units[u]:
             st = p._zs
             st.active -= 1
-            if not st.gathered:
-                release(p, self.meter)
+            if st.gathered:
+                continue
+            if p in reused:
+                st.kept = True
+                self._kept.add(p)
+            else:
+                self._free(p)
+
+    def _reused_soon(self) -> set[nn.Parameter]:
+        """Parameters of the units the recorded order gathers next, within ``max_reuse_numel``
+        elements (DeepSpeed's reuse distance: the units' sizes summed from here on)."""
+        if not self.max_reuse_numel or not self._prefetching:
+            return set()
+        seen: set[nn.Parameter] = set()
+        travelled = 0
+        for nxt in self._trace[self._ptr :]:
+            if travelled >= self.max_reuse_numel:
+                break
+            seen.update(self.units[nxt])
+            travelled += _numel(self.units[nxt])
+        return seen
+
+    def _free(self, p: nn.Parameter) -> None:
+        release(p, self.meter)
+        self._count([p], -1)
+
+    def _count(self, params: list[nn.Parameter], sign: int) -> None:
+        self.live_numel += sign * sum(p._zs.numel for p in params if not p._zs.persistent)
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _drop_inflight(self) -> None:
         for p, g in list(self._inflight.items()):
             g.resolve()
             if not p._zs.gathered:
-                release(p, self.meter)
+                self._free(p)
         self._inflight.clear()
+
+    def _drop_kept(self) -> None:
+        for p in self._kept:
+            p._zs.kept = False
+            if not p._zs.gathered:
+                self._free(p)
+        self._kept.clear()
 
     def _borrow(self, p: nn.Parameter) -> None:
         """``p`` is read in the forward of the innermost running unit, which does not hold it:
@@ -230,6 +296,7 @@ class ParamCoordinator:
         pending = self._inflight.pop(p, None)
         if pending is None:
             pending = _Gather([p], self.comm, self.meter, self.param_swapper)
+            self._count([p], +1)
         pending.resolve()
         p._zs.active += 1
 

@@ -52,10 +52,17 @@ class FlatState:
                 start = self._where[p][1].start
                 yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
 
-    def frozen_slices(self):
+    def frozen_extents(self):
+        """``(param, lo, hi)`` of :meth:`frozen_slices`, without touching the values."""
+        for p in self.module.parameters():
+            if p not in self._where:
+                yield p, 0, p.numel()
+
+    def frozen_slices(self, write_back: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
         every rank holds it whole, so ``[lo, hi)`` is all of it and ``held`` the flattened
-        parameter itself, in the compute dtype (a checkpoint reads it and loads into it)."""
+        parameter itself, in the compute dtype (a checkpoint reads it and loads into it in
+        place, so ``write_back`` has nothing to do)."""
         for p in self.module.parameters():
             if p not in self._where:
                 if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
@@ -115,6 +122,11 @@ class FlatState:
         checkpoint: the live tensors (a load fills them in place), or on NVMe copies read from
         the files, which :meth:`write_master` stores back. State ``kinds`` it lacks are zeros."""
         return self.store.read_state(master, optimizer, kinds)
+
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        """``(kind, dtype)`` of what :meth:`read_master` gives, nothing read (a save plans its
+        file's header with it)."""
+        return self.store.state_kinds(master, optimizer)
 
     def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
         """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files, and the

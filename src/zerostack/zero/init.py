@@ -61,6 +61,7 @@ class ShardState:
     piece: torch.Tensor  # this rank's piece of the flattened, padded parameter
     persistent: bool = False  # small parameters stay gathered (stage3_param_persistence_threshold)
     active: int = 0  # how many gathers hold it (a tied parameter can be held by two modules)
+    kept: bool = False  # released by its unit but kept whole for a reuse soon (max_reuse_distance)
     held_bytes: int = 0  # bytes of the gathered copy, while there is one
     master: torch.Tensor | None = None  # fp32 view into the group's master shard (engine)
     grad: torch.Tensor | None = None  # fp32 view into the group's gradient shard (engine)
@@ -70,7 +71,7 @@ class ShardState:
 
     @property
     def gathered(self) -> bool:
-        return self.active > 0 or self.persistent
+        return self.active > 0 or self.persistent or self.kept
 
 
 class ZeroParamStatus(enum.Enum):
@@ -159,13 +160,15 @@ def gather_full(states: list[ShardState], comm: Comm, dtype=None, async_op=False
     if world == 1:
         fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
         return (lambda: fulls) if async_op else fulls
-    flat = torch.cat(pieces)
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece is sent as it is
+    width = flat.numel()
+    out = torch.empty(world * width, dtype=flat.dtype, device=flat.device)
     handle = comm.all_gather(out, flat, axis="dp", async_op=True)
+    del flat  # the collective keeps what it sends alive until it completes
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
-        rows = out.view(world, flat.numel())
+        rows = out.view(world, width)
         fulls, off = [], 0
         for s in states:
             pn = s.piece.numel()

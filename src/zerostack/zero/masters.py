@@ -60,6 +60,10 @@ class MemoryMasters:
         which a load fills in place."""
         return live_state(master, optimizer, kinds)
 
+    def state_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        """What :meth:`read_state` gives, as ``(kind, dtype)``, without copying anything."""
+        return [(k, v.dtype) for k, v in live_state(master, optimizer).items()]
+
     def write_state(self, master: nn.Parameter, optimizer, values: dict) -> None:
         """Nothing: :meth:`read_state` gave the live tensors."""
 
@@ -90,6 +94,10 @@ class FileMasters:
     def read_state(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """Copies read from the file; :meth:`write_state` stores them back once filled."""
         return self.swapper.read_state(master, kinds)
+
+    def state_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        """What :meth:`read_state` gives, as ``(kind, dtype)``, without reading the file."""
+        return [("master", torch.float32), *self.swapper.state_keys.get(master, [])]
 
     def write_state(self, master: nn.Parameter, optimizer, values: dict) -> None:
         self.swapper.write_state(master, values, optimizer)

@@ -2,8 +2,8 @@
 
 ZeRO-Offload keeps the fp32 master slices and the optimizer state in host memory and steps the
 optimizer on the CPU; ZeRO-Infinity moves them, and the stage-3 parameter shards, to files on a
-fast disk. :class:`NVMeStore` is one rank's folder of files under ``nvme_path`` (created with a
-free-space check before training starts, removed at ``close()`` or process exit).
+fast disk. :class:`~.nvme.NVMeStore` is one rank's folder of files under ``nvme_path`` (checked
+before training starts, removed at ``close()`` or process exit).
 :class:`OptimizerSwapper` steps a torch optimizer one sub-group at a time: while sub-group ``i``
 steps, sub-group ``i + 1`` is read and ``i - 1`` written on background threads, and at most
 ``buffer_count`` sub-groups are in host memory at once (counted by :class:`HostMeter`, not RSS).
@@ -11,19 +11,14 @@ steps, sub-group ``i + 1`` is read and ``i - 1`` written on background threads, 
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
 import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from .nvme import NVMeStore
 
 
 class HostMeter:
@@ -58,72 +53,6 @@ def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> tor
         pin_memory=pin and torch.cuda.is_available(),
     )
     return out.copy_(t)
-
-
-_MMAP_SET = False
-
-
-def _mmap_large_buffers() -> None:
-    """Have glibc serve buffers of 1 MiB and more with mmap, so a freed swap buffer goes back to
-    the OS. Left alone, glibc raises this threshold to the largest buffer freed so far (up to
-    32 MiB) and keeps freed buffers in its heap: the process's memory then grows with every
-    sub-group swapped instead of staying at ``buffer_count`` of them. No-op off glibc."""
-    global _MMAP_SET
-    if _MMAP_SET:
-        return
-    _MMAP_SET = True
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-class NVMeStore:
-    """One rank's files under ``root``; removed on :meth:`close` or at interpreter exit."""
-
-    def __init__(self, root: str, rank: int, need_bytes: int, what: str) -> None:
-        if not root:
-            raise ConfigError(f"{what}.nvme_path: required when device is 'nvme'")
-        if not os.path.isdir(root):
-            raise ConfigError(f"{what}.nvme_path: {root!r} is not a directory")
-        if not os.access(root, os.W_OK):
-            raise ConfigError(f"{what}.nvme_path: {root!r} is not writable")
-        free = shutil.disk_usage(root).free
-        if free < need_bytes:
-            raise ConfigError(
-                f"{what}.nvme_path: {root!r} has {free / 2**30:.2f} GiB free, this "
-                f"rank needs {need_bytes / 2**30:.2f} GiB"
-            )
-        _mmap_large_buffers()
-        self.dir = tempfile.mkdtemp(prefix=f"zerostack-rank{rank}-", dir=root)
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
-        atexit.register(self._cleanup)
-
-    def path(self, key: str) -> str:
-        return os.path.join(self.dir, f"{key}.bin")
-
-    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
-        with open(self.path(key), "wb") as f:
-            for t in tensors:
-                view = t.detach().contiguous().view(torch.uint8).numpy()
-                f.write(memoryview(view))
-                self.bytes_written += view.nbytes
-
-    def read_into(self, key: str, tensors: list[torch.Tensor]) -> None:
-        with open(self.path(key), "rb") as f:
-            for t in tensors:
-                view = t.view(torch.uint8).numpy()
-                got = f.readinto(memoryview(view))
-                if got != view.nbytes:
-                    raise OSError(f"{self.path(key)}: short read ({got} of {view.nbytes} bytes)")
-                self.bytes_read += got
-
-    def close(self) -> None:
-        self._cleanup()
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:

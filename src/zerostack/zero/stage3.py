@@ -78,9 +78,11 @@ class Stage3(Stage3State, StepSequence):
         *,
         comm: Comm,
         precision: Precision,
-        prefetch_numel: int,
+        prefetch_numel: int | None,
         persistence_threshold: int,
         reduce_bucket_numel: int = 4_000_000,
+        max_live_numel: int = 1_000_000_000,
+        max_reuse_numel: int = 0,
         prescale: float = 1.0,
         meter: StorageMeter | None = None,
         offload=None,
@@ -168,6 +170,8 @@ class Stage3(Stage3State, StepSequence):
             prefetch_numel=prefetch_numel,
             trainable=self._trainable,
             swapper=self.param_swapper,
+            max_live_numel=max_live_numel,
+            max_reuse_numel=max_reuse_numel,
         )
         owner = self._owner = self.coord.owner
         self._owned = [
@@ -227,6 +231,10 @@ class Stage3(Stage3State, StepSequence):
         return group
 
     # ----------------------------------------------------------------------------- gathering
+    def release_gathered(self) -> None:
+        """Release the parameters gathered ahead of use or kept for a reuse."""
+        self.coord.release_gathered()
+
     def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
         gather_now(params, self.comm, self.meter)
 

@@ -49,6 +49,10 @@ class Stage3State:
         """As :meth:`ShardedDataParallel.read_master`."""
         return self.store.read_state(master, optimizer, kinds)
 
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        """As :meth:`ShardedDataParallel.master_kinds`."""
+        return self.store.state_kinds(master, optimizer)
+
     def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
         """Store what :meth:`read_master` gave, filled by a load: on NVMe into the files and the
         compute-dtype pieces (or their files) at once; in memory ``after_load`` writes pieces."""
@@ -69,22 +73,27 @@ class Stage3State:
                 yield p, lo, hi, g.master, off, off + (hi - lo)
                 off += pn
 
-    def frozen_slices(self):
+    def frozen_extents(self):
+        """``(param, lo, hi)`` of :meth:`frozen_slices`, no piece read in."""
+        for p in self._owner:
+            if p not in self._trainable:
+                pn, n = p._zs.piece.numel(), p._zs.numel
+                lo = min(self.rank * pn, n)
+                yield p, lo, min(lo + pn, n)
+
+    def frozen_slices(self, write_back: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
         this rank's piece ``held`` (compute dtype) holds elements ``[lo, hi)`` of the flattened
         parameter (padding excluded); a checkpoint reads it and loads into it. A piece kept in a
-        file (offload_param) is read in for that and written back after."""
-        for p in self._owner:
-            if p in self._trainable:
-                continue
+        file (offload_param) is read in for that, one at a time, and written back after (a load
+        may have filled it; a save, ``write_back=False``, leaves the file alone)."""
+        for p, lo, hi in self.frozen_extents():
             swapped = self.param_swapper.holds(p)
             self.param_swapper.fetch([p])
-            pn, n = p._zs.piece.numel(), p._zs.numel
-            lo = min(self.rank * pn, n)
-            hi = min(lo + pn, n)
             yield p, lo, hi, p._zs.piece[: hi - lo]
-            if swapped:  # a load may have filled it
-                self.param_swapper.update(p, p._zs.piece)
+            if swapped:
+                if write_back:
+                    self.param_swapper.update(p, p._zs.piece)
                 self.param_swapper.drop([p])
 
     def after_load(self) -> None:

@@ -153,7 +153,9 @@ def build_strategy(
         return Stage3(
             module,
             groups,
-            prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+            prefetch_numel=zcfg.effective_prefetch_bucket_size,
+            max_live_numel=zcfg.stage3_max_live_parameters,
+            max_reuse_numel=zcfg.effective_max_reuse_distance,
             persistence_threshold=zcfg.stage3_param_persistence_threshold,
             reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
             **common,

@@ -1,0 +1,404 @@
+"""DeepSpeed 0.19.8's public Python API as users, Transformers and Accelerate call it, and what
+zerostack has for each name.
+
+:data:`DEEPSPEED_API` is the one table, by section (a DeepSpeed module, or an engine class).
+Each DeepSpeed name
+
+- **works**: the same name under ``zerostack`` (``deepspeed.zero.Init`` is ``zerostack.zero.Init``;
+  an engine method is on :class:`~zerostack.engine.Engine`), reachable the same way after
+  ``import zerostack as deepspeed``;
+- is **different**: zerostack has it under another name (``ours``), or under the same name with
+  a difference a caller can see (``note`` says which); or
+- is **not supported**: no such name in zerostack (an ``AttributeError`` / ``ImportError``),
+  with why and what to use instead.
+
+The names are those a training script, Transformers' and Accelerate's DeepSpeed integrations
+(``engine.backward``, ``deepspeed.zero.GatheredParameters``, ``deepspeed.utils.safe_get_full_*``,
+...) and DeepSpeed's tutorials call; DeepSpeed's internal helpers are left out.
+``scripts/api_table.py`` prints the README's table from it, and tests/test_api_surface.py holds
+both the table and the code to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORKS = "works"
+DIFFERENT = "different"
+UNSUPPORTED = "not supported"
+
+ENGINE = "DeepSpeedEngine"  # deepspeed.runtime.engine.DeepSpeedEngine -> zerostack.Engine
+PIPE_ENGINE = "PipelineEngine"  # deepspeed.runtime.pipe.engine -> zerostack.pipeline
+
+
+@dataclass(frozen=True)
+class Api:
+    """What zerostack has for one DeepSpeed name."""
+
+    status: str
+    """WORKS, DIFFERENT or UNSUPPORTED."""
+    note: str = ""
+    """For DIFFERENT: what differs; for UNSUPPORTED: why, and what to use (one short phrase)."""
+    ours: str | None = None
+    """zerostack's name where it is not DeepSpeed's with ``zerostack`` for ``deepspeed``."""
+
+
+def _works(note: str = "") -> Api:
+    return Api(WORKS, note)
+
+
+def _different(note: str, ours: str | None = None) -> Api:
+    return Api(DIFFERENT, note, ours)
+
+
+def _no(note: str) -> Api:
+    return Api(UNSUPPORTED, note)
+
+
+def zerostack_name(name: str, entry: Api) -> str:
+    """Where zerostack has ``name`` (a dotted path, or ``Engine.x`` / ``PipelineEngine.x``)."""
+    if entry.ours is not None:
+        return entry.ours
+    if name.startswith(f"{ENGINE}."):
+        return "Engine." + name.split(".", 1)[1]
+    if name.startswith(f"{PIPE_ENGINE}."):
+        return name
+    return "zerostack" + name[len("deepspeed") :]
+
+
+_IMPORT_PIPE = "as DeepSpeed's, after `import zerostack.pipe` (`import zerostack` does not load it)"
+_NO_OPS = "no compiled ops: optimizers are torch's (fused where torch has a kernel)"
+_CFG = "read the value from `engine.config`"
+
+DEEPSPEED_API: dict[str, dict[str, Api]] = {
+    "deepspeed": {
+        "deepspeed.initialize": _works(
+            "model, optimizer, model_parameters, training_data, lr_scheduler, config or "
+            "config_params, args.deepspeed_config; returns (engine, optimizer, loader, scheduler)"
+        ),
+        "deepspeed.init_distributed": _works(
+            "DeepSpeed's keywords, by name (the positional order differs); gloo on CPU, NCCL on GPU"
+        ),
+        "deepspeed.zero": _works(),
+        "deepspeed.comm": _works(),
+        "deepspeed.checkpointing": _works(),
+        "deepspeed.utils": _works(),
+        "deepspeed.pipe": _different(_IMPORT_PIPE),
+        "deepspeed.PipelineModule": _different(
+            "DeepSpeed's arguments but `dynamic_shape`", "zerostack.pipeline.PipelineModule"
+        ),
+        "deepspeed.DeepSpeedEngine": _different(
+            "the engine `initialize` returns; its methods below", "zerostack.Engine"
+        ),
+        "deepspeed.runtime.engine.DeepSpeedEngine": _different(
+            "no `zerostack.runtime`: the engine class is zerostack.Engine", "zerostack.Engine"
+        ),
+        "deepspeed.PipelineEngine": _different(
+            "the engine `initialize` returns for a PipelineModule",
+            "zerostack.pipeline.PipelineEngine",
+        ),
+        "deepspeed.DeepSpeedConfig": _different(
+            "a typed pydantic model; `load_config(dict or path)` builds it",
+            "zerostack.ZeroStackConfig",
+        ),
+        "deepspeed.DeepSpeedConfigError": _different(
+            "one line naming the key and why", "zerostack.ConfigError"
+        ),
+        "deepspeed.__version__": _different(
+            "zerostack's own version: a check for a DeepSpeed version fails"
+        ),
+        "deepspeed.add_config_arguments": _no(
+            "not provided: add `--deepspeed_config` yourself; `initialize(args=...)` reads it"
+        ),
+        "deepspeed.get_accelerator": _no("no accelerator layer: use `engine.device` and torch"),
+        "deepspeed.ops": _no(_NO_OPS),
+        "deepspeed.moe": _no("no mixture-of-experts layers or expert parallelism"),
+        "deepspeed.logger": _no('zerostack logs to `logging.getLogger("zerostack")`'),
+        "deepspeed.log_dist": _no('log on one rank with `logging.getLogger("zerostack")`'),
+        "deepspeed.OnDevice": _no("build under `zero.Init`, or with torch's `with torch.device()`"),
+        "deepspeed.DeepSpeedOptimizer": _no("optimizers are plain torch optimizers"),
+        "deepspeed.DeepSpeedDataLoader": _no(
+            "`initialize(training_data=...)` returns a torch DataLoader (DistributedSampler)"
+        ),
+        "deepspeed.init_inference": _no("training only: no inference engine"),
+        "deepspeed.InferenceEngine": _no("training only: no inference engine"),
+        "deepspeed.tp_model_init": _no(
+            "tensor parallelism is the config's `tensor_parallel.autotp_size` at `initialize`"
+        ),
+        "deepspeed.DeepSpeedTransformerLayer": _no("no fused transformer kernels"),
+        "deepspeed.replace_transformer_layer": _no("no kernel injection"),
+    },
+    "deepspeed.zero": {
+        "deepspeed.zero.Init": _works(
+            "module, remote_device, config_dict_or_path, enabled; other keywords are ignored"
+        ),
+        "deepspeed.zero.GatheredParameters": _works("modifier_rank writes back; fwd_module"),
+        "deepspeed.zero.ZeroParamStatus": _different(
+            "not re-exported by zerostack.zero", "zerostack.zero.init.ZeroParamStatus"
+        ),
+        "deepspeed.zero.register_external_parameter": _no(
+            "not needed: a parameter read as `module.weight` in another module's forward is "
+            "gathered there"
+        ),
+        "deepspeed.zero.TiledLinear": _no("no tiled layers: stage 3 gathers one module at a time"),
+        "deepspeed.zero.TiledLinearReturnBias": _no("no tiled layers"),
+        "deepspeed.zero.unwrap_model_for_generation": _no(
+            "gather for generation with `zero.GatheredParameters(model.parameters())`"
+        ),
+        "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live": (
+            _different(
+                "DeepSpeed's table and signature, zerostack's layout",
+                "zerostack.estimate.deepspeed.estimate_zero2_model_states_mem_needs_all_live",
+            )
+        ),
+        "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold": (
+            _different(
+                "DeepSpeed's table and signature, zerostack's layout",
+                "zerostack.estimate.deepspeed.estimate_zero2_model_states_mem_needs_all_cold",
+            )
+        ),
+        "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live": _different(
+            "DeepSpeed's table and signature, zerostack's layout",
+            "zerostack.estimate.deepspeed.estimate_zero3_model_states_mem_needs_all_live",
+        ),
+        "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold": _different(
+            "DeepSpeed's table and signature, zerostack's layout",
+            "zerostack.estimate.deepspeed.estimate_zero3_model_states_mem_needs_all_cold",
+        ),
+        "deepspeed.runtime.zero.partition_parameters": _no(
+            "DeepSpeed's internals: zero.Init wraps module construction, not tensor constructors"
+        ),
+    },
+    "deepspeed.comm": {
+        **{
+            f"deepspeed.comm.{name}": _works()
+            for name in """
+                init_distributed is_initialized is_available get_rank get_world_size
+                get_local_rank get_global_rank get_world_group get_all_ranks_from_group
+                new_group destroy_process_group barrier monitored_barrier all_reduce
+                all_reduce_coalesced inference_all_reduce reduce reduce_scatter
+                reduce_scatter_tensor reduce_scatter_fn all_gather all_gather_into_tensor
+                all_gather_coalesced allgather_fn all_gather_object all_to_all all_to_all_single
+                broadcast broadcast_object_list gather scatter send recv isend irecv
+                batch_isend_irecv P2POp ReduceOp configure log_summary reset_log
+                get_comm_operation_count get_logged_comm_ops has_all_gather_into_tensor
+                has_reduce_scatter_tensor has_coalescing_manager has_all_reduce_coalesced
+                initialize_mesh_device
+            """.split()
+        },
+        "deepspeed.comm.ProcessGroup": _no("torch's class: `torch.distributed.ProcessGroup`"),
+        "deepspeed.comm.set_backend": _no("the backend is torch.distributed's, set at init"),
+    },
+    "deepspeed.utils": {
+        "deepspeed.utils.safe_get_full_fp32_param": _works(),
+        "deepspeed.utils.safe_set_full_fp32_param": _different(
+            "also sets the compute-dtype weights, so the next forward uses the value"
+        ),
+        "deepspeed.utils.safe_get_full_optimizer_state": _works(),
+        "deepspeed.utils.safe_set_full_optimizer_state": _works(),
+        "deepspeed.utils.safe_get_full_grad": _different(
+            "the dp mean, unscaled, at every stage (DeepSpeed: this rank's, loss-scaled, at 0-1)"
+        ),
+        "deepspeed.utils.safe_set_full_grad": _different(
+            "in safe_get_full_grad's terms: the gradient the step applies, at every stage"
+        ),
+        "deepspeed.utils.safe_update_full_grad_vectorized": _works("one parameter at a time"),
+        "deepspeed.utils.safe_get_local_fp32_param": _works(),
+        "deepspeed.utils.safe_set_local_fp32_param": _different(
+            "a collective over dp: the compute-dtype weights take the value too"
+        ),
+        "deepspeed.utils.safe_get_local_optimizer_state": _works(),
+        "deepspeed.utils.safe_set_local_optimizer_state": _works(),
+        "deepspeed.utils.safe_get_local_grad": _works("mean and unscaled, as safe_get_full_grad"),
+        "deepspeed.utils.safe_set_local_grad": _works("mean and unscaled, as safe_get_full_grad"),
+        "deepspeed.utils.logger": _no('zerostack logs to `logging.getLogger("zerostack")`'),
+        "deepspeed.utils.log_dist": _no('log on one rank with `logging.getLogger("zerostack")`'),
+        "deepspeed.utils.groups": _no(
+            "no global group registry: `engine.topology` holds the dp, tp and pp groups"
+        ),
+        "deepspeed.utils.OnDevice": _no("build under `zero.Init`, or with `with torch.device()`"),
+        "deepspeed.utils.set_z3_leaf_modules": _no(
+            "stage 3 gathers each module that owns parameters; no leaf-module grouping"
+        ),
+        "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint": _no(
+            "`zerostack consolidate` (zerostack.checkpoint.consolidate) writes the full weights"
+        ),
+        "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict": _no(
+            "`zerostack consolidate` (zerostack.checkpoint.consolidate) writes the full weights"
+        ),
+        "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint": _no(
+            "`engine.load_checkpoint`, or `zerostack consolidate` then load the file"
+        ),
+    },
+    "deepspeed.checkpointing": {
+        "deepspeed.checkpointing.checkpoint": _works(
+            "partition, CPU and contiguous checkpoints from `configure` or the config"
+        ),
+        "deepspeed.checkpointing.configure": _works(),
+        "deepspeed.checkpointing.is_configured": _works(),
+        "deepspeed.checkpointing.reset": _works(),
+        "deepspeed.checkpointing.model_parallel_cuda_manual_seed": _works(),
+        "deepspeed.checkpointing.get_cuda_rng_tracker": _works(),
+        "deepspeed.checkpointing.non_reentrant_checkpoint": _no("use `checkpoint`"),
+        "deepspeed.checkpointing.set_num_layers": _no("no per-layer activation profiling"),
+        "deepspeed.checkpointing.CheckpointFunction": _no("use `checkpoint`"),
+        "deepspeed.checkpointing.CudaRNGStatesTracker": _no("use `get_cuda_rng_tracker()`"),
+    },
+    "deepspeed.pipe": {
+        "deepspeed.pipe.PipelineModule": _different(_IMPORT_PIPE + "; no `dynamic_shape`"),
+        "deepspeed.pipe.LayerSpec": _different(_IMPORT_PIPE),
+        "deepspeed.pipe.TiedLayerSpec": _different(_IMPORT_PIPE),
+        "deepspeed.pipe.DualPipeVModule": _no("no DualPipeV schedule"),
+        "deepspeed.runtime.pipe.topology.ProcessTopology": _no(
+            "the grid is `zerostack.Topology` (one DeviceMesh: pp, dp, tp)"
+        ),
+    },
+    "optimizers and schedules": {
+        "deepspeed.ops.adam.DeepSpeedCPUAdam": _different(
+            "DeepSpeed's arguments; used for Adam/AdamW with offload_optimizer",
+            "zerostack.optim.CPUAdam",
+        ),
+        "deepspeed.ops.adam.FusedAdam": _no(
+            "torch's fused AdamW, which the config's optimizer block builds"
+        ),
+        "deepspeed.ops.lamb.FusedLamb": _no("no LAMB: optimizer types are Adam, AdamW, SGD"),
+        "deepspeed.ops.lion.DeepSpeedCPULion": _no("no Lion: pass a torch optimizer"),
+        "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad": _no("no CPU Adagrad: pass a torch optimizer"),
+        "deepspeed.runtime.lr_schedules.WarmupLR": _different(
+            "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupLR"
+        ),
+        "deepspeed.runtime.lr_schedules.WarmupDecayLR": _different(
+            "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupDecayLR"
+        ),
+        "deepspeed.runtime.lr_schedules.WarmupCosineLR": _different(
+            "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupCosineLR"
+        ),
+        "deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES": _different(
+            "a dict of the three schedules", "zerostack.optim.lr_schedules.SCHEDULERS"
+        ),
+        "deepspeed.runtime.lr_schedules.OneCycle": _no(
+            "not implemented; scheduler.type refuses it"
+        ),
+        "deepspeed.runtime.lr_schedules.LRRangeTest": _no(
+            "not implemented; scheduler.type refuses it"
+        ),
+    },
+    "other modules": {
+        "deepspeed.profiling.flops_profiler.get_model_profile": _works(),
+        "deepspeed.profiling.flops_profiler.FlopsProfiler": _works(),
+        "deepspeed.accelerator.get_accelerator": _no(
+            "no accelerator layer: use `engine.device` and torch"
+        ),
+        "deepspeed.checkpoint.utils.clone_tensors_for_torch_save": _no(
+            "checkpoints are safetensors files written by the engine"
+        ),
+        "deepspeed.runtime.utils.move_to_device": _no("use torch's `.to(device)`"),
+        "deepspeed.runtime.utils.see_memory_usage": _no("use `engine.memory_breakdown()`"),
+        "deepspeed.runtime.dataloader.RepeatingLoader": _no(
+            "`engine.train_batch()` repeats the loader itself"
+        ),
+        "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _no(
+            "`zerostack launch` reads `.deepspeed_env` (or DS_ENV_FILE), then `.zerostack_env`"
+        ),
+        "deepspeed.moe.layer.MoE": _no("no mixture-of-experts layers or expert parallelism"),
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _no(
+            "no Ulysses: sequence parallelism is Megatron's, inside tensor parallelism"
+        ),
+    },
+    "engine": {
+        **{
+            f"{ENGINE}.{name}": _works()
+            for name in """
+                forward save_16bit_model _zero3_consolidated_16bit_state_dict
+                zero_gather_16bit_weights_on_model_save module_state_dict
+                set_gradient_accumulation_boundary is_gradient_accumulation_boundary get_lr
+                get_global_grad_norm zero_optimization zero_optimization_stage
+                zero_optimization_partition_gradients zero_optimization_partition_weights
+                fp16_enabled bfloat16_enabled dynamic_loss_scale _get_optimizer_loss_scale
+                gradient_accumulation_steps train_micro_batch_size_per_gpu train_batch_size
+                get_batch_info global_steps global_samples micro_steps skipped_steps global_rank
+                local_rank world_size dp_world_size device module lr_scheduler
+                training_dataloader was_step_applied destroy train eval zero_grad
+            """.split()
+        },
+        f"{ENGINE}.backward": _different(
+            "no `scale_wrt_gas=`: the loss is always divided by gradient_accumulation_steps"
+        ),
+        f"{ENGINE}.step": _different("no `lr_kwargs=`: the scheduler steps without arguments"),
+        f"{ENGINE}.save_checkpoint": _works(
+            "tag, client_state, save_latest, exclude_frozen_parameters; returns the tag's path"
+        ),
+        f"{ENGINE}.load_checkpoint": _works(
+            "load_module_strict, load_optimizer_states, load_lr_scheduler_states, custom_load_fn"
+        ),
+        f"{ENGINE}.no_sync": _works("refused at stages 2-3, as DeepSpeed"),
+        f"{ENGINE}.loss_scale": _works("the current scale; called, DeepSpeed's configured one"),
+        f"{ENGINE}.optimizer": _different(
+            "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper)"
+        ),
+        f"{ENGINE}.config": _different("a ZeroStackConfig (`.to_dict()`), not the dict"),
+        f"{ENGINE}.memory_breakdown": _different(
+            "bytes held per kind (params, grads, master, optimizer), not the config flag"
+        ),
+        f"{ENGINE}.compile": _different(
+            "torch's `nn.Module.compile(**torch.compile options)`: no `compile_kwargs=`"
+        ),
+        f"{ENGINE}.monitor": _different("writes each step's metrics; no `write_events`"),
+        f"{ENGINE}.timers": _different("seconds per phase (forward, backward, step), a dict"),
+        f"{ENGINE}.set_train_batch_size": _no("the batch is fixed at `initialize`"),
+        f"{ENGINE}.set_train_micro_batch_size": _no("the batch is fixed at `initialize`"),
+        f"{ENGINE}.empty_partition_cache": _works(
+            "stage 3: releases what stage3_max_reuse_distance kept and the prefetched gathers"
+        ),
+        f"{ENGINE}.save_fp16_model": _no("use `save_16bit_model`"),
+        f"{ENGINE}.load_module_state_dict": _no(
+            "use `load_checkpoint` or `module.load_state_dict`"
+        ),
+        f"{ENGINE}.get_mom": _no("read `engine.optimizer.param_groups`"),
+        f"{ENGINE}.get_type": _no("read `engine.optimizer.param_groups`"),
+        f"{ENGINE}.gradient_clipping": _no(_CFG),
+        f"{ENGINE}.steps_per_print": _no(_CFG),
+        f"{ENGINE}.communication_data_type": _no(_CFG),
+        f"{ENGINE}.zero_offload_optimizer": _no(_CFG),
+        f"{ENGINE}.zero_offload_param": _no(_CFG),
+        f"{ENGINE}.wall_clock_breakdown": _no(_CFG),
+        f"{ENGINE}.mpu": _no("`engine.topology` holds the process groups"),
+        f"{ENGINE}.mp_world_size": _no("`engine.topology.tp`"),
+        f"{ENGINE}.get_data_parallel_rank": _no("`engine.topology.dp_rank`"),
+        f"{ENGINE}.get_tensor_parallel_rank": _no('`engine.topology.rank("tp")`'),
+        f"{ENGINE}.get_model_parallel_rank": _no('`engine.topology.rank("tp")`'),
+        f"{ENGINE}.get_sequence_parallel_group": _no("no Ulysses sequence parallelism"),
+        f"{ENGINE}.basic_optimizer": _no("`engine.optimizer` is the torch optimizer"),
+        f"{ENGINE}.client_optimizer": _no("`engine.optimizer` is the torch optimizer"),
+        f"{ENGINE}.client_lr_scheduler": _no("`engine.lr_scheduler`"),
+        f"{ENGINE}.deepspeed_io": _no("`initialize(training_data=...)` builds the loader"),
+        f"{ENGINE}.offload_states": _no("offload is set in the config, for the whole run"),
+        f"{ENGINE}.reload_states": _no("offload is set in the config, for the whole run"),
+        f"{ENGINE}.load_universal_checkpoint": _no(
+            "any checkpoint loads on any ZeRO stage, dp, tp or pp size: no separate format"
+        ),
+        f"{ENGINE}.allreduce_gradients": _no(
+            "the boundary's backward reduces the gradients; `step()` waits for it"
+        ),
+    },
+    "pipeline engine": {
+        f"{PIPE_ENGINE}.train_batch": _works("also on a plain (non-pipeline) engine"),
+        f"{PIPE_ENGINE}.eval_batch": _different(
+            "`eval_batch(data_iter)` returns the mean loss: no return_logits, compute_loss"
+        ),
+        f"{PIPE_ENGINE}.is_first_stage": _works(),
+        f"{PIPE_ENGINE}.is_last_stage": _works(),
+        f"{PIPE_ENGINE}.set_dataloader": _works(),
+        f"{PIPE_ENGINE}.set_dataiterator": _no("pass the iterator to `train_batch(data_iter)`"),
+        f"{PIPE_ENGINE}.set_batch_fn": _no("transform batches in the loader"),
+        f"{PIPE_ENGINE}.get_pipeline_parallel_rank": _no('`engine.topology.rank("pp")`'),
+        f"{PIPE_ENGINE}.reset_activation_shape": _no(
+            "activation shapes are learnt once; another shape later is an error"
+        ),
+    },
+}
+
+
+def entries() -> dict[str, Api]:
+    """Every DeepSpeed name in :data:`DEEPSPEED_API`, in table order."""
+    return {name: entry for section in DEEPSPEED_API.values() for name, entry in section.items()}
