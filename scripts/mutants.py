@@ -1058,6 +1058,20 @@ MUTANTS = [
         "        pass\n\n    def _begin_pass",
         (LIVE,),
     ),
+    Mutant(
+        "client_state tensors come back as their markers",
+        "checkpoint/client_state.py",
+        "                return tensors[value[MARK]]",
+        "                return value",
+        (f"{C}::test_exact_resume[0-1-False]",),
+    ),
+    Mutant(
+        "client_state tensors loaded unverified",
+        "checkpoint/client_state.py",
+        "            if sha256(t) != want:",
+        "            if False:",
+        (f"{C}::test_client_state_is_json_and_tensors_checked",),
+    ),
 ]
 
 

@@ -59,13 +59,22 @@ def _steps(engine, rank, world, first, count):
     return losses
 
 
+# JSON values and tensors anywhere in it (the tensors go to client_state.safetensors)
+CLIENT = {
+    "epoch": 1,
+    "note": "three steps",
+    "ema": {"w": torch.arange(6.0).view(2, 3)},
+    "seen": [torch.tensor([4, 5], dtype=torch.int64), 3],
+}
+
+
 def _resume(rank, world, stage, root, gas, fp16):
     cfg = _config(world, stage, gas, fp16)
     whole, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     uninterrupted = _steps(whole, rank, world, 0, 6)[3 * gas :]
     first, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     _steps(first, rank, world, 0, 3)
-    first.save_checkpoint(root, client_state={"epoch": 1, "note": "three steps"})
+    first.save_checkpoint(root, client_state=CLIENT)
     second, *_ = zerostack.initialize(model=tiny_gpt(seed=7), config=cfg)  # other weights
     path, client = second.load_checkpoint(root)
     resumed = _steps(second, rank, world, 3, 3)
@@ -102,10 +111,14 @@ def test_exact_resume(stage, gas, fp16, tmp_path):
     ):
         assert resumed == whole  # bit for bit
         _assert_equal(got, want, f"stage {stage}")
-        assert client == {"epoch": 1, "note": "three steps"} and steps == 6
+        assert steps == 6
+        assert client.keys() == CLIENT.keys() and client["epoch"] == 1
+        assert client["seen"][1] == 3 and torch.equal(client["seen"][0], CLIENT["seen"][0])
+        assert torch.equal(client["ema"]["w"], CLIENT["ema"]["w"])  # tensors, not pickled
         assert path == str(tmp_path / "global_step3")
     assert (tmp_path / "latest").read_text() == "global_step3"
     assert sorted(os.listdir(tmp_path / "global_step3")) == [
+        "client_state.safetensors",
         "manifest.json",
         "rank00000.safetensors",
         "rank00001.safetensors",
@@ -418,15 +431,30 @@ def test_damaged_missing_and_mismatched_checkpoints_are_named(tmp_path):
 
 def _bad_client_state(rank, world, root):
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(world, 0))
+    errors = []
+    for bad in ({"fn": print}, {"x": {"__tensor__": "y"}}):
+        try:
+            engine.save_checkpoint(root, client_state=bad)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+    engine.save_checkpoint(root, tag="good", client_state={"t": torch.ones(3)})
+    path = os.path.join(root, "good", "client_state.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    save_file({"t": load_file(path)["t"] * 2}, path)  # same layout, other values
     try:
-        engine.save_checkpoint(root, client_state={"fn": print})
+        engine.load_checkpoint(root, tag="good")
     except CheckpointError as exc:
-        return str(exc)
+        errors.append(str(exc))
+    return errors, path
 
 
-def test_client_state_must_be_json(tmp_path):
-    msg = run_distributed(_bad_client_state, 1, args=(str(tmp_path),))[0]
-    assert msg.startswith("client_state: not JSON-serialisable")
+def test_client_state_is_json_and_tensors_checked(tmp_path):
+    errors, path = run_distributed(_bad_client_state, 1, args=(str(tmp_path),))[0]
+    assert errors[0].startswith("client_state['fn']: not JSON-serialisable or a tensor (")
+    assert errors[1] == "client_state['x']: the key '__tensor__' is reserved"
+    assert errors[2] == f"{path}: client_state tensor 't': checksum mismatch"
+    assert len(errors) == 3
 
 
 def _save_and_dump(rank, world, stage, root):

@@ -38,6 +38,7 @@ from safetensors import safe_open
 
 from ..watchdog import PREFIX as WATCHDOG_PREFIX
 from ..watchdog import default_store
+from .client_state import write as client_write
 from .state import (
     LATEST,
     MANIFEST,
@@ -48,6 +49,7 @@ from .state import (
     _manifest,
     _sha256,
     _write_file,
+    split_client_state,
 )
 
 log = logging.getLogger("zerostack")
@@ -105,11 +107,7 @@ class AsyncSaver:
         every rank calls it); returns the tag's path, complete once :meth:`wait` returns."""
         self.wait()  # one save at a time; the previous one's error is raised here
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        client_state = {} if client_state is None else client_state
-        try:
-            json.dumps(client_state)
-        except TypeError as exc:
-            raise CheckpointError(f"client_state: not JSON-serialisable ({exc})") from None
+        client_state, client_tensors = split_client_state(client_state)  # snapshot copies
         rank, world = engine.global_rank, engine.world_size
         store = default_store() if world > 1 else None
         if world > 1 and store is None:
@@ -118,10 +116,11 @@ class AsyncSaver:
         tensors, meta = _collect_shard(engine, exclude_frozen)
         base = None
         if rank == 0:  # counters, scaler, schedule, sampler: as they are now
-            base = json.loads(json.dumps(_manifest(engine, tag, [], client_state)))
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
+            record = client_write(folder, client_tensors)  # small: written now, not queued
+            base = json.loads(json.dumps(_manifest(engine, tag, [], client_state, record)))
         _barrier(engine.comm)  # the folder exists before any rank writes into it
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the store outlives restarts
         job = _Job(

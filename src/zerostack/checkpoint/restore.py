@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..zero.init import GatheredParameters
+from .client_state import join as join_client_state
 from .state import (
     FORMAT,
     LATEST,
@@ -311,4 +312,6 @@ def _load(
             }
             if tracker:
                 get_rng_tracker().set_states(tracker)
-    return folder, manifest["client_state"], reader
+    tensors = manifest.get("client_tensors")
+    client_state = join_client_state(folder, manifest["client_state"], tensors)
+    return folder, client_state, reader

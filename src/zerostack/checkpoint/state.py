@@ -35,6 +35,7 @@ import shutil
 
 import torch.distributed as dist
 
+from . import client_state as client
 from .shard import (
     collect_shard,
     full_shape_of,
@@ -117,18 +118,16 @@ def save(
     ``exclude_frozen``: leave out the parameters with ``requires_grad=False`` (the manifest
     lists them under ``excluded``; a load keeps the model's values for them)."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    client_state = {} if client_state is None else client_state
-    try:
-        json.dumps(client_state)
-    except TypeError as exc:
-        raise CheckpointError(f"client_state: not JSON-serialisable ({exc})") from None
+    client_state, client_tensors = split_client_state(client_state)
     final = os.path.join(save_dir, tag)
     folder = os.path.join(save_dir, f".{tag}.incomplete")
     rank = engine.global_rank
+    client_record = None
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
+        client_record = client.write(folder, client_tensors)
     _barrier(engine.comm)
     try:
         record, error = _write_shard(engine, folder, exclude_frozen), None
@@ -139,7 +138,8 @@ def save(
     error = None
     if rank == 0:  # the manifest, then the rename, then latest: each step atomic
         try:
-            _publish(engine, folder, final, tag, client_state, save_dir if save_latest else None)
+            latest_dir = save_dir if save_latest else None
+            _publish(engine, folder, final, tag, client_state, latest_dir, client_record)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
     _fail_together(engine, error, folder, final)  # rank 0's failure ends every rank, no barrier
@@ -159,14 +159,25 @@ def _fail_together(engine, error: str | None, folder: str, final: str) -> None:
     raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
 
 
-def _publish(engine, folder: str, final: str, tag: str, client_state, latest_dir) -> None:
+def split_client_state(client_state) -> tuple[object, dict]:
+    """``client_state`` as JSON with tensor markers, and its tensors (:mod:`.client_state`);
+    every rank checks it, so a bad value raises everywhere before anything is written."""
+    try:
+        return client.split({} if client_state is None else client_state)
+    except client.ClientStateError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _publish(
+    engine, folder: str, final: str, tag: str, client_state, latest_dir, client_record=None
+) -> None:
     """Rank 0, once every shard is written: the manifest, the folder renamed into place, and
     ``latest`` (in ``latest_dir``; None leaves it) replaced."""
     records = [
         json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
         for r in range(engine.world_size)
     ]
-    manifest = _manifest(engine, tag, records, client_state)
+    manifest = _manifest(engine, tag, records, client_state, client_record)
     _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
     for r in range(engine.world_size):
         os.remove(os.path.join(folder, f"rank{r:05d}.json"))
@@ -177,7 +188,7 @@ def _publish(engine, folder: str, final: str, tag: str, client_state, latest_dir
         _atomic_write(os.path.join(latest_dir, LATEST), tag)
 
 
-def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
+def _manifest(engine, tag: str, records: list[dict], client_state, client_record=None) -> dict:
     topo, zero_cfg = engine.topology, engine.config.zero_optimization
     groups = []
     for g in engine.optimizer.param_groups:
@@ -229,4 +240,5 @@ def _manifest(engine, tag: str, records: list[dict], client_state) -> dict:
         "data_sampler": sampler.state_dict() if (sampler := _sampler(engine)) else None,
         "files": records,
         "client_state": client_state,
+        "client_tensors": client_record,
     }
