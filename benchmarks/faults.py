@@ -86,7 +86,7 @@ def launch(out: str, args, extra: list[str]) -> dict:
     cmd += ["--n-head", str(args.n_head), "--watchdog-timeout", str(args.watchdog_timeout)]
     cmd += extra
     # one store per attempt (pytorch/pytorch#135712; see tests/test_auto_resume.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     ends: dict[int, float] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_first_attempt, args=(out, 2, stop, ends))

@@ -35,7 +35,7 @@ def torchrun(out, nproc: int, restarts: int, *args: str) -> tuple[int, str, floa
     # torch 2.13's c10d rendezvous keeps one store for every restart, without the per-attempt
     # prefix its workers assume (pytorch/pytorch#135712): a restarted rank can read its peer's
     # previous gloo address and fail to connect. Off, rank 0 starts a fresh store each attempt.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -167,7 +167,7 @@ def test_zerostack_train_auto_resume_keep_last_and_async_save(tmp_path):
     base += ["--d-model", "32", "--n-head", "2", "--block-size", "32", "--micro-batch", "4"]
     base += ["--no-progress", "--save-dir", str(ckpt), "--save-every", "2", "--auto-resume"]
     base += ["--keep-last", "1", "--async-save"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for steps, out in (("4", "a"), ("7", "b")):
         proc = subprocess.run(
             [*base, "--steps", steps, "--out", str(tmp_path / out)],

@@ -77,7 +77,12 @@ def init_distributed(
             os.environ.update(found.env())  # what torch's env:// and LOCAL_RANK readers expect
     if backend == "nccl" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if init_method is not None or _launched_by_torchrun():
+    if init_method is None and _restartable_agent_store():
+        store, rank, world_size = _attempt_store(timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    elif init_method is not None or _launched_by_torchrun():
         dist.init_process_group(
             backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
         )
@@ -85,6 +90,31 @@ def init_distributed(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+
+
+def _restartable_agent_store() -> bool:
+    """Under torchrun whose agent serves the job's store (the default): the store outlives a
+    restart (``--max-restarts``), so keys of the failed attempt are still in it."""
+    return _launched_by_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _attempt_store(timeout: timedelta):
+    """torchrun's store seen under a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    torch's ``env://`` rendezvous adds no such prefix, trusting a new store per attempt, but with
+    the c10d rendezvous the agent shares one store across restarts: a restarted rank could read
+    a dead peer's gloo address, and the watchdog its last heartbeat (pytorch#135712)."""
+    env = os.environ
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"/zerostack/attempt_{attempt}/", store)
+    return prefixed, int(env["RANK"]), int(env["WORLD_SIZE"])
 
 
 def shutdown() -> None:
