@@ -33,8 +33,8 @@ def torchrun(out, nproc: int, restarts: int, *args: str) -> tuple[int, str, floa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", JOB, str(out), *args]
     # torch 2.13's c10d rendezvous keeps one store for every restart, without the per-attempt
-    # prefix its workers assume (pytorch/pytorch#135712): a restarted rank can read its peer's
-    # previous gloo address and fail to connect. Off, rank 0 starts a fresh store each attempt.
+    # prefix its workers assume (pytorch/pytorch#135712): zerostack.init_distributed adds one,
+    # so these restarts run with torchrun's defaults.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(
