@@ -962,9 +962,9 @@ MUTANTS = [
     ),
     Mutant(
         "safe_set_full_grad on NVMe (stage 3): the step's norm keeps the old gradient",
-        "full_params.py",
-        "grads.sq[p] = torch.linalg.vector_norm(held, dtype=torch.float32).square().cpu()",
-        "pass",
+        "zero/masters.py",
+        "        self.sq[p] = torch.linalg.vector_norm(value, dtype=torch.float32).square()\n",
+        "",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s3_nvme]",),
     ),
     Mutant(

@@ -211,17 +211,9 @@ class FullParams:
     def _hold_piece_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
         """Stage 3: write this rank's piece of ``p``'s gradient (mean, unscaled, padding
         included) into its shard or its file."""
-        grads = self.engine.zero.grads
         held = self._held(piece.to(torch.float32))
         held[self._local_extent(p) :] = 0.0  # the padding is no part of the gradient
-        files = getattr(grads, "files", None)
-        if files is None:  # a shard in memory: p._zs.grad is its view
-            grads.piece(p).copy_(held)
-            return
-        # NVMe (GradFiles): the file, and its share of the norm the step takes
-        files.write(grads.key[p], [held.to("cpu")])
-        grads.written.add(p)
-        grads.sq[p] = torch.linalg.vector_norm(held, dtype=torch.float32).square().cpu()
+        self.engine.zero.grads.replace(p, held)  # a shard in memory, or a file and its norm
 
     # ------------------------------------------------------------------ this rank's piece
     def _local_extent(self, p: nn.Parameter) -> int:

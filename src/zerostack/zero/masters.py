@@ -134,6 +134,10 @@ class GradShards:
         """Add a micro-step's reduced piece of ``p`` (``final``: the window's last)."""
         p._zs.grad.add_(reduced)
 
+    def replace(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (fp32, reduced terms) ``p``'s piece so far in the window."""
+        p._zs.grad.copy_(value)
+
     def norm_sq(self, p: nn.Parameter) -> torch.Tensor:
         return torch.linalg.vector_norm(p._zs.grad, dtype=torch.float32).square()
 
@@ -185,6 +189,14 @@ class GradFiles:
         self.written.add(p)
         if final:  # the window's value: its share of the global norm
             self.sq[p] = torch.linalg.vector_norm(acc, dtype=torch.float32).square()
+
+    def replace(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` ``p``'s piece so far in the window: its file, and its share of the
+        norm the step takes."""
+        value = value.to("cpu", torch.float32)
+        self.files.write(self.key[p], [value])
+        self.written.add(p)
+        self.sq[p] = torch.linalg.vector_norm(value, dtype=torch.float32).square()
 
     def norm_sq(self, p: nn.Parameter) -> torch.Tensor | float:
         return self.sq.get(p, 0.0)
