@@ -895,6 +895,16 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "sampler position saved per rank, not over all ranks",
+        "data/sampler.py",
+        '"consumed_samples": self.position * self.num_replicas,',
+        '"consumed_samples": self.position,',
+        (
+            "tests/test_auto_resume.py::test_a_relaunch_on_fewer_ranks_resumes_on_the_new_layout",
+            "tests/test_auto_resume.py::test_an_elastic_job_that_loses_a_node_resumes_on_the_one_left",
+        ),
+    ),
+    Mutant(
         "automatic save before the micro-step is counted",
         "engine.py",
         "        self.micro_steps += 1  # before the count: an automatic save keeps whole windows\n"

@@ -51,8 +51,11 @@ class Windows(Dataset):
 
 
 def die(where: str) -> None:
-    """SIGKILL this rank (``freeze``: SIGSTOP it, for the watchdog to notice)."""
+    """SIGKILL this rank (``freeze``: SIGSTOP it, for the watchdog to notice; ``node``: SIGKILL
+    its torchrun agent first, as when a whole node goes)."""
     print(f"KILLED {time.time():.3f} {where}", flush=True)
+    if where == "node":
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGSTOP if where == "freeze" else signal.SIGKILL)
 
 
@@ -62,7 +65,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument(
-        "--kill", default="", help="forward|backward|step|save|freeze:<step> (first attempt)"
+        "--kill", default="", help="forward|backward|step|save|freeze|node:<step> (first attempt)"
     )
     p.add_argument("--watchdog-timeout", type=float, default=20.0)
     p.add_argument("--victim", type=int, default=1)
@@ -119,7 +122,7 @@ def main() -> None:
         return where == point and step["n"] == kill_at
 
     engine.module.blocks[-1].register_forward_pre_hook(
-        lambda *_: die(where) if armed("forward") or armed("freeze") else None
+        lambda *_: die(where) if armed("forward") or armed("freeze") or armed("node") else None
     )
     engine.module.blocks[0].register_full_backward_hook(
         lambda *_: die("backward") if armed("backward") else None
