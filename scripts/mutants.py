@@ -47,6 +47,8 @@ S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_si
 CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
+SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
+SPIKE_ERR = "tests/test_loss_spike.py::test_a_spike_that_cannot_roll_back_is_every_ranks_error"
 
 MUTANTS = [
     Mutant(
@@ -893,6 +895,41 @@ MUTANTS = [
         (
             "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
         ),
+    ),
+    Mutant(
+        "loss spike rollback rewinds the data with the weights",
+        "checkpoint/loss_spike.py",
+        "            vars(sampler).update(position)\n",
+        "            pass\n",
+        (SPIKE,),
+    ),
+    Mutant(
+        "loss spike rollback starts the engine loader over",
+        "checkpoint/loss_spike.py",
+        "        engine._data_iter = data_iter\n",
+        "",
+        (SPIKE,),
+    ),
+    Mutant(
+        "loss spike does not hold the automatic save back",
+        "engine.py",
+        "save = self.loss_spike is None or self.loss_spike.after_step(self, loss)",
+        "save = self.loss_spike is None or self.loss_spike.after_step(self, loss) or True",
+        (SPIKE,),
+    ),
+    Mutant(
+        "loss spike patience ignored",
+        "checkpoint/loss_spike.py",
+        "if self.suspects >= self.cfg.patience:",
+        "if self.suspects >= 1:",
+        (SPIKE,),
+    ),
+    Mutant(
+        "loss spike max_rollbacks off by one",
+        "checkpoint/loss_spike.py",
+        "if len(self.rollbacks) >= self.cfg.max_rollbacks:",
+        "if len(self.rollbacks) > self.cfg.max_rollbacks:",
+        (SPIKE_ERR,),
     ),
     Mutant(
         "sampler position saved per rank, not over all ranks",

@@ -808,6 +808,29 @@ class CheckpointConfig(_Model):
         return self
 
 
+class LossSpikeConfig(_Model):
+    """The ``loss_spike`` block (zerostack's): when a step's loss stays above ``factor`` times the
+    median of the last ``window`` steps' for ``patience`` steps in a row, the engine reloads the
+    last checkpoint in ``checkpoint.save_dir`` and goes on with the data after the spike, so the
+    window that caused it is skipped (:mod:`zerostack.checkpoint.loss_spike`)."""
+
+    factor: NonNegFloat = 0.0
+    """How many times the running median a loss must exceed to count (0: off; above 1 when on).
+    A loss that is NaN or infinite always counts."""
+    window: PositiveInt = 20
+    """Steps in the running median; no loss counts until the window is full."""
+    patience: PositiveInt = 1
+    """Steps in a row above the bound before rolling back (no automatic save in between)."""
+    max_rollbacks: NonNegInt = 3
+    """Rollbacks in one run before a spike raises instead (the data is not the cause)."""
+
+    @model_validator(mode="after")
+    def _above_one(self) -> "LossSpikeConfig":
+        if 0 < self.factor <= 1:
+            _fail(f"must be above 1, or 0 for off (got {self.factor:g})", "factor")
+        return self
+
+
 class ZeroStackConfig(_Model):
     """The whole config. Build it with :func:`load_config`, which turns pydantic's errors
     into :class:`ConfigError` (constructing it directly raises pydantic's ValidationError)."""
@@ -906,6 +929,8 @@ class ZeroStackConfig(_Model):
     """Hang and frozen-rank detection (see zerostack.watchdog)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Automatic and background checkpoints (see zerostack.checkpoint.auto_resume)."""
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    """Roll back to the last checkpoint on a loss spike (see zerostack.checkpoint.loss_spike)."""
     communication_data_type: DtypeName | None = None
     """The dtype gradients are reduced in over the data-parallel ranks (fp32, fp16, bf16; e.g.
     fp32 under bf16, as FSDP2's reduce_dtype): each bucket is cast to it, reduced, and the result
@@ -951,6 +976,17 @@ class ZeroStackConfig(_Model):
         if kept:
             data["deepspeed_only"] = kept
         return data
+
+    @model_validator(mode="after")
+    def _spike_has_a_checkpoint(self) -> "ZeroStackConfig":
+        ckpt = self.checkpoint
+        if self.loss_spike.factor and not (ckpt.save_dir and ckpt.save_interval):
+            _fail(
+                "needs checkpoint.save_dir and checkpoint.save_interval (a checkpoint to roll "
+                "back to)",
+                "loss_spike.factor",
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroStackConfig":

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .checkpoint.auto_resume import AutoCheckpoint
+from .checkpoint.loss_spike import LossSpikeGuard
 from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
@@ -107,6 +108,11 @@ class Engine(EngineAPI, nn.Module):
         self.flops_profile = None  # the flops_profiler block: one step's forwards profiled
         # the checkpoint block: resume at initialize, saves every save_interval steps, async
         self.auto_checkpoint = AutoCheckpoint(config.checkpoint)
+        # the loss_spike block: roll back to the last checkpoint when the loss spikes
+        self.loss_spike = None
+        if config.loss_spike.factor:
+            self.loss_spike = LossSpikeGuard(config.loss_spike, config.checkpoint.save_dir)
+            self.monitor.collect_loss = True
         if config.flops_profiler.enabled:
             self.flops_profile = StepProfile(self, config.flops_profiler)
 
@@ -230,10 +236,14 @@ class Engine(EngineAPI, nn.Module):
         caller has it), print every ``steps_per_print``."""
         self.global_steps += 1
         self.global_samples += self._train_batch_size
+        if loss is None and self.monitor.collect_loss:
+            loss = self.monitor.window_loss()  # a collective over dp: every rank, every step
         self.monitor.write_step(self, loss)
         self.comm.log.next_step()
         self._maybe_print()
-        self.auto_checkpoint.after_step(self)  # checkpoint.save_interval; async save errors
+        # a spiking loss holds the automatic save back (latest must predate it) or rolls back
+        save = self.loss_spike is None or self.loss_spike.after_step(self, loss)
+        self.auto_checkpoint.after_step(self, save)  # checkpoint.save_interval; async errors
 
     def apply_step(self) -> None:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner

@@ -109,12 +109,13 @@ class AutoCheckpoint:
         if self._saver is not None:
             self._saver.poll()
 
-    def after_step(self, engine) -> None:
+    def after_step(self, engine, save: bool = True) -> None:
         """After each optimizer step (counters updated): a finished background save's error,
-        and the save every ``save_interval`` steps."""
+        and the save every ``save_interval`` steps (unless ``save`` is False: the loss_spike
+        guard holds it back)."""
         self.poll()
         every = self.cfg.save_interval
-        if every and engine.global_steps % every == 0:
+        if save and every and engine.global_steps % every == 0:
             engine.save_checkpoint(self.cfg.save_dir)
 
     # ------------------------------------------------------------------ resuming

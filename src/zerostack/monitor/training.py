@@ -43,6 +43,7 @@ class StepMonitor:
     def __init__(self, config: ZeroStackConfig, topology, comm) -> None:
         self.master = open_monitors(config, rank=topology.global_rank, comm=comm)
         self.enabled = self.master.enabled
+        self.collect_loss = self.enabled  # the engine also wants it for the loss_spike guard
         self.topology = topology
         self.comm = comm
         self.steps_per_print = config.steps_per_print
@@ -53,12 +54,12 @@ class StepMonitor:
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's loss, as the user's loop computed it (before any scaling)."""
-        if self.enabled:
+        if self.collect_loss:
             value = loss.detach().float()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._losses += 1
 
-    def _window_loss(self) -> torch.Tensor | None:
+    def window_loss(self) -> torch.Tensor | None:
         """The mean of the window's micro-batch losses over the micro-batches and dp ranks."""
         if not self._losses:
             return None
@@ -75,7 +76,7 @@ class StepMonitor:
         if not self.enabled:
             return
         if loss is None:
-            loss = self._window_loss()
+            loss = self.window_loss()
         if engine.global_rank != 0:
             return
         x = engine.global_samples
