@@ -48,6 +48,8 @@ CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
+CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
+CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
 SPIKE_ERR = "tests/test_loss_spike.py::test_a_spike_that_cannot_roll_back_is_every_ranks_error"
 
 MUTANTS = [
@@ -895,6 +897,62 @@ MUTANTS = [
         (
             "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
         ),
+    ),
+    Mutant(
+        "cuda: stage 3 sums the gradient norm into a host scalar",
+        "zero/stage3.py",
+        "sq = torch.zeros((), dtype=torch.float32, device=self.grads.device)",
+        "sq = torch.zeros((), dtype=torch.float32)",
+        (f"{CUDA}[stage3]",),
+    ),
+    Mutant(
+        "cuda: offloaded stage 2 adds a device piece into the host shard",
+        "zero/flat_reduce.py",
+        "shard.add_(st.piece.to(shard.device))",
+        "shard.add_(st.piece)",
+        (f"{CUDA}[stage2-offload]",),
+    ),
+    Mutant(
+        "cuda: zero.Init broadcasts the host parameter",
+        "zero/init.py",
+        "full = p.data.to(comm.topo.device).contiguous()",
+        "full = p.data.contiguous()",
+        (f"{CUDA}[stage3-zero-init]",),
+    ),
+    Mutant(
+        "cuda: pipeline shape header in host memory",
+        "pipeline/executor.py",
+        "return torch.tensor(h, dtype=torch.int64, device=t.device)",
+        "return torch.tensor(h, dtype=torch.int64)",
+        (f"{CUDA}[pipeline-1f1b]",),
+    ),
+    Mutant(
+        "cuda: tied weights broadcast from host memory",
+        "pipeline/module.py",
+        "data = p.data.to(self.topology.device)",
+        "data = p.data",
+        (f"{CUDA}[pipeline-1f1b]",),
+    ),
+    Mutant(
+        "cuda: the NVMe store writes a device tensor through numpy",
+        "zero/nvme.py",
+        'view = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()',
+        "view = t.detach().contiguous().view(torch.uint8).numpy()",
+        (f"{CUDA}[stage3-offload-param-nvme]",),
+    ),
+    Mutant(
+        "cuda: checkpoints leave the device generator out",
+        "checkpoint/shard.py",
+        'if engine.device.type == "cuda":  # the device\'s generator draws its dropout masks',
+        "if False:",
+        (f"{CUDA_RNG}[resume-dropout]",),
+    ),
+    Mutant(
+        "cuda: activation checkpointing replays the host generator only",
+        "activation_checkpointing/recompute.py",
+        "self.rng = _RNG(any(torch.is_tensor(a) and a.is_cuda for a in args))",
+        "self.rng = _RNG(False)",
+        (f"{CUDA_RNG}[activation-checkpointing-dropout]",),
     ),
     Mutant(
         "loss spike rollback rewinds the data with the weights",

@@ -105,11 +105,11 @@ class _Inputs:
 
 
 class _RNG:
-    """torch's CPU and CUDA generator states and the tp tracker's streams, at one moment."""
+    """torch's CPU generator state, the CUDA one when ``cuda`` (the checkpointed call's inputs
+    are on the device: its dropout draws there), and the tp tracker's streams, at one moment."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool) -> None:
         self.cpu = torch.get_rng_state()
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.cuda = torch.cuda.get_rng_state() if cuda else None
         self.tracker = get_rng_tracker().get_states()
 
@@ -121,7 +121,7 @@ class _RNG:
 
     @contextlib.contextmanager
     def replayed(self):
-        now = _RNG()
+        now = _RNG(self.cuda is not None)
         self.restore()
         try:
             yield
@@ -145,7 +145,7 @@ class _Frame:
 
     def __init__(self, function, args: tuple, s: Settings) -> None:
         self.function, self.settings = function, s
-        self.rng = _RNG()
+        self.rng = _RNG(any(torch.is_tensor(a) and a.is_cuda for a in args))
         self.autocast = _autocast_state()
         self.inputs = _Inputs(args, s)
         self.saved = 0

@@ -303,6 +303,8 @@ def _load(
         if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG
             mine = f"rank{engine.global_rank:05d}.safetensors"
             torch.set_rng_state(reader.get(mine, "rng/cpu"))
+            if engine.device.type == "cuda" and "rng/cuda" in reader.sha[mine]:
+                torch.cuda.set_rng_state(reader.get(mine, "rng/cuda"))
             from ..tensor_parallel import get_rng_tracker
 
             tracker = {

@@ -101,6 +101,8 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
         for name, buf in engine.module.named_buffers():
             out.small[f"buffer/{name}"] = buf.detach().cpu().clone()
     out.small["rng/cpu"] = torch.get_rng_state()
+    if engine.device.type == "cuda":  # the device's generator draws its dropout masks
+        out.small["rng/cuda"] = torch.cuda.get_rng_state()
     for k, v in tracker_states().items():
         out.small[f"rng/tracker/{k}"] = v
     out.entries += [Entry(k, v.dtype, tuple(v.shape)) for k, v in out.small.items()]

@@ -45,12 +45,11 @@ _HEADER = 10  # [ndim, dtype code, up to 8 sizes]
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape and dtype as a tensor on its device (NCCL sends device tensors only)."""
     if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
         raise ValueError(f"pipeline: cannot send a {t.dtype} activation of shape {tuple(t.shape)}")
-    h = torch.zeros(_HEADER, dtype=torch.int64)
-    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape)
-    return h
+    h = [t.dim(), _DTYPES.index(t.dtype), *t.shape] + [0] * (_HEADER - 2 - t.dim())
+    return torch.tensor(h, dtype=torch.int64, device=t.device)
 
 
 def forward_only(stages: int, micro_batches: int, stage: int, chunks: int) -> list:
@@ -184,7 +183,7 @@ class PipelineExecutor:
                         x = self._first_input(0)
                     else:
                         rank, _ = self._peer(chunk, -1)
-                        h = torch.zeros(_HEADER, dtype=torch.int64)
+                        h = torch.zeros(_HEADER, dtype=torch.int64, device=device)
                         self.comm.p2p([("recv", h, rank)], axis="pp")
                         ndim = int(h[0])
                         meta = (torch.Size(h[2 : 2 + ndim].tolist()), _DTYPES[int(h[1])])

@@ -282,7 +282,12 @@ class PipelineModule(nn.Module):
         for tie in ties:
             if tie.group is not None:
                 for p in self.tied_parameters(tie):
-                    self.topology.comm.broadcast(p.data, src=0, axis="tied", group=tie.group)
+                    # the module is still in host memory (the engine moves it): NCCL broadcasts
+                    # a device copy
+                    data = p.data.to(self.topology.device)
+                    self.topology.comm.broadcast(data, src=0, axis="tied", group=tie.group)
+                    if data is not p.data:
+                        p.data.copy_(data)
         return ties
 
     def tied_parameters(self, tie: _Tie) -> list[nn.Parameter]:

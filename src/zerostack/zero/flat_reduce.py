@@ -111,5 +111,6 @@ class FlatBackward:
             fg = self.groups[st.group]
             if st.piece is not None:
                 off = st.bucket.shard_offset
-                fg.grad_shard[off : off + st.bucket.piece_numel].add_(st.piece)
+                shard = fg.grad_shard[off : off + st.bucket.piece_numel]
+                shard.add_(st.piece.to(shard.device))  # in host memory when offloaded
             st.piece = st.staging = None

@@ -133,9 +133,10 @@ def release(p: nn.Parameter, meter: StorageMeter | None) -> None:
 def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) -> ShardState:
     """Replace ``p``'s data by this rank's piece (after broadcasting dp rank 0's values)."""
     n, world, rank = p.numel(), comm.topo.dp, comm.topo.dp_rank
-    full = p.data
+    # on the device before anything else (a module builds its parameters in host memory, and
+    # NCCL broadcasts device tensors only); frozen ones too, even with nothing to broadcast
+    full = p.data.to(comm.topo.device).contiguous()
     if world > 1:
-        full = full.contiguous()
         comm.broadcast(full, src=0, axis="dp")
     piece_numel = max(1, -(-n // world))
     padded = torch.zeros(piece_numel * world, dtype=full.dtype, device=full.device)

@@ -150,8 +150,8 @@ class NVMeStore:
     def write(self, key: str, tensors: list[torch.Tensor]) -> None:
         try:
             with open(self.path(key), "wb") as f:
-                for t in tensors:
-                    view = t.detach().contiguous().view(torch.uint8).numpy()
+                for t in tensors:  # a device tensor is copied to host memory first
+                    view = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
                     f.write(memoryview(view))
                     self.bytes_written += view.nbytes
         except OSError as exc:
@@ -161,11 +161,14 @@ class NVMeStore:
         try:
             with open(self.path(key), "rb") as f:
                 for t in tensors:
-                    view = t.view(torch.uint8).numpy()
+                    host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
+                    view = host.view(torch.uint8).numpy()
                     got = f.readinto(memoryview(view))
                     if got != view.nbytes:
                         raise OSError(f"short read ({got} of {view.nbytes} bytes)")
                     self.bytes_read += got
+                    if host is not t:  # read into a device tensor: through host memory
+                        t.copy_(host)
         except OSError as exc:
             raise self._failed("reading", key, exc) from exc
 

@@ -294,7 +294,8 @@ class Stage3(Stage3State, StepSequence):
         (tp replicas counted on another rank)."""
         # Parameter by parameter, so the sum does not depend on how groups are cut into
         # sub-groups (NVMe offload): offloaded or not, the clipping factor is the same number.
-        sq = torch.zeros((), dtype=torch.float32, device=host_device())
+        # where the shards are (the device, or host memory when offloaded): summed in place
+        sq = torch.zeros((), dtype=torch.float32, device=self.grads.device)
         for g in self.groups:
             for p in g.params:
                 if p not in skip:
