@@ -28,7 +28,7 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 )
 batches = iter(loader)
 for step in range(args.steps * engine.gradient_accumulation_steps()):
-    x, y = next(batches)
+    x, y = (t.to(engine.device) for t in next(batches))  # the loader yields host tensors
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()

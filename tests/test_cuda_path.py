@@ -102,13 +102,13 @@ def _resume(rank, world, root, stage, model_cfg=TINY):
     return _host(fresh.full_state_dict()), losses
 
 
-def _cpu_adam(rank, world, root):
-    """A user's own CPUAdam without offload, as DeepSpeed allows."""
+def _cpu_adam(rank, world, root, offload=True):
+    """A user's own CPUAdam, the optimizer offloaded (without: refused on the device)."""
     from zerostack.optim.cpu_adam import CPUAdam
 
     torch.manual_seed(0)
     model = tiny_gpt()
-    cfg = _config(2)
+    cfg = _config(2, zero={"offload_optimizer": {"device": "cpu" if offload else "none"}})
     del cfg["optimizer"]
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01, adamw_mode=True)
     engine, *_ = zerostack.initialize(model=model, optimizer=opt, config=cfg)
@@ -165,6 +165,34 @@ def _tensor_parallel(rank, world, root, stage):
     return _host(engine.full_state_dict()), losses
 
 
+def _cli_train(rank, world, root, *extra):
+    """``zerostack train``'s run (its evaluation and checkpoint included), in this process."""
+    from zerostack.cli import _build_config, _parser
+    from zerostack.demo.train import train
+
+    argv = ["--steps", "2", "--n-layer", "2", "--d-model", "32", "--n-head", "2"]
+    argv += ["--block-size", "16", "--micro-batch", "2", "--no-progress", *extra]
+    argv += ["--out", os.path.join(root, "out"), "--save-dir", os.path.join(root, "ckpt")]
+    args = _parser().parse_args(["train", *argv])
+    args.nproc = world
+    summary = train(args, _build_config(args))
+    losses = [summary["first_loss"], summary["final_loss"], summary["val_loss"]]
+    return {}, losses if rank == 0 else None
+
+
+def _example(rank, world, root):
+    """examples/train_gpt.py, the DeepSpeed script, as torchrun would run it."""
+    import runpy
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "examples", "train_gpt.py")
+    config = os.path.join(here, "..", "examples", "ds_config_zero3.json")
+    sys.argv = [script, "--steps", "2", "--deepspeed_config", config]
+    runpy.run_path(script, run_name="__main__")
+    return {}, []
+
+
 CASES = {
     "stage0": (_zero, (0,)),
     "stage1": (_zero, (1,)),
@@ -183,7 +211,10 @@ CASES = {
     "stage3-zero-init": (_zero_init, ()),
     "stage2-resume": (_resume, (2,)),
     "stage3-resume": (_resume, (3,)),
-    "cpu-adam": (_cpu_adam, ()),
+    "cpu-adam-offload": (_cpu_adam, ()),
+    "zerostack-train": (_cli_train, ()),
+    "zerostack-train-pp2-offload": (_cli_train, ("--pp", "2", "--offload", "cpu")),
+    "example-train-gpt": (_example, ()),
     "pipeline-1f1b": (_pipeline, ("1f1b", 1)),
     "pipeline-interleaved": (_pipeline, ("interleaved", 2)),
     "tp2-sp-stage1": (_tensor_parallel, (1,)),
@@ -233,9 +264,76 @@ def test_the_cuda_path_runs_and_matches_the_cpu_run(tmp_path, name):
     _same(plain, run_distributed(_run, world=2, args=(str(tmp_path), name, True)))
 
 
+def _refused(rank, world, root):
+    with virtual_cuda():
+        try:
+            _cpu_adam(rank, world, root, offload=False)
+        except zerostack.ConfigError as e:
+            return str(e)
+
+
+def test_a_users_cpu_adam_without_offload_is_refused_on_the_device(tmp_path):
+    """DeepSpeedCPUAdam refuses device tensors; so does CPUAdam, before the first step."""
+    for message in run_distributed(_refused, world=2, args=(str(tmp_path),)):
+        assert message == (
+            "optimizer: CPUAdam steps masters in host memory, these are on cuda:0; set "
+            'zero_optimization.offload_optimizer.device to "cpu" (or pass torch.optim.AdamW)'
+        )
+
+
 @pytest.mark.parametrize("name", [n for n in AGAINST if len(AGAINST[n]) > 3])
 def test_with_dropout_on_the_device_generator(tmp_path, name):
     """Activation checkpointing recomputes with the same device masks; a resumed run draws
     the masks the uninterrupted one draws (the device generator is checkpointed)."""
     reference = run_distributed(_run, world=2, args=(str(tmp_path / "ref"), AGAINST[name][3], True))
     _same(reference, run_distributed(_run, world=2, args=(str(tmp_path), name, True)))
+
+
+# ---------------------------------------------------------------------- binding the device
+class _Stop(Exception):
+    pass
+
+
+def test_nccl_init_binds_the_local_rank_device(monkeypatch):
+    """``init_distributed`` on NCCL sets LOCAL_RANK's device and hands it to the process
+    group as ``device_id`` (the communicators bind to it, no rank lands on cuda:0)."""
+    import torch.distributed as dist
+
+    from zerostack import topology
+
+    calls = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set", d))
+
+    def init(backend, **kwargs):
+        calls["init"] = (backend, kwargs.get("device_id"))
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(_Stop):
+        topology.init_distributed(dist_backend="nccl", init_method="env://")
+    assert calls == {"set": torch.device("cuda", 3), "init": ("nccl", torch.device("cuda", 3))}
+
+
+@pytest.mark.parametrize(
+    "local, current, count, bound",
+    [("2", 0, 4, 2), ("0", 0, 4, None), ("2", 2, 4, None), ("2", 0, 1, None), (None, 0, 4, None)],
+)
+def test_a_group_made_elsewhere_gets_the_local_rank_device(
+    monkeypatch, local, current, count, bound
+):
+    """A process group the user made without ``set_device``: Topology takes LOCAL_RANK's
+    device, unless it is current already or not visible (one GPU per process)."""
+    from zerostack import topology
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
+    if local is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local)
+    topology._bind_local_device()
+    assert seen == ([] if bound is None else [bound])

@@ -168,8 +168,17 @@ class _Dispatch(TorchDispatchMode):
                 )
         if func in _CPU_INDICES_OK:
             return GPU
+        # a host 0-dim tensor passes as a scalar, except in a tensor list (foreach and fused
+        # kernels: the optimizer's ``step`` tensors must be on the device with the params)
+        listed = {
+            id(t)
+            for a in (*args, *kwargs.values())
+            if isinstance(a, list | tuple)
+            for t in a
+            if isinstance(t, torch.Tensor)
+        }
         for t, state in zip(tensors, states, strict=True):
-            if state == CPU and t.dim() > 0:
+            if state == CPU and (t.dim() > 0 or id(t) in listed):
                 raise DeviceError(
                     f"{func}: expected all tensors on the same device, got cuda:0 "
                     f"({_where(cuda)}) and cpu ({_where(t)})"

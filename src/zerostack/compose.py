@@ -21,7 +21,7 @@ from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_confi
 from .config_keys import warn_no_effect
 from .data.sampler import ResumableSampler
 from .engine import Engine
-from .optim import build_lr_scheduler, build_optimizer
+from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
 from .tensor_parallel.autotp import POLICIES, model_type
@@ -163,6 +163,13 @@ def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
     if isinstance(optimizer, torch.optim.Optimizer):
 
         def rebind(flat_groups):  # keep the user's object (and any scheduler built on it)
+            on_device = [p for flat in flat_groups for p in flat["params"] if not p.is_cpu]
+            if isinstance(optimizer, CPUAdam) and on_device:
+                raise ConfigError(
+                    f"optimizer: CPUAdam steps masters in host memory, these are on "
+                    f"{on_device[0].device}; set zero_optimization.offload_optimizer.device to "
+                    f'"cpu" (or pass torch.optim.AdamW)'
+                )
             for group, flat in zip(optimizer.param_groups, flat_groups, strict=True):
                 group["params"] = flat["params"]
             return optimizer

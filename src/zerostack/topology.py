@@ -75,21 +75,43 @@ def init_distributed(
         )
         if found is not None and found.world_size > 1:
             os.environ.update(found.env())  # what torch's env:// and LOCAL_RANK readers expect
+    bound = {}
     if backend == "nccl" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # this rank's GPU, before the group exists: NCCL's communicators bind to it (device_id),
+        # instead of every rank of a node landing on cuda:0
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        bound = {"device_id": device}
     if init_method is None and _restartable_agent_store():
         store, rank, world_size = _attempt_store(timeout)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
         )
     elif init_method is not None or _launched_by_torchrun():
         dist.init_process_group(
-            backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
+            backend,
+            init_method=init_method,
+            timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            **bound,
         )
     else:
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound
         )
+
+
+def _bind_local_device() -> None:
+    """A process group made outside zerostack, with no ``set_device``: every rank of a node
+    would compute on cuda:0. Take the launcher's ``LOCAL_RANK`` device when it is visible and
+    not the current one (with one visible GPU per process, cuda:0 is right)."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return
+    local = int(local)
+    if local != torch.cuda.current_device() and local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
 
 
 def _restartable_agent_store() -> bool:
@@ -188,6 +210,8 @@ class Topology:
         if pp * dp * tp != world:
             raise TopologyError(f"pp * dp * tp = {pp} * {dp} * {tp} != world size {world}")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if device_type == "cuda":
+            _bind_local_device()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # size-1 dims warn about reusing the world group
             mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)

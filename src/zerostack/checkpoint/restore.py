@@ -283,7 +283,7 @@ def _load(
             if saved_g["step"] is not None:
                 for m in g["params"]:
                     if m in opt.state:
-                        opt.state[m]["step"] = torch.tensor(saved_g["step"], dtype=torch.float32)
+                        opt.state[m]["step"] = _step_tensor(saved_g["step"], opt.state[m], g, m)
     for name, buf in engine.module.named_buffers():
         if name not in reader.buffers:
             if not load_module_strict:
@@ -317,3 +317,14 @@ def _load(
     tensors = manifest.get("client_tensors")
     client_state = join_client_state(folder, manifest["client_state"], tensors)
     return folder, client_state, reader
+
+
+def _step_tensor(step, state: dict, group: dict, master: torch.Tensor) -> torch.Tensor:
+    """The optimizer's ``step`` as it keeps it: like the step tensor it has, else on the
+    master's device for torch's fused or capturable Adam (their kernels take it there), else
+    an fp32 host scalar (torch's default)."""
+    have = state.get("step")
+    if torch.is_tensor(have):
+        return torch.tensor(step, dtype=have.dtype, device=have.device)
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(step, dtype=torch.float32, device=master.device if on_device else "cpu")

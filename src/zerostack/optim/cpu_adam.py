@@ -121,6 +121,11 @@ class CPUAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             grad = p.grad
+            if not p.is_cpu:  # as DeepSpeedCPUAdam: its kernel walks host memory
+                raise ValueError(
+                    f"{where}, param {j}: CPUAdam steps host tensors, this one is on "
+                    f"{p.device}; offload the optimizer (offload_optimizer device cpu)"
+                )
             if grad.is_sparse:
                 raise ValueError(f"{where}, param {j}: CPUAdam does not support sparse gradients")
             state = self.state[p]
