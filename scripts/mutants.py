@@ -980,7 +980,16 @@ MUTANTS = [
         "compose.py",
         "if isinstance(optimizer, CPUAdam) and on_device:",
         "if False:",
-        ("tests/test_cuda_path.py::test_a_users_cpu_adam_without_offload_is_refused_on_the_device",),
+        (
+            "tests/test_cuda_path.py::test_a_users_cpu_adam_without_offload_is_refused_on_the_device",
+        ),
+    ),
+    Mutant(
+        "fp16 at dp 1 (stages 0-2): the update is not unscaled",
+        "zero/sharded_optimizer.py",
+        "if self.dp > 1 else 1.0 / loss_scale",
+        "if self.dp > 1 else 1.0",
+        ("tests/test_cuda_path.py::test_the_gpu_check_script_runs_its_checks_on_the_cpu",),
     ),
     Mutant(
         "loss spike rollback rewinds the data with the weights",

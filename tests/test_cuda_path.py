@@ -337,3 +337,29 @@ def test_a_group_made_elsewhere_gets_the_local_rank_device(
         monkeypatch.setenv("LOCAL_RANK", local)
     topology._bind_local_device()
     assert seen == ([] if bound is None else [bound])
+
+
+def test_the_gpu_check_script_runs_its_checks_on_the_cpu():
+    """scripts/gpu_check.py --quick: every single-device check of the GPU script, tiny, here
+    (the script a CUDA machine runs must not first fail there on a typo)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.dirname(os.path.dirname(zerostack.__file__))  # this zerostack (a mutant's)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "gpu_check.py"), "--quick"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = {r["check"]: r for r in rows if "check" in r}
+    assert rows[-1] == {"summary": True, "failed": [], "checks": len(checks)}
+    for stage in range(4):
+        for precision in ("bf16", "fp16"):
+            row = checks[f"zero{stage}-{precision}-vs-fp32"]
+            assert row["ok"] and 0 < row["worst_update_rel"] <= row["tolerance"], row
+    for name in ("zero3-offload-param-nvme", "save-load-step-dropout", "gpt-zero3-bf16"):
+        assert checks[name]["ok"], checks[name]

@@ -1,0 +1,289 @@
+"""The checks a CUDA machine runs before zerostack's GPU path is called correct (issue 17).
+
+    bash scripts/gpu_check.sh              # on a machine with CUDA; one JSON line per check
+    python scripts/gpu_check.py --quick    # the same checks on the CPU, tiny (the suite runs it)
+
+One process, one device (world 1): the checks that need two GPUs (pipeline, tensor parallelism,
+reduce-scatter overlap) say so and are skipped on one; on two or more, ``gpu_check.sh`` runs
+``zerostack train`` with pp 2 (1F1B, interleaved) and tp 2 + sequence parallelism on NCCL.
+Each check prints ``{"check": ..., "ok": ..., ...figures}``; the last line is the summary, and
+the exit code is 1 when a check failed.
+
+Tolerances, stated: 16-bit runs train with plain SGD (no normalising optimizer to hide a lost
+factor) and their weights' change over 6 steps of 2 micro-steps is held to the fp32 run's on the
+same batches within 5% (bf16) and 1% (fp16) relative, the largest over the tensors (16-bit
+rounding of weights and activations; a missing 1/accumulation or unscale is a 50-100% error);
+the fp32 variants (offload, zero.Init, activation checkpointing, resume) are held to 1e-6
+relative per weight, since only where the tensors live differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+import zerostack
+from zerostack.models import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RESULTS: list[dict] = []
+
+
+def report(check: str, ok: bool, **figures) -> None:
+    row = {"check": check, "ok": bool(ok), **figures}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def skipped(check: str, why: str) -> None:
+    row = {"check": check, "ok": None, "skipped": why}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def _config(stage: int, precision: str = "fp32", **extra) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 10_000,
+        "watchdog": {"enabled": False},
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    return {**cfg, **extra}
+
+
+def _batches(model_cfg: GPTConfig, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n = steps * 2
+    x = torch.randint(0, model_cfg.vocab_size, (n, 2, model_cfg.block_size + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in x]
+
+
+def _train(model_cfg, config, steps, *, init=False, seed=0, engine=None, start=0):
+    """``steps`` optimizer steps on fixed batches; (engine, per-step mean losses)."""
+    if engine is None:
+        torch.manual_seed(seed)
+        if init:
+            with zerostack.zero.Init(config_dict_or_path=config):
+                model = GPT(model_cfg)
+        else:
+            model = GPT(model_cfg)
+        engine, *_ = zerostack.initialize(model=model, config=config)
+    losses = []
+    for x, y in _batches(model_cfg, steps + start)[2 * start :]:
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, [sum(losses[i : i + 2]) / 2 for i in range(0, len(losses), 2)]
+
+
+def _weights(engine) -> dict:
+    return {k: v.detach().float().cpu() for k, v in engine.full_state_dict().items()}
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+
+
+def check_precision(model_cfg, steps) -> None:
+    """16-bit against fp32 with plain SGD (no normalising optimizer to hide a lost factor):
+    the weights' change over the run, compared."""
+    sgd = {"type": "SGD", "params": {"lr": 0.5}}
+    torch.manual_seed(0)
+    start = {k: v.float() for k, v in GPT(model_cfg).state_dict().items()}
+    for stage in (0, 1, 2, 3):
+        ref, _ = _train(model_cfg, _config(stage, optimizer=sgd), steps)
+        want = {k: v - start[k] for k, v in _weights(ref).items()}
+        ref.destroy()
+        for precision, tol in (("bf16", 5e-2), ("fp16", 1e-2)):
+            engine, _ = _train(model_cfg, _config(stage, precision, optimizer=sgd), steps)
+            got = {k: v - start[k] for k, v in _weights(engine).items()}
+            worst = _rel(got, want)
+            report(
+                f"zero{stage}-{precision}-vs-fp32",
+                worst <= tol and engine.skipped_steps == 0,
+                worst_update_rel=worst,
+                tolerance=tol,
+                skipped_steps=engine.skipped_steps,
+            )
+            engine.destroy()
+
+
+def check_offload_and_init(model_cfg, steps, tmp) -> None:
+    ref2, _ = _train(model_cfg, _config(2), steps)
+    want = _weights(ref2)
+    ref2.destroy()
+    nvme = os.path.join(tmp, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    cases = {
+        "zero2-offload-cpu-pinned": _config(
+            2, zero={"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        ),
+        "zero3-offload-param-cpu": _config(
+            3, zero={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+        ),
+        "zero3-offload-param-nvme": _config(
+            3,
+            zero={
+                "offload_param": {"device": "nvme", "nvme_path": nvme},
+                "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+            },
+        ),
+    }
+    for name, cfg in cases.items():
+        engine, _ = _train(model_cfg, cfg, steps)
+        worst = _rel(_weights(engine), want)
+        report(name, worst <= 1e-6, worst_weight_rel=worst)
+        engine.destroy()
+    engine, _ = _train(model_cfg, _config(3), steps, init=True)
+    with zerostack.zero.GatheredParameters(list(engine.module.parameters())):
+        gathered = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    worst = _rel(_weights(engine), want)
+    same = all(torch.equal(gathered[k], _weights(engine)[k]) for k in gathered)
+    report("zero3-zero.Init-GatheredParameters", worst <= 1e-6 and same, worst_weight_rel=worst)
+    engine.destroy()
+
+
+def check_dropout(model_cfg, steps, tmp) -> None:
+    drop = dataclasses.replace(model_cfg, dropout=0.1)
+    ref, want_losses = _train(drop, _config(2), steps)
+    want = _weights(ref)
+    ref.destroy()
+    ac = dataclasses.replace(drop, checkpoint_every=1)
+    engine, got_losses = _train(ac, _config(2), steps)
+    worst = _rel(_weights(engine), want)
+    report("activation-checkpointing-dropout", worst <= 1e-6, worst_weight_rel=worst)
+    engine.destroy()
+    half = steps // 2
+    first, _ = _train(drop, _config(2), half)
+    first.save_checkpoint(os.path.join(tmp, "ckpt"))
+    first.destroy()
+    torch.manual_seed(123)  # the checkpoint's generators must draw the masks, not these
+    fresh, *_ = zerostack.initialize(model=GPT(drop), config=_config(2))
+    fresh.load_checkpoint(os.path.join(tmp, "ckpt"))
+    fresh, _ = _train(drop, _config(2), steps - half, engine=fresh, start=half)
+    worst = _rel(_weights(fresh), want)
+    report("save-load-step-dropout", worst <= 1e-6, worst_weight_rel=worst)
+    fresh.destroy()
+
+
+def check_scripts(tmp) -> None:
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(zerostack.__file__)))
+    for name, cmd in (
+        (
+            "examples/train_gpt.py",
+            [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "3"],
+        ),
+        (
+            "zerostack-train",
+            [sys.executable, "-m", "zerostack.cli", "train", "--steps", "3", "--nproc", "1"]
+            + ["--no-progress", "--out", os.path.join(tmp, "demo")],
+        ),
+    ):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        report(name, proc.returncode == 0, seconds=time.perf_counter() - t0, last_line=tail)
+
+
+def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> None:
+    """A GPT at ZeRO-3 bf16: MFU, and max_memory_allocated against the model-state formula."""
+    from zerostack.profiling.flops import transformer_flops
+
+    cfg = GPTConfig(vocab_size=50304, block_size=seq, n_layer=layers, n_head=heads, d_model=hidden)
+    config = _config(3, "bf16")
+    config["gradient_accumulation_steps"] = 1
+    config["train_micro_batch_size_per_gpu"] = micro
+    torch.manual_seed(0)
+    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    params = cfg.num_params
+    x = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=engine.device)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(4):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = min(times[1:])
+    flops = transformer_flops(layers, hidden, heads, cfg.vocab_size, seq, micro)
+    peak = 989e12 if cuda and "H100" in torch.cuda.get_device_name() else None
+    if cuda and "H200" in torch.cuda.get_device_name():
+        peak = 989e12  # dense bf16, H200 (as H100 SXM)
+    states = 2 * params + 4 * params + 4 * params + 8 * params  # bf16 + fp32 grad, master, Adam
+    figures = {
+        "parameters": params,
+        "step_s": step,
+        "tflops": flops / step / 1e12,
+        "mfu": flops / step / peak if peak else None,
+        "model_state_bytes_formula": states,
+    }
+    if cuda:
+        figures["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        figures["memory_reserved"] = torch.cuda.memory_reserved()
+        figures["allocated_over_states"] = figures["max_memory_allocated"] / states
+    report("gpt-zero3-bf16", True, **figures)
+    engine.destroy()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU smoke run)")
+    args = p.parse_args()
+    zerostack.init_distributed(timeout=timedelta(seconds=120))  # a hang fails in 2 minutes
+    quick = args.quick or not torch.cuda.is_available()
+    small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
+    if not quick:
+        small = GPTConfig(vocab_size=50304, block_size=256, n_layer=4, n_head=8, d_model=512)
+    steps = 6
+    report(
+        "device",
+        True,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        gpus=torch.cuda.device_count(),
+    )
+    with tempfile.TemporaryDirectory(prefix="zs-gpu-check-") as tmp:
+        check_precision(small, steps)
+        check_offload_and_init(small, steps, tmp)
+        check_dropout(small, steps, tmp)
+        if not args.quick:
+            check_scripts(tmp)
+        if quick:
+            check_big(2, 64, 4, 32, 2)
+        else:
+            check_big(24, 2048, 16, 1024, 4)  # 1.3B parameters
+    if torch.cuda.device_count() < 2:
+        for what in ("pipeline-pp2", "tp2-sequence-parallel", "reduce-scatter-overlap"):
+            skipped(what, "needs 2 GPUs")
+    failed = [r["check"] for r in RESULTS if r["ok"] is False]
+    print(json.dumps({"summary": True, "failed": failed, "checks": len(RESULTS)}), flush=True)
+    zerostack.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
