@@ -992,6 +992,44 @@ MUTANTS = [
         ("tests/test_cuda_path.py::test_the_gpu_check_script_runs_its_checks_on_the_cpu",),
     ),
     Mutant(
+        "cuda: wall_clock_breakdown times the launch, not the work",
+        "engine.py",
+        "self.clock = device_clock(device, config.wall_clock_breakdown)",
+        "self.clock = device_clock(device, False)",
+        ("tests/test_cuda_path.py::test_gpu_seconds_wait_for_the_device_only_when_asked_for",),
+    ),
+    Mutant(
+        "cuda: the comms logger times the launch, not the collective",
+        "engine.py",
+        "device, config.wall_clock_breakdown or config.comms_logger.enabled",
+        "device, config.wall_clock_breakdown",
+        ("tests/test_cuda_path.py::test_gpu_seconds_wait_for_the_device_only_when_asked_for",),
+    ),
+    Mutant(
+        "cuda: an offloaded optimizer keeps torchrun's one thread",
+        "compose.py",
+        "share = max(1, (os.cpu_count() or 1) // local)",
+        "share = 1",
+        ("tests/test_cuda_path.py::test_an_offloaded_optimizer_gets_the_cores_on_a_gpu_node",),
+    ),
+    Mutant(
+        "cuda: the monitors leave the allocator's figures out",
+        "monitor/training.py",
+        "for kind, nbytes in engine.device_memory().items():",
+        "for kind, nbytes in {}.items():",
+        (
+            "tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",
+        ),
+    ),
+    Mutant(
+        "start: a whole gradient buffer made before the parameters' own storage goes",
+        "zero/sharded_optimizer.py",
+        "        params_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)\n",
+        "        params_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)\n"
+        "        _early = torch.zeros(layout.padded_numel, dtype=grad_dtype, device=device)\n",
+        ("tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state",),
+    ),
+    Mutant(
         "loss spike rollback rewinds the data with the weights",
         "checkpoint/loss_spike.py",
         "            vars(sampler).update(position)\n",

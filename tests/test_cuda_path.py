@@ -17,7 +17,7 @@ from distributed import run_distributed
 from vcuda import virtual_cuda
 
 import zerostack
-from zerostack.models import GPTConfig
+from zerostack.models import GPT, GPTConfig
 
 STEPS, MICRO, GAS = 2, 2, 2
 
@@ -363,3 +363,109 @@ def test_the_gpu_check_script_runs_its_checks_on_the_cpu():
             assert row["ok"] and 0 < row["worst_update_rel"] <= row["tolerance"], row
     for name in ("zero3-offload-param-nvme", "save-load-step-dropout", "gpt-zero3-bf16"):
         assert checks[name]["ok"], checks[name]
+
+
+# ---------------------------------------------------------------------- seconds of GPU work
+def _synchronizations(rank, world, root, wall: bool, comms: bool):
+    with virtual_cuda():
+        count = [0]
+
+        def synchronize(*args, **kwargs):
+            count[0] += 1
+
+        torch.cuda.synchronize = synchronize  # the context puts its own back on exit
+        cfg = _config(2, wall_clock_breakdown=wall, comms_logger={"enabled": comms})
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+        count[0] = 0
+        _loop(engine, rank, world, range(1))  # one step: 2 micro-steps
+        return count[0]
+
+
+def test_gpu_seconds_wait_for_the_device_only_when_asked_for(tmp_path):
+    """The ``comms_logger`` times each collective after the device's work; with
+    ``wall_clock_breakdown`` forward, backward and step are timed so too (a synchronisation at
+    each end: 6 more per micro-step, 12 in a step of two); neither asked for, nothing waits."""
+    counts = {}
+    for wall, comms in ((False, False), (False, True), (True, True)):
+        args = (str(tmp_path), wall, comms)
+        counts[wall, comms] = run_distributed(_synchronizations, world=2, args=args)
+    assert counts[False, False] == [0, 0]
+    for comm_only, both in zip(counts[False, True], counts[True, True], strict=True):
+        assert comm_only > 0 and both == comm_only + 12, counts
+
+
+def _device_memory(rank, world, root):
+    with virtual_cuda():
+        figures = {"memory_allocated": 5, "max_memory_allocated": 7, "memory_reserved": 11}
+        for name, value in figures.items():
+            setattr(torch.cuda, name, lambda device=None, value=value: value)
+        monitor = {"enabled": True, "output_path": root, "job_name": "job"}
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2, csv_monitor=monitor))
+        _loop(engine, rank, world, range(1))
+        engine.destroy()
+        return engine.device_memory()
+
+
+def test_the_cuda_allocator_figures_are_reported_beside_the_census(tmp_path):
+    """``engine.device_memory()``: the CUDA allocator's allocated / peak / reserved bytes (empty
+    on the CPU), written by the monitors each step on a GPU."""
+    for figures in run_distributed(_device_memory, world=2, args=(str(tmp_path),)):
+        assert figures == {"allocated": 5, "max_allocated": 7, "reserved": 11}
+    written = (tmp_path / "job" / "Train_Samples_cuda_max_allocated_bytes_rank0.csv").read_text()
+    assert written.splitlines() == ["step,cuda_max_allocated_bytes_rank0", "8,7.0"]  # x: samples
+    torch.manual_seed(0)
+    cpu, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(0))
+    assert cpu.device_memory() == {}
+    cpu.destroy()
+
+
+def _threads(rank, world, root, offload):
+    import os as _os
+
+    with virtual_cuda():
+        torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1
+        _os.cpu_count = lambda: 16
+        zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2, zero=zero))
+        threads = torch.get_num_threads()
+        engine.destroy()
+        return threads
+
+
+@pytest.mark.parametrize("offload, threads", [(True, 8), (False, 1)])
+def test_an_offloaded_optimizer_gets_the_cores_on_a_gpu_node(tmp_path, offload, threads):
+    """16 cores, 2 local ranks: CPUAdam steps with 8 threads per rank, not torchrun's one."""
+    assert run_distributed(_threads, world=2, args=(str(tmp_path), offload)) == [threads] * 2
+
+
+# ---------------------------------------------------------------------- the start's peak
+def _init_peak(rank, world, root, stage, precision):
+    from vcuda import MEMORY
+
+    with virtual_cuda():
+        cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=4, n_head=4, d_model=128)
+        torch.manual_seed(0)
+        model = GPT(cfg).to("cuda")
+        psi = sum(p.numel() for p in model.parameters())
+        torch.cuda.reset_peak_memory_stats()
+        assert MEMORY.allocated == 4 * psi  # the model, fp32, on the device
+        config = _config(stage, **({precision: {"enabled": True}} if precision else {}))
+        engine, *_ = zerostack.initialize(model=model, config=config)
+        return torch.cuda.max_memory_allocated() / psi, torch.cuda.memory_allocated() / psi
+
+
+@pytest.mark.parametrize(
+    "stage, precision, peak, after",
+    [(1, "bf16", 8, 6), (2, "bf16", 8, 6), (1, None, 8, 8), (2, None, 8, 6)],
+)
+def test_the_start_peaks_near_the_steady_state(tmp_path, stage, precision, peak, after):
+    """Device bytes per parameter while ``initialize`` builds stages 1-2 (dp 2), counted by
+    virtual CUDA's allocator: the fp32 model (4) and, parameter by parameter, its 16-bit buffer
+    (2) and fp32 master pieces (4 / dp), never a whole fp32 copy beside them (12 before); then
+    the steady state, the model's own storage gone: parameters, gradients (bf16: 2 + 2; fp32
+    stage 1: 4 + 4, the master a view; stage 2: 4 + 4 / dp) and masters (bf16: 4 / dp). The
+    optimizer's moments come at its first step."""
+    for got_peak, got_after in run_distributed(
+        _init_peak, world=2, args=(str(tmp_path), stage, precision)
+    ):
+        assert (got_peak, got_after) == (peak, after)

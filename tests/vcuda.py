@@ -18,8 +18,10 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
   point-to-point op must be a contiguous cuda tensor (the check wraps torch.distributed itself,
   so code that bypasses zerostack's Comm is checked too).
 - ``Topology.device`` is cuda:0; ``torch.cuda.is_available()`` stays False (nothing is pinned),
-  and the few ``torch.cuda`` calls that only wait or count (``synchronize``, ``current_device``,
-  the allocator's figures) answer as a device with nothing in flight.
+  and the few ``torch.cuda`` calls that only wait (``synchronize``, ``current_device``) answer as
+  a device with nothing in flight. The allocator's figures (``memory_allocated``,
+  ``max_memory_allocated``) count the bytes of the storages tagged cuda, alive and at their
+  peak: the CUDA allocator's own count, less its cache and rounding.
 
 Tags live per storage (views share them) and go with it; a storage made outside the context,
 or by torch's C++ code without an op (``torch.tensor``'s constant), is cpu. The rules
@@ -85,8 +87,34 @@ def _tag(t: torch.Tensor, state: str | bool, op=None) -> None:
         _TAGS.pop(key, None)
         return
     if key not in _TAGS:  # untagged when the storage goes: its address will be reused
-        weakref.finalize(t.untyped_storage(), _TAGS.pop, key, None)
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes() if state == GPU else 0
+        weakref.finalize(storage, _forget, key, nbytes)
+        MEMORY.allocate(nbytes)
     _TAGS[key] = state
+
+
+class _Memory:
+    """The device bytes alive, as the CUDA allocator counts them (without its cache): every
+    storage tagged cuda from its making to its end; ``peak`` is ``max_memory_allocated``."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+
+MEMORY = _Memory()
+
+
+def _forget(key: int, nbytes: int) -> None:
+    _TAGS.pop(key, None)
+    MEMORY.allocated -= nbytes
 
 
 def _where(t: torch.Tensor) -> str:
@@ -384,10 +412,10 @@ def virtual_cuda():
         (torch.cuda, "synchronize", lambda *a, **k: None),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "Event", _FakeEvent),
-        (torch.cuda, "memory_allocated", lambda *a, **k: 0),
-        (torch.cuda, "max_memory_allocated", lambda *a, **k: 0),
-        (torch.cuda, "memory_reserved", lambda *a, **k: 0),
-        (torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None),
+        (torch.cuda, "memory_allocated", lambda *a, **k: MEMORY.allocated),
+        (torch.cuda, "max_memory_allocated", lambda *a, **k: MEMORY.peak),
+        (torch.cuda, "memory_reserved", lambda *a, **k: MEMORY.peak),
+        (torch.cuda, "reset_peak_memory_stats", lambda *a, **k: MEMORY.reset_peak()),
         # the device's generator: random ops on cuda tensors draw from it
         (torch.cuda, "device_count", lambda: 1),
         (torch.cuda, "get_rng_state", lambda device="cuda": _CUDA_RNG.get_state()),
@@ -412,3 +440,4 @@ def virtual_cuda():
             else:
                 setattr(obj, name, old)
         _TAGS.clear()
+        MEMORY.allocated = MEMORY.peak = 0

@@ -8,6 +8,7 @@ inside the engine (:class:`~zerostack.engine.Engine`, or the pipeline engine for
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -156,6 +157,25 @@ def _check_mpu_groups(mpu, topo: Topology) -> None:
         )
 
 
+def _host_threads_for_offload(cfg: ZeroStackConfig, topo: Topology) -> None:
+    """On a GPU node with the optimizer offloaded, the host steps it (CPUAdam) while the cores
+    sit idle: torchrun's ``OMP_NUM_THREADS=1`` would leave it one thread. Give each local rank
+    its share of the cores instead, as DeepSpeed's launcher does (an explicit
+    ``torch.set_num_threads`` above one is kept)."""
+    offload = cfg.zero_optimization.offload_optimizer
+    if offload is None or offload.device == "none" or topo.device.type != "cuda":
+        return
+    if torch.get_num_threads() > 1:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = max(1, (os.cpu_count() or 1) // local)
+    if share > 1:
+        torch.set_num_threads(share)
+        logging.getLogger("zerostack").info(
+            "offload_optimizer: %d host threads per rank for the optimizer step", share
+        )
+
+
 def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
     """A function from flat fp32 groups to the optimizer that steps them."""
     if optimizer is not None and cfg.optimizer is not None:
@@ -215,6 +235,8 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         # run, which calls iter() again after load_checkpoint, would then draw its dropout masks
         # out of step with the uninterrupted run.
         generator=torch.Generator().manual_seed(cfg.seed),
+        # page-locked batches on a GPU, so the copy to the device need not wait (non_blocking)
+        pin_memory=engine.device.type == "cuda" and torch.cuda.is_available(),
     )
 
 
@@ -267,6 +289,7 @@ def initialize(
     # included) are summarised with zerostack.comm's while the logger is enabled
     configure_comms(deepspeed_config=cfg)
     comms_logger.follow(topo.comm.log)
+    _host_threads_for_offload(cfg, topo)
     engine_cls = Engine
     if isinstance(model, PipelineModule):
         engine_cls = PipelineEngine

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import defaultdict
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from .checkpoint.auto_resume import AutoCheckpoint
 from .checkpoint.loss_spike import LossSpikeGuard
+from .clock import device_clock
 from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
@@ -63,6 +63,11 @@ class Engine(EngineAPI, nn.Module):
 
         device = topology.device
         module.to(device)
+        # the timers' seconds are the GPU's work, not its launch, when they are shown
+        self.clock = device_clock(device, config.wall_clock_breakdown)
+        self.comm.clock = device_clock(
+            device, config.wall_clock_breakdown or config.comms_logger.enabled
+        )
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
         # the monitor blocks: files opened on rank 0 (a bad path or missing package fails here)
         self.monitor = StepMonitor(config, topology, self.comm)
@@ -151,19 +156,19 @@ class Engine(EngineAPI, nn.Module):
         and dicts) become fp16; integer tensors and keyword arguments are never cast, and
         without ``auto_cast`` nothing is (in bf16 or fp16, a model that takes floating-point
         inputs gets them as given and casts them itself)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if self.flops_profile is not None:
             self.flops_profile.forward_begins()
         args = cast_inputs(args, self.config.fp16.auto_cast)
         out = self.module(*args, **kwargs)
-        self.timers["forward"] += time.perf_counter() - t0
+        self.timers["forward"] += self.clock.now() - t0
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.monitor.add_loss(loss)
         # inside no_sync() gradients accumulate locally, reduced by the next backward outside it
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
@@ -171,14 +176,14 @@ class Engine(EngineAPI, nn.Module):
         scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_backward()
-        self.timers["backward"] += time.perf_counter() - t0
+        self.timers["backward"] += self.clock.now() - t0
         return loss
 
     def step(self) -> None:
         """Count the micro-step; on an accumulation boundary, update the weights."""
         if self._inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -188,7 +193,7 @@ class Engine(EngineAPI, nn.Module):
         self.micro_steps += 1  # before the count: an automatic save keeps whole windows
         if boundary:
             self._count_global_step()
-        self.timers["step"] += time.perf_counter() - t0
+        self.timers["step"] += self.clock.now() - t0
 
     # ------------------------------------------------------------------ whole batches
     def set_dataloader(self, loader) -> None:
@@ -322,7 +327,9 @@ class Engine(EngineAPI, nn.Module):
         if self.config.wall_clock_breakdown:
             print_progress(f"time (s): { {k: round(v, 4) for k, v in self.timers.items()} }")
         if self.config.memory_breakdown:
-            print_progress(f"memory (bytes): {self.memory_breakdown()}")
+            device = self.device_memory()  # the CUDA allocator's figures, on a GPU
+            cuda = f" cuda: {device}" if device else ""
+            print_progress(f"memory (bytes): {self.memory_breakdown()}{cuda}")
 
 
 def print_progress(text: str) -> None:

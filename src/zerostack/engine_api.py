@@ -182,6 +182,19 @@ class EngineAPI:
         )
         return {**self.zero.memory_breakdown(), "optimizer": state}
 
+    def device_memory(self) -> dict[str, int]:
+        """The CUDA caching allocator's figures for this rank's device, beside
+        :meth:`memory_breakdown`'s census of what zerostack holds: ``allocated`` (now),
+        ``max_allocated`` (the peak since the last ``reset_peak_memory_stats``) and ``reserved``
+        (held by the allocator, free blocks included). Empty on the CPU."""
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "allocated": torch.cuda.memory_allocated(self.device),
+            "max_allocated": torch.cuda.max_memory_allocated(self.device),
+            "reserved": torch.cuda.memory_reserved(self.device),
+        }
+
     def save_checkpoint(
         self,
         save_dir: str,

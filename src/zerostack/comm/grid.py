@@ -11,11 +11,10 @@ Every collective zerostack issues goes through :class:`Comm`, so its
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
+from ..clock import Clock
 from ..topology import Topology
 from .records import CommLog, CommRecord
 
@@ -27,19 +26,22 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Handle:
     """An in-flight async collective; ``wait()`` adds the wait to the call's recorded seconds."""
 
-    def __init__(self, work: dist.Work | None, record: CommRecord, log: CommLog) -> None:
+    def __init__(
+        self, work: dist.Work | None, record: CommRecord, log: CommLog, clock: Clock
+    ) -> None:
         self._work = work
         self._record = record
         self._log = log
+        self._clock = clock
 
     def wait(self) -> None:
         if self._work is not None:
-            t0 = time.perf_counter()
+            t0 = self._clock.now()
             try:
                 self._work.wait()
             except RuntimeError as exc:
                 raise self._log.failed(self._record, exc) from exc
-            self._record.seconds += time.perf_counter() - t0
+            self._record.seconds += self._clock.now() - t0
             self._work = None
         self._log.end(self._record)
 
@@ -50,6 +52,7 @@ class Comm:
     def __init__(self, topo: Topology, log: CommLog | None = None) -> None:
         self.topo = topo
         self.log = log if log is not None else CommLog()
+        self.clock = Clock()  # the engine's: synchronizing on a GPU when seconds are wanted
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The group of ``axis``: 'pp', 'dp', 'tp' of the grid, or 'world' (every rank)."""
@@ -60,13 +63,13 @@ class Comm:
     ) -> Handle | None:
         group = group if group is not None else self.group(axis)
         rec = self.log.begin(op, axis, nbytes, dist.get_world_size(group))
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         try:
             work = fn(group, async_op)
         except RuntimeError as exc:
             raise self.log.failed(rec, exc) from exc
-        rec.seconds = time.perf_counter() - t0
-        handle = Handle(work, rec, self.log)
+        rec.seconds = self.clock.now() - t0
+        handle = Handle(work, rec, self.log, self.clock)
         if async_op:
             return handle
         handle.wait()
@@ -191,7 +194,7 @@ class Comm:
         records = [
             self.log.begin(kind, axis, t.numel() * t.element_size(), n) for kind, t, _ in ops
         ]
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         p2p_ops = [
             dist.P2POp(
                 dist.isend if kind == "send" else dist.irecv,
@@ -207,7 +210,7 @@ class Comm:
                 w.wait()
         except RuntimeError as exc:
             raise self.log.failed(records[0], exc) from exc
-        seconds = time.perf_counter() - t0
+        seconds = self.clock.now() - t0
         for rec in records:
             rec.seconds = seconds / len(ops)
             self.log.end(rec)

@@ -103,6 +103,7 @@ def train(args, config: dict) -> dict:
         / max(elapsed, 1e-9)
         / (peak * engine.world_size),
         "bytes_per_rank": engine.memory_breakdown(),
+        "cuda_memory_rank0": engine.device_memory(),
         "comm_bytes_per_step": engine.comm.log.total_bytes(step=engine.global_steps - 1),
         "checkpoint": checkpoint,
     }

@@ -15,6 +15,8 @@ zerostack's own, at the same x:
 - ``Train/Samples/tflops_per_rank``: model TFLOP/s per rank, once the flops profiler has
   measured a step,
 - ``Train/Samples/memory_bytes_rank0``: rank 0's ``engine.memory_breakdown()`` total,
+- ``Train/Samples/cuda_{allocated,max_allocated,reserved}_bytes_rank0``: on a GPU, the CUDA
+  allocator's figures (``engine.device_memory()``),
 - ``Train/Samples/comm_bytes_<axis>_rank0``: bytes rank 0's collectives moved in the step on each
   axis (``dp``, ``tp``, ``pp``; ``world``), as its CommLog counts them.
 
@@ -92,6 +94,8 @@ class StepMonitor:
         events += self._speed(engine, x)
         memory = sum(engine.memory_breakdown().values())
         events.append((PREFIX + "memory_bytes_rank0", float(memory), x))
+        for kind, nbytes in engine.device_memory().items():  # the CUDA allocator's, on a GPU
+            events.append((PREFIX + f"cuda_{kind}_bytes_rank0", float(nbytes), x))
         for axis, nbytes in self._comm_bytes().items():
             events.append((PREFIX + f"comm_bytes_{axis}_rank0", float(nbytes), x))
         self.master.write_events(events)

@@ -75,6 +75,7 @@ class PipelineEngine(Engine):
         super().__init__(module=module, config=config, topology=topology, **kwargs)
         self.schedule = config.pipeline.schedule
         self.executor = PipelineExecutor(module, self.comm, config.fp16.auto_cast)
+        self.executor.clock = self.clock
         self._tied_copies = module.tied_copies()
 
     def _zero_stage(self, stage: int) -> int:

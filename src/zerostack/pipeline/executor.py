@@ -18,11 +18,11 @@ rank 0's payload round: a deadlock.)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from ..clock import Clock
 from ..comm import Comm
 from ..runner import cast_inputs
 from .module import PipelineModule
@@ -81,6 +81,7 @@ class PipelineExecutor:
         # auto_cast: fp16.auto_cast, DeepSpeed's rule for the first stage's inputs (the labels
         # are never cast); see zerostack.runner.cast_inputs
         self.module, self.comm, self.auto_cast = module, comm, auto_cast
+        self.clock = Clock()  # the engine's (synchronizing on a GPU when seconds are wanted)
         self.p, self.stage, self.v = module.num_stages, module.stage_id, module.virtual_stages
         self.last_vs = self.p * self.v - 1
         self._meta_in: dict[int, tuple[torch.Size, torch.dtype]] = {}  # per chunk received
@@ -115,12 +116,12 @@ class PipelineExecutor:
         self.batches: dict[int, tuple] = {}
         losses: list[torch.Tensor] = []
         self.stats = {"compute_s": 0.0, "comm_s": 0.0, "step_s": 0.0, "total_s": 0.0}
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if not self._shapes_known:
             self.learn_shapes(data_iter)
         with torch.set_grad_enabled(train):
             self._run(instructions, data_iter, losses, loss_scale / micro_batches, on_tied, on_step)
-        self.stats["total_s"] = time.perf_counter() - t0
+        self.stats["total_s"] = self.clock.now() - t0
         return losses
 
     def _run(self, instructions, data_iter, losses, scale, on_tied, on_step) -> None:
@@ -131,28 +132,28 @@ class PipelineExecutor:
                 j = i
                 while j < len(instructions) and isinstance(instructions[j], _COMM):
                     j += 1
-                t0 = time.perf_counter()
+                t0 = self.clock.now()
                 self._exchange(instructions[i:j])
-                self.stats["comm_s"] += time.perf_counter() - t0
+                self.stats["comm_s"] += self.clock.now() - t0
                 i = j
                 continue
             if isinstance(ins, LoadMicroBatch):
                 self._load(ins.micro, data_iter)
             elif isinstance(ins, (Forward, Backward)):
-                t0 = time.perf_counter()
+                t0 = self.clock.now()
                 if isinstance(ins, Forward):
                     self._forward(ins.micro, ins.chunk, losses)
                 else:
                     self._backward(ins.micro, ins.chunk, scale)
-                self.stats["compute_s"] += time.perf_counter() - t0
+                self.stats["compute_s"] += self.clock.now() - t0
             elif isinstance(ins, ReduceTiedGrads):
                 if on_tied is not None:
                     on_tied()
             elif isinstance(ins, OptimizerStep):
-                t0 = time.perf_counter()
+                t0 = self.clock.now()
                 if on_step is not None:
                     on_step()
-                self.stats["step_s"] += time.perf_counter() - t0
+                self.stats["step_s"] += self.clock.now() - t0
             elif not isinstance(ins, ReduceGrads):  # dp reduction happens in the optimizer step
                 raise TypeError(f"pipeline: unknown instruction {ins!r}")
             i += 1

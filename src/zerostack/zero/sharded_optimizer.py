@@ -38,7 +38,7 @@ from ..precision import Precision
 from .flat_reduce import FlatBackward
 from .flat_state import FlatState
 from .masters import master_store
-from .offload import HostMeter, host_device, to_host
+from .offload import HostMeter, host_device
 from .partition import Bucket, FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
@@ -106,17 +106,42 @@ class FlatGroup:
         device: torch.device,
         grad_shard_device: torch.device | None,
         grad_dtype: torch.dtype,
-    ) -> tuple[FlatGroup, torch.Tensor]:
-        """The group's buffers, its parameters made views of them; also the fp32 values (dp
-        rank 0's, broadcast). Gradients, in ``grad_dtype``: a full flat buffer (whose views are
+        pieces: list[tuple[int, int]],
+        master_for,
+    ) -> tuple[FlatGroup, list[torch.Tensor]]:
+        """The group's buffers, its parameters made views of them, and the fp32 masters of
+        ``pieces`` (this rank's ``[lo, hi)`` of each bucket, dp rank 0's values).
+
+        Parameter by parameter, so the start costs little more than the steady state (not a
+        whole fp32 copy of the model beside the model and its 16-bit buffer): each value is
+        broadcast from dp rank 0 in fp32, written into the masters it overlaps and, cast, into
+        the parameter buffer, whose view then replaces the parameter (its own storage goes).
+        ``master_for(numel)`` makes a zeroed master (where it lives: the device, or pinned host
+        memory when offloaded); in fp32 without offload the master is a view of the parameter
+        buffer itself (None). Gradients, in ``grad_dtype``: a full flat buffer (whose views are
         the parameters' ``.grad`` when it is in ``dtype``), or, given ``grad_shard_device``, a
-        shard there (stage 2)."""
-        full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        for slot in layout.slots:
-            full[slot.offset : slot.end].copy_(params[slot.index].detach().reshape(-1))
-        if comm.topo.dp > 1:
-            comm.broadcast(full, src=0, axis="dp")
-        params_flat = full if dtype == torch.float32 else full.to(dtype)
+        shard there (stage 2), made once the parameters' own storage is gone."""
+        params_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        masters = [master_for(hi - lo) for lo, hi in pieces]
+        bucket_of = {pos: b for b, bucket in enumerate(layout.buckets) for pos in bucket.slots}
+        for pos, slot in enumerate(layout.slots):
+            p = params[slot.index]
+            # (an fp32 parameter on the device is broadcast in place: its storage goes next)
+            value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
+            if comm.topo.dp > 1:
+                comm.broadcast(value, src=0, axis="dp")
+            params_flat[slot.offset : slot.end].copy_(value)
+            lo, hi = pieces[bucket_of[pos]]
+            a, b = max(slot.offset, lo), min(slot.end, hi)
+            master = masters[bucket_of[pos]]
+            if a < b and master is not None:
+                master[a - lo : b - lo].copy_(value[a - slot.offset : b - slot.offset])
+            p.data = params_flat[slot.offset : slot.end].view(slot.shape)
+            del value
+        masters = [
+            params_flat[lo:hi] if m is None else m
+            for m, (lo, hi) in zip(masters, pieces, strict=True)
+        ]
         grads_flat = grad_shard = None
         if grad_shard_device is None:
             grads_flat = torch.zeros(layout.padded_numel, dtype=grad_dtype, device=device)
@@ -125,11 +150,10 @@ class FlatGroup:
             grad_shard = torch.zeros(shard, dtype=grad_dtype, device=grad_shard_device)
         for slot in layout.slots:
             p = params[slot.index]
-            p.data = params_flat[slot.offset : slot.end].view(slot.shape)
             # autograd sums into the buffer itself when it is in the parameters' dtype
             as_grad = grads_flat is not None and grad_dtype == dtype
             p.grad = grads_flat[slot.offset : slot.end].view(slot.shape) if as_grad else None
-        return cls(params, options, layout, params_flat, grads_flat, grad_shard), full
+        return cls(params, options, layout, params_flat, grads_flat, grad_shard), masters
 
 
 class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
@@ -177,13 +201,25 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         shard_device = host_device() if self.offload != "none" else device
         shard_device = shard_device if stage == 2 else None
 
+        def master_for(numel: int) -> torch.Tensor | None:
+            """A zeroed fp32 master: in host memory when offloaded (pinned if asked and a GPU
+            is there), else on the device; None where the master is the parameter buffer's
+            own piece (fp32, not offloaded)."""
+            if self.offload != "none":
+                pin = self._pin and torch.cuda.is_available()
+                return torch.zeros(numel, dtype=torch.float32, pin_memory=pin)
+            if dtype == torch.float32:
+                return None
+            return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
+
         for g, group in enumerate(groups):
             params = list(group["params"])
             layout = FlatLayout.build(
                 [tuple(p.shape) for p in params], world=shard_world, bucket_numel=bucket_numel
             )
             options = {k: v for k, v in group.items() if k != "params"}
-            fg, full = FlatGroup.build(
+            pieces = [layout.piece(bucket, shard_rank) for bucket in layout.buckets]
+            fg, masters = FlatGroup.build(
                 params,
                 options,
                 layout,
@@ -192,15 +228,10 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                 device=device,
                 grad_shard_device=shard_device,
                 grad_dtype=self.accum_dtype,
+                pieces=pieces,
+                master_for=master_for,
             )
-            for bucket in layout.buckets:
-                # fp32: the master *is* this rank's piece of the parameter buffer (a view);
-                # offloaded, it is a host copy whatever the dtype.
-                lo, hi = layout.piece(bucket, shard_rank)
-                if self.offload != "none":
-                    master = to_host(full[lo:hi], self._pin)
-                else:
-                    master = full[lo:hi] if dtype == torch.float32 else full[lo:hi].clone()
+            for bucket, (lo, hi), master in zip(layout.buckets, pieces, masters, strict=True):
                 fg.buckets.append(len(self.buckets))
                 st = _BucketState.build(g, bucket, nn.Parameter(master), lo, hi, fg)
                 self._where.update({p: (len(self.buckets), rng) for p, rng in st.ranges})
