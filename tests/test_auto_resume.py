@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from common import max_rel_diff
+from common import max_rel_diff, session
 from safetensors.torch import load_file
 from torch.distributed import TCPStore
 
@@ -47,17 +47,7 @@ def sessions(out, cmds: list[list[str]]) -> tuple[list[tuple[int, str]], float]:
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        for cmd in cmds
-    ]
+    procs = [session(cmd, env) for cmd in cmds]
     results = []
     for proc in procs:
         try:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from common import TINY, batch, tiny_gpt
+from common import TINY, batch, micro_batches, tiny_gpt
 from distributed import run_distributed
 from vcuda import virtual_cuda
 
@@ -137,11 +137,7 @@ def _pipeline(rank, world, root, schedule, chunks):
     engine, *_ = zerostack.initialize(model=model, config=cfg)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, MICRO * GAS)
-        micro = [
-            (x[m * MICRO : (m + 1) * MICRO], y[m * MICRO : (m + 1) * MICRO]) for m in range(GAS)
-        ]
-        losses.append(engine.train_batch(iter(micro)).item())
+        losses.append(engine.train_batch(iter(micro_batches(step, MICRO, GAS))).item())
     return _host(engine.full_state_dict()), losses
 
 

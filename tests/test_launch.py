@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from common import run_cli
+from common import run_cli, session
 
 from zerostack.launcher import (
     LaunchError,
@@ -520,17 +520,7 @@ def test_init_distributed_refuses_instead_of_a_world_of_one():
 def _run_all(cmds: list[tuple[list[str], dict]], timeout: float = 150) -> list[str]:
     """Run the commands at once, each in a session of its own; anything still running at the
     end (a timeout, a failure here) is killed with all it started. Returns their outputs."""
-    procs = [
-        subprocess.Popen(
-            argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for argv, env in cmds
-    ]
+    procs = [session(argv, env) for argv, env in cmds]
     outs = []
     try:
         for p in procs:

@@ -17,7 +17,7 @@ import re
 import struct
 
 import pytest
-from common import TINY, batch, tiny_gpt
+from common import TINY, batch, micro_batches, tiny_gpt
 from distributed import run_distributed
 
 from zerostack.config import ConfigError, load_config
@@ -138,11 +138,7 @@ def _pipeline(rank, world, out):
     engine, *_ = zerostack.initialize(model=model, config=config)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, MICRO * GAS)
-        micro = [
-            (x[m * MICRO : (m + 1) * MICRO], y[m * MICRO : (m + 1) * MICRO]) for m in range(GAS)
-        ]
-        losses.append(engine.train_batch(iter(micro)).item())
+        losses.append(engine.train_batch(iter(micro_batches(step, MICRO, GAS))).item())
     engine.destroy()
     return losses, engine.train_batch_size()
 
