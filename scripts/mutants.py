@@ -52,6 +52,10 @@ CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
 SPIKE_ERR = "tests/test_loss_spike.py::test_a_spike_that_cannot_roll_back_is_every_ranks_error"
 
+T_RAISED = (
+    "tests/test_watchdog.py::test_the_verdict_and_the_traceback_reach_the_log_when_a_rank_raises"
+)
+
 MUTANTS = [
     Mutant(
         "loss not divided by gradient_accumulation_steps",
@@ -500,6 +504,20 @@ MUTANTS = [
         "        sys.excepthook = self._excepthook\n",
         "",
         ("tests/test_watchdog.py::test_a_rank_that_raises_is_named_by_every_rank",),
+    ),
+    Mutant(
+        "watchdog: the verdict printed into whatever sys.stderr is at the time",
+        "watchdog.py",
+        "        print(text, file=self._out, flush=True)",
+        "        print(text, file=sys.stderr, flush=True)",
+        (T_RAISED,),
+    ),
+    Mutant(
+        "watchdog: the rank ends while its traceback is being printed",
+        "watchdog.py",
+        "            if self._tracing.is_set():",
+        "            if False:",
+        (T_RAISED,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",

@@ -99,6 +99,42 @@ def test_a_posted_verdict_ends_every_rank():
     assert "ending the job: rank 3 stopped answering" in dog._out.getvalue()
 
 
+def test_the_verdict_and_the_traceback_reach_the_log_when_a_rank_raises(monkeypatch):
+    """torch's excepthook swaps ``sys.stderr`` for a StringIO while it formats a traceback: the
+    watchdog still prints into the real stream, and waits for the traceback before ending."""
+    real, swapped, events = io.StringIO(), io.StringIO(), []
+
+    def torch_like_hook(kind, value, tb):
+        sys.stderr = swapped
+        try:
+            swapped.write(f"Traceback: {kind.__name__}: {value}\n")
+            deadline = time.monotonic() + 2
+            while "ending the job" not in real.getvalue() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if "ending the job" in real.getvalue():
+                events.append("verdict printed at once")
+        finally:
+            sys.stderr = real
+        real.write(swapped.getvalue())
+        events.append("traceback printed")
+
+    monkeypatch.setattr(sys, "stderr", real)
+    monkeypatch.setattr(sys, "excepthook", torch_like_hook)
+    store = dist.HashStore()
+    dog = Watchdog(CommLog(), store, rank=0, world=2, timeout=60, interval=0.05,
+                   exit=lambda code: events.append(code))  # fmt: skip
+    dog.start()
+    try:
+        sys.excepthook(RuntimeError, RuntimeError("out of data"), None)
+        dog._thread.join(timeout=10)
+    finally:
+        dog.stop()
+    assert events == ["verdict printed at once", "traceback printed", EXIT_CODE]
+    out = real.getvalue()
+    assert "ending the job: rank 0 raised RuntimeError: out of data (at step 0)" in out
+    assert "Traceback: RuntimeError: out of data" in out
+
+
 def test_sigusr1_prints_the_report_and_the_job_goes_on():
     store = dist.HashStore()
     dog, codes = _dog(store, timeout=60, interval=5)

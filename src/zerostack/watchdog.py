@@ -65,7 +65,10 @@ class Watchdog:
         self.timeout = float(timeout)
         self.interval = float(interval) if interval else max(0.2, min(10.0, self.timeout / 4))
         self.history = history
-        self._exit, self._out = exit, out
+        # the stream as it is now: torch's excepthook swaps ``sys.stderr`` for a StringIO while it
+        # formats a traceback, and a verdict printed into that and followed by ``os._exit`` would
+        # leave the rank's log empty (seen on CI: exit code 75, no output)
+        self._exit, self._out = exit, out if out is not None else sys.stderr
         self._beat = 0
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its counter, when it changed)
         self._peers: dict[int, dict] = {}
@@ -78,6 +81,7 @@ class Watchdog:
         self._old_excepthook = sys.excepthook
         self._process = {"host": socket.gethostname(), "pid": os.getpid(), "start": _started()}
         self._stale: list[int] = []
+        self._tracing, self._traced = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Watchdog:
@@ -220,8 +224,7 @@ class Watchdog:
         return "\n".join(lines)
 
     def _say(self, text: str) -> None:
-        out = self._out or sys.stderr
-        print(text, file=out, flush=True)
+        print(text, file=self._out, flush=True)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -248,6 +251,8 @@ class Watchdog:
             self._say(f"[zerostack watchdog] rank {self.rank}: ending the job: {verdict}")
             self._say(self.report())
             self._end_stopped_peers()
+            if self._tracing.is_set():  # this rank's traceback is being printed: let it finish
+                self._traced.wait(timeout=5)
             self._exit(EXIT_CODE)
             return
 
@@ -291,7 +296,11 @@ class Watchdog:
             self.store.compare_set(f"{PREFIX}verdict", "", verdict)
         except Exception:
             pass
-        self._old_excepthook(kind, value, tb)
+        self._tracing.set()
+        try:
+            self._old_excepthook(kind, value, tb)
+        finally:
+            self._traced.set()
 
     def _listen_for_sigusr1(self) -> None:
         """SIGUSR1 -> a report, through a wakeup fd (only from the main thread, and only when no
