@@ -56,6 +56,8 @@ T_RAISED = (
     "tests/test_watchdog.py::test_the_verdict_and_the_traceback_reach_the_log_when_a_rank_raises"
 )
 
+T_APART = "tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart"
+
 MUTANTS = [
     Mutant(
         "loss not divided by gradient_accumulation_steps",
@@ -518,6 +520,20 @@ MUTANTS = [
         "            if self._tracing.is_set():",
         "            if False:",
         (T_RAISED,),
+    ),
+    Mutant(
+        "memory by device: stages 0-2 put every buffer on the compute device",
+        "zero/flat_state.py",
+        "                    yield kind, t.device.type, t.nbytes",
+        "                    yield kind, self.comm.topo.device.type, t.nbytes",
+        (T_APART,),
+    ),
+    Mutant(
+        "memory by device: stage 3's masters counted where the parameters compute",
+        "zero/stage3_state.py",
+        '                yield "master", g.master.device.type, g.master.nbytes',
+        '                yield "master", device, g.master.nbytes',
+        (T_APART,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",

@@ -8,6 +8,7 @@ but where things would live)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 
 import pytest
@@ -465,3 +466,62 @@ def test_the_start_peaks_near_the_steady_state(tmp_path, stage, precision, peak,
         _init_peak, world=2, args=(str(tmp_path), stage, precision)
     ):
         assert (got_peak, got_after) == (peak, after)
+
+
+# ---------------------------------------------------------------------- device and host apart
+def _by_device(rank, world, root, stage, offload):
+    from vcuda import MEMORY
+
+    with virtual_cuda():
+        cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=4, n_head=4, d_model=128)
+        torch.manual_seed(0)
+        model = GPT(cfg).to("cuda")
+        psi = sum(p.numel() for p in model.parameters())
+        zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        engine, *_ = zerostack.initialize(
+            model=model, config=_config(stage, bf16={"enabled": True}, zero=zero)
+        )
+        del model
+        _loop(engine, rank, world, steps=range(1))
+        places = engine.memory_by_device()
+        kinds = engine.memory_breakdown()
+        gc.collect()
+        device_bytes = MEMORY.allocated  # the virtual allocator: every live device storage
+        state = [t for s in engine.optimizer.state.values() for t in s.values()]
+        steps = [t for t in state if torch.is_tensor(t) and t.dim() == 0 and t.is_cuda]
+        device_bytes -= sum(t.nbytes for t in steps)  # fused Adam's step counters
+        engine.destroy()
+        return psi, places, kinds, device_bytes
+
+
+@pytest.mark.parametrize("stage, offload", [(1, False), (2, True), (3, True)])
+def test_device_and_host_bytes_are_reported_apart(tmp_path, stage, offload):
+    """``engine.memory_by_device()`` splits ``memory_breakdown`` by where each buffer lives
+    (bf16, dp 2, after a step): with the optimizer offloaded the fp32 masters, their Adam
+    moments and the fp32 gradient shard are host bytes, the 16-bit parameters and gradients
+    device bytes, and the device side is every byte virtual CUDA's allocator still holds."""
+    for psi, places, kinds, device_bytes in run_distributed(
+        _by_device, world=2, args=(str(tmp_path), stage, offload)
+    ):
+        # the split adds up to the breakdown, kind by kind
+        for kind, total in kinds.items():
+            assert sum(place.get(kind, 0) for place in places.values()) == total, kind
+        cuda = places["cuda"]
+        assert sum(cuda.values()) == device_bytes
+        shard = psi // 2  # this rank's share of each fp32 buffer, at dp 2
+        if not offload:
+            assert set(places) == {"cuda"}
+            assert cuda["master"] == 4 * shard and cuda["optimizer"] == 8 * shard
+            continue
+        host = places["cpu"]
+        assert host == {"params": 0, "grads": 4 * shard, "master": 4 * shard,
+                        "optimizer": 8 * shard}  # fmt: skip
+        assert cuda["master"] == cuda["optimizer"] == 0
+        assert cuda["params"] == (2 * psi if stage < 3 else 2 * shard)
+
+
+def test_a_cpu_run_holds_everything_on_the_host():
+    torch.manual_seed(0)
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2))
+    assert engine.memory_by_device() == {"cpu": engine.memory_breakdown()}
+    engine.destroy()

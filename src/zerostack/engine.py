@@ -328,8 +328,10 @@ class Engine(EngineAPI, nn.Module):
             print_progress(f"time (s): { {k: round(v, 4) for k, v in self.timers.items()} }")
         if self.config.memory_breakdown:
             device = self.device_memory()  # the CUDA allocator's figures, on a GPU
-            cuda = f" cuda: {device}" if device else ""
-            print_progress(f"memory (bytes): {self.memory_breakdown()}{cuda}")
+            cuda = f" cuda allocator: {device}" if device else ""
+            places = self.memory_by_device()
+            apart = f" by device: {places}" if len(places) > 1 else ""
+            print_progress(f"memory (bytes): {self.memory_breakdown()}{apart}{cuda}")
 
 
 def print_progress(text: str) -> None:

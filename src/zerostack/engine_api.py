@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from .zero.strategy import tally
+
 log = logging.getLogger("zerostack")
 
 
@@ -181,6 +183,20 @@ class EngineAPI:
             if torch.is_tensor(t) and t.dim() > 0  # step counters are scalars
         )
         return {**self.zero.memory_breakdown(), "optimizer": state}
+
+    def memory_by_device(self) -> dict[str, dict[str, int]]:
+        """:meth:`memory_breakdown`'s bytes apart per device type (``{"cuda": {...}, "cpu":
+        {...}}``): with offload, what stays on the GPU and what went to host memory. Only the
+        places something is held appear (on a CPU run, ``cpu`` alone)."""
+        out = tally(self.zero.held(), by_device=True)
+        for s in self.optimizer.state.values():
+            for t in s.values():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    place = out.setdefault(t.device.type, tally(()))
+                    place["optimizer"] = place.get("optimizer", 0) + t.nbytes
+        for place in out.values():
+            place.setdefault("optimizer", 0)
+        return out
 
     def device_memory(self) -> dict[str, int]:
         """The CUDA caching allocator's figures for this rank's device, beside

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .strategy import tally
+
 
 class FlatState:
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -145,19 +147,20 @@ class FlatState:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and separate fp32 master weights
         (offloaded masters count as host bytes; on NVMe only those swapped in right now)."""
-        params = sum(fg.params_flat.nbytes for fg in self.groups)
-        params += sum(p.nbytes for p in self.module.parameters() if p not in self._where)
-        grads = sum(
-            buf.nbytes
-            for fg in self.groups
-            for buf in (fg.grads_flat, fg.grad_shard)
-            if buf is not None
-        )
-        grads += sum(st.host_grad.nbytes for st in self.buckets if st.host_grad is not None)
-        master = 0
+        return tally(self.held())
+
+    def held(self):
+        """``(kind, device type, bytes)`` of every buffer :meth:`memory_breakdown` counts."""
+        params = [fg.params_flat for fg in self.groups]
+        params += [p for p in self.module.parameters() if p not in self._where]
+        grads = [buf for fg in self.groups for buf in (fg.grads_flat, fg.grad_shard)]
+        grads += [st.host_grad for st in self.buckets]
+        masters = []
         for st in self.buckets:
-            fg = self.groups[st.group]
-            base = fg.params_flat
-            inside = base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes
-            master += 0 if inside else st.master.nbytes
-        return {"params": params, "grads": grads, "master": master}
+            base = self.groups[st.group].params_flat
+            if not base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes:
+                masters.append(st.master)
+        for kind, tensors in (("params", params), ("grads", grads), ("master", masters)):
+            for t in tensors:
+                if t is not None:
+                    yield kind, t.device.type, t.nbytes

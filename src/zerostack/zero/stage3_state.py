@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .init import gather_full
+from .strategy import tally
 
 
 class Stage3State:
@@ -145,17 +146,24 @@ class Stage3State:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
         separate fp32 masters."""
+        return tally(self.held())
+
+    def held(self):
+        """``(kind, device type, bytes)`` of every buffer :meth:`memory_breakdown` counts."""
         if not self.param_swapper.offloads:
-            params = sum(g.pieces.nbytes for g in self.groups)
-            params += sum(p._zs.piece.nbytes for p in self._owner if p not in self._trainable)
+            pieces = [g.pieces for g in self.groups]
+            pieces += [p._zs.piece for p in self._owner if p not in self._trainable]
         else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
-            params = sum(p._zs.piece.nbytes for p in self._owner if p._zs.piece.stride() != (0,))
-        params += sum(p._zs.held_bytes for p in self._owner)  # gathered copies held right now
-        master = sum(
-            g.master.nbytes
-            for g in self.groups
-            if self.store.in_memory
-            and (g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr())
-        )  # in files the masters hold no storage between steps
-        grads = sum(g.grad_shard.nbytes for g in self.groups if g.grad_shard is not None)
-        return {"params": params, "grads": grads, "master": master}
+            pieces = [p._zs.piece for p in self._owner if p._zs.piece.stride() != (0,)]
+        for t in pieces:
+            yield "params", t.device.type, t.nbytes
+        device = self.comm.topo.device.type
+        for p in self._owner:  # gathered copies held right now, on the compute device
+            yield "params", device, p._zs.held_bytes
+        for g in self.groups:  # in files the masters hold no storage between steps
+            if self.store.in_memory and (
+                g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
+            ):
+                yield "master", g.master.device.type, g.master.nbytes
+            if g.grad_shard is not None:
+                yield "grads", g.grad_shard.device.type, g.grad_shard.nbytes

@@ -25,6 +25,20 @@ import torch
 from torch import nn
 
 
+def tally(held, by_device: bool = False) -> dict:
+    """Sum ``(kind, device type, bytes)`` items per kind (params, grads, master: each present,
+    zero or not), or per device type and then kind (only the places something is held)."""
+    kinds = {"params": 0, "grads": 0, "master": 0}
+    if not by_device:
+        for kind, _, nbytes in held:
+            kinds[kind] += nbytes
+        return kinds
+    out: dict[str, dict[str, int]] = {}
+    for kind, device, nbytes in held:
+        out.setdefault(device, dict.fromkeys(kinds, 0))[kind] += nbytes
+    return out
+
+
 @dataclass(frozen=True)
 class GradStats:
     """What :meth:`ZeroStrategy.reduce_grads` reports about this rank's master gradients.
@@ -109,6 +123,9 @@ class ZeroStrategy(Protocol):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held: params, grads, master."""
+
+    def held(self) -> Iterator[tuple[str, str, int]]:
+        """``(kind, device type, bytes)`` of each buffer :meth:`memory_breakdown` counts."""
 
     def close(self) -> None:
         """Release what lives outside the process (NVMe files)."""
