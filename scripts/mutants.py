@@ -58,6 +58,8 @@ T_RAISED = (
 
 T_APART = "tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart"
 
+T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
+
 MUTANTS = [
     Mutant(
         "loss not divided by gradient_accumulation_steps",
@@ -534,6 +536,27 @@ MUTANTS = [
         '                yield "master", g.master.device.type, g.master.nbytes',
         '                yield "master", device, g.master.nbytes',
         (T_APART,),
+    ),
+    Mutant(
+        "shutdown: the mesh keeps its groups past destroy_process_group",
+        "topology.py",
+        "        hold_groups(topo)\n",
+        "",
+        (T_SHUTDOWN,),
+    ),
+    Mutant(
+        "shutdown: torch.distributed.nn.functional's defaults keep the world group",
+        "topology.py",
+        "    _release_default_arguments()\n    dist.destroy_process_group()",
+        "    dist.destroy_process_group()",
+        (T_SHUTDOWN,),
+    ),
+    Mutant(
+        "shutdown: a pipeline's tied-weight groups are kept",
+        "pipeline/module.py",
+        "        hold_groups(self)  # the ties' groups",
+        "        pass  # the ties' groups",
+        (T_SHUTDOWN,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",

@@ -73,10 +73,13 @@ def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
+            from zerostack.topology import shutdown
+
             try:  # after a success, tear down together (see zerostack.topology.shutdown)
                 if results_ok:
-                    dist.barrier()
-                dist.destroy_process_group()
+                    shutdown()
+                else:
+                    dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
 

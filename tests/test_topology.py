@@ -240,3 +240,60 @@ def test_no_launcher_runs_as_a_world_of_one():
     [(first, second)] = run_distributed(_no_launcher, 1, timeout=60)
     assert first == (1, 0, "gloo", (1, 1, 1), 3.0)
     assert second == (1, "gloo", (1, 1, 1), timedelta(seconds=7))
+
+
+def _gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("pt_gloo_runloop")
+
+
+def _threads_after_shutdown(rank, world, pipeline):
+    """Threads of gloo before and after ``zerostack.shutdown()``, with an engine alive and
+    ``torch.distributed.nn.functional`` imported after ``init_process_group`` (as torch._dynamo
+    does when the first optimizer is built in a script that imported nothing of it before)."""
+    import importlib
+
+    import torch.distributed.nn.functional as fn
+    from common import TINY, batch, tiny_gpt
+
+    importlib.reload(fn)  # its defaults now hold the world group, as after a late import
+    config = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 0 if pipeline else 2},
+    }
+    if pipeline:  # two stages sharing the embedding: a tied-weight group of their own
+        from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+        from zerostack.pipeline import PipelineModule
+
+        topo = Topology.build(pp=2)
+        model = PipelineModule(gpt_layers(TINY, topo), topology=topo, loss_fn=GPTLoss(topo))
+        data = list(zip(*batch(0, 4), strict=True))
+        engine = zerostack.initialize(model=model, config=config, training_data=data)[0]
+        engine.train_batch()
+    else:
+        engine = zerostack.initialize(model=tiny_gpt(), config=config)[0]
+        x, y = batch(0, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    before = _gloo_threads()
+    engine.destroy()
+    zerostack.shutdown()
+    return before, _gloo_threads()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["stage2", "pipeline-tied"])
+def test_shutdown_ends_the_gloo_threads_while_the_engine_lives(pipeline):
+    """A group that outlives ``shutdown`` is destroyed by the interpreter's last collection,
+    where a gloo thread dropping a finished collective's tensor can abort the process
+    ("terminate called without an active exception", CI stop 23); every group must be gone,
+    and its threads joined, when ``shutdown`` returns, however long the engine lives on."""
+    results = run_distributed(_threads_after_shutdown, world=2, args=(pipeline,))
+    for before, after in results:
+        assert before > 0, "no gloo threads before shutdown: the test proves nothing"
+        assert after == 0, f"{after} gloo threads outlived shutdown ({before} before)"

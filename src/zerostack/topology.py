@@ -1,9 +1,10 @@
 """The process grid: pipeline x data x tensor parallel ranks on one named DeviceMesh.
 
 One :class:`Topology` object is built per job and passed to whatever needs a process group;
-nothing here is a module-level global. Ranks are laid out with tensor parallelism innermost
-(adjacent ranks share a tp group, as Megatron does, so tp traffic stays on one node), then data
-parallelism, then pipeline stages outermost::
+the one module-level record is a list of weak references to the objects that hold groups, for
+:func:`shutdown`. Ranks are laid out with tensor parallelism innermost (adjacent ranks share a tp
+group, as Megatron does, so tp traffic stays on one node), then data parallelism, then pipeline
+stages outermost::
 
     topo = Topology.build(pp=1, dp=2, tp=1)
     topo.dp_rank, topo.dp_size, topo.group("dp")
@@ -13,16 +14,29 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn_functional
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "tp")
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+_GROUP_HOLDERS: list[weakref.ref] = []
+"""Objects that keep process groups (each :class:`Topology`, a pipeline's tied-weight groups),
+weakly (a Topology compares by value, so it cannot be in a WeakSet); :func:`shutdown` calls
+their ``release_groups()``."""
+
+
+def hold_groups(holder) -> None:
+    """Record ``holder`` (with a ``release_groups()`` method) for :func:`shutdown`."""
+    _GROUP_HOLDERS[:] = [r for r in _GROUP_HOLDERS if r() is not None]
+    _GROUP_HOLDERS.append(weakref.ref(holder))
 
 
 class TopologyError(ValueError):
@@ -140,17 +154,42 @@ def _attempt_store(timeout: timedelta):
 
 
 def shutdown() -> None:
-    """Tear the process groups down together: a barrier, then ``destroy_process_group``.
+    """Tear the process groups down together: a barrier, then ``destroy_process_group``, and
+    the groups' worker threads end here, not at interpreter exit.
 
     A rank that destroys its gloo group while a peer is still running (say, rank 0 writing its
     summary) can abort at exit with "terminate called without an active exception"; the barrier
-    makes every rank arrive first.
+    makes every rank arrive first. The same abort follows when a group outlives
+    ``destroy_process_group`` (a DeviceMesh keeps its groups; ``torch.distributed.nn.functional``
+    keeps the world group as a default argument): the interpreter's final collection destroys
+    it, and a gloo thread still dropping a finished collective's tensor asks for the GIL of an
+    interpreter that is ending (std::terminate). Releasing every reference first destroys each
+    group inside ``destroy_process_group``, which joins its threads.
     """
     if not dist.is_initialized():
         return
     if dist.get_world_size() > 1:
         dist.barrier()
+    for ref in _GROUP_HOLDERS:
+        holder = ref()
+        if holder is not None:
+            holder.release_groups()
+    _GROUP_HOLDERS.clear()
+    _release_default_arguments()
     dist.destroy_process_group()
+
+
+def _release_default_arguments() -> None:
+    """``torch.distributed.nn.functional``'s functions take ``group=group.WORLD``, evaluated when
+    the module is imported: after ``init_process_group`` (torch._dynamo imports it with the first
+    optimizer), the defaults hold the world group. None is the same group to them (their
+    collectives read None as the default group) and holds nothing."""
+    for fn in vars(dist_nn_functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if getattr(fn, "__module__", None) == dist_nn_functional.__name__ and defaults:
+            fn.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
 
 
 def world_timeout() -> timedelta:
@@ -218,7 +257,15 @@ class Topology:
         topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout)
         for axis in AXES:
             _set_group_timeout(topo.group(axis), timeout)
+        hold_groups(topo)
         return topo
+
+    def release_groups(self) -> None:
+        """Drop the mesh's references to its groups (:func:`shutdown`; the grid is unusable
+        after it)."""
+        registry = getattr(self.mesh, "_pg_registry", None)  # torch >= 2.9 keeps the objects
+        if registry is not None:
+            registry.clear()
 
     @property
     def comm(self):

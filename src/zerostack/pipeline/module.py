@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..activation_checkpointing import checkpoint
-from ..topology import Topology
+from ..topology import Topology, hold_groups
 
 
 class LayerSpec:
@@ -225,6 +225,12 @@ class PipelineModule(nn.Module):
                     (seed_fn or torch.manual_seed)(base_seed + idx)
                 self._build(idx, self.layer_specs[idx])
         self.ties = self._make_ties()
+        hold_groups(self)  # the ties' groups, released at zerostack.shutdown()
+
+    def release_groups(self) -> None:
+        """Drop the tied-weight groups (``zerostack.shutdown``)."""
+        for tie in self.ties:
+            tie.group = None
 
     # ------------------------------------------------------------------ building
     def _build(self, idx: int, spec) -> None:
