@@ -58,6 +58,17 @@ T_RAISED = (
 
 T_APART = "tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart"
 
+T_QWZ_PARITY = (
+    "tests/test_zeropp.py::test_qwz_trains_at_the_quantized_weights_and_keeps_exact_masters"
+)
+T_QWZ_BYTES = "tests/test_zeropp.py::test_qwz_gathers_a_quarter_of_the_bytes"
+T_QWZ_ROUND = "tests/test_zeropp.py::test_a_round_trip_is_within_half_a_step_of_the_block_scale"
+T_QWZ_PACK = "tests/test_zeropp.py::test_a_payload_holds_every_piece_and_its_size_is_the_formula"
+T_QWZ_REFUSED = (
+    "tests/test_zeropp.py::"
+    "test_qwz_is_refused_outside_stage_3_and_the_rest_of_zeropp_is_not_there_yet"
+)
+
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
 
 MUTANTS = [
@@ -557,6 +568,34 @@ MUTANTS = [
         "        hold_groups(self)  # the ties' groups",
         "        pass  # the ties' groups",
         (T_SHUTDOWN,),
+    ),
+    Mutant(
+        "qwZ: the config's flag never reaches stage 3 (plain gathers)",
+        "zero/strategy.py",
+        "            quantized_weights=zcfg.zero_quantized_weights,",
+        "            quantized_weights=False,",
+        (T_QWZ_PARITY, T_QWZ_BYTES),
+    ),
+    Mutant(
+        "qwZ: values truncated toward zero instead of rounded",
+        "zero/quantize.py",
+        "    q = torch.round(x.div_(divisor[:, None]))",
+        "    q = torch.trunc(x.div_(divisor[:, None]))",
+        (T_QWZ_ROUND,),
+    ),
+    Mutant(
+        "qwZ: a piece's blocks start where the last full block of the one before ends",
+        "zero/quantize.py",
+        "        at += blocks(n)",
+        "        at += n // BLOCK",
+        (T_QWZ_PACK, T_QWZ_PARITY),
+    ),
+    Mutant(
+        "qwZ: accepted below stage 3, where it would do nothing",
+        "config.py",
+        "        if self.zero_quantized_weights and self.stage != 3:",
+        "        if False:",
+        (T_QWZ_REFUSED,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",

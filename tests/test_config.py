@@ -161,6 +161,9 @@ def test_defaults_match_deepspeed():
         "elastic_checkpoint": False,
         "ignore_unused_parameters": True,
         "load_from_fp32_weights": True,
+        "zero_quantized_weights": False,  # ZeRO++: DeepSpeed's defaults, off
+        "zero_quantized_gradients": False,
+        "zero_hpz_partition_size": 1,
         "offload_optimizer": None,
         "offload_param": None,
     }

@@ -470,6 +470,13 @@ def _check_implemented(zero: "ZeroConfig") -> None:
         supported = ", ".join(map(str, sorted(SUPPORTED_ZERO_STAGES)))
         msg = f"{zero.stage} is not implemented yet in this version of zerostack"
         _fail(f"{msg} (supported: {supported})", "stage")
+    if zero.zero_quantized_gradients:
+        _fail("true is not implemented yet (qgZ)", "zero_quantized_gradients")
+    if zero.zero_hpz_partition_size != 1:
+        _fail(
+            f"{zero.zero_hpz_partition_size} is not implemented yet (hpZ; only 1)",
+            "zero_hpz_partition_size",
+        )
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload is not None and offload.device not in _SUPPORTED_OFFLOAD_DEVICES:
@@ -555,6 +562,16 @@ class ZeroConfig(_Model):
     load_from_fp32_weights: bool = True
     """Restore fp32 master weights from the checkpoint's fp32 copy. Accepted for DeepSpeed
     compatibility; no effect yet."""
+    zero_quantized_weights: bool = False
+    """Stage 3 (ZeRO++ qwZ): parameters are all-gathered for forward and backward as int8 blocks
+    of 256 elements with one fp32 scale each (a quarter of fp32's bytes, about half of bf16's);
+    the gathered weights are within half a step of their block's scale, the masters, optimizer
+    and checkpoints stay exact (:mod:`zerostack.zero.quantize`)."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ (quantized gradient reduce-scatter). Not implemented yet: true is refused."""
+    zero_hpz_partition_size: PositiveInt = 1
+    """ZeRO++ hpZ (a secondary parameter partition within groups of this many ranks). Not
+    implemented yet: only 1 is accepted."""
     offload_optimizer: OffloadConfig | None = None
     """Offload optimizer state (stages 1-3)."""
     offload_param: OffloadConfig | None = None
@@ -604,6 +621,11 @@ class ZeroConfig(_Model):
         if self.offload_optimizer is not None and self.offload_optimizer.device != "none":
             if self.stage == 0:  # "auto" picks a stage that can
                 _fail("needs ZeRO stage 1, 2 or 3 (stage is 0)", "offload_optimizer")
+        if self.zero_quantized_weights and self.stage != 3:
+            _fail(
+                f"quantizes stage 3's parameter all-gathers; set stage 3 (stage is {self.stage})",
+                "zero_quantized_weights",
+            )
         _check_implemented(self)
         return self
 

@@ -51,12 +51,14 @@ class _Gather:
         comm: Comm,
         meter: StorageMeter,
         swapper: ParamSwapper | ResidentPieces,
+        quantized: bool = False,
     ) -> None:
         self.params = params
         self.meter = meter
         self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
         swapper.fetch(params)
-        self._finish = gather_full([p._zs for p in params], comm, async_op=True)
+        states = [p._zs for p in params]
+        self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
         swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
         self.done = False
 
@@ -112,8 +114,10 @@ class ParamCoordinator:
         swapper: ParamSwapper | ResidentPieces,
         max_live_numel: int = 1_000_000_000,
         max_reuse_numel: int = 0,
+        quantized_weights: bool = False,
     ) -> None:
         self.comm, self.meter = comm, meter
+        self.quantized = quantized_weights  # ZeRO++ qwZ: int8 gathers (.quantize)
         self.max_live_numel, self.max_reuse_numel = max_live_numel, max_reuse_numel
         self._trainable, self.param_swapper = trainable, swapper
         # Units, their owners (a tied parameter is reduced once, by the first module holding it).
@@ -193,7 +197,7 @@ class ParamCoordinator:
         ahead = self._plan_prefetch(u, exclude=set(need))
         self._count(ahead, +1)
         if need or ahead:
-            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper)
+            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper, self.quantized)
             for p in need + ahead:
                 self._inflight[p] = g
         for p in ps:
@@ -295,7 +299,7 @@ class ParamCoordinator:
             self._bwd_need[u] += p in self._trainable
         pending = self._inflight.pop(p, None)
         if pending is None:
-            pending = _Gather([p], self.comm, self.meter, self.param_swapper)
+            pending = _Gather([p], self.comm, self.meter, self.param_swapper, self.quantized)
             self._count([p], +1)
         pending.resolve()
         p._zs.active += 1

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..topology import Topology
+from . import quantize
 
 
 class StorageMeter:
@@ -151,16 +152,22 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     return state
 
 
-def gather_full(states: list[ShardState], comm: Comm, dtype=None, async_op=False):
+def gather_full(
+    states: list[ShardState], comm: Comm, dtype=None, async_op=False, quantized: bool = False
+):
     """All-gather several parameters in one collective; returns their full tensors.
 
-    With ``async_op`` returns a function that waits and returns them.
+    With ``async_op`` returns a function that waits and returns them. ``quantized`` sends int8
+    blocks (ZeRO++ qwZ, :mod:`.quantize`) and returns the dequantized values, in the pieces'
+    dtype (or ``dtype``).
     """
     world = comm.topo.dp
     pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
     if world == 1:
         fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
         return (lambda: fulls) if async_op else fulls
+    if quantized:
+        return _gather_quantized(states, pieces, comm, async_op)
     flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece is sent as it is
     width = flat.numel()
     out = torch.empty(world * width, dtype=flat.dtype, device=flat.device)
@@ -178,6 +185,24 @@ def gather_full(states: list[ShardState], comm: Comm, dtype=None, async_op=False
             fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape))
             off += pn
         return fulls
+
+    return finish if async_op else finish()
+
+
+def _gather_quantized(states, pieces, comm: Comm, async_op: bool):
+    """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
+    world = comm.topo.dp
+    payload = quantize.pack(pieces)
+    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
+    handle = comm.all_gather(out, payload, axis="dp", async_op=True)
+    del payload
+
+    def finish() -> list[torch.Tensor]:
+        handle.wait()
+        rows = out.view(world, -1)
+        numels = [pc.numel() for pc in pieces]
+        values = quantize.unpack(rows, numels, pieces[0].dtype)
+        return [v.reshape(-1)[: s.numel].view(s.shape) for v, s in zip(values, states, strict=True)]
 
     return finish if async_op else finish()
 

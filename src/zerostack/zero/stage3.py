@@ -88,6 +88,7 @@ class Stage3(Stage3State, StepSequence):
         offload=None,
         sub_group_numel: int | None = None,
         offload_param=None,
+        quantized_weights: bool = False,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -172,6 +173,7 @@ class Stage3(Stage3State, StepSequence):
             swapper=self.param_swapper,
             max_live_numel=max_live_numel,
             max_reuse_numel=max_reuse_numel,
+            quantized_weights=quantized_weights,
         )
         owner = self._owner = self.coord.owner
         self._owned = [

@@ -175,6 +175,7 @@ def build_strategy(
             max_reuse_numel=zcfg.effective_max_reuse_distance,
             persistence_threshold=zcfg.stage3_param_persistence_threshold,
             reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
+            quantized_weights=zcfg.zero_quantized_weights,
             **common,
         )
     return ShardedDataParallel(

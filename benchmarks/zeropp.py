@@ -1,0 +1,151 @@
+"""ZeRO++ quantized weights (qwZ) against plain stage 3: bytes on the wire, step time, and the
+demo's loss curve.
+
+    python benchmarks/zeropp.py                    # the demo's GPT and run, 300 steps, 2 ranks
+    python benchmarks/zeropp.py --steps 40 --bf16  # quicker; bf16 gathers (qwZ halves them)
+
+Each side is the demo's training run (``zerostack train``'s model, corpus, AdamW, warmup-cosine
+schedule and clipping, from the same command-line defaults) at ZeRO stage 3 with every parameter
+gathered each pass (``stage3_param_persistence_threshold`` 0, or the demo's small model would
+keep them all resident), with and without ``zero_quantized_weights``, each in its own torchrun
+launch. The bytes are counted where the all-gathers hand their tensors to torch.distributed
+(not from zerostack's CommLog), per optimizer step. Prints one JSON object: per side the median
+step time, the all-gather bytes per step, the loss every 10 steps and the mean of the last 10;
+the ratios (bytes plain / qwZ, time qwZ / plain) and the final loss's relative difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import zerostack
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    import zerostack
+from _bench import emit, torchrun  # benchmarks/_bench.py
+
+from zerostack.cli import DEFAULTS, _build_config, _parser
+from zerostack.demo.corpus import corpus_datasets
+from zerostack.models import GPT, GPTConfig
+
+SIDES = ("stage3", "stage3_qwz")
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per side")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (bf16 gathers)")
+    p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--side-timeout", type=float, default=3600)
+    p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
+    return p.parse_args(argv)
+
+
+def _config(args, quantized: bool) -> dict:
+    """The config ``zerostack train --zero-stage 3 [--bf16]`` builds, plus the qwZ key."""
+    argv = ["train", "--zero-stage", "3", "--steps", str(args.steps)]
+    cfg = _build_config(_parser().parse_args(argv + (["--bf16"] if args.bf16 else [])))
+    zero = cfg.setdefault("zero_optimization", {})
+    zero.update(stage3_param_persistence_threshold=0, zero_quantized_weights=quantized)
+    cfg["steps_per_print"] = 10**9
+    return cfg
+
+
+def run_side(args) -> None:
+    zerostack.init_distributed("gloo")
+    import zerostack.comm.grid as grid
+
+    handed: list[int] = []
+    gather = grid._all_gather
+
+    def counting(output, input, **kw):  # what torch.distributed is given to move
+        handed.append(output.numel() * output.element_size())
+        return gather(output, input, **kw)
+
+    grid._all_gather = counting
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            block_size=DEFAULTS["block_size"],
+            n_layer=DEFAULTS["n_layer"],
+            n_head=DEFAULTS["n_head"],
+            d_model=DEFAULTS["d_model"],
+        )
+    )
+    train_set, _ = corpus_datasets(DEFAULTS["block_size"])
+    quantized = args.side.endswith("_qwz")
+    engine, *_ = zerostack.initialize(
+        model=model, training_data=train_set, config=_config(args, quantized)
+    )
+    losses, times, step_bytes = [], [], []
+    for _ in range(args.steps):
+        handed.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(engine.train_batch().item())
+        times.append(time.perf_counter() - t0)
+        step_bytes.append(sum(handed))
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if engine.global_rank == 0:
+        result = {
+            "side": args.side,
+            "parameters": sum(p.ds_numel for p in engine.module.parameters()),
+            "median_s": round(statistics.median(t.tolist()[2:] or t.tolist()), 5),
+            "allgather_bytes_per_step": statistics.median(step_bytes),
+            "loss_every_10": [round(x, 4) for x in losses[::10]],
+            "final_loss": round(statistics.fmean(losses[-10:]), 5),
+        }
+        print(json.dumps(result), flush=True)
+    engine.destroy()
+    zerostack.shutdown()
+
+
+def main(args) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    sides = {}
+    for side in SIDES:
+        argv = [*sys.argv[1:], "--side", side]
+        sides[side] = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
+        print(f"{side}: {json.dumps(sides[side])}", file=sys.stderr, flush=True)
+    plain, qwz = sides["stage3"], sides["stage3_qwz"]
+    ratios = {}
+    if "median_s" in plain and "median_s" in qwz:
+        ratios = {
+            "allgather_bytes_plain/qwz": round(
+                plain["allgather_bytes_per_step"] / qwz["allgather_bytes_per_step"], 3
+            ),
+            "time_qwz/plain": round(qwz["median_s"] / plain["median_s"], 3),
+            "final_loss_rel_diff": round(
+                abs(qwz["final_loss"] - plain["final_loss"]) / plain["final_loss"], 5
+            ),
+        }
+    out = {
+        "benchmark": "zeropp",
+        "world_size": args.nproc,
+        "steps": args.steps,
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "model": {k: DEFAULTS[k] for k in ("n_layer", "d_model", "n_head", "block_size")},
+        "torch": torch.__version__,
+        "sides": sides,
+        "ratios": ratios,
+    }
+    return emit(out, args.out)
+
+
+if __name__ == "__main__":
+    a = _args()
+    if a.side is not None:
+        run_side(a)
+    else:
+        main(a)
