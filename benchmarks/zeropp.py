@@ -1,5 +1,5 @@
-"""ZeRO++ quantized weights (qwZ) against plain stage 3: bytes on the wire, step time, and the
-demo's loss curve.
+"""ZeRO++ quantized weights (qwZ) and gradients (qgZ) against plain stage 3: bytes on the wire,
+step time, and the demo's loss curve.
 
     python benchmarks/zeropp.py                    # the demo's GPT and run, 300 steps, 2 ranks
     python benchmarks/zeropp.py --steps 40 --bf16  # quicker; bf16 gathers (qwZ halves them)
@@ -7,11 +7,13 @@ demo's loss curve.
 Each side is the demo's training run (``zerostack train``'s model, corpus, AdamW, warmup-cosine
 schedule and clipping, from the same command-line defaults) at ZeRO stage 3 with every parameter
 gathered each pass (``stage3_param_persistence_threshold`` 0, or the demo's small model would
-keep them all resident), with and without ``zero_quantized_weights``, each in its own torchrun
-launch. The bytes are counted where the all-gathers hand their tensors to torch.distributed
-(not from zerostack's CommLog), per optimizer step. Prints one JSON object: per side the median
-step time, the all-gather bytes per step, the loss every 10 steps and the mean of the last 10;
-the ratios (bytes plain / qwZ, time qwZ / plain) and the final loss's relative difference.
+keep them all resident): plain, ``zero_quantized_weights``, ``zero_quantized_gradients`` and
+both, each in its own torchrun launch. The bytes are counted where zerostack hands its tensors
+to torch.distributed (not from zerostack's CommLog), per optimizer step: the parameter
+all-gathers, and the gradient reduce-scatter or (qgZ) all-to-all. Prints one JSON object: per
+side the median step time, the bytes per step, the loss every 10 steps and the mean of the last
+10; per quantized side the ratios to plain (bytes, time) and the final loss's relative
+difference.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from zerostack.cli import DEFAULTS, _build_config, _parser
 from zerostack.demo.corpus import corpus_datasets
 from zerostack.models import GPT, GPTConfig
 
-SIDES = ("stage3", "stage3_qwz")
+SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qwz_qgz")
 
 
 def _args(argv=None):
@@ -51,12 +53,16 @@ def _args(argv=None):
     return p.parse_args(argv)
 
 
-def _config(args, quantized: bool) -> dict:
-    """The config ``zerostack train --zero-stage 3 [--bf16]`` builds, plus the qwZ key."""
+def _config(args, weights: bool, grads: bool) -> dict:
+    """The config ``zerostack train --zero-stage 3 [--bf16]`` builds, plus the ZeRO++ keys."""
     argv = ["train", "--zero-stage", "3", "--steps", str(args.steps)]
     cfg = _build_config(_parser().parse_args(argv + (["--bf16"] if args.bf16 else [])))
     zero = cfg.setdefault("zero_optimization", {})
-    zero.update(stage3_param_persistence_threshold=0, zero_quantized_weights=quantized)
+    zero.update(
+        stage3_param_persistence_threshold=0,
+        zero_quantized_weights=weights,
+        zero_quantized_gradients=grads,
+    )
     cfg["steps_per_print"] = 10**9
     return cfg
 
@@ -65,14 +71,18 @@ def run_side(args) -> None:
     zerostack.init_distributed("gloo")
     import zerostack.comm.grid as grid
 
-    handed: list[int] = []
-    gather = grid._all_gather
+    moved = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
 
-    def counting(output, input, **kw):  # what torch.distributed is given to move
-        handed.append(output.numel() * output.element_size())
-        return gather(output, input, **kw)
+    def counting(op: str, fn):
+        def call(output, input, **kw):  # the bytes torch.distributed is given to move
+            moved[op] += (output if op == "all_gather" else input).nbytes
+            return fn(output, input, **kw)
 
-    grid._all_gather = counting
+        return call
+
+    grid._all_gather = counting("all_gather", grid._all_gather)
+    grid._reduce_scatter = counting("reduce_scatter", grid._reduce_scatter)
+    dist.all_to_all_single = counting("all_to_all", dist.all_to_all_single)
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(
@@ -83,18 +93,16 @@ def run_side(args) -> None:
         )
     )
     train_set, _ = corpus_datasets(DEFAULTS["block_size"])
-    quantized = args.side.endswith("_qwz")
-    engine, *_ = zerostack.initialize(
-        model=model, training_data=train_set, config=_config(args, quantized)
-    )
+    config = _config(args, "_qwz" in args.side, "_qgz" in args.side)
+    engine, *_ = zerostack.initialize(model=model, training_data=train_set, config=config)
     losses, times, step_bytes = [], [], []
     for _ in range(args.steps):
-        handed.clear()
+        moved.update({k: 0 for k in moved})
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(engine.train_batch().item())
         times.append(time.perf_counter() - t0)
-        step_bytes.append(sum(handed))
+        step_bytes.append(dict(moved))
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if engine.global_rank == 0:
@@ -102,7 +110,9 @@ def run_side(args) -> None:
             "side": args.side,
             "parameters": sum(p.ds_numel for p in engine.module.parameters()),
             "median_s": round(statistics.median(t.tolist()[2:] or t.tolist()), 5),
-            "allgather_bytes_per_step": statistics.median(step_bytes),
+            "bytes_per_step": {
+                k: max(b[k] for b in step_bytes) for k in moved if any(b[k] for b in step_bytes)
+            },
             "loss_every_10": [round(x, 4) for x in losses[::10]],
             "final_loss": round(statistics.fmean(losses[-10:]), 5),
         }
@@ -118,16 +128,19 @@ def main(args) -> dict:
         argv = [*sys.argv[1:], "--side", side]
         sides[side] = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
         print(f"{side}: {json.dumps(sides[side])}", file=sys.stderr, flush=True)
-    plain, qwz = sides["stage3"], sides["stage3_qwz"]
-    ratios = {}
-    if "median_s" in plain and "median_s" in qwz:
-        ratios = {
-            "allgather_bytes_plain/qwz": round(
-                plain["allgather_bytes_per_step"] / qwz["allgather_bytes_per_step"], 3
-            ),
-            "time_qwz/plain": round(qwz["median_s"] / plain["median_s"], 3),
+    plain, ratios = sides["stage3"], {}
+    for side in SIDES[1:]:
+        got = sides[side]
+        if "median_s" not in got or "median_s" not in plain:
+            continue
+        mine, base = got["bytes_per_step"], plain["bytes_per_step"]
+        grads = mine.get("all_to_all") or mine["reduce_scatter"]
+        ratios[f"{side}/stage3"] = {
+            "parameter_bytes": round(base["all_gather"] / mine["all_gather"], 3),
+            "gradient_bytes": round(base["reduce_scatter"] / grads, 3),
+            "time": round(got["median_s"] / plain["median_s"], 3),
             "final_loss_rel_diff": round(
-                abs(qwz["final_loss"] - plain["final_loss"]) / plain["final_loss"], 5
+                abs(got["final_loss"] - plain["final_loss"]) / plain["final_loss"], 5
             ),
         }
     out = {

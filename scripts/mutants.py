@@ -64,6 +64,10 @@ T_QWZ_PARITY = (
 T_QWZ_BYTES = "tests/test_zeropp.py::test_qwz_gathers_a_quarter_of_the_bytes"
 T_QWZ_ROUND = "tests/test_zeropp.py::test_a_round_trip_is_within_half_a_step_of_the_block_scale"
 T_QWZ_PACK = "tests/test_zeropp.py::test_a_payload_holds_every_piece_and_its_size_is_the_formula"
+T_QGZ = (
+    "tests/test_zeropp.py::"
+    "test_qgz_trains_at_the_quantized_gradients_and_moves_a_quarter_of_the_bytes"
+)
 T_QWZ_REFUSED = (
     "tests/test_zeropp.py::"
     "test_qwz_is_refused_outside_stage_3_and_the_rest_of_zeropp_is_not_there_yet"
@@ -594,6 +598,34 @@ MUTANTS = [
         "qwZ: accepted below stage 3, where it would do nothing",
         "config.py",
         "        if self.zero_quantized_weights and self.stage != 3:",
+        "        if False:",
+        (T_QWZ_REFUSED,),
+    ),
+    Mutant(
+        "qgZ: the config's flag never reaches stage 3 (plain reduce-scatter)",
+        "zero/strategy.py",
+        "            quantized_gradients=zcfg.zero_quantized_gradients,",
+        "            quantized_gradients=False,",
+        (T_QGZ,),
+    ),
+    Mutant(
+        "qgZ: only this rank's own contribution summed",
+        "zero/stage3_reduce.py",
+        "            for r in range(1, self.dp):",
+        "            for r in range(1, 1):",
+        (T_QGZ,),
+    ),
+    Mutant(
+        "qgZ: each row sent to the wrong rank",
+        "zero/stage3_reduce.py",
+        "for row in staging])",
+        "for row in staging.flip(0)])",
+        (T_QGZ,),
+    ),
+    Mutant(
+        "qgZ: accepted below stage 3, where it would do nothing",
+        "config.py",
+        "        if self.zero_quantized_gradients and self.stage != 3:",
         "        if False:",
         (T_QWZ_REFUSED,),
     ),

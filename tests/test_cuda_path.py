@@ -196,10 +196,13 @@ CASES = {
     "stage2": (_zero, (2,)),
     "stage3": (_zero, (3,)),
     "stage3-bf16": (_zero, (3,), {"bf16": {"enabled": True}}),
-    "stage3-bf16-qwz": (
+    "stage3-bf16-zeropp": (
         _zero,
         (3,),
-        {"bf16": {"enabled": True}, "zero": {"zero_quantized_weights": True}},
+        {
+            "bf16": {"enabled": True},
+            "zero": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+        },
     ),
     "stage2-fp16": (_zero, (2,), {"fp16": {"enabled": True, "initial_scale_power": 8}}),
     "stage2-offload": (_zero, (2,), {"zero": {"offload_optimizer": {"device": "cpu"}}}),

@@ -77,39 +77,51 @@ def test_a_payload_holds_every_piece_and_its_size_is_the_formula():
     assert all(t.dtype == torch.bfloat16 for t in bf16)
 
 
+def quantized_pieces(t: torch.Tensor, dp: int) -> torch.Tensor:
+    """``t`` as stage 3 at ``dp`` ranks cuts it, padded into ``dp`` equal pieces, each piece
+    round-tripped on its own."""
+    flat = t.detach().reshape(-1)
+    width = -(-flat.numel() // dp)
+    padded = torch.zeros(width * dp)
+    padded[: flat.numel()] = flat
+    pieces = [spec_round_trip(padded[r * width : (r + 1) * width]) for r in range(dp)]
+    return torch.cat(pieces)[: flat.numel()].view(t.shape)
+
+
 def quantized_weights(model: torch.nn.Module, dp: int) -> dict[str, torch.Tensor]:
-    """Each parameter as stage 3 at ``dp`` ranks computes with it under qwZ: padded, cut into
-    ``dp`` equal pieces, each piece round-tripped on its own."""
-    out = {}
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        width = -(-flat.numel() // dp)
-        padded = torch.zeros(width * dp)
-        padded[: flat.numel()] = flat
-        pieces = [spec_round_trip(padded[r * width : (r + 1) * width]) for r in range(dp)]
-        out[name] = torch.cat(pieces)[: flat.numel()].view(p.shape)
-    return out
+    """Each parameter as stage 3 at ``dp`` ranks computes with it under qwZ."""
+    return {name: quantized_pieces(p, dp) for name, p in model.named_parameters()}
 
 
-def quantized_reference(steps: int) -> dict[str, torch.Tensor]:
-    """One process, plain SGD on the whole batch: the gradient taken at the quantized weights
-    and applied to the exact ones (what qwZ at dp 2 must do)."""
+def quantized_reference(steps: int, weights: bool = True, grads: bool = False):
+    """One process, plain SGD on the whole batch, as qwZ (``weights``) and qgZ (``grads``) at
+    dp 2 must train: each rank's gradient taken at the (quantized) weights on its half of the
+    batch, its pieces round-tripped (qgZ), the two summed in rank order and halved, applied to
+    the exact weights."""
     model = tiny_gpt()
     shadow = tiny_gpt()
     for step in range(steps):
         with torch.no_grad():
-            for name, value in quantized_weights(model, 2).items():
+            used = quantized_weights(model, 2) if weights else dict(model.named_parameters())
+            for name, value in used.items():
                 shadow.get_parameter(name).copy_(value)
         x, y = batch(step, GLOBAL_BATCH)
-        shadow.zero_grad(set_to_none=True)
-        shadow(x, y).backward()
+        half = GLOBAL_BATCH // 2
+        per_rank = []
+        for r in range(2):
+            shadow.zero_grad(set_to_none=True)
+            shadow(x[r * half : (r + 1) * half], y[r * half : (r + 1) * half]).backward()
+            per_rank.append({n: p.grad.clone() for n, p in shadow.named_parameters()})
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p -= LR * shadow.get_parameter(name).grad
+                g0, g1 = per_rank[0][name], per_rank[1][name]
+                if grads:
+                    g0, g1 = quantized_pieces(g0, 2), quantized_pieces(g1, 2)
+                p -= LR * ((g0 + g1) * 0.5)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(rank, world, quantized: bool, steps: int):
+def _train(rank, world, quantized: bool, steps: int, grads: bool = False):
     """Stage 3 at dp 2, plain SGD; the final weights and, for the last step, the bytes of each
     parameter all-gather as the CommLog has them and as handed to torch.distributed."""
     import zerostack.comm.grid as grid
@@ -129,6 +141,7 @@ def _train(rank, world, quantized: bool, steps: int):
         "zero_optimization": {
             "stage": 3,
             "zero_quantized_weights": quantized,
+            "zero_quantized_gradients": grads,
             "stage3_param_persistence_threshold": 0,  # every parameter is gathered each pass
         },
     }
@@ -142,7 +155,10 @@ def _train(rank, world, quantized: bool, steps: int):
         engine.step()
     logged = [r.bytes for r in log.records[first:] if r.op == "all_gather"]
     step_handed = list(handed)
-    return engine.full_state_dict(), logged, step_handed
+    moved = {}  # one step's bytes per op, as the CommLog has them
+    for r in log.records[first:]:
+        moved[r.op] = moved.get(r.op, 0) + r.bytes
+    return engine.full_state_dict(), logged, step_handed, moved
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +171,9 @@ def runs():
 def test_qwz_trains_at_the_quantized_weights_and_keeps_exact_masters(runs):
     plain, quantized = runs
     want = quantized_reference(STEPS)
-    for weights, _, _ in quantized:
+    for weights, *_ in quantized:
         worst, name = max_rel_diff(weights, want)
+        print(f"qwZ: {worst:.1e} from the reference")
         assert worst < TOL, f"{name}: {worst:.2e} from the quantized-weights reference"
     # the quantization is real: plain stage 3 ends elsewhere, by far more than the tolerance
     worst, _ = max_rel_diff(plain[0][0], want)
@@ -167,7 +184,7 @@ def test_qwz_gathers_a_quarter_of_the_bytes(runs):
     """One step's parameter all-gathers (forward and backward): as many as plain stage 3's, each
     of int8 blocks, 3.9x fewer bytes than fp32 in all; the CommLog counts what torch got."""
     plain, quantized = runs
-    (_, plain_logged, plain_handed), (_, quant_logged, quant_handed) = plain[0], quantized[0]
+    (_, plain_logged, plain_handed, _), (_, quant_logged, quant_handed, _) = plain[0], quantized[0]
     assert plain_logged == plain_handed and quant_logged == quant_handed
     assert plain_handed and len(plain_handed) == len(quant_handed)
     ratio = sum(plain_handed) / sum(quant_handed)
@@ -175,11 +192,39 @@ def test_qwz_gathers_a_quarter_of_the_bytes(runs):
     print(f"qwZ: {sum(plain_handed)} -> {sum(quant_handed)} bytes gathered a step ({ratio:.2f}x)")
 
 
+def test_qgz_trains_at_the_quantized_gradients_and_moves_a_quarter_of_the_bytes(runs):
+    """qgZ alone: each rank's gradient pieces round-tripped before the sum (the reference), an
+    all-to-all instead of the reduce-scatter, 3.9x fewer bytes than fp32's."""
+    plain, _ = runs
+    results = run_distributed(_train, world=2, args=(False, STEPS, True))
+    want = quantized_reference(STEPS, weights=False, grads=True)
+    for weights, *_ in results:
+        worst, name = max_rel_diff(weights, want)
+        print(f"qgZ: {worst:.1e} from the reference")
+        assert worst < TOL, f"{name}: {worst:.2e} from the quantized-gradients reference"
+    worst, _ = max_rel_diff(plain[0][0], want)
+    assert worst > 100 * TOL, f"plain stage 3 is within {worst:.2e} of the qgZ reference"
+    plain_moved, moved = plain[0][3], results[0][3]
+    assert "all_to_all" not in plain_moved and "reduce_scatter" not in moved
+    ratio = plain_moved["reduce_scatter"] / moved["all_to_all"]
+    assert 3.5 <= ratio < 4.0, f"fp32 / int8 gradient bytes {ratio:.2f}"
+    print(f"qgZ: {plain_moved['reduce_scatter']} -> {moved['all_to_all']} bytes a step")
+
+
+def test_qwz_and_qgz_together_train_as_the_reference_with_both():
+    results = run_distributed(_train, world=2, args=(True, STEPS, True))
+    want = quantized_reference(STEPS, weights=True, grads=True)
+    for weights, *_ in results:
+        worst, name = max_rel_diff(weights, want)
+        print(f"qwZ + qgZ: {worst:.1e} from the reference")
+        assert worst < TOL, f"{name}: {worst:.2e} from the reference with both quantized"
+
+
 def test_qwz_is_refused_outside_stage_3_and_the_rest_of_zeropp_is_not_there_yet():
     with pytest.raises(ConfigError, match="zero_quantized_weights: quantizes stage 3"):
         load_config({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
-    with pytest.raises(ConfigError, match="zero_quantized_gradients: true is not implemented"):
-        load_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    with pytest.raises(ConfigError, match="zero_quantized_gradients: quantizes stage 3's"):
+        load_config({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
     with pytest.raises(ConfigError, match="zero_hpz_partition_size: 2 is not implemented"):
         load_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
     assert load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})

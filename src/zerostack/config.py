@@ -470,8 +470,6 @@ def _check_implemented(zero: "ZeroConfig") -> None:
         supported = ", ".join(map(str, sorted(SUPPORTED_ZERO_STAGES)))
         msg = f"{zero.stage} is not implemented yet in this version of zerostack"
         _fail(f"{msg} (supported: {supported})", "stage")
-    if zero.zero_quantized_gradients:
-        _fail("true is not implemented yet (qgZ)", "zero_quantized_gradients")
     if zero.zero_hpz_partition_size != 1:
         _fail(
             f"{zero.zero_hpz_partition_size} is not implemented yet (hpZ; only 1)",
@@ -568,7 +566,9 @@ class ZeroConfig(_Model):
     the gathered weights are within half a step of their block's scale, the masters, optimizer
     and checkpoints stay exact (:mod:`zerostack.zero.quantize`)."""
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ (quantized gradient reduce-scatter). Not implemented yet: true is refused."""
+    """Stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as an all-to-all of int8 blocks
+    (each rank's contribution within half a step of its block's scale, summed in fp32 by the
+    receiving rank), a quarter of fp32's bytes; no error feedback."""
     zero_hpz_partition_size: PositiveInt = 1
     """ZeRO++ hpZ (a secondary parameter partition within groups of this many ranks). Not
     implemented yet: only 1 is accepted."""
@@ -625,6 +625,11 @@ class ZeroConfig(_Model):
             _fail(
                 f"quantizes stage 3's parameter all-gathers; set stage 3 (stage is {self.stage})",
                 "zero_quantized_weights",
+            )
+        if self.zero_quantized_gradients and self.stage != 3:
+            _fail(
+                f"quantizes stage 3's gradient reduce-scatter; set stage 3 (stage is {self.stage})",
+                "zero_quantized_gradients",
             )
         _check_implemented(self)
         return self

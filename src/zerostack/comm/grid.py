@@ -125,6 +125,19 @@ class Comm:
             async_op,
         )
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, axis: str = "dp", async_op=False
+    ) -> Handle | None:
+        """Row ``r`` of ``input`` (N equal rows, flattened) goes to the axis's rank ``r``;
+        ``output``'s row ``s`` comes from rank ``s``. Logged as the bytes this rank sends."""
+        return self._run(
+            "all_to_all",
+            axis,
+            input.numel() * input.element_size(),
+            lambda g, a: dist.all_to_all_single(output, input, group=g, async_op=a),
+            async_op,
+        )
+
     def broadcast(
         self,
         tensor: torch.Tensor,

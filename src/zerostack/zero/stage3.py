@@ -89,6 +89,7 @@ class Stage3(Stage3State, StepSequence):
         sub_group_numel: int | None = None,
         offload_param=None,
         quantized_weights: bool = False,
+        quantized_gradients: bool = False,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -190,6 +191,7 @@ class Stage3(Stage3State, StepSequence):
             bucket_numel=reduce_bucket_numel,
             deliver=self._accumulate,
             to=self.grads.device,  # offloaded: the host
+            quantized=quantized_gradients,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 

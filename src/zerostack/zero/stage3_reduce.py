@@ -7,6 +7,12 @@ parameter's full gradient is copied into the matrix and dropped as soon as backw
 the :class:`~.reducer.GradReducer` launches each bucket, in order, once all its parameters
 arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced row (at dp = 1 as
 soon as the bucket is launched: there is nothing to reduce).
+
+With ZeRO++'s quantized gradients (qgZ, ``zero_quantized_gradients``) the reduce-scatter is an
+all-to-all of int8 blocks (:mod:`.quantize`, each parameter's piece quantized on its own): rank
+``s`` sends row ``r`` of its matrix, quantized, to rank ``r``, which dequantizes the ``dp`` rows
+it receives and sums them in fp32, in rank order. Each rank's contribution is off by at most half
+a step of its block's scale; nothing carries the error to the next step.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
+from . import quantize
 from .partition import PieceBuckets
 from .reducer import GradReducer
 
@@ -36,12 +43,13 @@ class PieceReducer:
         bucket_numel: int,
         deliver: Deliver,
         to: torch.device,
+        quantized: bool = False,
     ) -> None:
         """``units``: the parameters each bucket keeps together (a module's), in launch order;
         ``dtype``: the one gradients are reduced in (``communication_data_type``); ``to``: where
         the reduced pieces are delivered (the host when the gradients are)."""
         self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
-        self.to = to
+        self.to, self.quantized = to, quantized
         self.dp = comm.topo.dp
         order = [p for unit in units for p in unit]
         index = {p: i for i, p in enumerate(order)}
@@ -89,8 +97,30 @@ class PieceReducer:
         if self.dp == 1:  # nothing to reduce: delivered now, not held until the end
             self._deliver(b, staging.view(-1))
             return None
+        if self.quantized:
+            sent = torch.stack([quantize.pack(self._pieces(b, row)) for row in staging])
+            received = self._reduced[b] = torch.empty_like(sent)
+            return self.comm.all_to_all(received, sent, axis="dp", async_op=True)
         out = self._reduced[b] = staging.new_empty(self.width[b])
         return self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
+
+    def _pieces(self, b: int, row: torch.Tensor) -> list[torch.Tensor]:
+        """Bucket ``b``'s parameters' pieces in ``row``, in bucket order."""
+        return [row[self.at[p] : self.at[p] + p._zs.piece.numel()] for p in self.params[b]]
+
+    def _summed(self, b: int, received: torch.Tensor) -> torch.Tensor:
+        """This rank's row of bucket ``b`` from the ``dp`` quantized rows it received: each
+        dequantized, summed in fp32 in rank order."""
+        numels = [p._zs.piece.numel() for p in self.params[b]]
+        out = torch.zeros(self.width[b], dtype=self.dtype, device=received.device)
+        for piece, rows in zip(
+            self._pieces(b, out), quantize.unpack(received, numels, torch.float32), strict=True
+        ):
+            total = rows[0].clone()
+            for r in range(1, self.dp):
+                total += rows[r]
+            piece.copy_(total)
+        return out
 
     def _deliver(self, b: int, out: torch.Tensor) -> None:
         out = out.to(self.to)
@@ -101,5 +131,6 @@ class PieceReducer:
         """Launch what is left, wait for every bucket, deliver, and start afresh."""
         for b in self.reducer.flush():
             if b in self._reduced:
-                self._deliver(b, self._reduced[b])
+                out = self._reduced[b]
+                self._deliver(b, self._summed(b, out) if self.quantized else out)
         self._reset()

@@ -176,6 +176,7 @@ def build_strategy(
             persistence_threshold=zcfg.stage3_param_persistence_threshold,
             reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
             quantized_weights=zcfg.zero_quantized_weights,
+            quantized_gradients=zcfg.zero_quantized_gradients,
             **common,
         )
     return ShardedDataParallel(
