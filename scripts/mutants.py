@@ -68,10 +68,8 @@ T_QGZ = (
     "tests/test_zeropp.py::"
     "test_qgz_trains_at_the_quantized_gradients_and_moves_a_quarter_of_the_bytes"
 )
-T_QWZ_REFUSED = (
-    "tests/test_zeropp.py::"
-    "test_qwz_is_refused_outside_stage_3_and_the_rest_of_zeropp_is_not_there_yet"
-)
+T_QWZ_REFUSED = "tests/test_zeropp.py::test_zeropp_is_refused_outside_stage_3"
+T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit"
 
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
 
@@ -628,6 +626,28 @@ MUTANTS = [
         "        if self.zero_quantized_gradients and self.stage != 3:",
         "        if False:",
         (T_QWZ_REFUSED,),
+    ),
+    Mutant(
+        "hpZ: the secondary piece cut at the dp rank, not the rank within the pair",
+        "zero/stage3.py",
+        "        return Subgroup(size, topo.dp_rank % size, topo.dp_subgroup(size))",
+        "        return Subgroup(size, topo.dp_rank // size, topo.dp_subgroup(size))",
+        (T_HPZ,),
+    ),
+    Mutant(
+        "hpZ: secondary pieces held past the backward (memory until the next forward)",
+        "zero/coordinator.py",
+        "        self._bwd_held = {}\n        self._drop_inflight()\n        self._drop_kept()\n"
+        "        self._drop_secondaries()\n",
+        "        self._bwd_held = {}\n        self._drop_inflight()\n        self._drop_kept()\n",
+        (T_HPZ,),
+    ),
+    Mutant(
+        "hpZ: the backward gathers over dp as before (the secondaries unused)",
+        "zero/coordinator.py",
+        "        from_secondary = all(p._zs.secondary is not None for p in params)",
+        "        from_secondary = False",
+        (T_HPZ,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",

@@ -201,7 +201,11 @@ CASES = {
         (3,),
         {
             "bf16": {"enabled": True},
-            "zero": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+            "zero": {
+                "zero_quantized_weights": True,
+                "zero_quantized_gradients": True,
+                "zero_hpz_partition_size": 2,
+            },
         },
     ),
     "stage2-fp16": (_zero, (2,), {"fp16": {"enabled": True, "initial_scale_power": 8}}),

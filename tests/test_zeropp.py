@@ -121,7 +121,7 @@ def quantized_reference(steps: int, weights: bool = True, grads: bool = False):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(rank, world, quantized: bool, steps: int, grads: bool = False):
+def _train(rank, world, quantized: bool, steps: int, grads: bool = False, hpz: int = 1):
     """Stage 3 at dp 2, plain SGD; the final weights and, for the last step, the bytes of each
     parameter all-gather as the CommLog has them and as handed to torch.distributed."""
     import zerostack.comm.grid as grid
@@ -142,6 +142,7 @@ def _train(rank, world, quantized: bool, steps: int, grads: bool = False):
             "stage": 3,
             "zero_quantized_weights": quantized,
             "zero_quantized_gradients": grads,
+            "zero_hpz_partition_size": hpz,
             "stage3_param_persistence_threshold": 0,  # every parameter is gathered each pass
         },
     }
@@ -153,11 +154,15 @@ def _train(rank, world, quantized: bool, steps: int, grads: bool = False):
         first, handed[:] = len(log.records), []
         engine.backward(engine(x[rows], y[rows]))
         engine.step()
+        # hpZ's secondary pieces are memory for one forward and backward, not beyond
+        held = [n for n, p in engine.module.named_parameters() if p._zs.secondary is not None]
+        assert not held, f"secondary pieces outlive the step: {held}"
     logged = [r.bytes for r in log.records[first:] if r.op == "all_gather"]
     step_handed = list(handed)
-    moved = {}  # one step's bytes per op, as the CommLog has them
+    moved = {}  # one step's bytes per op (and axis, with the group's size), from the CommLog
     for r in log.records[first:]:
-        moved[r.op] = moved.get(r.op, 0) + r.bytes
+        key = r.op if r.axis == "dp" else f"{r.op}@{r.axis}/{r.ranks}"
+        moved[key] = moved.get(key, 0) + r.bytes
     return engine.full_state_dict(), logged, step_handed, moved
 
 
@@ -220,13 +225,45 @@ def test_qwz_and_qgz_together_train_as_the_reference_with_both():
         assert worst < TOL, f"{name}: {worst:.2e} from the reference with both quantized"
 
 
-def test_qwz_is_refused_outside_stage_3_and_the_rest_of_zeropp_is_not_there_yet():
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "qwz"])
+def test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit(quantized):
+    """dp 4 with zero_hpz_partition_size 2: the forward gathers over dp, the backward within
+    pairs of neighbours from the pieces the forward left (the same values, dequantized ones
+    under qwZ), so the weights are those of stage 3 without hpZ, bit for bit."""
+    without = run_distributed(_train, world=4, args=(quantized, STEPS))
+    results = run_distributed(_train, world=4, args=(quantized, STEPS, False, 2))
+    for (want, *_), (got, _, handed, moved) in zip(without, results, strict=True):
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        plain_moved = without[0][3]
+        # as many gathers' bytes as stage 3 without hpZ; the backward's in pairs
+        assert moved["all_gather@hpz/2"] > 0 and "all_gather@hpz/2" not in plain_moved
+        assert moved["all_gather"] < plain_moved["all_gather"]
+        assert len(handed) == len(without[0][2])
+
+
+def _refused_hpz(rank, world):
+    try:
+        _train(rank, world, False, 1, False, 3)
+    except ConfigError as e:
+        return str(e)
+
+
+def test_an_hpz_size_that_does_not_divide_dp_is_refused_at_initialize():
+    for message in run_distributed(_refused_hpz, world=2):
+        assert message == (
+            "zero_optimization.zero_hpz_partition_size: 3 does not divide the data-parallel size 2"
+        )
+
+
+def test_zeropp_is_refused_outside_stage_3():
     with pytest.raises(ConfigError, match="zero_quantized_weights: quantizes stage 3"):
         load_config({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
     with pytest.raises(ConfigError, match="zero_quantized_gradients: quantizes stage 3's"):
         load_config({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
-    with pytest.raises(ConfigError, match="zero_hpz_partition_size: 2 is not implemented"):
-        load_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size: partitions stage 3's"):
+        load_config({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
     assert load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
 
 

@@ -470,11 +470,6 @@ def _check_implemented(zero: "ZeroConfig") -> None:
         supported = ", ".join(map(str, sorted(SUPPORTED_ZERO_STAGES)))
         msg = f"{zero.stage} is not implemented yet in this version of zerostack"
         _fail(f"{msg} (supported: {supported})", "stage")
-    if zero.zero_hpz_partition_size != 1:
-        _fail(
-            f"{zero.zero_hpz_partition_size} is not implemented yet (hpZ; only 1)",
-            "zero_hpz_partition_size",
-        )
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload is not None and offload.device not in _SUPPORTED_OFFLOAD_DEVICES:
@@ -570,8 +565,11 @@ class ZeroConfig(_Model):
     (each rank's contribution within half a step of its block's scale, summed in fp32 by the
     receiving rank), a quarter of fp32's bytes; no error feedback."""
     zero_hpz_partition_size: PositiveInt = 1
-    """ZeRO++ hpZ (a secondary parameter partition within groups of this many ranks). Not
-    implemented yet: only 1 is accepted."""
+    """Stage 3 (ZeRO++ hpZ): a training forward's gathers leave each rank its piece of every
+    parameter cut this many ways among consecutive dp ranks (one node when it times tp divides
+    the ranks per node), and the backward all-gathers within those ranks instead of over all of
+    dp: parameter bytes / this size more memory while a forward's parameters await their
+    backward. 1: off. Must divide the data-parallel size."""
     offload_optimizer: OffloadConfig | None = None
     """Offload optimizer state (stages 1-3)."""
     offload_param: OffloadConfig | None = None
@@ -625,6 +623,11 @@ class ZeroConfig(_Model):
             _fail(
                 f"quantizes stage 3's parameter all-gathers; set stage 3 (stage is {self.stage})",
                 "zero_quantized_weights",
+            )
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            _fail(
+                f"partitions stage 3's parameters; set stage 3 (stage is {self.stage})",
+                "zero_hpz_partition_size",
             )
         if self.zero_quantized_gradients and self.stage != 3:
             _fail(

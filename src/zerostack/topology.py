@@ -17,6 +17,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import product
 from typing import Any
 
 import torch
@@ -221,6 +222,7 @@ class Topology:
     mesh: DeviceMesh = field(repr=False)
     timeout: timedelta = DEFAULT_TIMEOUT
     _comm: Any = field(default=None, init=False, repr=False, compare=False)
+    _subgroups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -266,6 +268,23 @@ class Topology:
         registry = getattr(self.mesh, "_pg_registry", None)  # torch >= 2.9 keeps the objects
         if registry is not None:
             registry.clear()
+        self._subgroups.clear()
+
+    def dp_subgroup(self, size: int) -> dist.ProcessGroup:
+        """This rank's group among the dp ranks cut into consecutive runs of ``size`` (ZeRO++
+        hpZ's secondary partition: neighbours in dp, so on one node when ``size * tp`` divides
+        the ranks per node). A collective: every rank makes every run's group, in one order."""
+        if size not in self._subgroups:
+            if size < 1 or self.dp % size:
+                raise TopologyError(f"a dp subgroup of {size} ranks does not divide dp {self.dp}")
+            mesh, mine = self.mesh.mesh, None
+            for p, t, run in product(range(self.pp), range(self.tp), range(self.dp // size)):
+                ranks = [int(mesh[p, run * size + j, t]) for j in range(size)]
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if self.global_rank in ranks:
+                    mine = group
+            self._subgroups[size] = mine
+        return self._subgroups[size]
 
     @property
     def comm(self):

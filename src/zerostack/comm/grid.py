@@ -114,15 +114,23 @@ class Comm:
         )
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, axis: str = "dp", async_op=False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        axis: str = "dp",
+        async_op=False,
+        group: dist.ProcessGroup | None = None,
     ) -> Handle | None:
-        """``output`` (N x ``input``) receives every rank's ``input``, in rank order."""
+        """``output`` (N x ``input``) receives every rank's ``input``, in rank order; ``group``
+        replaces the axis's group (logged under ``axis``)."""
         return self._run(
             "all_gather",
             axis,
             output.numel() * output.element_size(),
             lambda g, a: _all_gather(output, input, group=g, async_op=a),
             async_op,
+            group,
         )
 
     def all_to_all(

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
-from .init import StorageMeter, gather_full, hold, is_sharded, release
+from .init import StorageMeter, Subgroup, gather_full, hold, is_sharded, release, secondary_piece
 from .linear import linear_saving_weight
 from .offload import ParamSwapper, ResidentPieces
 
@@ -43,7 +43,9 @@ def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 class _Gather:
     """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
-    when the parameters are offloaded)."""
+    when the parameters are offloaded). ZeRO++ hpZ: ``from_secondary`` gathers the parameters'
+    secondary pieces within the subgroup ``hpz`` instead; otherwise, with ``hpz``, each
+    parameter keeps its secondary piece of what was gathered."""
 
     def __init__(
         self,
@@ -52,14 +54,20 @@ class _Gather:
         meter: StorageMeter,
         swapper: ParamSwapper | ResidentPieces,
         quantized: bool = False,
+        hpz: Subgroup | None = None,
+        from_secondary: bool = False,
     ) -> None:
         self.params = params
         self.meter = meter
         self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
-        swapper.fetch(params)
+        self.keep = hpz if not from_secondary else None
         states = [p._zs for p in params]
-        self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
-        swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
+        if from_secondary:  # the pieces are not needed (nor read from NVMe)
+            self._finish = gather_full(states, comm, async_op=True, secondary=hpz)
+        else:
+            swapper.fetch(params)
+            self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
+            swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
         self.done = False
 
     def resolve(self) -> None:
@@ -67,6 +75,9 @@ class _Gather:
             return
         for p, full in zip(self.params, self._finish(), strict=True):
             hold(p, full, self.meter, self.copies)
+            if self.keep is not None and p._zs.secondary is None:
+                p._zs.secondary = secondary_piece(full, self.keep)
+                self.meter.add(p._zs.secondary.nbytes)
         self.done = True
         self._finish = None  # the receive buffer: the parameters hold their own copies
 
@@ -115,9 +126,14 @@ class ParamCoordinator:
         max_live_numel: int = 1_000_000_000,
         max_reuse_numel: int = 0,
         quantized_weights: bool = False,
+        hpz: Subgroup | None = None,
     ) -> None:
         self.comm, self.meter = comm, meter
         self.quantized = quantized_weights  # ZeRO++ qwZ: int8 gathers (.quantize)
+        # ZeRO++ hpZ: a training forward's gathers leave each parameter its piece of the
+        # subgroup's partition; the backward gathers those within the subgroup
+        self.hpz = hpz
+        self._secondaries: set[nn.Parameter] = set()
         self.max_live_numel, self.max_reuse_numel = max_live_numel, max_reuse_numel
         self._trainable, self.param_swapper = trainable, swapper
         # Units, their owners (a tied parameter is reduced once, by the first module holding it).
@@ -173,17 +189,20 @@ class ParamCoordinator:
         self._bwd_held = {}
         self._drop_inflight()
         self._drop_kept()
+        self._drop_secondaries()
 
     def release_gathered(self) -> None:
         """Release what is gathered without a module running: prefetched, or kept for reuse."""
         self._drop_inflight()
         self._drop_kept()
+        self._drop_secondaries()
 
     def _begin_pass(self, module, args) -> None:
         if self._trace is None and self._recording:
             self._trace = self._recording
         self._drop_inflight()
         self._drop_kept()
+        self._drop_secondaries()
         self._running.clear()
         self._ptr = 0
         self._training_pass = torch.is_grad_enabled()
@@ -197,7 +216,7 @@ class ParamCoordinator:
         ahead = self._plan_prefetch(u, exclude=set(need))
         self._count(ahead, +1)
         if need or ahead:
-            g = _Gather(need + ahead, self.comm, self.meter, self.param_swapper, self.quantized)
+            g = self._launch(need + ahead)
             for p in need + ahead:
                 self._inflight[p] = g
         for p in ps:
@@ -208,6 +227,32 @@ class ParamCoordinator:
                 p._zs.kept = False
                 self._kept.discard(p)
             p._zs.active += 1
+
+    def _launch(self, params: list[nn.Parameter]) -> _Gather:
+        """The gather of ``params``: within the hpZ subgroup when every one has its secondary
+        piece; over dp otherwise, leaving them their secondary pieces in a training pass."""
+        hpz = self.hpz if self._training_pass else None
+        if hpz is None:
+            return _Gather(params, self.comm, self.meter, self.param_swapper, self.quantized)
+        from_secondary = all(p._zs.secondary is not None for p in params)
+        self._secondaries.update(params)
+        return _Gather(
+            params,
+            self.comm,
+            self.meter,
+            self.param_swapper,
+            self.quantized,
+            hpz=hpz,
+            from_secondary=from_secondary,
+        )
+
+    def _drop_secondaries(self) -> None:
+        """hpZ: the secondary pieces last one forward and backward (the weights change next)."""
+        for p in self._secondaries:
+            if p._zs.secondary is not None:
+                self.meter.sub(p._zs.secondary.nbytes)
+                p._zs.secondary = None
+        self._secondaries.clear()
 
     def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
         """Parameters of the units that come next in the recorded order, within the budget."""

@@ -69,6 +69,7 @@ class ShardState:
     comm: Comm | None = None  # whose dp group holds the other pieces
     meter: StorageMeter | None = None  # counts the piece and gathered copies
     swapper: object | None = None  # zero.Init(remote_device=...): the store holding the piece
+    secondary: torch.Tensor | None = None  # hpZ: a forward's copy of this rank's subgroup piece
 
     @property
     def gathered(self) -> bool:
@@ -152,15 +153,33 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     return state
 
 
+@dataclass
+class Subgroup:
+    """ZeRO++ hpZ: ``size`` consecutive dp ranks (``group``), this rank ``rank`` among them."""
+
+    size: int
+    rank: int
+    group: object
+
+
 def gather_full(
-    states: list[ShardState], comm: Comm, dtype=None, async_op=False, quantized: bool = False
+    states: list[ShardState],
+    comm: Comm,
+    dtype=None,
+    async_op=False,
+    quantized: bool = False,
+    secondary: Subgroup | None = None,
 ):
     """All-gather several parameters in one collective; returns their full tensors.
 
     With ``async_op`` returns a function that waits and returns them. ``quantized`` sends int8
     blocks (ZeRO++ qwZ, :mod:`.quantize`) and returns the dequantized values, in the pieces'
-    dtype (or ``dtype``).
+    dtype (or ``dtype``). ``secondary`` gathers the states' secondary pieces (ZeRO++ hpZ, see
+    :func:`secondary_piece`) within that subgroup instead of the pieces over dp.
     """
+    if secondary is not None:
+        pieces = [s.secondary for s in states]
+        return _gather_rows(states, pieces, comm, secondary.size, async_op, "hpz", secondary.group)
     world = comm.topo.dp
     pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
     if world == 1:
@@ -168,18 +187,24 @@ def gather_full(
         return (lambda: fulls) if async_op else fulls
     if quantized:
         return _gather_quantized(states, pieces, comm, async_op)
+    return _gather_rows(states, pieces, comm, world, async_op, "dp", None)
+
+
+def _gather_rows(states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group):
+    """One all-gather of the concatenated ``pieces`` (each rank's, equal widths) over ``axis``
+    (or ``group``, of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state."""
     flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece is sent as it is
     width = flat.numel()
     out = torch.empty(world * width, dtype=flat.dtype, device=flat.device)
-    handle = comm.all_gather(out, flat, axis="dp", async_op=True)
+    handle = comm.all_gather(out, flat, axis=axis, async_op=True, group=group)
     del flat  # the collective keeps what it sends alive until it completes
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
         rows = out.view(world, width)
         fulls, off = [], 0
-        for s in states:
-            pn = s.piece.numel()
+        for s, pc in zip(states, pieces, strict=True):
+            pn = pc.numel()
             # One copy: reshape of the strided column block makes a fresh contiguous tensor
             # (or, for a unit of one parameter, is a view of the fresh ``out``).
             fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape))
@@ -187,6 +212,18 @@ def gather_full(
         return fulls
 
     return finish if async_op else finish()
+
+
+def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
+    """This rank's piece of ``full`` cut ``sub.size`` ways (padded), a copy: ZeRO++ hpZ keeps it
+    from a forward's gather so that the backward gathers within the subgroup."""
+    flat = full.reshape(-1)
+    width = -(-flat.numel() // sub.size)
+    lo = min(sub.rank * width, flat.numel())
+    hi = min(lo + width, flat.numel())
+    piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+    piece[: hi - lo].copy_(flat[lo:hi])
+    return piece
 
 
 def _gather_quantized(states, pieces, comm: Comm, async_op: bool):

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..config import ConfigError
 from ..precision import Precision
 from .coordinator import ParamCoordinator, gather_now
-from .init import StorageMeter, is_sharded, shard_param
+from .init import StorageMeter, Subgroup, is_sharded, shard_param
 from .masters import GradFiles, GradShards, master_store
 from .offload import (
     HostMeter,
@@ -90,6 +91,7 @@ class Stage3(Stage3State, StepSequence):
         offload_param=None,
         quantized_weights: bool = False,
         quantized_gradients: bool = False,
+        hpz_partition_size: int = 1,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -175,6 +177,7 @@ class Stage3(Stage3State, StepSequence):
             max_live_numel=max_live_numel,
             max_reuse_numel=max_reuse_numel,
             quantized_weights=quantized_weights,
+            hpz=self._hpz_subgroup(hpz_partition_size),
         )
         owner = self._owner = self.coord.owner
         self._owned = [
@@ -194,6 +197,18 @@ class Stage3(Stage3State, StepSequence):
             quantized=quantized_gradients,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+
+    def _hpz_subgroup(self, size: int) -> Subgroup | None:
+        """ZeRO++ hpZ's subgroup of ``size`` consecutive dp ranks (None for 1: no hpZ)."""
+        if size == 1:
+            return None
+        if self.dp % size:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size: {size} does not divide the "
+                f"data-parallel size {self.dp}"
+            )
+        topo = self.comm.topo
+        return Subgroup(size, topo.dp_rank % size, topo.dp_subgroup(size))
 
     def _make_group(self, params, options, index, dtype, pin) -> _Group:
         device = self.comm.topo.device
