@@ -13,7 +13,7 @@ def torchrun(script: str, nproc: int, argv: list[str], env: dict, timeout: float
     """Run ``script`` on ``nproc`` ranks; its last stdout line starting with ``{``, parsed, or
     ``{"error": ...}`` with the failing rank's own exception line (never raised)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", script, *argv]
+    cmd += [f"--nproc_per_node={nproc}", script, *_without_nproc(argv)]
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -28,6 +28,21 @@ def torchrun(script: str, nproc: int, argv: list[str], env: dict, timeout: float
     err = [m[1] for m in re.finditer(r"^\[rank\d+\]: (\S.*)$", stderr, re.M)]
     err = err or [ln for ln in stderr.splitlines() if ln.strip() and ln.strip()[0] not in "=-"]
     return {"error": (err or [f"exit code {p.returncode}"])[-1].strip()}
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The child's arguments less ``--nproc``: torchrun's own parser would take it for an
+    abbreviation of its ``--nproc-per-node`` even after the script (argparse matches prefixes
+    before it hands the rest to the script), and the children do not need it."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def emit(out: dict, path: str | None) -> dict:

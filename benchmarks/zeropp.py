@@ -7,10 +7,12 @@ step time, and the demo's loss curve.
 Each side is the demo's training run (``zerostack train``'s model, corpus, AdamW, warmup-cosine
 schedule and clipping, from the same command-line defaults) at ZeRO stage 3 with every parameter
 gathered each pass (``stage3_param_persistence_threshold`` 0, or the demo's small model would
-keep them all resident): plain, ``zero_quantized_weights``, ``zero_quantized_gradients`` and
-both, each in its own torchrun launch. The bytes are counted where zerostack hands its tensors
+keep them all resident): plain, ``zero_quantized_weights``, ``zero_quantized_gradients``, both,
+and (with ``--nproc`` 4 or more) ``zero_hpz_partition_size`` nproc / 2, each in its own torchrun
+launch. The bytes are counted where zerostack hands its tensors
 to torch.distributed (not from zerostack's CommLog), per optimizer step: the parameter
-all-gathers, and the gradient reduce-scatter or (qgZ) all-to-all. Prints one JSON object: per
+all-gathers (over dp, and hpZ's within subgroups apart), and the gradient reduce-scatter or
+(qgZ) all-to-all. Prints one JSON object: per
 side the median step time, the bytes per step, the loss every 10 steps and the mean of the last
 10; per quantized side the ratios to plain (bytes, time) and the final loss's relative
 difference.
@@ -39,7 +41,7 @@ from zerostack.cli import DEFAULTS, _build_config, _parser
 from zerostack.demo.corpus import corpus_datasets
 from zerostack.models import GPT, GPTConfig
 
-SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qwz_qgz")
+SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_hpz")
 
 
 def _args(argv=None):
@@ -53,7 +55,7 @@ def _args(argv=None):
     return p.parse_args(argv)
 
 
-def _config(args, weights: bool, grads: bool) -> dict:
+def _config(args, weights: bool, grads: bool, hpz: int = 1) -> dict:
     """The config ``zerostack train --zero-stage 3 [--bf16]`` builds, plus the ZeRO++ keys."""
     argv = ["train", "--zero-stage", "3", "--steps", str(args.steps)]
     cfg = _build_config(_parser().parse_args(argv + (["--bf16"] if args.bf16 else [])))
@@ -62,6 +64,7 @@ def _config(args, weights: bool, grads: bool) -> dict:
         stage3_param_persistence_threshold=0,
         zero_quantized_weights=weights,
         zero_quantized_gradients=grads,
+        zero_hpz_partition_size=hpz,
     )
     cfg["steps_per_print"] = 10**9
     return cfg
@@ -71,11 +74,13 @@ def run_side(args) -> None:
     zerostack.init_distributed("gloo")
     import zerostack.comm.grid as grid
 
-    moved = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+    moved = {"all_gather": 0, "all_gather_hpz": 0, "reduce_scatter": 0, "all_to_all": 0}
 
     def counting(op: str, fn):
         def call(output, input, **kw):  # the bytes torch.distributed is given to move
-            moved[op] += (output if op == "all_gather" else input).nbytes
+            subgroup = dist.get_world_size(kw.get("group")) < dist.get_world_size()
+            key = op + ("_hpz" if subgroup else "")  # hpZ's gathers within subgroups
+            moved[key] += (output if op == "all_gather" else input).nbytes
             return fn(output, input, **kw)
 
         return call
@@ -93,7 +98,8 @@ def run_side(args) -> None:
         )
     )
     train_set, _ = corpus_datasets(DEFAULTS["block_size"])
-    config = _config(args, "_qwz" in args.side, "_qgz" in args.side)
+    hpz = dist.get_world_size() // 2 if "_hpz" in args.side else 1
+    config = _config(args, "_qwz" in args.side, "_qgz" in args.side, hpz)
     engine, *_ = zerostack.initialize(model=model, training_data=train_set, config=config)
     losses, times, step_bytes = [], [], []
     for _ in range(args.steps):
@@ -124,19 +130,19 @@ def run_side(args) -> None:
 def main(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     sides = {}
-    for side in SIDES:
+    for side in SIDES if args.nproc >= 4 else SIDES[:-1]:  # hpZ: pairs inside dp 4+
         argv = [*sys.argv[1:], "--side", side]
         sides[side] = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
         print(f"{side}: {json.dumps(sides[side])}", file=sys.stderr, flush=True)
     plain, ratios = sides["stage3"], {}
-    for side in SIDES[1:]:
+    for side in list(sides)[1:]:
         got = sides[side]
         if "median_s" not in got or "median_s" not in plain:
             continue
         mine, base = got["bytes_per_step"], plain["bytes_per_step"]
         grads = mine.get("all_to_all") or mine["reduce_scatter"]
         ratios[f"{side}/stage3"] = {
-            "parameter_bytes": round(base["all_gather"] / mine["all_gather"], 3),
+            "parameter_bytes_over_dp": round(base["all_gather"] / mine["all_gather"], 3),
             "gradient_bytes": round(base["reduce_scatter"] / grads, 3),
             "time": round(got["median_s"] / plain["median_s"], 3),
             "final_loss_rel_diff": round(
