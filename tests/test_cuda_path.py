@@ -448,14 +448,19 @@ def test_an_offloaded_optimizer_gets_the_cores_on_a_gpu_node(tmp_path, offload, 
 
 
 # ---------------------------------------------------------------------- the start's peak
+def _device_model() -> tuple[GPT, int]:
+    """A GPT of 0.8M parameters built on the (virtual) device, and its parameter count."""
+    cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=4, n_head=4, d_model=128)
+    torch.manual_seed(0)
+    model = GPT(cfg).to("cuda")
+    return model, sum(p.numel() for p in model.parameters())
+
+
 def _init_peak(rank, world, root, stage, precision):
     from vcuda import MEMORY
 
     with virtual_cuda():
-        cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=4, n_head=4, d_model=128)
-        torch.manual_seed(0)
-        model = GPT(cfg).to("cuda")
-        psi = sum(p.numel() for p in model.parameters())
+        model, psi = _device_model()
         torch.cuda.reset_peak_memory_stats()
         assert MEMORY.allocated == 4 * psi  # the model, fp32, on the device
         config = _config(stage, **({precision: {"enabled": True}} if precision else {}))
@@ -485,10 +490,7 @@ def _by_device(rank, world, root, stage, offload):
     from vcuda import MEMORY
 
     with virtual_cuda():
-        cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=4, n_head=4, d_model=128)
-        torch.manual_seed(0)
-        model = GPT(cfg).to("cuda")
-        psi = sum(p.numel() for p in model.parameters())
+        model, psi = _device_model()
         zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
         engine, *_ = zerostack.initialize(
             model=model, config=_config(stage, bf16={"enabled": True}, zero=zero)

@@ -173,16 +173,21 @@ def runs():
     return plain, quantized
 
 
+def trains_as(results, want, what: str, plain=None) -> None:
+    """Every rank's final weights within TOL of the reference ``want``; and, the quantization
+    being real, plain stage 3's far from it."""
+    for weights, *_ in results:
+        worst, name = max_rel_diff(weights, want)
+        print(f"{what}: {worst:.1e} from the reference")
+        assert worst < TOL, f"{name}: {worst:.2e} from the {what} reference"
+    if plain is not None:
+        worst, _ = max_rel_diff(plain[0][0], want)
+        assert worst > 100 * TOL, f"plain stage 3 is within {worst:.2e} of the {what} reference"
+
+
 def test_qwz_trains_at_the_quantized_weights_and_keeps_exact_masters(runs):
     plain, quantized = runs
-    want = quantized_reference(STEPS)
-    for weights, *_ in quantized:
-        worst, name = max_rel_diff(weights, want)
-        print(f"qwZ: {worst:.1e} from the reference")
-        assert worst < TOL, f"{name}: {worst:.2e} from the quantized-weights reference"
-    # the quantization is real: plain stage 3 ends elsewhere, by far more than the tolerance
-    worst, _ = max_rel_diff(plain[0][0], want)
-    assert worst > 100 * TOL, f"plain stage 3 is within {worst:.2e} of the quantized reference"
+    trains_as(quantized, quantized_reference(STEPS), "qwZ", plain)
 
 
 def test_qwz_gathers_a_quarter_of_the_bytes(runs):
@@ -202,13 +207,7 @@ def test_qgz_trains_at_the_quantized_gradients_and_moves_a_quarter_of_the_bytes(
     all-to-all instead of the reduce-scatter, 3.9x fewer bytes than fp32's."""
     plain, _ = runs
     results = run_distributed(_train, world=2, args=(False, STEPS, True))
-    want = quantized_reference(STEPS, weights=False, grads=True)
-    for weights, *_ in results:
-        worst, name = max_rel_diff(weights, want)
-        print(f"qgZ: {worst:.1e} from the reference")
-        assert worst < TOL, f"{name}: {worst:.2e} from the quantized-gradients reference"
-    worst, _ = max_rel_diff(plain[0][0], want)
-    assert worst > 100 * TOL, f"plain stage 3 is within {worst:.2e} of the qgZ reference"
+    trains_as(results, quantized_reference(STEPS, weights=False, grads=True), "qgZ", plain)
     plain_moved, moved = plain[0][3], results[0][3]
     assert "all_to_all" not in plain_moved and "reduce_scatter" not in moved
     ratio = plain_moved["reduce_scatter"] / moved["all_to_all"]
@@ -218,11 +217,7 @@ def test_qgz_trains_at_the_quantized_gradients_and_moves_a_quarter_of_the_bytes(
 
 def test_qwz_and_qgz_together_train_as_the_reference_with_both():
     results = run_distributed(_train, world=2, args=(True, STEPS, True))
-    want = quantized_reference(STEPS, weights=True, grads=True)
-    for weights, *_ in results:
-        worst, name = max_rel_diff(weights, want)
-        print(f"qwZ + qgZ: {worst:.1e} from the reference")
-        assert worst < TOL, f"{name}: {worst:.2e} from the reference with both quantized"
+    trains_as(results, quantized_reference(STEPS, weights=True, grads=True), "qwZ + qgZ")
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["plain", "qwz"])
