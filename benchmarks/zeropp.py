@@ -13,9 +13,9 @@ launch. The bytes are counted where zerostack hands its tensors
 to torch.distributed (not from zerostack's CommLog), per optimizer step: the parameter
 all-gathers (over dp, and hpZ's within subgroups apart), and the gradient reduce-scatter or
 (qgZ) all-to-all. Prints one JSON object: per
-side the median step time, the bytes per step, the loss every 10 steps and the mean of the last
-10; per quantized side the ratios to plain (bytes, time) and the final loss's relative
-difference.
+side the median step time, the bytes per step, the loss every 10 steps, the mean of the last 50
+and the demo's validation loss at the end; per quantized side the ratios to plain (bytes, time)
+and the relative differences of those two losses.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from _bench import emit, torchrun  # benchmarks/_bench.py
 
 from zerostack.cli import DEFAULTS, _build_config, _parser
 from zerostack.demo.corpus import corpus_datasets
+from zerostack.demo.train import _evaluate
 from zerostack.models import GPT, GPTConfig
 
 SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_hpz")
@@ -97,7 +98,7 @@ def run_side(args) -> None:
             d_model=DEFAULTS["d_model"],
         )
     )
-    train_set, _ = corpus_datasets(DEFAULTS["block_size"])
+    train_set, val_set = corpus_datasets(DEFAULTS["block_size"])
     hpz = dist.get_world_size() // 2 if "_hpz" in args.side else 1
     config = _config(args, "_qwz" in args.side, "_qgz" in args.side, hpz)
     engine, *_ = zerostack.initialize(model=model, training_data=train_set, config=config)
@@ -111,6 +112,7 @@ def run_side(args) -> None:
         step_bytes.append(dict(moved))
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    val_loss = _evaluate(engine, val_set, DEFAULTS["block_size"], batches=32)
     if engine.global_rank == 0:
         result = {
             "side": args.side,
@@ -120,7 +122,8 @@ def run_side(args) -> None:
                 k: max(b[k] for b in step_bytes) for k in moved if any(b[k] for b in step_bytes)
             },
             "loss_every_10": [round(x, 4) for x in losses[::10]],
-            "final_loss": round(statistics.fmean(losses[-10:]), 5),
+            "final_loss": round(statistics.fmean(losses[-50:]), 5),  # the last 50 steps'
+            "val_loss": round(val_loss, 5),  # the demo's held-out bytes, 32 micro-batches a rank
         }
         print(json.dumps(result), flush=True)
     engine.destroy()
@@ -147,6 +150,9 @@ def main(args) -> dict:
             "time": round(got["median_s"] / plain["median_s"], 3),
             "final_loss_rel_diff": round(
                 abs(got["final_loss"] - plain["final_loss"]) / plain["final_loss"], 5
+            ),
+            "val_loss_rel_diff": round(
+                abs(got["val_loss"] - plain["val_loss"]) / plain["val_loss"], 5
             ),
         }
     out = {
