@@ -1382,7 +1382,8 @@ MUTANTS = [
     Mutant(
         "empty_partition_cache releases nothing",
         "zero/coordinator.py",
-        "        self._drop_inflight()\n        self._drop_kept()\n\n    def _begin_pass",
+        "        self._drop_inflight()\n        self._drop_kept()\n"
+        "        self._drop_secondaries()\n\n    def _begin_pass",
         "        pass\n\n    def _begin_pass",
         (LIVE,),
     ),
