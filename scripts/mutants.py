@@ -69,6 +69,9 @@ T_QGZ = (
     "test_qgz_trains_at_the_quantized_gradients_and_moves_under_a_third_of_the_bytes"
 )
 T_QWZ_REFUSED = "tests/test_zeropp.py::test_zeropp_is_refused_outside_stage_3"
+T_HPZ_REFUSED = (
+    "tests/test_zeropp.py::test_an_hpz_size_that_does_not_divide_dp_is_refused_at_initialize"
+)
 T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit"
 
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
@@ -648,6 +651,13 @@ MUTANTS = [
         "        from_secondary = all(p._zs.secondary is not None for p in params)",
         "        from_secondary = False",
         (T_HPZ,),
+    ),
+    Mutant(
+        "hpZ: a size that does not divide dp reaches the grid (no ConfigError naming the key)",
+        "zero/stage3.py",
+        "        if self.dp % size:\n            raise ConfigError(",
+        "        if False:\n            raise ConfigError(",
+        (T_HPZ_REFUSED,),
     ),
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",
