@@ -47,6 +47,7 @@ S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_si
 CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
+U = "tests/test_ulysses.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
@@ -1410,6 +1411,78 @@ MUTANTS = [
         "            if sha256(t) != want:",
         "            if False:",
         (f"{C}::test_client_state_is_json_and_tensors_checked",),
+    ),
+    Mutant(
+        "Ulysses all-to-all joins the shards in reverse rank order",
+        "sequence/layer.py",
+        "return torch.cat(received.unbind(0), dim=gather)",
+        "return torch.cat(received.unbind(0)[::-1], dim=gather)",
+        (f"{U}::test_all_to_all_trades_sequence_shards_for_head_shards_and_back[2]",),
+    ),
+    Mutant(
+        "Ulysses all-to-all backward repeats the forward exchange",
+        "sequence/layer.py",
+        "_all_to_all(grad.contiguous(), gather, scatter, size, exchange)",
+        "_all_to_all(grad.contiguous(), scatter, gather, size, exchange)",
+        (f"{U}::test_distributed_attention_is_attention_over_the_whole_sequence[2-False]",),
+    ),
+    Mutant(
+        "Ulysses positions start at 0 on every sp rank",
+        "models/gpt.py",
+        "pos = torch.arange(r * t, (r + 1) * t, device=idx.device)",
+        "pos = torch.arange(t, device=idx.device)",
+        (f"{U}::test_gpt_matches_single_process[2-2-1-0-False]",),
+    ),
+    Mutant(
+        "the GPT's attention is left unwired under sp",
+        "models/gpt.py",
+        "    if topology.sp > 1:  # Ulysses",
+        "    if False:  # Ulysses",
+        (f"{U}::test_gpt_matches_single_process[2-2-1-0-False]",),
+    ),
+    Mutant(
+        "a rank's sp coordinate is its data replica",
+        "topology.py",
+        'return self.mesh.get_local_rank("dp") % self.sp',
+        'return self.mesh.get_local_rank("dp") // self.sp',
+        (f"{U}::test_gpt_matches_single_process[4-2-1-3-False]",),
+    ),
+    Mutant(
+        "the sp ranks of a batch read different samples",
+        "compose.py",
+        "        num_replicas=topo.data_parallel_size,",
+        "        num_replicas=topo.dp,",
+        (f"{U}::test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples",),
+    ),
+    Mutant(
+        "every sp rank takes the first sequence shard",
+        "sequence/layer.py",
+        "return t.chunk(sp, dim=dim)[rank].contiguous()",
+        "return t.chunk(sp, dim=dim)[0].contiguous()",
+        (f"{U}::test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples",),
+    ),
+    Mutant(
+        "the engine's batch counts sp ranks as replicas",
+        "engine.py",
+        "config.resolve_batch(topology.data_parallel_size)",
+        "config.resolve_batch(topology.dp)",
+        (f"{U}::test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples",),
+    ),
+    Mutant(
+        "sequence_parallel_size does not wire a plain model",
+        "compose.py",
+        "wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)",
+        "wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built) and False",
+        (f"{U}::test_gpt_matches_single_process[4-4-1-2-True]",),
+    ),
+    Mutant(
+        "a model whose attention cannot exchange shards is accepted under sp",
+        "compose.py",
+        '    if built is None and callable(getattr(model, "parallelize", None)):\n'
+        "        return True\n",
+        '    if built is None and callable(getattr(model, "parallelize", None)):\n'
+        "        return True\n    return False\n",
+        (f"{U}::test_bad_grids_are_refused_naming_the_key",),
     ),
 ]
 

@@ -69,7 +69,6 @@ SAMPLES = {
     "managed_gradient_accumulation": (False, True),
     "gradient_allreduce_op": ("sum", "MEAN"),
     "torch_autocast": ({"enabled": True, "dtype": "bfloat16"}, {"enabled": False}),
-    "sequence_parallel_size": (2, 1),
     "expert_parallel": ({"enabled": True, "autoep_size": 2}, {"enabled": False}),
     "comet": ({"enabled": True}, {"enabled": False, "project": "p"}),
     "autotuning": ({"enabled": True}, {"enabled": False, "fast": True}),

@@ -85,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         "instead of all-reduce)",
     )
     t.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="Ulysses sequence-parallel ranks per batch (sequence_parallel_size): each holds a "
+        "shard of the sequence, attention exchanges it for a shard of the heads",
+    )
+    t.add_argument(
         "--pp", type=int, default=1, help="pipeline stages (the GPT as a PipelineModule)"
     )
     t.add_argument(
@@ -190,6 +197,8 @@ def _build_config(args) -> dict:
     cfg.setdefault("seed", args.seed)
     if args.zero_stage is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.sp > 1:
+        cfg["sequence_parallel_size"] = args.sp
     if args.fp16:
         cfg["fp16"] = {"enabled": True}
     if args.bf16:
@@ -253,6 +262,17 @@ def _check_grid(args) -> None:
         raise ValueError("--schedule needs --pp > 1")
     if args.sequence_parallel and args.block_size % args.tp:
         raise ValueError(f"--block-size {args.block_size} does not split into --tp {args.tp}")
+    if args.sp < 1 or args.nproc % (args.pp * args.tp * args.sp):
+        raise ValueError(
+            f"--pp {args.pp} x --tp {args.tp} x --sp {args.sp} does not divide --nproc {args.nproc}"
+        )
+    if args.sp > 1:
+        if args.n_head % (args.tp * args.sp):
+            raise ValueError(f"--n-head {args.n_head} does not split into --tp x --sp heads")
+        if args.block_size % args.sp:
+            raise ValueError(f"--block-size {args.block_size} does not split into --sp {args.sp}")
+        if args.pp > 1 or args.sequence_parallel:
+            raise ValueError("--sp does not combine with --pp or --sequence-parallel")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         if not launched:
             try:  # refuse a bad config once, here, rather than once per rank under torchrun
                 _check_grid(args)
-                load_config(_build_config(args)).resolve_batch(args.nproc // (args.tp * args.pp))
+                load_config(_build_config(args)).resolve_batch(
+                    args.nproc // (args.tp * args.pp * args.sp)
+                )
             except (ConfigError, OSError, json.JSONDecodeError, ValueError) as exc:
                 print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
                 return 2

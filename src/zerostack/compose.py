@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import activation_checkpointing
 from .comm import comms_logger
@@ -25,6 +25,7 @@ from .engine import Engine
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
+from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology, init_distributed
@@ -113,9 +114,21 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"{sources[0][0]}: tensor-parallel size {sources[0][1]} disagrees with "
                 f"{name} ({size})"
             )
+    sp = cfg.sequence_parallel_size
     if topo is None:
         tp = sources[0][1] if sources else 1
-        topo = Topology.build(tp=tp, pp=mpu_pp if mpu is not None else 1)
+        pp = mpu_pp if mpu is not None else 1
+        world = torch.distributed.get_world_size()
+        if world % (tp * pp) or (world // (tp * pp)) % sp:
+            raise ConfigError(
+                f"sequence_parallel_size: {sp} does not divide the data-parallel ranks, world "
+                f"{world} / (tp {tp} * pp {pp})"
+            )
+        topo = Topology.build(tp=tp, pp=pp, sp=sp)
+    elif "sequence_parallel_size" in cfg.model_fields_set and sp != topo.sp:
+        raise ConfigError(
+            f"sequence_parallel_size: {sp} disagrees with the topology's sp ({topo.sp})"
+        )
     if mpu is not None:
         _check_mpu_groups(mpu, topo)
     if built is not None and built.tp != topo.tp:
@@ -123,7 +136,8 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
             f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
             f"tp={topo.tp}"
         )
-    if built is None and topo.tp > 1:
+    wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)
+    if built is None and (topo.tp > 1 or wire_ulysses):
         if callable(getattr(model, "parallelize", None)):
             model.parallelize(topo)
         elif model_type(model) is not None:  # a Hugging Face model: the per-architecture table
@@ -138,6 +152,30 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"method, or pass a Hugging Face model of a known type ({', '.join(POLICIES)})"
             )
     return topo
+
+
+def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> bool:
+    """sp > 1 needs attention that exchanges sequence shards: DistributedAttention layers on
+    this grid, or a plain model whose ``parallelize(topology)`` wires them (True: call it);
+    else each rank would attend within its own shard, silently."""
+    if isinstance(model, PipelineModule):
+        raise ConfigError("sequence_parallel_size: Ulysses does not run under a pipeline yet")
+    layers = [m for m in model.modules() if isinstance(m, DistributedAttention)]
+    if layers:
+        for m in layers:
+            if isinstance(m.spg, Topology) and m.spg.sp != topo.sp:
+                raise ConfigError(
+                    f"sequence_parallel_size: the model's DistributedAttention was built for sp "
+                    f"{m.spg.sp}, the grid has sp {topo.sp}"
+                )
+        return False
+    if built is None and callable(getattr(model, "parallelize", None)):
+        return True
+    raise ConfigError(
+        f"sequence_parallel_size: {topo.sp} needs a model whose attention exchanges sequence "
+        "shards: zerostack.sequence.DistributedAttention layers, or a model with a "
+        "parallelize(topology) method (zerostack.models.GPT)"
+    )
 
 
 def _check_mpu_groups(mpu, topo: Topology) -> None:
@@ -219,8 +257,8 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
     topo, cfg = engine.topology, engine.config
     sampler = ResumableSampler(  # DistributedSampler's order; checkpoints keep its position
         dataset,
-        num_replicas=topo.dp,
-        rank=topo.dp_rank,
+        num_replicas=topo.data_parallel_size,  # the sp ranks of a batch read the same samples
+        rank=topo.data_parallel_rank,
         shuffle=True,
         seed=cfg.seed,
         drop_last=cfg.dataloader_drop_last,
@@ -229,7 +267,7 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         dataset,
         batch_size=engine.train_micro_batch_size_per_gpu(),
         sampler=sampler,
-        collate_fn=collate_fn,
+        collate_fn=collate_fn if topo.sp == 1 else _sequence_shards(collate_fn, topo),
         drop_last=cfg.dataloader_drop_last,
         # Each iter(loader) draws a seed from this generator, else from the global RNG: a resumed
         # run, which calls iter() again after load_checkpoint, would then draw its dropout masks
@@ -238,6 +276,16 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         # page-locked batches on a GPU, so the copy to the device need not wait (non_blocking)
         pin_memory=engine.device.type == "cuda" and torch.cuda.is_available(),
     )
+
+
+def _sequence_shards(collate_fn, topo: Topology):
+    """The loader's collate, then this sp rank's shard of the sequence (dim 1) of each tensor."""
+    collate = collate_fn or default_collate
+
+    def collate_shard(samples):
+        return shard_sequence(collate(samples), topo)
+
+    return collate_shard
 
 
 def initialize(
@@ -282,7 +330,7 @@ def initialize(
     groups = _param_groups(model, optimizer, model_parameters)
     opt_factory = _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
-    cfg.resolve_batch(topo.dp)  # batch errors before any work
+    cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
         activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
     # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up

@@ -939,6 +939,11 @@ class ZeroStackConfig(_Model):
     """ZeRO partitioning and offload."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor (Megatron-style) parallelism."""
+    sequence_parallel_size: PositiveInt = 1
+    """Ulysses sequence parallelism (DeepSpeed's key): this many neighbouring data-parallel ranks
+    read one batch, each a shard of its sequence, and exchange it for a shard of the attention
+    heads around attention (see zerostack.sequence). It must divide world / (tp * pp); the
+    batch is split over world / (tp * pp * sequence_parallel_size) replicas."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )

@@ -97,7 +97,9 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     ),
     "communication_data_type": _works("the dtype gradients are reduced in"),
     "seq_parallel_communication_data_type": _no_effect(
-        "only DeepSpeed's Ulysses sequence parallelism reads it", lambda v: v.lower() != "fp32", str
+        "Ulysses' all-to-alls move the activations in their own dtype",
+        lambda v: v.lower() != "fp32",
+        str,
     ),
     "dataloader_drop_last": _works("the engine's data loader drops a last partial batch"),
     # precision
@@ -131,12 +133,9 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "tensor_parallel": _works("autotp_size: Megatron-style tensor parallelism"),
     "pipeline": _works("stages, partition, seed_layers, activation_checkpoint_interval"),
     "activation_checkpointing": _works("CPU, partitioned and contiguous checkpoints"),
-    "sequence_parallel_size": _unsupported(
-        "no Ulysses sequence parallelism; Megatron's comes with tensor parallelism",
-        lambda v: v not in (None, 1),
-    ),
+    "sequence_parallel_size": _works("Ulysses sequence parallelism over neighbouring dp ranks"),
     "data_parallel_size": _no_effect(
-        "DeepSpeed reads it only with sequence_parallel_size; dp is world size / tp / pp",
+        "the data-parallel size is world size / tp / pp / sequence_parallel_size",
         lambda v: v is not None,
     ),
     "expert_parallel": _unsupported("no expert parallelism for MoE layers", _enabled, dict),

@@ -58,7 +58,7 @@ class Engine(EngineAPI, nn.Module):
         self.topology = topology
         self.comm = comm or topology.comm
         self.precision = Precision.from_config(config)
-        tbs, micro, gas = config.resolve_batch(topology.dp)
+        tbs, micro, gas = config.resolve_batch(topology.data_parallel_size)
         self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
 
         device = topology.device

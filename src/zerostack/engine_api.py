@@ -86,7 +86,9 @@ class EngineAPI:
 
     @property
     def dp_world_size(self) -> int:
-        return self.topology.dp
+        """Data-parallel replicas (different batches): the dp axis over sequence_parallel_size,
+        as DeepSpeed counts it."""
+        return self.topology.data_parallel_size
 
     @property
     def loss_scale(self) -> LossScale:

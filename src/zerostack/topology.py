@@ -8,6 +8,12 @@ stages outermost::
 
     topo = Topology.build(pp=1, dp=2, tp=1)
     topo.dp_rank, topo.dp_size, topo.group("dp")
+
+Ulysses sequence parallelism (``sp``, DeepSpeed's ``sequence_parallel_size``) splits the dp axis
+into runs of ``sp`` neighbouring ranks that read one batch, each a shard of its sequence. The dp
+axis keeps every rank that holds the same parameters (DeepSpeed's sequence-data-parallel group):
+ZeRO shards and reduces over all of it, while the batch is split over
+``data_parallel_size = dp // sp`` replicas.
 """
 
 from __future__ import annotations
@@ -221,6 +227,8 @@ class Topology:
     tp: int
     mesh: DeviceMesh = field(repr=False)
     timeout: timedelta = DEFAULT_TIMEOUT
+    sp: int = 1
+    """Ulysses sequence-parallel ranks per batch: consecutive runs of the dp axis."""
     _comm: Any = field(default=None, init=False, repr=False, compare=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -231,17 +239,19 @@ class Topology:
         pp: int = 1,
         dp: int | None = None,
         tp: int = 1,
+        sp: int = 1,
         timeout: timedelta | None = None,
     ) -> Topology:
         """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave.
 
-        Every axis group gets ``timeout``; by default, the world group's own timeout.
+        ``dp`` counts the sp ranks too (``sp`` must divide it). Every axis group gets
+        ``timeout``; by default, the world group's own timeout.
         """
         if not dist.is_initialized():
             init_distributed(timeout=timeout or DEFAULT_TIMEOUT)
         timeout = timeout or world_timeout()
         world = dist.get_world_size()
-        for name, size in (("pp", pp), ("tp", tp)):
+        for name, size in (("pp", pp), ("tp", tp), ("sp", sp)):
             if size < 1:
                 raise TopologyError(f"{name}: size must be >= 1, got {size}")
         if dp is None:
@@ -250,16 +260,20 @@ class Topology:
             dp = world // (pp * tp)
         if pp * dp * tp != world:
             raise TopologyError(f"pp * dp * tp = {pp} * {dp} * {tp} != world size {world}")
+        if dp % sp:
+            raise TopologyError(f"sp {sp} does not divide the dp axis of {dp} ranks")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         if device_type == "cuda":
             _bind_local_device()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # size-1 dims warn about reusing the world group
             mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
-        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout)
+        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout, sp=sp)
         for axis in AXES:
             _set_group_timeout(topo.group(axis), timeout)
         hold_groups(topo)
+        if sp > 1:
+            topo.dp_subgroup(sp)  # a collective: made here, while every rank builds the grid
         return topo
 
     def release_groups(self) -> None:
@@ -297,15 +311,32 @@ class Topology:
         return self._comm
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along ``axis`` ('pp', 'dp' or 'tp')."""
+        """The process group of this rank along ``axis`` ('pp', 'dp', 'tp', or 'sp' when
+        sp > 1: the ranks sharing this rank's batch)."""
+        if axis == "sp":
+            if self.sp == 1:
+                raise TopologyError("the grid has no sp axis (sp is 1)")
+            return self._subgroups[self.sp]
         return self.mesh.get_group(axis)
 
     def size(self, axis: str) -> int:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}[axis]
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp}[axis]
 
     def rank(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``."""
+        """This rank's coordinate along ``axis`` (along 'sp': its sequence shard)."""
+        if axis == "sp":
+            return self.mesh.get_local_rank("dp") % self.sp
         return self.mesh.get_local_rank(axis)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that read different batches: dp / sp (DeepSpeed's ``dp_world_size``)."""
+        return self.dp // self.sp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of the :attr:`data_parallel_size` batches this rank reads."""
+        return self.dp_rank // self.sp
 
     @property
     def world_size(self) -> int:

@@ -150,12 +150,14 @@ class AutoCheckpoint:
 
 
 def _saved_batch(save_dir: str) -> tuple[int | None, int | None]:
-    """(dp, global batch) of the run that wrote ``latest`` (its samples over its steps)."""
+    """(data-parallel replicas, global batch) of the run that wrote ``latest`` (its samples
+    over its steps)."""
     try:
         tag = open(os.path.join(save_dir, LATEST)).read().strip()
         manifest = json.loads(open(os.path.join(save_dir, tag, MANIFEST)).read())
         c = manifest["counters"]
         batch = c["global_samples"] // c["global_steps"] if c["global_steps"] else None
-        return manifest["layout"]["dp"], batch
+        layout = manifest["layout"]
+        return layout["dp"] // layout.get("sp", 1), batch
     except (OSError, ValueError, KeyError):
         return None, None

@@ -222,6 +222,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
         "layout": {
             "world_size": engine.world_size,
             "dp": topo.dp,
+            "sp": topo.sp,
             "tp": topo.tp,
             "pp": topo.pp,
             "zero_stage": zero_cfg.stage,

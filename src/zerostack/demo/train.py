@@ -16,13 +16,14 @@ from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
 from zerostack.pipeline import PipelineModule
 from zerostack.plan.hardware import matmul_flops
 from zerostack.profiling.flops import transformer_flops
+from zerostack.sequence import shard_sequence
 
 
 def train(args, config: dict) -> dict:
     """Train the reference GPT as ``args`` (the parsed command line) and ``config`` (the
     DeepSpeed config it built) say; rank 0 writes the run's files and returns its summary."""
     zerostack.init_distributed()
-    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp)
+    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp, sp=args.sp)
     torch.manual_seed(args.seed)
     model_cfg = GPTConfig(
         block_size=args.block_size,
@@ -35,7 +36,7 @@ def train(args, config: dict) -> dict:
         model = _pipeline_model(model_cfg, topo, args, config)
     else:
         model = GPT(model_cfg)
-        if args.tp > 1:
+        if args.tp > 1 or args.sp > 1:
             model.parallelize(topo, sequence_parallel=args.sequence_parallel)
     train_set, val_set = corpus_datasets(args.block_size)
     engine, *_ = zerostack.initialize(
@@ -82,6 +83,7 @@ def train(args, config: dict) -> dict:
         "tp": engine.topology.tp,
         "pp": engine.topology.pp,
         "dp": engine.dp_world_size,
+        "sp": engine.topology.sp,
         "sequence_parallel": args.sequence_parallel,
         "zero_stage": engine.config.zero_optimization.stage,
         "offload": args.offload,
@@ -149,16 +151,19 @@ def _flops_and_peak(engine, cfg: GPTConfig, args) -> tuple[int, float, str]:
 def _evaluate(engine, dataset, block_size: int, batches: int = 8) -> float:
     """The mean validation loss over up to ``batches`` micro-batches per rank, through
     ``eval_batch`` (pipelined or not): whole global batches of ``gradient_accumulation_steps``
-    micro-batches, averaged over dp."""
+    micro-batches, averaged over dp (each sp rank its shard of the sequences)."""
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     n = min(len(dataset), batches * micro * engine.dp_world_size)
-    idx = list(range(engine.topology.dp_rank, n, engine.dp_world_size))
+    idx = list(range(engine.topology.data_parallel_rank, n, engine.dp_world_size))
     rounds = max(1, len(idx) // (micro * gas))
     it = (
-        (
-            torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
-            torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
+        shard_sequence(
+            (
+                torch.stack([dataset[j][0] for j in idx[i : i + micro]]),
+                torch.stack([dataset[j][1] for j in idx[i : i + micro]]),
+            ),
+            engine.topology,
         )
         for i in range(0, rounds * micro * gas, micro)
     )

@@ -12,6 +12,10 @@ on vocabulary-split logits), optionally with sequence parallelism::
 
     model = GPT(cfg, topology=topo, sequence_parallel=True)    # or GPT(cfg).parallelize(topo)
 
+On a grid with Ulysses sequence parallelism (``Topology.build(sp=2)``) each rank runs on its
+shard of the sequence and attention exchanges sequence shards for head shards
+(:class:`~zerostack.sequence.DistributedAttention`); heads must divide by tp * sp.
+
 The model is built whole and each rank keeps its slices, so with the same seed the shards are
 exactly the slices of the plain model (:func:`split_state_dict` / :func:`join_state_dicts` convert
 between the two).
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sequence import DistributedAttention
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -121,16 +126,26 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.heads_split = False  # set by GPT.parallelize
         self.sequence_parallel = False
+        self.ulysses: DistributedAttention | None = None  # set by GPT.parallelize when sp > 1
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over ``[b, t, heads, head_dim]`` inputs, in the same layout."""
+        p = self.dropout if self.training else 0.0
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        with _split_rng(self.heads_split and p > 0):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return y.transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = self.n_head * self.head_dim
-        q, k, v = self.qkv(x).split(width, dim=2)  # full sequence, even when x is a shard
+        # the full sequence under Megatron's sequence parallelism, even when x is a shard;
+        # this rank's sequence shard under Ulysses
+        q, k, v = self.qkv(x).split(width, dim=2)
         b, t = q.shape[:2]
-        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim) for z in (q, k, v))
+        y = (self._attend if self.ulysses is None else self.ulysses)(q, k, v)
+        y = y.contiguous().view(b, t, width)
         p = self.dropout if self.training else 0.0
-        with _split_rng(self.heads_split and p > 0):
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, width)
         with _split_rng(self.sequence_parallel and p > 0):
             return F.dropout(self.proj(y), p, self.training)
 
@@ -163,9 +178,14 @@ class Block(nn.Module):
 
 
 def check_tp_split(cfg: GPTConfig, topology: Topology) -> None:
-    tp = topology.tp
+    tp, sp = topology.tp, topology.sp
     if cfg.n_head % tp:
         raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
+    if cfg.n_head % (tp * sp):
+        raise ValueError(
+            f"sequence_parallel_size: GPT's n_head {cfg.n_head} does not split into "
+            f"tp * sp = {tp} * {sp} head shards"
+        )
     if cfg.vocab_size % tp:
         raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
 
@@ -190,6 +210,8 @@ def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bo
     mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
     mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
     attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
+    if topology.sp > 1:  # Ulysses: [b, t, heads, head_dim], heads scattered, sequence gathered
+        attn.ulysses = DistributedAttention(attn._attend, topology, scatter_idx=2, gather_idx=1)
 
 
 class PositionShards(nn.Embedding):
@@ -232,6 +254,11 @@ class GPT(nn.Module):
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         check_tp_split(cfg, topology)
+        if sequence_parallel and topology.sp > 1:
+            raise ValueError(
+                "GPT: Megatron's sequence_parallel does not combine with Ulysses (sp > 1): the "
+                "blocks already run on this rank's sequence shard"
+            )
         ensure_seeded(topology)
         sp = dict(topology=topology, sequence_parallel=sequence_parallel)
         self.wte = VocabParallelEmbedding.from_embedding(self.wte, **sp)
@@ -250,10 +277,14 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, t = idx.shape
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         topo = self.topology
-        if self.sequence_parallel:
+        sp = topo.sp if topo is not None else 1  # Ulysses: idx is this rank's sequence shard
+        if t * sp > self.cfg.block_size:
+            raise ValueError(f"sequence length {t * sp} exceeds block_size {self.cfg.block_size}")
+        if sp > 1:
+            r = topo.rank("sp")
+            pos = torch.arange(r * t, (r + 1) * t, device=idx.device)
+        elif self.sequence_parallel:
             if t % topo.tp:
                 raise ValueError(
                     f"sequence length {t} does not split into {topo.tp} tp ranks "

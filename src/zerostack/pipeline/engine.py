@@ -71,7 +71,7 @@ class PipelineEngine(Engine):
     def __init__(
         self, *, module: PipelineModule, config: ZeroStackConfig, topology: Topology, **kwargs
     ) -> None:
-        _check_config(module, config, config.resolve_batch(topology.dp)[2])
+        _check_config(module, config, config.resolve_batch(topology.data_parallel_size)[2])
         super().__init__(module=module, config=config, topology=topology, **kwargs)
         self.schedule = config.pipeline.schedule
         self.executor = PipelineExecutor(module, self.comm, config.fp16.auto_cast)

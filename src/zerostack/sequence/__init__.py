@@ -1,0 +1,13 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses): each of ``sp`` ranks holds a shard of the
+sequence; around attention an all-to-all trades it for a shard of the heads, so attention sees
+the whole sequence (:class:`DistributedAttention`). Everything outside attention works on the
+shard as it is: the embeddings, layer norms, MLPs and the loss are per token.
+
+The sp ranks are neighbours on the dp axis of the grid (``Topology.build(sp=2)``, or the
+config's ``sequence_parallel_size``); they read one batch, each its own shard of the sequence
+(:func:`shard_sequence`), and ZeRO reduces gradients over the whole dp axis, sp ranks included.
+"""
+
+from .layer import DistributedAttention, seq_all_to_all, shard_sequence
+
+__all__ = ["DistributedAttention", "seq_all_to_all", "shard_sequence"]
