@@ -89,12 +89,13 @@ class RunMonitor:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         mem = summary.get("bytes_per_rank", {})
         grid = ""
-        if summary.get("tp", 1) > 1 or summary.get("pp", 1) > 1:
+        if summary.get("tp", 1) > 1 or summary.get("pp", 1) > 1 or summary.get("sp", 1) > 1:
             sp = ", sequence parallel" if summary.get("sequence_parallel") else ""
             pp = ""
             if summary.get("pp", 1) > 1:
                 pp = f"pp {summary['pp']} ({summary['schedule']}) x "
-            grid = f" ({pp}tp {summary['tp']} x dp {summary['dp']}{sp})"
+            ulysses = f" x sp {summary['sp']}" if summary.get("sp", 1) > 1 else ""
+            grid = f" ({pp}tp {summary['tp']} x dp {summary['dp']}{ulysses}{sp})"
         lines = [
             "",
             f"zerostack train: {summary['world_size']} ranks{grid}, "
