@@ -590,6 +590,13 @@ MUTANTS = [
         (T_QWZ_ROUND,),
     ),
     Mutant(
+        "qwZ: block scales rounded to the nearest bf16, not up (values clamped at 127)",
+        "zero/quantize.py",
+        "    scale = _bf16_up(x.abs().amax(dim=1) / LEVELS)",
+        "    scale = (x.abs().amax(dim=1) / LEVELS).to(SCALE).float()",
+        (T_QWZ_ROUND,),
+    ),
+    Mutant(
         "qwZ: a piece's blocks start where the last full block of the one before ends",
         "zero/quantize.py",
         "        at += blocks(n)",
