@@ -50,6 +50,12 @@ def _args(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per side")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (bf16 gathers)")
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds (weights and data order); the losses are their means",
+    )
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # one child's
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--side-timeout", type=float, default=3600)
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
@@ -68,6 +74,7 @@ def _config(args, weights: bool, grads: bool, hpz: int = 1) -> dict:
         zero_hpz_partition_size=hpz,
     )
     cfg["steps_per_print"] = 10**9
+    cfg["seed"] = args.seed
     return cfg
 
 
@@ -89,7 +96,7 @@ def run_side(args) -> None:
     grid._all_gather = counting("all_gather", grid._all_gather)
     grid._reduce_scatter = counting("reduce_scatter", grid._reduce_scatter)
     dist.all_to_all_single = counting("all_to_all", dist.all_to_all_single)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = GPT(
         GPTConfig(
             block_size=DEFAULTS["block_size"],
@@ -130,13 +137,33 @@ def run_side(args) -> None:
     zerostack.shutdown()
 
 
+def _over_seeds(runs: list[dict], seeds: list[int]) -> dict:
+    """One side over its seeds: the first seed's bytes, the median step time, the losses'
+    means (and each seed's)."""
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
+    out = dict(runs[0])
+    if len(runs) > 1:
+        out["median_s"] = round(statistics.median(r["median_s"] for r in runs), 5)
+        for key in ("final_loss", "val_loss"):
+            out[f"{key}_by_seed"] = [r[key] for r in runs]
+            out[key] = round(statistics.fmean(r[key] for r in runs), 5)
+        out["seeds"] = seeds
+    return out
+
+
 def main(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    sides = {}
+    sides, seeds = {}, [int(x) for x in args.seeds.split(",")]
     for side in SIDES if args.nproc >= 4 else SIDES[:-1]:  # hpZ: pairs inside dp 4+
-        argv = [*sys.argv[1:], "--side", side]
-        sides[side] = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
-        print(f"{side}: {json.dumps(sides[side])}", file=sys.stderr, flush=True)
+        runs = []
+        for seed in seeds:
+            argv = [*sys.argv[1:], "--side", side, "--seed", str(seed)]
+            runs.append(
+                torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
+            )
+            print(f"{side}, seed {seed}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+        sides[side] = _over_seeds(runs, seeds)
     plain, ratios = sides["stage3"], {}
     for side in list(sides)[1:]:
         got = sides[side]
@@ -155,8 +182,13 @@ def main(args) -> dict:
                 abs(got["val_loss"] - plain["val_loss"]) / plain["val_loss"], 5
             ),
         }
+    if len(seeds) > 1 and "final_loss_by_seed" in plain:
+        by_seed = plain["final_loss_by_seed"]
+        # how far plain stage 3's own runs lie apart: the noise the loss differences sit in
+        ratios["stage3_seed_spread"] = round((max(by_seed) - min(by_seed)) / plain["final_loss"], 5)
     out = {
         "benchmark": "zeropp",
+        "seeds": seeds,
         "world_size": args.nproc,
         "steps": args.steps,
         "dtype": "bf16" if args.bf16 else "fp32",

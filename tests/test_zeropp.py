@@ -136,9 +136,12 @@ def quantized_reference(steps: int, weights: bool = True, grads: bool = False):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(rank, world, quantized: bool, steps: int, grads: bool = False, hpz: int = 1):
+def _train(
+    rank, world, quantized: bool, steps: int, grads: bool = False, hpz: int = 1, offload=None
+):
     """Stage 3 at dp 2, plain SGD; the final weights and, for the last step, the bytes of each
-    parameter all-gather as the CommLog has them and as handed to torch.distributed."""
+    parameter all-gather as the CommLog has them and as handed to torch.distributed.
+    ``offload``: "cpu" puts the parameter pieces (and the optimizer) in host memory."""
     import zerostack.comm.grid as grid
 
     handed = []
@@ -161,6 +164,9 @@ def _train(rank, world, quantized: bool, steps: int, grads: bool = False, hpz: i
             "stage3_param_persistence_threshold": 0,  # every parameter is gathered each pass
         },
     }
+    if offload:
+        config["zero_optimization"]["offload_param"] = {"device": offload, "pin_memory": True}
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
     engine = zerostack.initialize(model=tiny_gpt(), config=config)[0]
     log = engine.comm.log
     for step in range(steps):
@@ -235,13 +241,16 @@ def test_qwz_and_qgz_together_train_as_the_reference_with_both():
     trains_as(results, quantized_reference(STEPS, weights=True, grads=True), "qwZ + qgZ")
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "qwz"])
-def test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit(quantized):
+@pytest.mark.parametrize(
+    "quantized,offload", [(False, None), (True, None), (False, "cpu")], ids=["plain", "qwz", "cpu"]
+)
+def test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit(quantized, offload):
     """dp 4 with zero_hpz_partition_size 2: the forward gathers over dp, the backward within
     pairs of neighbours from the pieces the forward left (the same values, dequantized ones
-    under qwZ), so the weights are those of stage 3 without hpZ, bit for bit."""
-    without = run_distributed(_train, world=4, args=(quantized, STEPS))
-    results = run_distributed(_train, world=4, args=(quantized, STEPS, False, 2))
+    under qwZ), so the weights are those of stage 3 without hpZ, bit for bit; with the
+    parameters offloaded too."""
+    without = run_distributed(_train, world=4, args=(quantized, STEPS, False, 1, offload))
+    results = run_distributed(_train, world=4, args=(quantized, STEPS, False, 2, offload))
     for (want, *_), (got, _, handed, moved) in zip(without, results, strict=True):
         assert want.keys() == got.keys()
         for k in want:

@@ -557,13 +557,13 @@ class ZeroConfig(_Model):
     compatibility; no effect yet."""
     zero_quantized_weights: bool = False
     """Stage 3 (ZeRO++ qwZ): parameters are all-gathered for forward and backward as int8 blocks
-    of 32 elements with one fp32 scale each (3.56x fewer bytes than fp32, 1.78x than bf16);
+    of 32 elements with one bf16 scale each (3.76x fewer bytes than fp32, 1.88x than bf16);
     the gathered weights are within half a step of their block's scale, the masters, optimizer
     and checkpoints stay exact (:mod:`zerostack.zero.quantize`)."""
     zero_quantized_gradients: bool = False
     """Stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as an all-to-all of int8 blocks
     (each rank's contribution within half a step of its block's scale, summed in fp32 by the
-    receiving rank), 3.56x fewer bytes than fp32; no error feedback."""
+    receiving rank), 3.76x fewer bytes than fp32; no error feedback."""
     zero_hpz_partition_size: PositiveInt = 1
     """Stage 3 (ZeRO++ hpZ): a training forward's gathers leave each rank its piece of every
     parameter cut this many ways among consecutive dp ranks (one node when it times tp divides
