@@ -64,12 +64,36 @@ class GPTConfig:
     """Activation checkpointing: run each ``checkpoint_every`` consecutive blocks through
     ``zerostack.activation_checkpointing.checkpoint`` (their input kept, the rest recomputed in
     backward); 0 = off."""
+    moe_every: int = 0
+    """Mixture of experts: every ``moe_every``-th block (the last of each run of that many)
+    replaces its MLP with a :class:`zerostack.moe.MoE` of ``num_experts`` MLPs; 0 = none."""
+    num_experts: int = 1
+    moe_k: int = 1
+    """Experts per token: top-1 or top-2 gating."""
+    moe_capacity_factor: float = 1.0
+    """Slots per expert, as a multiple of tokens / experts (DeepSpeed's capacity_factor); the
+    same for evaluation."""
+    moe_min_capacity: int = 4
+    moe_drop_tokens: bool = True
+    moe_use_rts: bool = False
+    """Random token selection when an expert overflows (DeepSpeed's default is True; off here,
+    so an overflowing expert keeps its first tokens, deterministically)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the summed load-balancing losses in the returned loss."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.moe_every < 0:
+            raise ValueError(f"moe_every must be >= 0, got {self.moe_every}")
+        if self.moe_every and self.checkpoint_every:
+            raise ValueError("moe_every does not combine with checkpoint_every yet")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) is a mixture-of-experts block."""
+        return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def num_params(self) -> int:
@@ -165,16 +189,36 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, moe: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.l_aux: torch.Tensor | None = None  # the last forward's load-balancing loss (MoE)
+        if moe:
+            from ..moe import MoE
+
+            self.mlp = MoE(
+                cfg.d_model,
+                MLP(cfg),
+                num_experts=cfg.num_experts,
+                k=cfg.moe_k,
+                capacity_factor=cfg.moe_capacity_factor,
+                eval_capacity_factor=cfg.moe_capacity_factor,
+                min_capacity=cfg.moe_min_capacity,
+                drop_tokens=cfg.moe_drop_tokens,
+                use_rts=cfg.moe_use_rts,
+                top2_2nd_expert_sampling=False,
+            )
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        y = self.mlp(self.ln2(x))
+        if isinstance(y, tuple):  # MoE: (output, l_aux, exp_counts)
+            y, self.l_aux, _ = y
+        return x + y
 
 
 def check_tp_split(cfg: GPTConfig, topology: Topology) -> None:
@@ -234,7 +278,7 @@ class GPT(nn.Module):
         self.sequence_parallel = False
         self.wte = InitEmbedding(cfg.vocab_size, cfg.d_model)
         self.wpe = InitEmbedding(cfg.block_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i)) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         # Tied: one parameter, two uses. Built on "meta" so no weight is allocated only to be
         # thrown away (it would also cost a whole vocab x d_model matrix under zero.Init).
@@ -254,6 +298,10 @@ class GPT(nn.Module):
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         check_tp_split(cfg, topology)
+        if cfg.moe_every:
+            raise ValueError(
+                "GPT: moe_every does not combine with tensor or sequence parallelism yet"
+            )
         if sequence_parallel and topology.sp > 1:
             raise ValueError(
                 "GPT: Megatron's sequence_parallel does not combine with Ulysses (sp > 1): the "
@@ -320,7 +368,11 @@ class GPT(nn.Module):
         if topo is None:
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
+            loss = F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
+            if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks
+                aux = sum(b.l_aux for b in self.blocks if b.l_aux is not None)
+                loss = loss + self.cfg.moe_aux_loss_coef * aux
+            return loss
         if targets is None:
             return gather_from_tp(logits, topo.comm)
         return vocab_parallel_cross_entropy(logits, targets, topo.comm).mean()

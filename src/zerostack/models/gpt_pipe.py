@@ -108,6 +108,8 @@ class GPTLoss:
 
 def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_parallel=False):
     """The GPT as a layer list for :class:`~zerostack.pipeline.PipelineModule`."""
+    if cfg.moe_every:
+        raise ValueError("gpt_layers: moe_every does not run under a pipeline yet")
     tp = topology if topology is not None and topology.tp > 1 else None
     extra = (tp, sequence_parallel and tp is not None)
     return [

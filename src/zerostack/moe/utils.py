@@ -1,0 +1,48 @@
+"""DeepSpeed-MoE's optimizer helpers: expert parameters in parameter groups of their own."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import nn
+
+
+def is_moe_param(param: nn.Parameter) -> bool:
+    """An expert parameter (marked by :class:`~zerostack.moe.experts.Experts`)."""
+    return hasattr(param, "allreduce") and not param.allreduce
+
+
+def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=None):
+    """``param_groups`` with each group's expert parameters moved to a group of their own per
+    expert group name (DeepSpeed's function): same options, ``"moe": True``, and the name
+    ``"<group name>_<expert group name>"``. Every group needs a ``"name"``."""
+    if isinstance(param_groups, tuple):
+        param_groups = list(param_groups)
+    elif isinstance(param_groups, dict):
+        param_groups = [param_groups]
+    elif not isinstance(param_groups, list):
+        raise ValueError(f"param_groups: a list, tuple or dict, got {type(param_groups).__name__}")
+    for i, group in enumerate(param_groups):
+        if "name" not in group:
+            raise ValueError(f"param_groups[{i}]: has no 'name' (DeepSpeed requires one)")
+    moe_groups: dict = defaultdict(dict)
+    for group in param_groups:
+        kept = []
+        for p in group["params"]:
+            if not is_moe_param(p):
+                kept.append(p)
+                continue
+            by_name = moe_groups[group["name"]]
+            if p.group_name not in by_name:
+                options = {k: v for k, v in group.items() if k != "params"}
+                by_name[p.group_name] = {
+                    **options,
+                    "moe": True,
+                    "name": f"{group['name']}_{p.group_name}",
+                    "params": [],
+                }
+            by_name[p.group_name]["params"].append(p)
+        group["params"] = kept
+    for by_name in moe_groups.values():
+        param_groups.extend(by_name.values())
+    return param_groups

@@ -1,0 +1,256 @@
+"""Mixture of experts at ep 1: the gates against a token-by-token spec written here (routing,
+capacity, which tokens drop, weights, the auxiliary loss), the layer against a loop over tokens,
+the MoE GPT under ZeRO 0, 2 and 3 at dp 2 against single-process training, the optimizer's
+parameter groups, refusals.
+
+Gating is per rank (DeepSpeed's): capacity counts the tokens of the rank's micro-batch. The
+single-process reference therefore runs each rank's micro-batch through the model on its own
+and averages the losses: the same tokens meet the same capacity, so the same tokens drop.
+Parity: plain SGD, no clipping, 3 steps, 1e-5 relative per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from common import batch, max_rel_diff
+from distributed import run_distributed
+
+import zerostack
+from zerostack.models import GPT, GPTConfig
+from zerostack.moe import MoE, split_params_into_different_moe_groups_for_optimizer
+from zerostack.moe.sharded_moe import top1gating, top2gating
+
+E = 4
+
+
+def _logits(tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(tokens, E, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def spec_gate(logits, k, factor, min_capacity, drop=True):
+    """Token by token, in order: each token's k choices (highest probability first; a second
+    choice queues behind every first choice); an expert takes a choice while it has a free slot
+    (capacity ceil(S / E * factor * k), at least min_capacity; the largest demand when nothing
+    drops). Top-1's weight is the probability, top-2's the probability over those of the
+    token's kept choices. Returns {(token, expert): (slot, weight)}, the counts before
+    dropping, the capacity and the auxiliary loss."""
+    probs = torch.softmax(logits.double(), dim=1)
+    s = logits.shape[0]
+    order = torch.argsort(probs, dim=1, descending=True)
+    choices = [[int(order[t, j]) for j in range(k)] for t in range(s)]
+    counts = [0] * E
+    for t in range(s):
+        for e in choices[t]:
+            counts[e] += 1
+    capacity = max(math.ceil(s / E * factor * k), min_capacity) if drop else max(counts)
+    taken, kept = [0] * E, {}
+    for j in range(k):  # all first choices, then all second choices
+        for t in range(s):
+            e = choices[t][j]
+            if taken[e] < capacity:
+                kept[(t, e)] = taken[e]
+                taken[e] += 1
+    out = {}
+    for t in range(s):
+        mine = [e for e in choices[t] if (t, e) in kept]
+        # top-2 weights are renormalised over the choices kept (one left: weight 1)
+        total = sum(float(probs[t, e]) for e in mine) if k == 2 else 1.0
+        for e in mine:
+            out[(t, e)] = (kept[(t, e)], float(probs[t, e]) / total)
+    first = [choices[t][0] for t in range(s)]
+    routed = [first.count(e) / s for e in range(E)]
+    mean_prob = probs.mean(dim=0).tolist()
+    aux = sum(p * f for p, f in zip(mean_prob, routed, strict=True))
+    aux = aux * E if k == 1 else aux / E * E * E
+    return out, counts, capacity, aux
+
+
+def _as_dict(combine):
+    nz = combine.nonzero().tolist()
+    return {(t, e): (c, float(combine[t, e, c])) for t, e, c in nz}
+
+
+@pytest.mark.parametrize(
+    "k,factor,min_capacity,drop",
+    [
+        (1, 8.0, 4, True),
+        (1, 1.0, 2, True),
+        (1, 1.0, 2, False),
+        (2, 4.0, 4, True),
+        (2, 0.5, 1, True),
+    ],
+)
+def test_gates_route_drop_and_weigh_as_the_spec(k, factor, min_capacity, drop):
+    logits = _logits(24)
+    if k == 1:
+        got = top1gating(logits, factor, min_capacity, drop_tokens=drop, use_rts=False)
+    else:
+        got = top2gating(logits, factor, min_capacity, drop, top2_2nd_expert_sampling=False)
+    l_aux, combine, dispatch, counts = got
+    want, want_counts, capacity, want_aux = spec_gate(logits, k, factor, min_capacity, drop)
+    assert combine.shape == (24, E, capacity)
+    assert torch.equal(dispatch, combine.bool())
+    assert counts.tolist() == want_counts
+    routed = _as_dict(combine)
+    assert routed.keys() == want.keys()
+    for key, (slot, weight) in want.items():
+        assert routed[key][0] == slot and abs(routed[key][1] - weight) < 1e-6, key
+    assert abs(float(l_aux) - want_aux) < 1e-6
+    if factor <= 1.0 and drop:
+        assert len(routed) < 24 * k  # the case drops tokens
+    if not drop:
+        assert len(routed) == 24 * k
+
+
+def test_random_token_selection_keeps_a_capacity_of_each_experts_tokens():
+    logits = _logits(40, seed=3)
+    torch.manual_seed(0)
+    _, combine, _, counts = top1gating(logits, 1.0, 2, use_rts=True)
+    capacity = combine.shape[2]
+    chosen = torch.argmax(logits, dim=1)
+    for e in range(E):
+        kept = combine[:, e].sum(dim=1).nonzero().flatten().tolist()
+        assert len(kept) == min(int(counts[e]), capacity)
+        assert all(int(chosen[t]) == e for t in kept)
+        slots = sorted(int(combine[t, e].nonzero()) for t in kept)
+        assert slots == list(range(len(kept)))  # the kept tokens fill slots 0.. in order
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, 2 * d)
+        self.proj = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("k,residual", [(1, False), (2, False), (2, True)])
+def test_the_layer_is_a_weighted_sum_of_each_tokens_experts(k, residual):
+    torch.manual_seed(0)
+    d = 8
+    moe = MoE(d, _Expert(d), num_experts=E, k=k, capacity_factor=0.75, min_capacity=1,
+              use_residual=residual, use_rts=False, top2_2nd_expert_sampling=False)  # fmt: skip
+    x = torch.randn(3, 6, d)
+    out, l_aux, counts = moe(x)
+    tokens = x.reshape(-1, d)
+    logits = moe.deepspeed_moe.gate.wg(tokens)
+    kept, want_counts, _, want_aux = spec_gate(logits.detach(), k, 0.75, 1)
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    want = torch.zeros_like(tokens)
+    for (t, e), (_, w) in kept.items():
+        want[t] += w * experts[e](tokens[t])
+    if residual:
+        coef = torch.softmax(moe.coefficient(tokens), dim=-1)
+        want = want * coef[:, :1] + moe.mlp(tokens) * coef[:, 1:]
+    assert torch.allclose(out.reshape(-1, d), want, atol=1e-6)
+    assert counts.tolist() == want_counts and abs(float(l_aux.detach()) - want_aux) < 1e-6
+    assert len(kept) < tokens.shape[0] * k  # some tokens dropped, and still the same output
+
+
+CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32, bias=False,
+                moe_every=2, num_experts=E, moe_min_capacity=1)  # fmt: skip
+B, STEPS, LR, DP = 8, 3, 0.5, 2
+
+
+def _cfg(k: int, factor: float) -> GPTConfig:
+    import dataclasses
+
+    return dataclasses.replace(CFG, moe_k=k, moe_capacity_factor=factor)
+
+
+def _reference(cfg: GPTConfig):
+    """Single process: per step, the mean of each rank's micro-batch loss, one SGD step."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    per = B // DP
+    for step in range(STEPS):
+        x, y = batch(step, B)
+        losses = [model(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]) for r in range(DP)]
+        (sum(losses) / DP).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(rank, world, cfg, stage):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    engine, *_ = zerostack.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": B // world,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": 5000,
+                "stage3_param_persistence_threshold": 0,
+            },
+        },
+    )
+    per = B // world
+    for step in range(STEPS):
+        x, y = batch(step, B)
+        engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+        engine.step()
+    state = engine.full_state_dict()
+    engine.destroy()
+    return state
+
+
+@pytest.mark.parametrize(
+    "k,factor,stage",
+    [(1, 4.0, 0), (1, 0.5, 2), (2, 4.0, 3), (2, 0.5, 0)],
+    ids=["top1-stage0", "top1-drops-stage2", "top2-stage3", "top2-drops-stage0"],
+)
+def test_moe_gpt_matches_single_process(k, factor, stage):
+    cfg = _cfg(k, factor)
+    ref = _reference(cfg)
+    for state in run_distributed(_train, DP, args=(cfg, stage)):
+        diff, name = max_rel_diff(state, ref)
+        assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+
+
+def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
+    torch.manual_seed(0)
+    model = GPT(_cfg(1, 0.5))
+    x, y = batch(0, 4)
+    loss = model(x, y)
+    moe = model.blocks[1].mlp.deepspeed_moe
+    logits = model(x)
+    ce = F.cross_entropy(logits.flatten(0, -2), y.reshape(-1))
+    assert abs(float(loss - ce) - 0.01 * float(moe.l_aux)) < 1e-6
+    capacity = math.ceil(4 * 16 / E * 0.5)
+    assert int(moe.exp_counts.max()) > capacity  # an expert overflowed: tokens dropped
+    assert model.blocks[0].l_aux is None  # the first block is dense
+
+
+def test_expert_parameters_get_groups_of_their_own():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"name": "all", "params": list(model.parameters()), "lr": 0.1}]
+    )
+    assert [g["name"] for g in groups] == ["all", "all_ep_size_1"]
+    assert groups[1]["moe"] is True and groups[1]["lr"] == 0.1
+    experts = {id(p) for p in model.blocks[1].mlp.deepspeed_moe.experts.parameters()}
+    assert {id(p) for p in groups[1]["params"]} == experts
+    assert len(groups[0]["params"]) + len(experts) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: has no 'name'"):
+        split_params_into_different_moe_groups_for_optimizer([{"params": []}])
+
+
+def test_what_is_not_built_is_refused():
+    with pytest.raises(ValueError, match="MoE: ep_size 2: expert parallelism is not supported"):
+        MoE(8, _Expert(8), num_experts=4, ep_size=2)
+    with pytest.raises(ValueError, match="MoE: k 3: only top-1 and top-2"):
+        MoE(8, _Expert(8), num_experts=4, k=3)
+    with pytest.raises(ValueError, match="moe_every does not combine with checkpoint_every"):
+        GPTConfig(moe_every=1, num_experts=2, checkpoint_every=1)
