@@ -48,6 +48,7 @@ CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
 U = "tests/test_ulysses.py"
+MOE = "tests/test_moe.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
@@ -1490,6 +1491,56 @@ MUTANTS = [
         '    if built is None and callable(getattr(model, "parallelize", None)):\n'
         "        return True\n    return False\n",
         (f"{U}::test_bad_grids_are_refused_naming_the_key",),
+    ),
+    Mutant(
+        "the MoE GPT's loss leaves the auxiliary loss out",
+        "models/gpt.py",
+        "loss = loss + self.cfg.moe_aux_loss_coef * aux",
+        "loss = loss + 0.0 * aux",
+        # not the parity test: its reference is the same GPT, so it loses the term too
+        (f"{MOE}::test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked",),
+    ),
+    Mutant(
+        "top-2's second choices do not queue behind the first choices",
+        "moe/sharded_moe.py",
+        "locations2 = torch.cumsum(mask2, dim=0) - 1 + torch.sum(mask1, dim=0, keepdim=True)",
+        "locations2 = torch.cumsum(mask2, dim=0) - 1",
+        (f"{MOE}::test_gates_route_drop_and_weigh_as_the_spec[2-0.5-1-True]",),
+    ),
+    Mutant(
+        "top-2's capacity is not doubled",
+        "moe/sharded_moe.py",
+        "_capacity(num_tokens, num_experts, 2 * capacity_factor, min_capacity)",
+        "_capacity(num_tokens, num_experts, capacity_factor, min_capacity)",
+        (f"{MOE}::test_gates_route_drop_and_weigh_as_the_spec[2-4.0-4-True]",),
+    ),
+    Mutant(
+        "top-2's weights are not renormalised over the kept choices",
+        "moe/sharded_moe.py",
+        "gates1 = (gates1_s / denom_s)[:, None] * mask1_f",
+        "gates1 = gates1_s[:, None] * mask1_f",
+        (f"{MOE}::test_gates_route_drop_and_weigh_as_the_spec[2-4.0-4-True]",),
+    ),
+    Mutant(
+        "an expert keeps one token past its capacity",
+        "moe/sharded_moe.py",
+        "mask = mask * torch.lt(locations, capacity)",
+        "mask = mask * torch.le(locations, capacity)",
+        (f"{MOE}::test_gates_route_drop_and_weigh_as_the_spec[1-1.0-2-True]",),
+    ),
+    Mutant(
+        "top-1's auxiliary loss misses its factor of num_experts",
+        "moe/sharded_moe.py",
+        "l_aux = torch.sum(me * ce) * num_experts",
+        "l_aux = torch.sum(me * ce)",
+        (f"{MOE}::test_gates_route_drop_and_weigh_as_the_spec[1-8.0-4-True]",),
+    ),
+    Mutant(
+        "tokens are dispatched scaled by their gate weights (applied twice)",
+        "moe/sharded_moe.py",
+        'torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden), tokens)',
+        'torch.einsum("sec,sm->ecm", combine_weights.type_as(hidden), tokens)',
+        (f"{MOE}::test_the_layer_is_a_weighted_sum_of_each_tokens_experts[1-False]",),
     ),
 ]
 
