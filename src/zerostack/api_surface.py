@@ -112,7 +112,7 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.get_accelerator": _no("no accelerator layer: use `engine.device` and torch"),
         "deepspeed.ops": _no(_NO_OPS),
-        "deepspeed.moe": _no("no mixture-of-experts layers or expert parallelism"),
+        "deepspeed.moe": _works(),
         "deepspeed.logger": _no('zerostack logs to `logging.getLogger("zerostack")`'),
         "deepspeed.log_dist": _no('log on one rank with `logging.getLogger("zerostack")`'),
         "deepspeed.OnDevice": _no("build under `zero.Init`, or with torch's `with torch.device()`"),
@@ -300,9 +300,15 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _no(
             "`zerostack launch` reads `.deepspeed_env` (or DS_ENV_FILE), then `.zerostack_env`"
         ),
-        "deepspeed.moe.layer.MoE": _no("no mixture-of-experts layers or expert parallelism"),
+        "deepspeed.moe.layer.MoE": _different(
+            "ep_size > 1 at ZeRO stages 0-2 and without checkpoints yet; no tutel, no expert "
+            "tensor parallelism"
+        ),
+        "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer": _works(),
+        "deepspeed.sequence.layer.DistributedAttention": _works(),
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _no(
-            "no Ulysses: sequence parallelism is Megatron's, inside tensor parallelism"
+            "Hugging Face attention is not wrapped: put `zerostack.sequence.layer."
+            "DistributedAttention` in the model"
         ),
     },
     "engine": {
@@ -367,7 +373,7 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         f"{ENGINE}.get_data_parallel_rank": _no("`engine.topology.dp_rank`"),
         f"{ENGINE}.get_tensor_parallel_rank": _no('`engine.topology.rank("tp")`'),
         f"{ENGINE}.get_model_parallel_rank": _no('`engine.topology.rank("tp")`'),
-        f"{ENGINE}.get_sequence_parallel_group": _no("no Ulysses sequence parallelism"),
+        f"{ENGINE}.get_sequence_parallel_group": _no('`engine.topology.group("sp")`'),
         f"{ENGINE}.basic_optimizer": _no("`engine.optimizer` is the torch optimizer"),
         f"{ENGINE}.client_optimizer": _no("`engine.optimizer` is the torch optimizer"),
         f"{ENGINE}.client_lr_scheduler": _no("`engine.lr_scheduler`"),

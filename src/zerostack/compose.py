@@ -22,6 +22,8 @@ from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_confi
 from .config_keys import warn_no_effect
 from .data.sampler import ResumableSampler
 from .engine import Engine
+from .moe import MoE
+from .moe.sync import average_over_ep
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
@@ -115,6 +117,7 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"{name} ({size})"
             )
     sp = cfg.sequence_parallel_size
+    ep = _expert_parallel_size(model)
     if topo is None:
         tp = sources[0][1] if sources else 1
         pp = mpu_pp if mpu is not None else 1
@@ -124,7 +127,14 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"sequence_parallel_size: {sp} does not divide the data-parallel ranks, world "
                 f"{world} / (tp {tp} * pp {pp})"
             )
-        topo = Topology.build(tp=tp, pp=pp, sp=sp)
+        if ep > 1 and (world // (tp * pp)) % ep:
+            raise ConfigError(
+                f"MoE ep_size: {ep} does not divide the data-parallel ranks, world {world} / "
+                f"(tp {tp} * pp {pp})"
+            )
+        topo = Topology.build(tp=tp, pp=pp, sp=sp, ep=ep)
+    elif ep != topo.ep:
+        raise ConfigError(f"MoE ep_size: the model's layers have {ep}, the topology ep {topo.ep}")
     elif "sequence_parallel_size" in cfg.model_fields_set and sp != topo.sp:
         raise ConfigError(
             f"sequence_parallel_size: {sp} disagrees with the topology's sp ({topo.sp})"
@@ -136,6 +146,7 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
             f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
             f"tp={topo.tp}"
         )
+    _bind_experts(model, topo, cfg)
     wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)
     if built is None and (topo.tp > 1 or wire_ulysses):
         if callable(getattr(model, "parallelize", None)):
@@ -152,6 +163,32 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"method, or pass a Hugging Face model of a known type ({', '.join(POLICIES)})"
             )
     return topo
+
+
+def _expert_parallel_size(model: nn.Module) -> int:
+    """The ``ep_size`` of the model's MoE layers (1 without any); they must agree."""
+    sizes = {m.ep_size for m in model.modules() if isinstance(m, MoE)}
+    if len(sizes) > 1:
+        raise ConfigError(f"MoE ep_size: the model's layers disagree ({sorted(sizes)})")
+    return sizes.pop() if sizes else 1
+
+
+def _bind_experts(model: nn.Module, topo: Topology, cfg: ZeroStackConfig) -> None:
+    """MoE layers exchange tokens over the grid's ep axis; at ep > 1 the gradients of what the
+    ep ranks share are averaged over them (:func:`zerostack.moe.sync.average_over_ep`)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.set_topology(topo)
+    if topo.ep == 1:
+        return
+    if isinstance(model, PipelineModule):
+        raise ConfigError("MoE ep_size: expert parallelism does not run under a pipeline yet")
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError(
+            f"zero_optimization.stage: 3 with MoE ep_size {topo.ep} is not supported yet "
+            "(stages 0-2 shard over the expert-data-parallel ranks)"
+        )
+    average_over_ep(model, topo)
 
 
 def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> bool:

@@ -26,6 +26,7 @@ from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
 from .full_params import FullParams, attach
+from .moe.utils import is_moe_param
 from .monitor import StepMonitor
 from .precision import Precision, make_loss_scaler
 from .profiling.flops_profiler.step import StepProfile
@@ -75,6 +76,7 @@ class Engine(EngineAPI, nn.Module):
         # alike, and count them once in the gradient norm (tp rank 0 counts them).
         replicas = [p for p in module.parameters() if partition_spec(p) is None]
         self._tp_replicas = set(replicas)
+        self._ep_replicas = {p for p in module.parameters() if not is_moe_param(p)}
         if topology.tp > 1:
             self._sync_tp_replicas(replicas)
         zcfg = config.zero_optimization
@@ -127,9 +129,13 @@ class Engine(EngineAPI, nn.Module):
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):
-        tp replicas off tp rank 0 (and, under a pipeline, tied copies off their first stage)."""
+        tp replicas off tp rank 0, all but the experts off ep rank 0 (and, under a pipeline,
+        tied copies off their first stage)."""
         topo = self.topology
-        return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
+        held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
+        if topo.ep > 1 and topo.rank("ep") != 0:
+            held = held | self._ep_replicas
+        return held
 
     def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
         for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
@@ -280,7 +286,7 @@ class Engine(EngineAPI, nn.Module):
         sq = stats.sq.to(self.device)
         if stats.sharded:
             self.comm.all_reduce(sq, axis="dp")
-        for axis in ("tp", "pp"):
+        for axis in ("tp", "pp", "ep"):
             if self.topology.size(axis) > 1:
                 self.comm.all_reduce(sq, axis=axis)
         return float(sq.sqrt()) * stats.post

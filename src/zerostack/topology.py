@@ -14,6 +14,11 @@ into runs of ``sp`` neighbouring ranks that read one batch, each a shard of its 
 axis keeps every rank that holds the same parameters (DeepSpeed's sequence-data-parallel group):
 ZeRO shards and reduces over all of it, while the batch is split over
 ``data_parallel_size = dp // sp`` replicas.
+
+Expert parallelism (``ep``, a MoE layer's ``ep_size``) is a mesh axis of its own, between dp and
+tp: the ``ep`` ranks of a group hold different experts and read different batches. The dp axis
+is then the expert-data-parallel group (the ranks holding the same experts), which ZeRO shards
+and reduces over; the batch is split over ``data_parallel_size = dp * ep`` replicas.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed.nn.functional as dist_nn_functional
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "tp")
+EP_AXES = ("pp", "dp", "ep", "tp")  # the mesh's dimensions when ep > 1
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 _GROUP_HOLDERS: list[weakref.ref] = []
@@ -229,6 +235,8 @@ class Topology:
     timeout: timedelta = DEFAULT_TIMEOUT
     sp: int = 1
     """Ulysses sequence-parallel ranks per batch: consecutive runs of the dp axis."""
+    ep: int = 1
+    """Expert-parallel ranks: a mesh axis between dp and tp (see the module doc)."""
     _comm: Any = field(default=None, init=False, repr=False, compare=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -240,6 +248,7 @@ class Topology:
         dp: int | None = None,
         tp: int = 1,
         sp: int = 1,
+        ep: int = 1,
         timeout: timedelta | None = None,
     ) -> Topology:
         """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave.
@@ -251,15 +260,20 @@ class Topology:
             init_distributed(timeout=timeout or DEFAULT_TIMEOUT)
         timeout = timeout or world_timeout()
         world = dist.get_world_size()
-        for name, size in (("pp", pp), ("tp", tp), ("sp", sp)):
+        for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)):
             if size < 1:
                 raise TopologyError(f"{name}: size must be >= 1, got {size}")
+        if ep > 1 and (sp > 1 or pp > 1):
+            raise TopologyError(f"ep {ep} does not combine with sp or pp yet")
         if dp is None:
-            if world % (pp * tp):
-                raise TopologyError(f"world size {world} is not divisible by pp * tp = {pp} * {tp}")
-            dp = world // (pp * tp)
-        if pp * dp * tp != world:
-            raise TopologyError(f"pp * dp * tp = {pp} * {dp} * {tp} != world size {world}")
+            if world % (pp * tp * ep):
+                raise TopologyError(
+                    f"world size {world} is not divisible by pp * tp * ep = {pp} * {tp} * {ep}"
+                )
+            dp = world // (pp * tp * ep)
+        if pp * dp * ep * tp != world:
+            shown = f"{pp} * {dp} * {tp}" + (f" * ep {ep}" if ep > 1 else "")
+            raise TopologyError(f"pp * dp * tp = {shown} != world size {world}")
         if dp % sp:
             raise TopologyError(f"sp {sp} does not divide the dp axis of {dp} ranks")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -267,9 +281,12 @@ class Topology:
             _bind_local_device()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # size-1 dims warn about reusing the world group
-            mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
-        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout, sp=sp)
-        for axis in AXES:
+            if ep > 1:
+                mesh = init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=EP_AXES)
+            else:
+                mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
+        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout, sp=sp, ep=ep)
+        for axis in EP_AXES if ep > 1 else AXES:
             _set_group_timeout(topo.group(axis), timeout)
         hold_groups(topo)
         if sp > 1:
@@ -291,6 +308,8 @@ class Topology:
         if size not in self._subgroups:
             if size < 1 or self.dp % size:
                 raise TopologyError(f"a dp subgroup of {size} ranks does not divide dp {self.dp}")
+            if self.ep > 1:
+                raise TopologyError("dp subgroups (hpZ, sp) do not combine with ep yet")
             mesh, mine = self.mesh.mesh, None
             for p, t, run in product(range(self.pp), range(self.tp), range(self.dp // size)):
                 ranks = [int(mesh[p, run * size + j, t]) for j in range(size)]
@@ -317,30 +336,35 @@ class Topology:
             if self.sp == 1:
                 raise TopologyError("the grid has no sp axis (sp is 1)")
             return self._subgroups[self.sp]
+        if axis == "ep" and self.ep == 1:
+            raise TopologyError("the grid has no ep axis (ep is 1)")
         return self.mesh.get_group(axis)
 
     def size(self, axis: str) -> int:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp}[axis]
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep}[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis`` (along 'sp': its sequence shard)."""
         if axis == "sp":
             return self.mesh.get_local_rank("dp") % self.sp
+        if axis == "ep" and self.ep == 1:
+            return 0
         return self.mesh.get_local_rank(axis)
 
     @property
     def data_parallel_size(self) -> int:
-        """Replicas that read different batches: dp / sp (DeepSpeed's ``dp_world_size``)."""
-        return self.dp // self.sp
+        """Replicas that read different batches: dp * ep / sp (DeepSpeed's
+        ``dp_world_size``)."""
+        return self.dp * self.ep // self.sp
 
     @property
     def data_parallel_rank(self) -> int:
         """Which of the :attr:`data_parallel_size` batches this rank reads."""
-        return self.dp_rank // self.sp
+        return self.dp_rank * self.ep + self.rank("ep") if self.ep > 1 else self.dp_rank // self.sp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.ep * self.tp
 
     @property
     def global_rank(self) -> int:

@@ -80,6 +80,9 @@ class GPTConfig:
     so an overflowing expert keeps its first tokens, deterministically)."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the summed load-balancing losses in the returned loss."""
+    moe_ep_size: int = 1
+    """Expert-parallel ranks: each holds num_experts / moe_ep_size of every MoE block's
+    experts."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -202,6 +205,7 @@ class Block(nn.Module):
                 cfg.d_model,
                 MLP(cfg),
                 num_experts=cfg.num_experts,
+                ep_size=cfg.moe_ep_size,
                 k=cfg.moe_k,
                 capacity_factor=cfg.moe_capacity_factor,
                 eval_capacity_factor=cfg.moe_capacity_factor,

@@ -24,6 +24,9 @@ class Experts(nn.Module):
                 p.group_name = expert_group_name
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs`` [experts, slots, d_model]: expert e runs on row e."""
-        outputs = [e(x) for e, x in zip(self.deepspeed_experts, inputs.unbind(0), strict=True)]
-        return torch.stack(outputs)
+        """``inputs`` [ranks * experts, slots, d_model], grouped by the rank the slots came
+        from: local expert ``l`` runs on rows ``l, l + experts, ...``."""
+        n = self.num_local_experts
+        grouped = inputs.view(-1, n, *inputs.shape[1:])  # [ranks, local experts, slots, d]
+        outputs = [e(grouped[:, i]) for i, e in enumerate(self.deepspeed_experts)]
+        return torch.stack(outputs, dim=1).view(inputs.shape)

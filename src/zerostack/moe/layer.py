@@ -3,9 +3,10 @@
     moe = MoE(hidden_size=64, expert=MLP(...), num_experts=8, k=2)
     output, l_aux, exp_counts = moe(hidden)      # add l_aux (times a coefficient) to the loss
 
-Expert parallelism (``ep_size > 1``: experts split across ranks, tokens exchanged by
-all-to-all) is not built yet and is refused; every rank holds every expert, so ZeRO shards and
-reduces expert parameters over the data-parallel ranks like any other.
+With ``ep_size > 1`` each of ``ep_size`` ranks holds ``num_experts / ep_size`` of the experts
+and tokens travel to their experts and back by all-to-all over the grid's ep axis;
+``initialize`` builds that axis from the layers' ``ep_size`` and binds them to it. At ep_size 1
+every rank holds every expert, and ZeRO shards and reduces them like any other parameter.
 """
 
 from __future__ import annotations
@@ -46,10 +47,9 @@ class MoE(nn.Module):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"MoE: num_experts must be >= 1, got {num_experts}")
-        if ep_size != 1:
+        if ep_size < 1 or num_experts % ep_size:
             raise ValueError(
-                f"MoE: ep_size {ep_size}: expert parallelism is not supported yet; use ep_size "
-                "1 (every rank holds every expert, ZeRO shards them over the data-parallel ranks)"
+                f"MoE: num_experts {num_experts} does not split into ep_size {ep_size}"
             )
         if use_tutel or enable_expert_tensor_parallelism:
             raise ValueError(
@@ -77,6 +77,14 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
+
+    def set_topology(self, topology) -> None:
+        """The grid whose ep axis (of size ``ep_size``) exchanges the tokens (``initialize``
+        calls it)."""
+        if topology.ep != self.ep_size:
+            raise ValueError(f"MoE: ep_size {self.ep_size}, the grid has ep {topology.ep}")
+        self.deepspeed_moe.topology = topology if self.ep_size > 1 else None
+        self.deepspeed_moe.gate.topology = self.deepspeed_moe.topology
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         output = self.deepspeed_moe(hidden_states, used_token)

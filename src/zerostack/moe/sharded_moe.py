@@ -32,6 +32,13 @@ def _capacity(num_tokens: int, num_experts: int, factor: float, min_capacity: in
     return max(math.ceil(num_tokens / num_experts * factor), min_capacity)
 
 
+def _busiest(exp_counts: torch.Tensor, agree) -> int:
+    """Slots for every token (``drop_tokens=False``): the busiest expert's count, the largest
+    over the ep ranks when ``agree`` (a max over them) is given, so their exchanges match."""
+    capacity = max(int(exp_counts.max()), 1)
+    return agree(capacity) if agree is not None else capacity
+
+
 def gumbel_rsample(shape, device) -> torch.Tensor:
     """Gumbel(0, 1) noise (DeepSpeed's noisy gate policy "RSample", top-2's second choice)."""
     u = torch.rand(shape, device=device).clamp_(1e-20, 1.0)
@@ -54,9 +61,11 @@ def top1gating(
     noisy_gate_policy: str | None = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
+    agree=None,
     **_ignored,
 ):
-    """Each token to its most probable expert (see the module doc)."""
+    """Each token to its most probable expert (see the module doc). ``agree``: the largest of
+    an int over the ep ranks (for ``drop_tokens=False``)."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     chooser = gates
@@ -69,7 +78,7 @@ def top1gating(
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, capacity_factor, min_capacity)
     else:
-        capacity = max(int(exp_counts.max()), 1)
+        capacity = _busiest(exp_counts, agree)
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.sum(me * ce) * num_experts
@@ -93,6 +102,7 @@ def top2gating(
     min_capacity: int,
     drop_tokens: bool = True,
     top2_2nd_expert_sampling: bool = True,
+    agree=None,
     **_ignored,
 ):
     """Each token to its two most probable experts, weights renormalised over the two (see the
@@ -113,7 +123,7 @@ def top2gating(
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, 2 * capacity_factor, min_capacity)
     else:
-        capacity = max(int(exp_counts.max()), 1)
+        capacity = _busiest(exp_counts, agree)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     locations2 = torch.cumsum(mask2, dim=0) - 1 + torch.sum(mask1, dim=0, keepdim=True)
     mask1 = mask1 * torch.lt(locations1, capacity)
@@ -169,13 +179,20 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.topology = None  # the grid, when the experts are split over its ep axis
+
+    def _agree(self, capacity: int) -> int:
+        t = torch.tensor([capacity], dtype=torch.int64, device=self.wg.weight.device)
+        self.topology.comm.all_reduce(t, axis="ep", op=torch.distributed.ReduceOp.MAX)
+        return int(t)
 
     def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None):
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:  # multiplicative jitter
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
-        logits = F.linear(x, self.wg.weight.float())
+        logits = self.wg(x.to(self.wg.weight.dtype)).float()  # a module call: stage 3 gathers
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        agree = self._agree if self.topology is not None else None
         if self.k == 1:
             return top1gating(
                 logits,
@@ -185,6 +202,7 @@ class TopKGate(nn.Module):
                 self.noisy_gate_policy if self.training else None,
                 self.drop_tokens,
                 self.use_rts,
+                agree=agree,
             )
         return top2gating(
             logits,
@@ -192,7 +210,30 @@ class TopKGate(nn.Module):
             self.min_capacity,
             self.drop_tokens,
             self.top2_2nd_expert_sampling and self.training,
+            agree=agree,
         )
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``[j * n / ep, (j + 1) * n / ep)`` of ``x`` to ep rank ``j``; the result holds
+    rank ``i``'s rows for this rank at ``[i * n / ep, ...)``. Its own inverse, so backward is
+    the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, topology):
+        ctx.topology = topology
+        return _exchange(x, topology)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.topology), None
+
+
+def _exchange(x: torch.Tensor, topology) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    topology.comm.all_to_all(out, x, axis="ep")
+    return out
 
 
 class MOELayer(nn.Module):
@@ -207,12 +248,17 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        self.topology = None  # the grid, when the experts are split over its ep axis
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None):
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
         self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
         dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden), tokens)
-        expert_output = self.experts(dispatched)  # [E, C, d_model]
+        if self.topology is None:
+            expert_output = self.experts(dispatched)  # [E, C, d_model]
+        else:  # each ep rank's slots for expert group j to ep rank j, and the outputs back
+            received = _AllToAll.apply(dispatched, self.topology)  # [ep * local, C, d_model]
+            expert_output = _AllToAll.apply(self.experts(received), self.topology)
         combined = torch.einsum("sec,ecm->sm", combine_weights.type_as(hidden), expert_output)
         return combined.reshape(hidden.shape)
