@@ -423,6 +423,7 @@ def test_damaged_missing_and_mismatched_checkpoints_are_named(tmp_path):
         "world_size": 2,
         "dp": 2,
         "sp": 1,
+        "ep": 1,
         "tp": 1,
         "pp": 1,
         "zero_stage": 1,

@@ -301,8 +301,7 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
             "`zerostack launch` reads `.deepspeed_env` (or DS_ENV_FILE), then `.zerostack_env`"
         ),
         "deepspeed.moe.layer.MoE": _different(
-            "ep_size > 1 at ZeRO stages 0-2 and without checkpoints yet; no tutel, no expert "
-            "tensor parallelism"
+            "ep_size > 1 at ZeRO stages 0-2 (not 3); no tutel, no expert tensor parallelism"
         ),
         "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer": _works(),
         "deepspeed.sequence.layer.DistributedAttention": _works(),

@@ -181,8 +181,11 @@ def _bind_experts(model: nn.Module, topo: Topology, cfg: ZeroStackConfig) -> Non
         m.set_topology(topo)
     if topo.ep == 1:
         return
-    if isinstance(model, PipelineModule):
-        raise ConfigError("MoE ep_size: expert parallelism does not run under a pipeline yet")
+    if isinstance(model, PipelineModule) or topo.tp > 1:
+        raise ConfigError(
+            "MoE ep_size: expert parallelism does not combine with a pipeline or tensor "
+            "parallelism yet"
+        )
     if cfg.zero_optimization.stage == 3:
         raise ConfigError(
             f"zero_optimization.stage: 3 with MoE ep_size {topo.ep} is not supported yet "

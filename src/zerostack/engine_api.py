@@ -229,7 +229,6 @@ class EngineAPI:
         ``async_save`` (None: the config's ``checkpoint.async_save``): copy the state to host
         memory and write it in the background (:mod:`zerostack.checkpoint.async_save`);
         :meth:`wait_for_checkpoint` waits for it. Any save first waits for a pending one."""
-        self._no_expert_parallel_checkpoint()
         return self.auto_checkpoint.save(
             self,
             save_dir,
@@ -239,15 +238,6 @@ class EngineAPI:
             exclude_frozen=exclude_frozen_parameters,
             async_save=async_save,
         )
-
-    def _no_expert_parallel_checkpoint(self) -> None:
-        if self.topology.ep > 1:  # the ep ranks' files would share one name
-            from .checkpoint import CheckpointError
-
-            raise CheckpointError(
-                f"checkpoints of expert-parallel runs (ep {self.topology.ep}) are not supported "
-                "yet; save from a run at ep_size 1"
-            )
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the pending background save is written and ``latest`` moved; raise
@@ -277,7 +267,6 @@ class EngineAPI:
         and what it leaves in the module becomes the fp32 masters."""
         from .checkpoint import load
 
-        self._no_expert_parallel_checkpoint()
         self.auto_checkpoint.wait()  # a pending background save completes first
         return load(
             self,

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
+from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import join as join_client_state
@@ -185,6 +186,8 @@ def _custom_load(engine, reader: _Reader, fn) -> None:
     """DeepSpeed's ``custom_load_fn(src=state_dict, dst=module)`` in place of loading the
     weights: run with the module's parameters whole (gathered at stage 3), then what it left in
     them becomes the masters (trained parameters) and the held values (frozen ones)."""
+    if engine.topology.ep > 1:
+        raise CheckpointError("custom_load_fn: not supported with expert parallelism (ep > 1)")
     src = _module_state(engine, reader)
     params = list(engine.module.parameters())
     trained = [p for p in params if engine.zero.is_trained(p)]
@@ -212,7 +215,7 @@ def _load(
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
     # model's values; with load_module_strict=False so do those it simply lacks.
     kept = set(manifest.get("excluded", []))
-    every = {p: n for n, p in engine.module.named_parameters()}
+    every = global_names(engine.module, engine.topology.rank("ep"))  # experts: global index
     tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
     for name in every.values():
         if name in saved or name in kept:
@@ -228,8 +231,11 @@ def _load(
                 f"{_full_shape(p, tp)} in the model"
             )
     if engine.topology.pp == 1 and load_module_strict:  # with a pipeline, others hold the rest
+        ours = set(every.values())
         for name in saved:
-            if name not in every.values():
+            if engine.topology.ep > 1 and EXPERTS in name:
+                continue  # the other ep ranks' experts
+            if name not in ours:
                 raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
     saved_tp = reader.saved_tp
     opt = engine.optimizer

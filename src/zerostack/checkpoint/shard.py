@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..moe.utils import global_names
 from ..tensor_parallel import partition_spec
 from ..zero.init import full_shape
 from .stream import Entry, ShardWriter
@@ -65,8 +66,9 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
     """The tensors this rank writes (``exclude_frozen``: parameters with ``requires_grad=False``
     are left out, and listed)."""
     excluded = _frozen_names(engine) if exclude_frozen else set()
-    names = {p: n for n, p in engine.module.named_parameters() if n not in excluded}
     topo, zero, opt = engine.topology, engine.zero, engine.optimizer
+    every = global_names(engine.module, topo.rank("ep"))  # experts by their global index
+    names = {p: n for p, n in every.items() if n not in excluded}
     # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
     # first pipeline stage that holds it (the parameters the gradient norm skips).
     elsewhere = engine.replicated_elsewhere()

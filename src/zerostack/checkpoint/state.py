@@ -223,6 +223,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
             "world_size": engine.world_size,
             "dp": topo.dp,
             "sp": topo.sp,
+            "ep": topo.ep,
             "tp": topo.tp,
             "pp": topo.pp,
             "zero_stage": zero_cfg.stage,

@@ -6,10 +6,29 @@ from collections import defaultdict
 
 from torch import nn
 
+EXPERTS = ".deepspeed_experts."
+"""What every expert parameter's name holds: ``<layer>.deepspeed_experts.<index>.<name>``."""
+
 
 def is_moe_param(param: nn.Parameter) -> bool:
     """An expert parameter (marked by :class:`~zerostack.moe.experts.Experts`)."""
     return hasattr(param, "allreduce") and not param.allreduce
+
+
+def global_names(module: nn.Module, ep_rank: int) -> dict[nn.Parameter, str]:
+    """Every parameter's name, with each expert under its index among all the layer's experts
+    (this rank's local expert ``l`` is expert ``ep_rank * local + l``), as checkpoints key
+    them: a checkpoint then loads on any ep size."""
+    from .experts import Experts
+
+    names = {p: n for n, p in module.named_parameters()}
+    for prefix, m in module.named_modules():
+        if isinstance(m, Experts):
+            first = ep_rank * m.num_local_experts
+            for i, expert in enumerate(m.deepspeed_experts):
+                for rest, p in expert.named_parameters():
+                    names[p] = f"{prefix}{EXPERTS}{first + i}.{rest}"
+    return names
 
 
 def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=None):
