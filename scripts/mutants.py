@@ -117,8 +117,8 @@ MUTANTS = [
     Mutant(
         "tp replica counted on every tp rank in the gradient norm",
         "engine.py",
-        'return self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()',
-        "return set()",
+        'held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()',
+        "held = set()",
         (f"{P}[tp2]",),
     ),
     Mutant(
@@ -1541,6 +1541,48 @@ MUTANTS = [
         'torch.einsum("sec,sm->ecm", dispatch_mask.type_as(hidden), tokens)',
         'torch.einsum("sec,sm->ecm", combine_weights.type_as(hidden), tokens)',
         (f"{MOE}::test_the_layer_is_a_weighted_sum_of_each_tokens_experts[1-False]",),
+    ),
+    Mutant(
+        "expert gradients are not divided by ep",
+        "moe/sync.py",
+        "        return grad / ep",
+        "        return grad",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "shared gradients are not averaged over the ep ranks",
+        "moe/sync.py",
+        '        comm.all_reduce(grad, axis="ep")\n',
+        "",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "the ep ranks' tokens never reach the other ranks' experts",
+        "moe/sharded_moe.py",
+        '    topology.comm.all_to_all(out, x, axis="ep")',
+        "    out.copy_(x)",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "the norm counts the shared parameters on every ep rank",
+        "engine.py",
+        "            held = held | self._ep_replicas",
+        "            held = held",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "the ep ranks of a dp rank read the same batch",
+        "topology.py",
+        'return self.dp_rank * self.ep + self.rank("ep") if self.ep > 1',
+        "return self.dp_rank * self.ep if self.ep > 1",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "checkpoints key experts by their local index",
+        "moe/utils.py",
+        "            first = ep_rank * m.num_local_experts",
+        "            first = 0",
+        (f"{MOE}::test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4",),
     ),
 ]
 

@@ -50,6 +50,7 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
         ([], "2 ranks, ZeRO"),
         (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
         (["--sp", "2", "--zero-stage", "3"], "2 ranks (tp 1 x dp 1 x sp 2), ZeRO stage 3"),
+        (["--moe-every", "1", "--ep", "2", "--zero-stage", "2"], "2 ranks (tp 1 x dp 2, ep 2)"),
         # one micro-batch a step: this hung before the first step (issue 11)
         (["--pp", "2", "--schedule", "interleaved"], "2 ranks (pp 2 (inter"),
         (
@@ -110,6 +111,9 @@ def test_grid_that_does_not_fit_is_one_clear_line():
     proc = _run([*CLI, "train", "--nproc", "2", "--sp", "2", "--n-head", "3"], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == "ValueError: --n-head 3 does not split into --tp x --sp heads\n"
+    proc = _run([*CLI, "train", "--nproc", "2", "--ep", "2"], timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "ValueError: --ep needs --moe-every > 0 (experts to split)\n"
 
 
 def test_example_script_runs_under_torchrun():

@@ -92,6 +92,20 @@ def _parser() -> argparse.ArgumentParser:
         "shard of the sequence, attention exchanges it for a shard of the heads",
     )
     t.add_argument(
+        "--moe-every",
+        type=int,
+        default=0,
+        help="mixture of experts: every N-th block's MLP becomes --num-experts experts (0: none)",
+    )
+    t.add_argument("--num-experts", type=int, default=4, help="experts per MoE block")
+    t.add_argument("--moe-k", type=int, default=1, choices=[1, 2], help="experts per token")
+    t.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: each holds num_experts / ep of every MoE block's experts",
+    )
+    t.add_argument(
         "--pp", type=int, default=1, help="pipeline stages (the GPT as a PipelineModule)"
     )
     t.add_argument(
@@ -265,6 +279,20 @@ def _check_grid(args) -> None:
     if args.sp < 1 or args.nproc % (args.pp * args.tp * args.sp):
         raise ValueError(
             f"--pp {args.pp} x --tp {args.tp} x --sp {args.sp} does not divide --nproc {args.nproc}"
+        )
+    if args.ep > 1:
+        if not args.moe_every:
+            raise ValueError("--ep needs --moe-every > 0 (experts to split)")
+        if args.num_experts % args.ep or args.nproc % (args.tp * args.pp * args.ep):
+            raise ValueError(
+                f"--ep {args.ep} does not divide --num-experts {args.num_experts} or "
+                f"--nproc {args.nproc} / (--tp x --pp)"
+            )
+        if args.tp > 1 or args.pp > 1 or args.sp > 1 or args.zero_stage == 3:
+            raise ValueError("--ep does not combine with --tp, --pp, --sp or --zero-stage 3")
+    if args.moe_every and (args.activation_checkpointing or args.tp > 1 or args.pp > 1):
+        raise ValueError(
+            "--moe-every does not combine with --activation-checkpointing, --tp or --pp yet"
         )
     if args.sp > 1:
         if args.n_head % (args.tp * args.sp):

@@ -89,12 +89,13 @@ class RunMonitor:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         mem = summary.get("bytes_per_rank", {})
         grid = ""
-        if summary.get("tp", 1) > 1 or summary.get("pp", 1) > 1 or summary.get("sp", 1) > 1:
+        if any(summary.get(axis, 1) > 1 for axis in ("tp", "pp", "sp", "ep")):
             sp = ", sequence parallel" if summary.get("sequence_parallel") else ""
             pp = ""
             if summary.get("pp", 1) > 1:
                 pp = f"pp {summary['pp']} ({summary['schedule']}) x "
             ulysses = f" x sp {summary['sp']}" if summary.get("sp", 1) > 1 else ""
+            ulysses += f", ep {summary['ep']}" if summary.get("ep", 1) > 1 else ""
             grid = f" ({pp}tp {summary['tp']} x dp {summary['dp']}{ulysses}{sp})"
         lines = [
             "",

@@ -23,7 +23,7 @@ def train(args, config: dict) -> dict:
     """Train the reference GPT as ``args`` (the parsed command line) and ``config`` (the
     DeepSpeed config it built) say; rank 0 writes the run's files and returns its summary."""
     zerostack.init_distributed()
-    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp, sp=args.sp)
+    topo = zerostack.Topology.build(pp=args.pp, tp=args.tp, sp=args.sp, ep=args.ep)
     torch.manual_seed(args.seed)
     model_cfg = GPTConfig(
         block_size=args.block_size,
@@ -31,6 +31,10 @@ def train(args, config: dict) -> dict:
         n_head=args.n_head,
         d_model=args.d_model,
         checkpoint_every=1 if args.activation_checkpointing else 0,
+        moe_every=args.moe_every,
+        num_experts=args.num_experts if args.moe_every else 1,
+        moe_k=args.moe_k,
+        moe_ep_size=args.ep,
     )
     if args.pp > 1:
         model = _pipeline_model(model_cfg, topo, args, config)
@@ -84,6 +88,10 @@ def train(args, config: dict) -> dict:
         "pp": engine.topology.pp,
         "dp": engine.dp_world_size,
         "sp": engine.topology.sp,
+        "ep": engine.topology.ep,
+        "moe": {"every": args.moe_every, "experts": args.num_experts, "k": args.moe_k}
+        if args.moe_every
+        else None,
         "sequence_parallel": args.sequence_parallel,
         "zero_stage": engine.config.zero_optimization.stage,
         "offload": args.offload,

@@ -103,8 +103,11 @@ class GPTConfig:
         """Parameters counted once (the tied head adds none)."""
         d, L, b = self.d_model, self.n_layer, int(self.bias)
         per_block = 2 * (d + d * b) + (3 * d * d + 3 * d * b) + (d * d + d * b)
-        per_block += (4 * d * d + 4 * d * b) + (4 * d * d + d * b)
-        return self.vocab_size * d + self.block_size * d + L * per_block + (d + d * b)
+        mlp = (4 * d * d + 4 * d * b) + (4 * d * d + d * b)
+        per_block += mlp
+        moe_blocks = sum(self.is_moe(i) for i in range(L))  # E experts and a gate, not one MLP
+        experts = moe_blocks * ((self.num_experts - 1) * mlp + d * self.num_experts)
+        return self.vocab_size * d + self.block_size * d + L * per_block + (d + d * b) + experts
 
 
 class InitLinear(nn.Linear):
