@@ -1584,6 +1584,13 @@ MUTANTS = [
         "            first = 0",
         (f"{MOE}::test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4",),
     ),
+    Mutant(
+        "expert gradients reduced over all data-parallel ranks, like the shared ones",
+        "moe/sync.py",
+        "p.register_hook(expert if is_moe_param(p) else shared)",
+        "p.register_hook(shared)",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
 ]
 
 

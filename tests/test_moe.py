@@ -248,18 +248,19 @@ def test_moe_gpt_matches_single_process(k, factor, stage):
 
 
 @pytest.mark.parametrize(
-    "world,k,factor,stage",
-    [(2, 1, 0.5, 0), (2, 2, 4.0, 2), (4, 1, 0.5, 1), (4, 2, 0.5, 2)],
+    "world,ep,k,factor,stage",
+    [(2, 2, 1, 0.5, 0), (2, 2, 2, 4.0, 2), (4, 2, 1, 0.5, 1), (4, 2, 2, 0.5, 2),
+     (4, 4, 1, 0.5, 2), (4, 4, 2, 0.5, 0)],
     ids=["ep2-top1-drops-stage0", "ep2-top2-stage2", "dp2xep2-top1-drops-stage1",
-         "dp2xep2-top2-drops-stage2"],
+         "dp2xep2-top2-drops-stage2", "ep4-top1-drops-stage2", "ep4-top2-drops-stage0"],
 )  # fmt: skip
-def test_expert_parallel_gpt_matches_single_process(world, k, factor, stage):
-    """Experts split over 2 ep ranks (alone, and beside dp 2): every rank's weights, its experts
-    renamed to their global index, are the single-process run's; the gradient norm counts the
-    shared parameters once and every expert once."""
+def test_expert_parallel_gpt_matches_single_process(world, ep, k, factor, stage):
+    """Experts split over 2 ep ranks (alone, and beside dp 2) and over 4 (one each): every
+    rank's weights, its experts renamed to their global index, are the single-process run's;
+    the gradient norm counts the shared parameters once and every expert once."""
     import dataclasses
 
-    cfg = dataclasses.replace(_cfg(k, factor), moe_ep_size=2)
+    cfg = dataclasses.replace(_cfg(k, factor), moe_ep_size=ep)
     ref, ref_norm = _reference(dataclasses.replace(cfg, moe_ep_size=1), dp=world)
     results = run_distributed(_train, world, args=(cfg, stage))
     merged = {}
@@ -300,6 +301,62 @@ def test_expert_parameters_get_groups_of_their_own():
     assert len(groups[0]["params"]) + len(experts) == len(list(model.parameters()))
     with pytest.raises(ValueError, match=r"param_groups\[0\]: has no 'name'"):
         split_params_into_different_moe_groups_for_optimizer([{"params": []}])
+
+
+def _bf16(rank, world):
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(2, 1.0), moe_ep_size=2)
+    torch.manual_seed(0)
+    engine, *_ = zerostack.initialize(
+        model=GPT(cfg),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            "zero_optimization": {"stage": 2},
+        },
+    )
+    losses = []
+    for step in range(12):
+        x, y = batch(step % 2 * 10 + rank, 4)  # two batches a rank, again and again
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    gate = engine.module.blocks[1].mlp.deepspeed_moe.gate.wg.weight
+    return losses, gate.dtype
+
+
+def test_bf16_expert_parallel_training_learns():
+    """bf16 at ep 2 (stage 2): the gate computes in the model's dtype, its logits and the
+    routing in fp32, and the loss on the same two batches falls."""
+    for losses, dtype in run_distributed(_bf16, 2):
+        assert dtype == torch.bfloat16
+        assert all(math.isfinite(x) for x in losses)
+        assert losses[-1] < losses[0] - 0.5, losses
+
+
+def _ep_does_not_divide(rank, world):
+    import dataclasses
+
+    from zerostack.config import ConfigError
+
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CFG, moe_ep_size=4))
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": sgd}
+    try:
+        zerostack.initialize(model=model, config=config)
+    except ConfigError as e:
+        return str(e)
+
+
+def test_an_ep_size_that_does_not_divide_the_ranks_is_refused():
+    for message in run_distributed(_ep_does_not_divide, 2):
+        assert message == (
+            "MoE ep_size: 4 does not divide the data-parallel ranks, world 2 / (tp 1 * pp 1)"
+        )
 
 
 def test_what_is_not_built_is_refused():
