@@ -122,16 +122,12 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
         tp = sources[0][1] if sources else 1
         pp = mpu_pp if mpu is not None else 1
         world = torch.distributed.get_world_size()
-        if world % (tp * pp) or (world // (tp * pp)) % sp:
-            raise ConfigError(
-                f"sequence_parallel_size: {sp} does not divide the data-parallel ranks, world "
-                f"{world} / (tp {tp} * pp {pp})"
-            )
-        if ep > 1 and (world // (tp * pp)) % ep:
-            raise ConfigError(
-                f"MoE ep_size: {ep} does not divide the data-parallel ranks, world {world} / "
-                f"(tp {tp} * pp {pp})"
-            )
+        for key, size in (("sequence_parallel_size", sp), ("MoE ep_size", ep)):
+            if world % (tp * pp) or (world // (tp * pp)) % size:
+                raise ConfigError(
+                    f"{key}: {size} does not divide the data-parallel ranks, world {world} / "
+                    f"(tp {tp} * pp {pp})"
+                )
         topo = Topology.build(tp=tp, pp=pp, sp=sp, ep=ep)
     elif ep != topo.ep:
         raise ConfigError(f"MoE ep_size: the model's layers have {ep}, the topology ep {topo.ep}")

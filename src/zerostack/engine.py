@@ -76,7 +76,9 @@ class Engine(EngineAPI, nn.Module):
         # alike, and count them once in the gradient norm (tp rank 0 counts them).
         replicas = [p for p in module.parameters() if partition_spec(p) is None]
         self._tp_replicas = set(replicas)
-        self._ep_replicas = {p for p in module.parameters() if not is_moe_param(p)}
+        self._ep_replicas = (  # what every ep rank holds: counted on ep rank 0 only
+            {p for p in module.parameters() if not is_moe_param(p)} if topology.ep > 1 else set()
+        )
         if topology.tp > 1:
             self._sync_tp_replicas(replicas)
         zcfg = config.zero_optimization

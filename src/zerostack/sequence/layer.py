@@ -29,8 +29,6 @@ def _exchange(group: Topology | dist.ProcessGroup) -> tuple[int, Exchange]:
     engine's CommLog), or a process group through DeepSpeed's module function (in the comms
     logger)."""
     if isinstance(group, Topology):
-        if group.sp == 1:
-            return 1, lambda out, inp: out.copy_(inp)
         return group.sp, lambda out, inp: group.comm.all_to_all(out, inp, axis="sp")
     from ..comm import collectives
 
