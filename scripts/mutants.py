@@ -77,6 +77,8 @@ T_HPZ_REFUSED = (
 T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit"
 
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
+T_ALIKE = "tests/test_initialize.py::test_every_rank_starts_from_dp_rank_0s_weights"
+T_PEAK = "tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state"
 
 MUTANTS = [
     Mutant(
@@ -1590,6 +1592,41 @@ MUTANTS = [
         "p.register_hook(expert if is_moe_param(p) else shared)",
         "p.register_hook(shared)",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
+    ),
+    Mutant(
+        "stages 0-2 in fp32 keep each rank's own initial weights",
+        "zero/sharded_optimizer.py",
+        "value = dst.copy_(p.detach().reshape(-1))\n                if comm.topo.dp > 1:",
+        "value = dst.copy_(p.detach().reshape(-1))\n                if False:",
+        (T_ALIKE,),
+    ),
+    Mutant(
+        "stages 0-2 in 16 bits keep each rank's own initial weights",
+        "zero/sharded_optimizer.py",
+        "value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)\n"
+        "                if comm.topo.dp > 1:",
+        "value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)\n"
+        "                if False:",
+        (f"{T_ALIKE}[bf16]",),
+    ),
+    Mutant(
+        "stage 3 keeps each rank's own initial weights",
+        "zero/init.py",
+        '    if world > 1:\n        comm.broadcast(full, src=0, axis="dp")',
+        '    if False:\n        comm.broadcast(full, src=0, axis="dp")',
+        (T_ALIKE,),
+    ),
+    Mutant(
+        "fp32 stages 0-2 broadcast the parameter's own storage at the start",
+        "zero/sharded_optimizer.py",
+        "value = dst.copy_(p.detach().reshape(-1))\n"
+        "                if comm.topo.dp > 1:\n"
+        '                    comm.broadcast(value, src=0, axis="dp")\n',
+        "value = p.detach().reshape(-1)\n"
+        "                if comm.topo.dp > 1:\n"
+        '                    comm.broadcast(value, src=0, axis="dp")\n'
+        "                dst.copy_(value)\n",
+        (f"{T_PEAK}[1-None-8-8]",),
     ),
 ]
 

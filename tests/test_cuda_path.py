@@ -464,7 +464,20 @@ def _init_peak(rank, world, root, stage, precision):
         torch.cuda.reset_peak_memory_stats()
         assert MEMORY.allocated == 4 * psi  # the model, fp32, on the device
         config = _config(stage, **({precision: {"enabled": True}} if precision else {}))
-        engine, *_ = zerostack.initialize(model=model, config=config)
+        # gloo's worker thread may hold the tensor of a broadcast a while after the wait
+        # returns; here the last one is always held, so the peak cannot depend on that race
+        held, broadcast = [], torch.distributed.broadcast
+
+        def holding(tensor, *args, **kwargs):
+            held[:] = [tensor]
+            return broadcast(tensor, *args, **kwargs)
+
+        torch.distributed.broadcast = holding
+        try:
+            engine, *_ = zerostack.initialize(model=model, config=config)
+        finally:
+            torch.distributed.broadcast = broadcast
+            held.clear()
         return torch.cuda.max_memory_allocated() / psi, torch.cuda.memory_allocated() / psi
 
 

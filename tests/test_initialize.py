@@ -190,3 +190,38 @@ def test_every_stage_is_a_declared_strategy():
     """The engine holds each stage through the one interface zero/strategy.py declares."""
     got = run_distributed(_strategies, 1)[0]
     assert got == {s: (True, s) for s in range(4)}
+
+
+def _start_alike(rank, world, precision):
+    from zerostack.utils import safe_get_full_fp32_param
+
+    out = {}
+    for stage in range(4):
+        model = tiny_gpt(seed=rank)  # every rank draws different weights
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": OPT}
+        cfg["zero_optimization"] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        if precision:
+            cfg[precision] = {"enabled": True}
+        engine, *_ = zerostack.initialize(model=model, config=cfg)
+        names = dict(engine.module.named_parameters())
+        out[stage] = {n: safe_get_full_fp32_param(p).cpu() for n, p in names.items()}
+        if stage < 3:  # whole parameters in the compute dtype
+            out[stage]["compute"] = {n: p.detach().clone() for n, p in names.items()}
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_every_rank_starts_from_dp_rank_0s_weights(precision):
+    """Ranks that drew different weights train one model, dp rank 0's, at every stage: its fp32
+    values as masters, exactly, and cast as the parameters the forward uses."""
+    ref = dict(tiny_gpt(seed=0).named_parameters())
+    dtype = torch.bfloat16 if precision else torch.float32
+    for got in run_distributed(_start_alike, 2, args=(precision,)):
+        for stage, values in got.items():
+            compute = values.pop("compute", {})
+            assert values.keys() == ref.keys()
+            for n, v in values.items():
+                assert torch.equal(v, ref[n].detach()), (stage, n)
+            for n, v in compute.items():
+                assert torch.equal(v, ref[n].detach().to(dtype)), (stage, n)

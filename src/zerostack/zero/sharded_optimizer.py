@@ -126,11 +126,18 @@ class FlatGroup:
         bucket_of = {pos: b for b, bucket in enumerate(layout.buckets) for pos in bucket.slots}
         for pos, slot in enumerate(layout.slots):
             p = params[slot.index]
-            # (an fp32 parameter on the device is broadcast in place: its storage goes next)
-            value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
-            if comm.topo.dp > 1:
-                comm.broadcast(value, src=0, axis="dp")
-            params_flat[slot.offset : slot.end].copy_(value)
+            dst = params_flat[slot.offset : slot.end]
+            if dtype == torch.float32:
+                # broadcast in the buffer itself: a collective's worker thread may hold its
+                # tensor a while after the wait returns (gloo does), and the buffer stays anyway
+                value = dst.copy_(p.detach().reshape(-1))
+                if comm.topo.dp > 1:
+                    comm.broadcast(value, src=0, axis="dp")
+            else:  # (an fp32 parameter on the device is broadcast in place: its storage goes)
+                value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
+                if comm.topo.dp > 1:
+                    comm.broadcast(value, src=0, axis="dp")
+                dst.copy_(value)
             lo, hi = pieces[bucket_of[pos]]
             a, b = max(slot.offset, lo), min(slot.end, hi)
             master = masters[bucket_of[pos]]
