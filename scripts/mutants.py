@@ -1628,6 +1628,20 @@ MUTANTS = [
         "                dst.copy_(value)\n",
         (f"{T_PEAK}[1-None-8-8]",),
     ),
+    Mutant(
+        "the comm log keeps every record of a long run",
+        "comm/records.py",
+        "            del self.records[: max(0, drop)]\n",
+        "            pass\n",
+        ("tests/test_comm_log.py::test_a_long_run_holds_a_bounded_log",),
+    ),
+    Mutant(
+        "a collective's seq counts only the held records",
+        "comm/records.py",
+        "self.step, self.count, ranks=ranks)",
+        "self.step, len(self.records), ranks=ranks)",
+        ("tests/test_comm_log.py::test_a_long_run_holds_a_bounded_log",),
+    ),
 ]
 
 

@@ -98,3 +98,30 @@ def test_all_gather_strings_moves_text_without_pickle():
     for got, logged in run_distributed(_strings, 4):
         assert got == ["", "schrödinger's rank", "a" * 300, "x"]
         assert logged  # through Comm, so the CommLog counts it
+
+
+def test_a_long_run_holds_a_bounded_log():
+    """The log of a run of any length holds the current step's records and ``keep_steps``
+    before it: ``count`` and ``seq`` go on, ``since`` still finds the held ones, and a dropped
+    step's summary is empty."""
+    from zerostack.comm import CommLog
+
+    log = CommLog(keep_steps=3)
+    for step in range(10):
+        for i in range(step + 1):  # step s makes s + 1 records
+            log.add("all_reduce", "dp", 10 * step + i, 0.0)
+        assert [r.step for r in log.records] == [
+            s for s in range(max(0, step - 3), step + 1) for _ in range(s + 1)
+        ]
+        log.next_step()
+    assert log.count == sum(range(1, 11)) == log.records[-1].seq + 1
+    assert [r.seq for r in log.records] == list(range(log.count - 27, log.count))  # steps 7-9
+    first = log.count - 10
+    assert [r.bytes for r in log.since(first)] == [90 + i for i in range(10)]
+    assert log.since(0) == log.records  # older than the held ones: all that is held
+    assert log.for_step(5) == [] and log.step_summary(9)["all_reduce"]["calls"] == 10
+    log.clear()
+    log.add("broadcast", "dp", 1, 0.0)
+    assert log.records[0].seq == 55 and log.since(55) == log.records
+    with pytest.raises(ValueError, match="keep_steps must be at least 1, got 0"):
+        CommLog(keep_steps=0)

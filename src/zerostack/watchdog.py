@@ -126,7 +126,7 @@ class Watchdog:
         waiting = None
         if pending is not None:
             waiting = [pending.op, pending.seq, pending.axis, time.monotonic() - pending.started]
-        return {"beat": self._beat, "step": self.log.step, "calls": len(self.log.records),
+        return {"beat": self._beat, "step": self.log.step, "calls": self.log.count,
                 "waiting": waiting}  # fmt: skip
 
     def _publish(self, left: bool = False) -> None:
@@ -197,7 +197,7 @@ class Watchdog:
 
     def _own_position(self) -> str:
         pending = self.log.oldest_in_flight()
-        where = f"at step {self.log.step}, after {len(self.log.records)} collectives"
+        where = f"at step {self.log.step}, after {self.log.count} collectives"
         if pending is None:
             return where + ", in no collective"
         waited = time.monotonic() - pending.started

@@ -9,7 +9,7 @@ unit of the ZeRO paper's communication volume (stages 0-2 move 2 psi per step, s
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,11 +36,20 @@ class CommLog:
     """Every collective of the job: op, axis, bytes, seconds, and the optimizer step it fell in;
     and the ones posted but not yet complete (``in_flight``), which a hang report names.
 
+    ``records`` holds the collectives of the current step and of the ``keep_steps`` steps before
+    it (older ones are dropped as each step ends, so a run of any length holds a bounded log);
+    ``count`` is how many were recorded since the start, the next one's ``seq``, and
+    :meth:`since` returns those from a given ``seq`` on that are still held.
     ``observers`` are called with each record as it completes (the comms logger's summary).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_steps: int = 64) -> None:
+        if keep_steps < 1:
+            raise ValueError(f"CommLog keep_steps must be at least 1, got {keep_steps}")
         self.records: list[CommRecord] = []
+        self.count = 0
+        self.keep_steps = keep_steps
+        self._starts: deque[int] = deque(maxlen=keep_steps)  # seq where each kept step began
         self.step = 0
         self.in_flight: dict[int, CommRecord] = {}
         # set by a watchdog: why the job is ending, if it is (a verdict posted by some rank)
@@ -48,9 +57,17 @@ class CommLog:
         self.observers: list[Callable[[CommRecord], None]] = []
 
     def add(self, op: str, axis: str, nbytes: int, seconds: float, ranks: int = 1) -> CommRecord:
-        rec = CommRecord(op, axis, int(nbytes), seconds, self.step, len(self.records), ranks=ranks)
+        rec = CommRecord(op, axis, int(nbytes), seconds, self.step, self.count, ranks=ranks)
+        self.count += 1
         self.records.append(rec)
         return rec
+
+    def since(self, seq: int) -> list[CommRecord]:
+        """The held records from collective number ``seq`` on (e.g. ``first = log.count``
+        before some work, ``log.since(first)`` after it)."""
+        if not self.records:
+            return []
+        return self.records[max(0, seq - self.records[0].seq) :]
 
     def begin(self, op: str, axis: str, nbytes: int, ranks: int = 1) -> CommRecord:
         """A collective about to be posted: recorded now, in flight until :meth:`end`."""
@@ -87,7 +104,13 @@ class CommLog:
         return min(pending, key=lambda r: r.seq) if pending else None
 
     def next_step(self) -> None:
+        """The step ends: later records fall in the next one, and the records of steps more
+        than ``keep_steps`` back are dropped."""
         self.step += 1
+        if len(self._starts) == self.keep_steps and self.records:
+            drop = self._starts[0] - self.records[0].seq  # the oldest kept step's records
+            del self.records[: max(0, drop)]
+        self._starts.append(self.count)
 
     def for_step(self, step: int | None = None) -> list[CommRecord]:
         step = self.step if step is None else step
@@ -109,4 +132,5 @@ class CommLog:
         return sum(r.bytes for r in self.for_step(step) if op is None or r.op == op)
 
     def clear(self) -> None:
+        """Drop the held records (``count`` and the records' ``seq`` go on)."""
         self.records.clear()

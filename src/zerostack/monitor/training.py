@@ -119,15 +119,14 @@ class StepMonitor:
         """Rank 0's bytes per axis in the step now ending (records since the last write; each
         grid axis of size > 1 appears, with 0 when it moved nothing)."""
         log = self.comm.log
-        start = self._comm_seen if self._comm_seen <= len(log.records) else 0  # after a clear()
         out: dict[str, int] = defaultdict(int)
         for axis in ("dp", "tp", "pp"):
             if self.topology.size(axis) > 1:
                 out[axis] = 0
-        for r in log.records[start:]:
+        for r in log.since(self._comm_seen):
             if r.step == log.step:
                 out[r.axis] += r.bytes
-        self._comm_seen = len(log.records)
+        self._comm_seen = log.count
         return dict(out)
 
     def flush(self) -> None:
