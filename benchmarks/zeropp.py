@@ -3,16 +3,17 @@ step time, and the demo's loss curve.
 
     python benchmarks/zeropp.py                    # the demo's GPT and run, 300 steps, 2 ranks
     python benchmarks/zeropp.py --steps 40 --bf16  # quicker; bf16 gathers (qwZ halves them)
+    python benchmarks/zeropp.py --sides stage3,stage3_qgz,stage3_qgz4 --seeds 0,1,2
 
 Each side is the demo's training run (``zerostack train``'s model, corpus, AdamW, warmup-cosine
 schedule and clipping, from the same command-line defaults) at ZeRO stage 3 with every parameter
 gathered each pass (``stage3_param_persistence_threshold`` 0, or the demo's small model would
-keep them all resident): plain, ``zero_quantized_weights``, ``zero_quantized_gradients``, both,
-and (with ``--nproc`` 4 or more) ``zero_hpz_partition_size`` nproc / 2, each in its own torchrun
-launch. The bytes are counted where zerostack hands its tensors
-to torch.distributed (not from zerostack's CommLog), per optimizer step: the parameter
-all-gathers (over dp, and hpZ's within subgroups apart), and the gradient reduce-scatter or
-(qgZ) all-to-all. Prints one JSON object: per
+keep them all resident): plain, ``zero_quantized_weights``, ``zero_quantized_gradients`` (int8,
+and int4 as ``stage3_qgz4``), both, and (with ``--nproc`` 4 or more)
+``zero_hpz_partition_size`` nproc / 2, each in its own torchrun launch. The bytes are counted
+where zerostack hands its tensors to torch.distributed (not from zerostack's CommLog), per
+optimizer step: the parameter all-gathers (over dp, and hpZ's within subgroups apart), and the
+gradient reduce-scatter or (qgZ) all-to-all. Prints one JSON object: per
 side the median step time, the bytes per step, the loss every 10 steps, the mean of the last 50
 and the demo's validation loss at the end; per quantized side the ratios to plain (bytes, time)
 and the relative differences of those two losses.
@@ -42,7 +43,8 @@ from zerostack.demo.corpus import corpus_datasets
 from zerostack.demo.train import _evaluate
 from zerostack.models import GPT, GPTConfig
 
-SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_hpz")
+SIDES = ("stage3", "stage3_qwz", "stage3_qgz", "stage3_qgz4", "stage3_qwz_qgz", "stage3_hpz")
+"""stage3_qgz4: qgZ with ``zero_quantized_gradients_bits: 4``; stage3_hpz runs at 4+ ranks."""
 
 
 def _args(argv=None):
@@ -56,13 +58,14 @@ def _args(argv=None):
         help="comma-separated seeds (weights and data order); the losses are their means",
     )
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # one child's
+    p.add_argument("--sides", default=",".join(SIDES), help="comma list, stage3 among them")
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--side-timeout", type=float, default=3600)
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
     return p.parse_args(argv)
 
 
-def _config(args, weights: bool, grads: bool, hpz: int = 1) -> dict:
+def _config(args, weights: bool, grads: bool, hpz: int = 1, bits: int = 8) -> dict:
     """The config ``zerostack train --zero-stage 3 [--bf16]`` builds, plus the ZeRO++ keys."""
     argv = ["train", "--zero-stage", "3", "--steps", str(args.steps)]
     cfg = _build_config(_parser().parse_args(argv + (["--bf16"] if args.bf16 else [])))
@@ -73,6 +76,8 @@ def _config(args, weights: bool, grads: bool, hpz: int = 1) -> dict:
         zero_quantized_gradients=grads,
         zero_hpz_partition_size=hpz,
     )
+    if bits != 8:
+        zero["zero_quantized_gradients_bits"] = bits
     cfg["steps_per_print"] = 10**9
     cfg["seed"] = args.seed
     return cfg
@@ -107,7 +112,8 @@ def run_side(args) -> None:
     )
     train_set, val_set = corpus_datasets(DEFAULTS["block_size"])
     hpz = dist.get_world_size() // 2 if "_hpz" in args.side else 1
-    config = _config(args, "_qwz" in args.side, "_qgz" in args.side, hpz)
+    bits = 4 if args.side.endswith("_qgz4") else 8
+    config = _config(args, "_qwz" in args.side, "_qgz" in args.side, hpz, bits)
     engine, *_ = zerostack.initialize(model=model, training_data=train_set, config=config)
     losses, times, step_bytes = [], [], []
     for _ in range(args.steps):
@@ -155,7 +161,10 @@ def _over_seeds(runs: list[dict], seeds: list[int]) -> dict:
 def main(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     sides, seeds = {}, [int(x) for x in args.seeds.split(",")]
-    for side in SIDES if args.nproc >= 4 else SIDES[:-1]:  # hpZ: pairs inside dp 4+
+    wanted = args.sides.split(",")
+    if "stage3" not in wanted or not set(wanted) <= set(SIDES):
+        raise SystemExit(f"--sides: a comma list of {', '.join(SIDES)}, stage3 among them")
+    for side in [s for s in SIDES if s in wanted and (s != "stage3_hpz" or args.nproc >= 4)]:
         runs = []
         for seed in seeds:
             argv = [*sys.argv[1:], "--side", side, "--seed", str(seed)]

@@ -77,6 +77,14 @@ T_HPZ_REFUSED = (
 T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit"
 
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
+T_INT4 = (
+    "tests/test_zeropp.py::"
+    "test_int4_qgz_trains_at_its_coarser_gradients_and_moves_seven_times_fewer_bytes"
+)
+T_INT4_WIRE = "tests/test_zeropp.py::test_an_int4_payload_holds_two_values_to_a_byte"
+T_INT4_ROUND = (
+    "tests/test_zeropp.py::test_an_int4_round_trip_is_within_half_a_step_of_the_block_scale"
+)
 T_ALIKE = "tests/test_initialize.py::test_every_rank_starts_from_dp_rank_0s_weights"
 T_PEAK = "tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state"
 
@@ -595,8 +603,8 @@ MUTANTS = [
     Mutant(
         "qwZ: block scales rounded to the nearest bf16, not up (values clamped at 127)",
         "zero/quantize.py",
-        "    scale = _bf16_up(x.abs().amax(dim=1) / LEVELS)",
-        "    scale = (x.abs().amax(dim=1) / LEVELS).to(SCALE).float()",
+        "    scale = _bf16_up(x.abs().amax(dim=1) / top)",
+        "    scale = (x.abs().amax(dim=1) / top).to(SCALE).float()",
         (T_QWZ_ROUND,),
     ),
     Mutant(
@@ -1641,6 +1649,48 @@ MUTANTS = [
         "self.step, self.count, ranks=ranks)",
         "self.step, len(self.records), ranks=ranks)",
         ("tests/test_comm_log.py::test_a_long_run_holds_a_bounded_log",),
+    ),
+    Mutant(
+        "int4 qgZ: the bits key never reaches the reducer (int8 sent)",
+        "zero/stage3.py",
+        "            bits=gradient_bits,\n",
+        "",
+        (T_INT4,),
+    ),
+    Mutant(
+        "int4 qgZ: values scaled to int8's 127 levels, then clamped at 7",
+        "zero/quantize.py",
+        "    return LEVELS if bits == 8 else 7",
+        "    return LEVELS",
+        (T_INT4_ROUND,),
+    ),
+    Mutant(
+        "int4 qgZ: the pair's nibbles swapped",
+        "zero/quantize.py",
+        "    return pairs[:, 0] | (pairs[:, 1] << 4)",
+        "    return pairs[:, 1] | (pairs[:, 0] << 4)",
+        (T_INT4_WIRE,),
+    ),
+    Mutant(
+        "int4 qgZ: negative values unpacked without the offset",
+        "zero/quantize.py",
+        "    low = (packed & 15).to(torch.int8) - 8",
+        "    low = (packed & 15).to(torch.int8)",
+        (T_INT4_ROUND,),
+    ),
+    Mutant(
+        "int4 qgZ: a byte a value, as int8 (the bytes ratio)",
+        "zero/quantize.py",
+        "    return numel if bits == 8 else -(-numel // 2)",
+        "    return numel",
+        (T_INT4_WIRE,),
+    ),
+    Mutant(
+        "int4 qgZ: the receiver unpacks as int8",
+        "zero/stage3_reduce.py",
+        "            quantize.unpack(received, numels, torch.float32, self.bits),",
+        "            quantize.unpack(received, numels, torch.float32),",
+        (T_INT4,),
     ),
 ]
 

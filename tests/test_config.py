@@ -163,6 +163,7 @@ def test_defaults_match_deepspeed():
         "load_from_fp32_weights": True,
         "zero_quantized_weights": False,  # ZeRO++: DeepSpeed's defaults, off
         "zero_quantized_gradients": False,
+        "zero_quantized_gradients_bits": 8,  # zerostack's key: qgZ's value width
         "zero_hpz_partition_size": 1,
         "offload_optimizer": None,
         "offload_param": None,

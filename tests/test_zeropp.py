@@ -24,20 +24,21 @@ TOL = 1e-5  # fp32, the two ranks' gradients summed in another order than one pr
 SPEC_BLOCK = 32  # elements per scale, as zerostack.zero.quantize.BLOCK must be
 
 
-def spec_round_trip(piece: torch.Tensor, block: int = SPEC_BLOCK) -> torch.Tensor:
+def spec_round_trip(piece: torch.Tensor, block: int = SPEC_BLOCK, top: int = 127) -> torch.Tensor:
     """The qwZ spec, element by element: blocks of ``block`` from the piece's start, scale the
-    block's largest magnitude / 127, values rounded to the nearest step (half to even)."""
+    block's largest magnitude / ``top`` (127 at 8 bits, 7 at 4), values rounded to the nearest
+    step (half to even)."""
     x = piece.double().reshape(-1)
     out = torch.empty_like(x)
     for lo in range(0, x.numel(), block):
         b = x[lo : lo + block]
-        scale = float(torch.tensor(float(b.abs().max().float()) / 127, dtype=torch.float32))
+        scale = float(torch.tensor(float(b.abs().max().float()) / top, dtype=torch.float32))
         scale = bf16_ceiling(scale)  # as the payload carries it
         if scale == 0:
             out[lo : lo + block] = 0
         else:
             q = torch.round((b.float() / torch.tensor(scale, dtype=torch.float32)).double())
-            out[lo : lo + block] = q.clamp(-127, 127) * scale
+            out[lo : lo + block] = q.clamp(-top, top) * scale
     return out.to(piece.dtype).view(piece.shape)
 
 
@@ -92,14 +93,14 @@ def test_a_payload_holds_every_piece_and_its_size_is_the_formula():
     assert all(t.dtype == torch.bfloat16 for t in bf16)
 
 
-def quantized_pieces(t: torch.Tensor, dp: int) -> torch.Tensor:
+def quantized_pieces(t: torch.Tensor, dp: int, top: int = 127) -> torch.Tensor:
     """``t`` as stage 3 at ``dp`` ranks cuts it, padded into ``dp`` equal pieces, each piece
-    round-tripped on its own."""
+    round-tripped on its own (values up to ``top``)."""
     flat = t.detach().reshape(-1)
     width = -(-flat.numel() // dp)
     padded = torch.zeros(width * dp)
     padded[: flat.numel()] = flat
-    pieces = [spec_round_trip(padded[r * width : (r + 1) * width]) for r in range(dp)]
+    pieces = [spec_round_trip(padded[r * width : (r + 1) * width], top=top) for r in range(dp)]
     return torch.cat(pieces)[: flat.numel()].view(t.shape)
 
 
@@ -108,7 +109,7 @@ def quantized_weights(model: torch.nn.Module, dp: int) -> dict[str, torch.Tensor
     return {name: quantized_pieces(p, dp) for name, p in model.named_parameters()}
 
 
-def quantized_reference(steps: int, weights: bool = True, grads: bool = False):
+def quantized_reference(steps: int, weights: bool = True, grads: bool = False, top: int = 127):
     """One process, plain SGD on the whole batch, as qwZ (``weights``) and qgZ (``grads``) at
     dp 2 must train: each rank's gradient taken at the (quantized) weights on its half of the
     batch, its pieces round-tripped (qgZ), the two summed in rank order and halved, applied to
@@ -131,13 +132,20 @@ def quantized_reference(steps: int, weights: bool = True, grads: bool = False):
             for name, p in model.named_parameters():
                 g0, g1 = per_rank[0][name], per_rank[1][name]
                 if grads:
-                    g0, g1 = quantized_pieces(g0, 2), quantized_pieces(g1, 2)
+                    g0, g1 = quantized_pieces(g0, 2, top), quantized_pieces(g1, 2, top)
                 p -= LR * ((g0 + g1) * 0.5)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _train(
-    rank, world, quantized: bool, steps: int, grads: bool = False, hpz: int = 1, offload=None
+    rank,
+    world,
+    quantized: bool,
+    steps: int,
+    grads: bool = False,
+    hpz: int = 1,
+    offload=None,
+    bits: int = 8,
 ):
     """Stage 3 at dp 2, plain SGD; the final weights and, for the last step, the bytes of each
     parameter all-gather as the CommLog has them and as handed to torch.distributed.
@@ -161,6 +169,7 @@ def _train(
             "zero_quantized_weights": quantized,
             "zero_quantized_gradients": grads,
             "zero_hpz_partition_size": hpz,
+            **({"zero_quantized_gradients_bits": bits} if bits != 8 else {}),
             "stage3_param_persistence_threshold": 0,  # every parameter is gathered each pass
         },
     }
@@ -236,6 +245,54 @@ def test_qgz_trains_at_the_quantized_gradients_and_moves_under_a_third_of_the_by
     print(f"qgZ: {plain_moved['reduce_scatter']} -> {moved['all_to_all']} bytes a step")
 
 
+def test_int4_qgz_trains_at_its_coarser_gradients_and_moves_seven_times_fewer_bytes(runs):
+    """``zero_quantized_gradients_bits: 4``: each rank's pieces round-tripped through values
+    -7 .. 7 (the reference), two to a byte: 7.11x fewer bytes than fp32's reduce-scatter."""
+    plain, _ = runs
+    results = run_distributed(_train, world=2, args=(False, STEPS, True, 1, None, 4))
+    want = quantized_reference(STEPS, weights=False, grads=True, top=7)
+    trains_as(results, want, "int4 qgZ", plain)
+    int8 = quantized_reference(STEPS, weights=False, grads=True)
+    assert max_rel_diff(results[0][0], int8)[0] > 100 * TOL  # not the int8 run
+    plain_moved, moved = plain[0][3], results[0][3]
+    ratio = plain_moved["reduce_scatter"] / moved["all_to_all"]
+    assert 6.5 <= ratio < 7.2, f"fp32 / int4 gradient bytes {ratio:.2f}"
+    print(f"int4 qgZ: {plain_moved['reduce_scatter']} -> {moved['all_to_all']} bytes a step")
+
+
+@pytest.mark.parametrize("numel", [1, 31, 32, 33, 1000])
+def test_an_int4_round_trip_is_within_half_a_step_of_the_block_scale(numel):
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g)
+    y = qz.unpack(qz.pack([x], bits=4)[None], [numel], torch.float32, bits=4)[0][0]
+    for lo in range(0, numel, SPEC_BLOCK):
+        absmax = float(x[lo : lo + SPEC_BLOCK].abs().max())
+        err = float((y[lo : lo + SPEC_BLOCK] - x[lo : lo + SPEC_BLOCK]).abs().max())
+        assert err <= absmax / 14 * (1 + 2**-7) + absmax * 2**-22, (lo, err, absmax)
+    assert torch.equal(y, spec_round_trip(x, top=7))
+
+
+def test_an_int4_payload_holds_two_values_to_a_byte():
+    """The wire format: the scales, then each piece's values as value + 8, element 2i in the low
+    nibble of its byte and 2i + 1 in the high one; an odd piece ends in a half byte."""
+    steps = torch.arange(-7, 8, dtype=torch.float32)  # absmax 7: a scale of exactly 1
+    pieces = [steps, torch.tensor([4.0, 3.0, 2.5, 1.0])]
+    payload = qz.pack(pieces, bits=4)
+    assert payload.numel() == qz.payload_bytes([15, 4], bits=4) == 2 * 2 + 8 + 2
+    step = 147 / 256  # 4 / 7 = 0.5714..., rounded up to 8 significant bits
+    assert payload[:4].view(torch.bfloat16).tolist() == [1.0, step]
+    nibbles = [v + 8 for v in range(-7, 8)] + [8]  # the lone last value, then a zero
+    want = [lo | hi << 4 for lo, hi in zip(nibbles[0::2], nibbles[1::2], strict=True)]
+    assert payload[4:12].tolist() == want
+    # 4, 3, 2.5, 1 in steps of 0.574: 6.97, 5.22, 4.35, 1.74 -> 7, 5, 4, 2
+    assert payload[12:14].tolist() == [(7 + 8) | (5 + 8) << 4, (4 + 8) | (2 + 8) << 4]
+    got = qz.unpack(payload[None], [15, 4], torch.float32, bits=4)
+    assert torch.equal(got[0][0], steps)
+    assert got[1][0].tolist() == [7 * step, 5 * step, 4 * step, 2 * step]
+    with pytest.raises(ValueError, match="quantized values are 8 or 4 bits, not 2"):
+        qz.pack(pieces, bits=2)
+
+
 def test_qwz_and_qgz_together_train_as_the_reference_with_both():
     results = run_distributed(_train, world=2, args=(True, STEPS, True))
     trains_as(results, quantized_reference(STEPS, weights=True, grads=True), "qwZ + qgZ")
@@ -283,6 +340,11 @@ def test_zeropp_is_refused_outside_stage_3():
         load_config({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}})
     with pytest.raises(ConfigError, match="zero_hpz_partition_size: partitions stage 3's"):
         load_config({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    with pytest.raises(ConfigError, match="zero_quantized_gradients_bits: sets the width"):
+        load_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients_bits": 4}})
+    with pytest.raises(ConfigError, match="zero_quantized_gradients_bits: must be 8 or 4"):
+        zero = {"stage": 3, "zero_quantized_gradients": True, "zero_quantized_gradients_bits": 2}
+        load_config({"zero_optimization": zero})
     assert load_config({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
 
 

@@ -564,6 +564,10 @@ class ZeroConfig(_Model):
     """Stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as an all-to-all of int8 blocks
     (each rank's contribution within half a step of its block's scale, summed in fp32 by the
     receiving rank), 3.76x fewer bytes than fp32; no error feedback."""
+    zero_quantized_gradients_bits: Literal[8, 4] = 8
+    """qgZ's value width (a zerostack key): 8, or 4 as DeepSpeed's qgZ sends (two values to a
+    byte, scale = max |x| / 7 per block of 32: 7.11x fewer bytes than fp32, each contribution
+    within half of that coarser step)."""
     zero_hpz_partition_size: PositiveInt = 1
     """Stage 3 (ZeRO++ hpZ): a training forward's gathers leave each rank its piece of every
     parameter cut this many ways among consecutive dp ranks (one node when it times tp divides
@@ -628,6 +632,11 @@ class ZeroConfig(_Model):
             _fail(
                 f"partitions stage 3's parameters; set stage 3 (stage is {self.stage})",
                 "zero_hpz_partition_size",
+            )
+        if self.zero_quantized_gradients_bits != 8 and not self.zero_quantized_gradients:
+            _fail(
+                "sets the width of qgZ's values; set zero_quantized_gradients: true as well",
+                "zero_quantized_gradients_bits",
             )
         if self.zero_quantized_gradients and self.stage != 3:
             _fail(

@@ -91,6 +91,7 @@ class Stage3(Stage3State, StepSequence):
         offload_param=None,
         quantized_weights: bool = False,
         quantized_gradients: bool = False,
+        gradient_bits: int = 8,
         hpz_partition_size: int = 1,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
@@ -195,6 +196,7 @@ class Stage3(Stage3State, StepSequence):
             deliver=self._accumulate,
             to=self.grads.device,  # offloaded: the host
             quantized=quantized_gradients,
+            bits=gradient_bits,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 

@@ -9,9 +9,10 @@ arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced r
 soon as the bucket is launched: there is nothing to reduce).
 
 With ZeRO++'s quantized gradients (qgZ, ``zero_quantized_gradients``) the reduce-scatter is an
-all-to-all of int8 blocks (:mod:`.quantize`, each parameter's piece quantized on its own): rank
-``s`` sends row ``r`` of its matrix, quantized, to rank ``r``, which dequantizes the ``dp`` rows
-it receives and sums them in fp32, in rank order. Each rank's contribution is off by at most half
+all-to-all of int8 (or, with ``zero_quantized_gradients_bits: 4``, int4) blocks
+(:mod:`.quantize`, each parameter's piece quantized on its own): rank ``s`` sends row ``r`` of
+its matrix, quantized, to rank ``r``, which dequantizes the ``dp`` rows it receives and sums
+them in fp32, in rank order. Each rank's contribution is off by at most half
 a step of its block's scale; nothing carries the error to the next step.
 """
 
@@ -44,12 +45,13 @@ class PieceReducer:
         deliver: Deliver,
         to: torch.device,
         quantized: bool = False,
+        bits: int = 8,
     ) -> None:
         """``units``: the parameters each bucket keeps together (a module's), in launch order;
         ``dtype``: the one gradients are reduced in (``communication_data_type``); ``to``: where
         the reduced pieces are delivered (the host when the gradients are)."""
         self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
-        self.to, self.quantized = to, quantized
+        self.to, self.quantized, self.bits = to, quantized, bits
         self.dp = comm.topo.dp
         order = [p for unit in units for p in unit]
         index = {p: i for i, p in enumerate(order)}
@@ -98,7 +100,7 @@ class PieceReducer:
             self._deliver(b, staging.view(-1))
             return None
         if self.quantized:
-            sent = torch.stack([quantize.pack(self._pieces(b, row)) for row in staging])
+            sent = torch.stack([quantize.pack(self._pieces(b, row), self.bits) for row in staging])
             received = self._reduced[b] = torch.empty_like(sent)
             return self.comm.all_to_all(received, sent, axis="dp", async_op=True)
         out = self._reduced[b] = staging.new_empty(self.width[b])
@@ -114,7 +116,9 @@ class PieceReducer:
         numels = [p._zs.piece.numel() for p in self.params[b]]
         out = torch.zeros(self.width[b], dtype=self.dtype, device=received.device)
         for piece, rows in zip(
-            self._pieces(b, out), quantize.unpack(received, numels, torch.float32), strict=True
+            self._pieces(b, out),
+            quantize.unpack(received, numels, torch.float32, self.bits),
+            strict=True,
         ):
             total = rows[0].clone()
             for r in range(1, self.dp):

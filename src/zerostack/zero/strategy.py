@@ -177,6 +177,7 @@ def build_strategy(
             reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
             quantized_weights=zcfg.zero_quantized_weights,
             quantized_gradients=zcfg.zero_quantized_gradients,
+            gradient_bits=zcfg.zero_quantized_gradients_bits,
             hpz_partition_size=zcfg.zero_hpz_partition_size,
             **common,
         )
