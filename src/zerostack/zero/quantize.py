@@ -83,8 +83,8 @@ def _quantize_blocks(x: torch.Tensor, top: int = LEVELS) -> tuple[torch.Tensor, 
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 values -7 .. 7, two to a uint8: element 2i + 8 low, 2i + 1 + 8 high (a lone last
-    element with 8, a zero, above it)."""
+    """int8 values -7 .. 7, two to a uint8, each as value + 8: element 2i in the low nibble,
+    2i + 1 in the high one (a lone last element gets 8, a zero, above it)."""
     u = q.to(torch.uint8) + 8  # wraps -7 .. -1 to 1 .. 7 (mod 256, then + 8: exact)
     if u.numel() % 2:
         u = torch.cat([u, u.new_full((1,), 8)])
