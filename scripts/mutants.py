@@ -1641,7 +1641,10 @@ MUTANTS = [
         "comm/records.py",
         "            del self.records[: max(0, drop)]\n",
         "            pass\n",
-        ("tests/test_comm_log.py::test_a_long_run_holds_a_bounded_log",),
+        (
+            "tests/test_comm_log.py::test_a_long_run_holds_a_bounded_log",
+            "tests/test_comm_log.py::test_an_engine_run_holds_the_last_64_steps_of_its_log",
+        ),
     ),
     Mutant(
         "a collective's seq counts only the held records",

@@ -125,3 +125,33 @@ def test_a_long_run_holds_a_bounded_log():
     assert log.records[0].seq == 55 and log.since(55) == log.records
     with pytest.raises(ValueError, match="keep_steps must be at least 1, got 0"):
         CommLog(keep_steps=0)
+
+
+def _long_run(rank, world, steps):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    x, y = batch(0, 1)
+    counts = []  # collectives since the start, after each step
+    for _ in range(steps):
+        engine.backward(engine(x, y))
+        engine.step()
+        counts.append(engine.comm.log.count)
+    log = engine.comm.log
+    return sorted({r.step for r in log.records}), len(log.records), counts
+
+
+def test_an_engine_run_holds_the_last_64_steps_of_its_log():
+    """An engine's log, 80 steps on: the records of the step now open (none yet) and of the 64
+    before it, each step's as many as any other's; ``count`` still counts every collective since
+    the start."""
+    steps = 80
+    for held, n, counts in run_distributed(_long_run, 2, args=(steps,)):
+        per_step = counts[1] - counts[0]
+        steps_made = [b - a for a, b in zip(counts[:-1], counts[1:], strict=True)]
+        assert per_step > 0 and set(steps_made) == {per_step}
+        assert held == list(range(steps - 64, steps))
+        assert n == 64 * per_step < counts[-1]
