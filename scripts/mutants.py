@@ -1602,20 +1602,15 @@ MUTANTS = [
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
     Mutant(
-        "stages 0-2 in fp32 keep each rank's own initial weights",
+        "stages 0-2 keep each rank's own initial weights",
         "zero/sharded_optimizer.py",
-        "value = dst.copy_(p.detach().reshape(-1))\n                if comm.topo.dp > 1:",
-        "value = dst.copy_(p.detach().reshape(-1))\n                if False:",
+        "            if comm.topo.dp > 1:\n"
+        '                comm.broadcast(value, src=0, axis="dp")\n'
+        "            if value is not dst:",
+        "            if False:\n"
+        '                comm.broadcast(value, src=0, axis="dp")\n'
+        "            if value is not dst:",
         (T_ALIKE,),
-    ),
-    Mutant(
-        "stages 0-2 in 16 bits keep each rank's own initial weights",
-        "zero/sharded_optimizer.py",
-        "value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)\n"
-        "                if comm.topo.dp > 1:",
-        "value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)\n"
-        "                if False:",
-        (f"{T_ALIKE}[bf16]",),
     ),
     Mutant(
         "stage 3 keeps each rank's own initial weights",
@@ -1627,13 +1622,8 @@ MUTANTS = [
     Mutant(
         "fp32 stages 0-2 broadcast the parameter's own storage at the start",
         "zero/sharded_optimizer.py",
-        "value = dst.copy_(p.detach().reshape(-1))\n"
-        "                if comm.topo.dp > 1:\n"
-        '                    comm.broadcast(value, src=0, axis="dp")\n',
-        "value = p.detach().reshape(-1)\n"
-        "                if comm.topo.dp > 1:\n"
-        '                    comm.broadcast(value, src=0, axis="dp")\n'
-        "                dst.copy_(value)\n",
+        "            if dtype == torch.float32:\n                value = dst.copy_(",
+        "            if False:\n                value = dst.copy_(",
         (f"{T_PEAK}[1-None-8-8]",),
     ),
     Mutant(

@@ -127,16 +127,17 @@ class FlatGroup:
         for pos, slot in enumerate(layout.slots):
             p = params[slot.index]
             dst = params_flat[slot.offset : slot.end]
+            # In fp32, broadcast in the buffer itself: a collective's worker thread may hold its
+            # tensor a while after the wait returns (gloo does), and the buffer stays anyway.
+            # Otherwise the value goes in fp32 too (an fp32 parameter already on the device
+            # as it is, its own storage going next).
             if dtype == torch.float32:
-                # broadcast in the buffer itself: a collective's worker thread may hold its
-                # tensor a while after the wait returns (gloo does), and the buffer stays anyway
                 value = dst.copy_(p.detach().reshape(-1))
-                if comm.topo.dp > 1:
-                    comm.broadcast(value, src=0, axis="dp")
-            else:  # (an fp32 parameter on the device is broadcast in place: its storage goes)
+            else:
                 value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
-                if comm.topo.dp > 1:
-                    comm.broadcast(value, src=0, axis="dp")
+            if comm.topo.dp > 1:
+                comm.broadcast(value, src=0, axis="dp")
+            if value is not dst:
                 dst.copy_(value)
             lo, hi = pieces[bucket_of[pos]]
             a, b = max(slot.offset, lo), min(slot.end, hi)
