@@ -7,7 +7,9 @@ One process, one device (world 1): the checks that need two GPUs (pipeline, tens
 reduce-scatter overlap) say so and are skipped on one; on two or more, ``gpu_check.sh`` runs
 ``zerostack train`` with pp 2 (1F1B, interleaved) and tp 2 + sequence parallelism on NCCL.
 Each check prints ``{"check": ..., "ok": ..., ...figures}``; the last line is the summary, and
-the exit code is 1 when a check failed.
+the exit code is 1 when a check failed. ``zero{0-3}-{bf16,fp32}-step-no-stream-sync`` runs two
+steps under torch's sync debug mode: the real-GPU counterpart of virtual CUDA's record of the
+host's waits.
 
 Tolerances, stated: 16-bit runs train with plain SGD (no normalising optimizer to hide a lost
 factor) and their weights' change over 6 steps of 2 micro-steps is held to the fp32 run's on the
@@ -123,6 +125,35 @@ def check_precision(model_cfg, steps) -> None:
                 tolerance=tol,
                 skipped_steps=engine.skipped_steps,
             )
+            engine.destroy()
+
+
+def check_no_stream_sync(model_cfg) -> None:
+    """A step with its masters on the device never drains the stream: under torch's sync debug
+    mode ("error"), which raises on ``.item()``, blocking copies and stream synchronisation, but
+    not on an event's wait (how the engine reads the gradient norm). Batches are copied from
+    pinned memory without blocking, and no loss is read, as in a loop that logs rarely."""
+    if not torch.cuda.is_available():
+        skipped("zero-step-no-stream-sync", "sync debug mode needs CUDA")
+        return
+    batches = [(x.pin_memory(), y.pin_memory()) for x, y in _batches(model_cfg, 3)]
+    for stage in (0, 1, 2, 3):
+        for precision in ("bf16", "fp32"):
+            engine, _ = _train(model_cfg, _config(stage, precision, gradient_clipping=1.0), 1)
+            error = None
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for x, y in batches[2:]:
+                    dev = engine.device
+                    loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                    engine.backward(loss)
+                    engine.step()
+            except RuntimeError as exc:
+                error = str(exc).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            report(f"zero{stage}-{precision}-step-no-stream-sync", error is None, error=error)
             engine.destroy()
 
 
@@ -268,6 +299,7 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory(prefix="zs-gpu-check-") as tmp:
         check_precision(small, steps)
+        check_no_stream_sync(small)
         check_offload_and_init(small, steps, tmp)
         check_dropout(small, steps, tmp)
         if not args.quick:

@@ -76,6 +76,13 @@ T_HPZ_REFUSED = (
 )
 T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit"
 
+T_WAITS = "tests/test_cuda_path.py::test_a_step_on_the_device_waits_only_for_its_norm"
+T_SGD_CLIP = "tests/test_data_parallel.py::test_clipping_with_sgd"
+T_SIDE = "tests/test_cuda_path.py::test_offloaded_pieces_go_up_on_a_side_stream"
+T_STAGING = "tests/test_cuda_path.py::test_a_staging_buffer_is_written_again_only_after_its_copy"
+T_OFFLOAD_WAITS = (
+    "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients"
+)
 T_SHUTDOWN = "tests/test_topology.py::test_shutdown_ends_the_gloo_threads_while_the_engine_lives"
 T_INT4 = (
     "tests/test_zeropp.py::"
@@ -141,8 +148,8 @@ MUTANTS = [
     Mutant(
         "NaN guard removed (bf16 and fp32 apply non-finite steps)",
         "engine.py",
-        "overflow = not math.isfinite(norm)",
-        'overflow = self.precision.name == "fp16" and not math.isfinite(norm)',
+        "overflow = not math.isfinite(value)",
+        'overflow = self.precision.name == "fp16" and not math.isfinite(value)',
         ("tests/test_nonfinite.py",),
     ),
     Mutant(
@@ -1684,6 +1691,112 @@ MUTANTS = [
         "            quantize.unpack(received, numels, torch.float32, self.bits),",
         "            quantize.unpack(received, numels, torch.float32),",
         (T_INT4,),
+    ),
+    Mutant(
+        "found_inf never set: a non-finite step updates the weights on the device",
+        "engine.py",
+        "self.optimizer.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)",
+        "self.optimizer.found_inf = torch.zeros((), device=norm.device)",
+        ("tests/test_nonfinite.py",),
+    ),
+    Mutant(
+        "the host reads the norm before the step is queued (the GPU idles meanwhile)",
+        "engine.py",
+        "        self._norm_reader.start(norm)\n",
+        "        self._norm_reader.start(norm)\n        self._norm_reader.value()\n",
+        (T_WAITS,),
+    ),
+    Mutant(
+        "the norm reaches the host through a blocking copy (drains the stream)",
+        "clock.py",
+        "self.host.copy_(t.detach(), non_blocking=self.event is not None)",
+        "self.host.copy_(t.detach())",
+        (T_WAITS,),
+    ),
+    Mutant(
+        "a fused optimizer still waits for the norm before its step",
+        "engine.py",
+        "self._skips_on_device = fused and self._masters_on_device",
+        "self._skips_on_device = False",
+        (T_WAITS,),
+    ),
+    Mutant(
+        "the clipping factor is not capped at 1 (a small norm scales gradients up)",
+        "engine.py",
+        "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
+        "return (clip / (norm + 1e-6)) * post",
+        (T_SGD_CLIP,),
+    ),
+    Mutant(
+        "the clipping factor leaves out the mean over dp",
+        "engine.py",
+        "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
+        "return (clip / (norm + 1e-6)).clamp(max=1.0)",
+        (T_SGD_CLIP,),
+    ),
+    Mutant(
+        "the norm's host copy is read before its event (a value the GPU may not have written)",
+        "clock.py",
+        "            self.event.synchronize()\n",
+        "            pass\n",
+        (T_WAITS,),
+    ),
+    Mutant(
+        "a staging buffer is rewritten while its last copy to the device may still read it",
+        "zero/offload.py",
+        "            event.synchronize()  # its last copy may still be reading it\n",
+        "",
+        (T_STAGING,),
+    ),
+    Mutant(
+        "the offloaded write-back waits for its copy to the device",
+        "zero/offload.py",
+        "        dst.copy_(buf, non_blocking=True)",
+        "        dst.copy_(buf)",
+        (T_OFFLOAD_WAITS,),
+    ),
+    Mutant(
+        "offloaded pieces in host memory go up for a gather in a blocking copy",
+        "zero/offload.py",
+        'src.clone() if device.type == "cpu" else src.to(device, non_blocking=True)',
+        'src.clone() if device.type == "cpu" else src.to(device)',
+        (T_OFFLOAD_WAITS,),
+    ),
+    Mutant(
+        "offloaded pieces read from their files go up in a blocking copy",
+        "zero/nvme.py",
+        "        return host.to(device, non_blocking=True)",
+        "        return host.to(device)",
+        (T_OFFLOAD_WAITS,),
+    ),
+    Mutant(
+        "offloaded pieces go up on the compute stream (no overlap)",
+        "zero/offload.py",
+        '        if self.device.type != "cuda":\n            return None\n        if self._stream',
+        "        if True:\n            return None\n        if self._stream",
+        (T_SIDE,),
+    ),
+    Mutant(
+        "the gathered pieces are read without waiting for the side stream",
+        "zero/coordinator.py",
+        "            torch.cuda.current_stream().wait_event(self._ready)",
+        "            pass",
+        (T_SIDE,),
+    ),
+    Mutant(
+        "a gathered parameter made on the side stream is freed without record_stream",
+        "zero/coordinator.py",
+        "                full.record_stream(torch.cuda.current_stream())",
+        "                pass",
+        (T_SIDE,),
+    ),
+    Mutant(
+        "the side stream's receive buffer is freed without record_stream",
+        "zero/init.py",
+        "        if record:\n            out.record_stream(torch.cuda.current_stream())\n"
+        "        rows = out.view(world, width)",
+        "        rows = out.view(world, width)",
+        (T_SIDE,),
     ),
 ]
 

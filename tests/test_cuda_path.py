@@ -7,6 +7,7 @@ but where things would live)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 from common import TINY, batch, micro_batches, tiny_gpt
 from distributed import run_distributed
-from vcuda import virtual_cuda
+from vcuda import HOST_WAITS, DeviceError, virtual_cuda
 
 import zerostack
 from zerostack.models import GPT, GPTConfig
@@ -401,6 +402,217 @@ def test_gpu_seconds_wait_for_the_device_only_when_asked_for(tmp_path):
     assert counts[False, False] == [0, 0]
     for comm_only, both in zip(counts[False, True], counts[True, True], strict=True):
         assert comm_only > 0 and both == comm_only + 12, counts
+
+
+# ---------------------------------------------------------------------- the host's waits
+_ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}  # torch's fused AdamW
+_SGD = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}  # no fused kernel: no found_inf
+_WAIT_CASES = [(stage, p, _ADAMW) for stage in range(4) for p in ("fp32", "bf16", "fp16")]
+_WAIT_CASES += [(0, "bf16", _SGD), (3, "fp32", _SGD)]
+
+
+def _steps_waits(engine, rank, world) -> list[list[tuple[str, str]]]:
+    """Each step's host waits, in order, with the optimizer's launch (``("launch", "")``) and
+    the end of each forward (``("forward", "")``) marked among them. The loop reads no loss, as
+    a loop that logs rarely, and copies its batches without blocking, as from a pinned loader."""
+    launch = engine.optimizer.step
+
+    def launched(*args, **kwargs):
+        HOST_WAITS.append(("launch", ""))
+        return launch(*args, **kwargs)
+
+    engine.optimizer.step = launched
+    steps = []
+    for step in range(STEPS):
+        HOST_WAITS.clear()
+        x, y = batch(step, MICRO * GAS * world)
+        for m in range(GAS):
+            lo = (m * world + rank) * MICRO
+            xb, yb = (t[lo : lo + MICRO].to(engine.device, non_blocking=True) for t in (x, y))
+            loss = engine(xb, yb)
+            HOST_WAITS.append(("forward", ""))
+            engine.backward(loss)
+            engine.step()
+        steps.append(list(HOST_WAITS))
+    return steps
+
+
+def _host_waits(rank, world, root):
+    out = []
+    with virtual_cuda():
+        for stage, precision, optimizer in _WAIT_CASES:
+            extra = {"gradient_clipping": 1.0, "optimizer": optimizer}
+            if precision != "fp32":
+                extra[precision] = {"enabled": True}
+            torch.manual_seed(0)
+            engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(stage, **extra))
+            steps = _steps_waits(engine, rank, world)
+            out.append((stage, precision, optimizer["type"], steps, engine.get_global_grad_norm()))
+            engine.destroy()
+    return out
+
+
+def test_a_step_on_the_device_waits_only_for_its_norm(tmp_path):
+    """A ZeRO step with its masters on the device never drains the GPU's stream: the gradient
+    norm is copied to the host behind the work that makes it and read through an event. With
+    torch's fused AdamW the update (skipped on the device by ``found_inf`` when the norm is not
+    finite) is queued before that read, so the GPU is still busy while the host waits; an
+    optimizer without ``found_inf`` (SGD) is launched after it. Stages 0-3, fp32 / bf16 / fp16,
+    clipping on."""
+    for rank in run_distributed(_host_waits, world=2, args=(str(tmp_path),)):
+        for stage, precision, optimizer, steps, norm in rank:
+            want = [("launch", ""), ("event", "")]
+            if optimizer == "SGD":
+                want = want[::-1]
+            want = [("forward", "")] * GAS + want
+            assert steps == [want] * STEPS, (stage, precision, optimizer, steps)
+            assert norm > 0, (stage, precision, optimizer)
+
+
+_OFFLOAD_CASES = {
+    "stage1": (1, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+    "stage2": (2, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+    "stage3": (3, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+    "stage3-param-cpu": (
+        3,
+        {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    ),
+    "stage3-param-nvme": (3, {"offload_param": {"device": "nvme"}}),
+}
+
+
+def _offloaded_waits(rank, world, root):
+    out = {}
+    with virtual_cuda():
+        for name, (stage, zero) in _OFFLOAD_CASES.items():
+            if "nvme" in name:
+                os.makedirs(path := os.path.join(root, f"{name}{rank}"), exist_ok=True)
+                zero = {"offload_param": {"device": "nvme", "nvme_path": path}}
+            extra = {"gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero": zero}
+            torch.manual_seed(0)
+            engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(stage, **extra))
+            out[name] = _steps_waits(engine, rank, world)
+            engine.destroy()
+    return out
+
+
+def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path):
+    """With the optimizer (or the parameters) offloaded, the host waits for the device only
+    where it must: to read the reduced gradients it steps on (copies from the device). Offloaded
+    parameter pieces go up for each gather, and the stepped masters come back down to the
+    parameters, in copies the host does not wait for; the staging buffers they go through are
+    written again only after an event recorded behind their last copy (``("event", "")``)."""
+    for rank in run_distributed(_offloaded_waits, world=2, args=(str(tmp_path),)):
+        for name, steps in rank.items():
+            assert len(steps) == STEPS
+            for waits in steps:
+                kinds = [kind for kind, _ in waits]
+                assert kinds.count("launch") == 1 and kinds.count("forward") == GAS, waits
+                # forward queues everything, the fetches of offloaded pieces included
+                assert kinds[0] == "forward", (name, waits)
+                # after the launch: the write-back, waiting on staging events at most (pieces in
+                # files, stepped on the device, are read back to be written there)
+                after = kinds[kinds.index("launch") + 1 :]
+                if name != "stage3-param-nvme":
+                    assert set(after) <= {"event"}, (name, waits)
+                # every wait on the whole stream reads gradients from the device
+                streams = [what for kind, what in waits if kind == "stream"]
+                assert streams and all("from the device" in w or w == "to(cpu)" for w in streams)
+
+
+def test_a_staging_buffer_is_written_again_only_after_its_copy():
+    """Uploads' guard, and virtual CUDA's model of an in-flight copy that it relies on: the
+    second write of a staging buffer waits for the event behind the first copy; writing the
+    buffer without that wait is refused as the race it is on a GPU."""
+    from zerostack.zero.offload import Uploads
+
+    with virtual_cuda():
+        uploads = Uploads(torch.device("cuda", 0), pin=True)
+        key = torch.nn.Parameter(torch.zeros(1))
+        dst = torch.zeros(4, dtype=torch.bfloat16, device="cuda")
+        master = torch.arange(4, dtype=torch.float32)
+        uploads.copy(key, dst, master)
+        assert HOST_WAITS == []  # queued, not waited for
+        master += 1  # the master itself is not what the copy reads
+        uploads.copy(key, dst, master)
+        assert HOST_WAITS == [("event", "")]
+        assert dst.cpu().tolist() == [1.0, 2.0, 3.0, 4.0]
+        staging, _ = uploads.staging[key]
+        uploads.copy(key, dst, master)  # in flight again
+        with pytest.raises(DeviceError, match="non-blocking copy to the device may still"):
+            staging.add_(1)
+
+
+def _side_stream(rank, world, root, virtual):
+    """Stage 3 with the parameters offloaded to host memory: two steps; the final weights, and
+    on virtual CUDA whether every piece went up on a stream other than the default one."""
+    zero = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    cfg = _config(3, zero=zero, bf16={"enabled": True}, gradient_clipping=1.0)
+    with virtual_cuda() if virtual else contextlib.nullcontext():
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+        store = engine.zero.param_swapper.store
+        load, sides = store.load, []
+
+        def on_side(*args, **kwargs):
+            sides.append(torch.cuda.current_stream() is not torch.cuda.default_stream())
+            return load(*args, **kwargs)
+
+        if virtual:
+            store.load = on_side
+        _loop(engine, rank, world)
+        weights = _host(engine.full_state_dict())
+        engine.destroy()
+    return weights, sides
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offloaded_pieces_go_up_on_a_side_stream(tmp_path, world):
+    """The pieces of offloaded parameters are copied up and gathered on a side stream, so the
+    copies overlap the compute queued after them; virtual CUDA's stream model refuses any use
+    of them, or of the gathered parameters, that is not ordered after that stream, and any free
+    of its memory that another stream's use could outlive. At dp 1 the gathered parameters are
+    the copied pieces themselves, read on the compute stream. Weights end as the CPU run's."""
+    cpu = run_distributed(_side_stream, world=world, args=(str(tmp_path), False))
+    cuda = run_distributed(_side_stream, world=world, args=(str(tmp_path), True))
+    for (want, _), (got, sides) in zip(cpu, cuda, strict=True):
+        assert sides and all(sides), sides
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+
+
+def test_the_stream_model_refuses_unordered_uses():
+    """Virtual CUDA's streams, on a planted race of each kind: a read of another stream's
+    write, a write over another stream's read, a free another stream's use may outlive; each
+    allowed once ordered (wait_stream, an event, record_stream)."""
+    with virtual_cuda():
+        side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            x = torch.ones(4, device="cuda")
+        with pytest.raises(DeviceError, match="without a wait between them"):
+            x + 1
+        main.wait_stream(side)
+        y = x + 1
+        with torch.cuda.stream(side):
+            with pytest.raises(DeviceError, match="may still be reading"):
+                x.mul_(2)
+            side.wait_event(main.record_event())
+            x.mul_(2)
+        with torch.cuda.stream(side):
+            z = torch.zeros(4, device="cuda")
+        main.wait_stream(side)
+        y += z
+        del z  # made on the side stream, last used on main: the allocator may reuse it at once
+        with pytest.raises(DeviceError, match="record_stream"):
+            y + 1
+        with torch.cuda.stream(side):
+            w = torch.zeros(4, device="cuda")
+        main.wait_stream(side)
+        y += w
+        w.record_stream(main)
+        del w
+        y + 1
 
 
 def _device_memory(rank, world, root):

@@ -69,6 +69,17 @@ def test_without_clipping_and_with_sgd(stage):
     assert diff <= 1e-5, f"SGD {name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("clip", [0.5, 100.0])
+def test_clipping_with_sgd(stage, clip):
+    """SGD, which keeps every constant factor Adam would normalise away: the clipping factor
+    where it acts (0.5, below the norm) and where it must be 1 (100, above it)."""
+    ref = reference_train(STEPS, B, clip=clip, optimizer="sgd")
+    got = run_distributed(_train, 2, args=(1, clip), kwargs={"optimizer": "SGD", "stage": stage})
+    diff, name = max_rel_diff(got[0], ref)
+    assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+
+
 def test_stage3_with_small_parameters_kept_whole():
     """stage3_param_persistence_threshold above the LayerNorm sizes: those stay gathered."""
     ref = reference_train(STEPS, B * 2, clip=0.5)

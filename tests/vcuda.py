@@ -17,6 +17,20 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
 - What NCCL refuses is refused: every tensor handed to a torch.distributed collective or
   point-to-point op must be a contiguous cuda tensor (the check wraps torch.distributed itself,
   so code that bypasses zerostack's Comm is checked too).
+- What makes the host wait for the GPU is recorded in ``HOST_WAITS``, in order: ``("stream",
+  what)`` for a wait on all the work queued so far (``.item()``, ``float()``, ``bool()`` of a cuda
+  tensor, a blocking copy either way, ``torch.cuda.synchronize``), ``("event", "")`` for
+  ``Event.synchronize``, which waits only for the work queued before the event's ``record``.
+- Streams are modelled with vector clocks (as torch's CUDA sanitizer does): each device op runs
+  on the current stream (``torch.cuda.stream(s)``), ``wait_stream`` / events / host waits order
+  streams, each collective runs on its process group's NCCL stream, which waits for the current
+  stream at launch and is waited for by ``work.wait()``. An op that touches a storage another
+  stream wrote (or reads, for a write) without being ordered after it is refused, and so is a
+  storage freed on its stream while another stream's use of it is unordered and not announced
+  with ``record_stream`` (the caching allocator would hand its memory out again).
+- A ``non_blocking`` copy is in flight until such a wait covers it: a host op that writes the
+  host buffer a copy to the device still reads, or touches the one a copy from the device still
+  fills, is refused, as the race it would be on a GPU (whether the buffer is pinned or not).
 - ``Topology.device`` is cuda:0; ``torch.cuda.is_available()`` stays False (nothing is pinned),
   and the few ``torch.cuda`` calls that only wait (``synchronize``, ``current_device``) answer as
   a device with nothing in flight. The allocator's figures (``memory_allocated``,
@@ -49,6 +63,12 @@ _MISSING = object()
 # (SDPA's causal mask) from the host tensors' options, where a GPU would have used the device's;
 # it goes with either device. Absent: cpu.
 _TAGS: dict[int, str] = {}
+HOST_WAITS: list[tuple[str, str]] = []  # what the host waited for the device on, in order
+# non-blocking copies in flight: host storage -> (READ by a copy to the device, or WRITTEN by
+# one from it; the copy's serial number, which an event's record covers)
+_IN_FLIGHT: dict[int, tuple[str, int]] = {}
+READ, WRITTEN = "read", "written"
+_SERIAL = [0]
 CPU, GPU, ANY = "cpu", "cuda", "any"
 
 
@@ -114,6 +134,7 @@ MEMORY = _Memory()
 
 def _forget(key: int, nbytes: int) -> None:
     _TAGS.pop(key, None)
+    _freed(key)
     MEMORY.allocated -= nbytes
 
 
@@ -148,6 +169,146 @@ def _on_device_generator(func, args, kwargs):
         torch.random.set_rng_state(host)
 
 
+# ---------------------------------------------------------------------- streams
+_STREAMS: dict[int, _VStream] = {}
+_HOST: dict[int, int] = {}  # what the host has waited for: every op launched later comes after
+_ACCESS: dict[int, dict] = {}  # cuda storage -> its stream accesses (see _touch)
+STREAM_ERRORS: list[str] = []  # races found when a storage is freed (raised at the next op)
+
+
+def _merge(into: dict[int, int], other: dict[int, int]) -> None:
+    for sid, n in other.items():
+        if into.get(sid, 0) < n:
+            into[sid] = n
+
+
+class _VStream:
+    """A virtual CUDA stream: ``clock`` maps each stream id to how many of its ops this stream's
+    next op comes after (its own entry: its own ops so far)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.id = len(_STREAMS) + 1
+        self.clock = {self.id: 0}
+        _STREAMS[self.id] = self
+
+    def wait_stream(self, other: _VStream) -> None:
+        _merge(self.clock, other.clock)
+
+    def wait_event(self, event) -> None:
+        _merge(self.clock, event.clock)
+
+    def record_event(self, event=None):
+        event = event if event is not None else _FakeEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        _stream_wait("stream.synchronize", self)
+
+    def query(self) -> bool:
+        return True
+
+    def tick(self) -> tuple[int, int]:
+        """One op launched on this stream: its (stream, count) stamp."""
+        _merge(self.clock, _HOST)
+        self.clock[self.id] += 1
+        return self.id, self.clock[self.id]
+
+    def knows(self, stamp: tuple[int, int]) -> bool:
+        sid, n = stamp
+        return sid == self.id or self.clock.get(sid, 0) >= n or _HOST.get(sid, 0) >= n
+
+
+_DEFAULT = _VStream()
+_CURRENT = threading.local()
+_NCCL: dict[int, _VStream] = {}  # process group -> its NCCL stream
+
+
+def _current() -> _VStream:
+    return getattr(_CURRENT, "stream", None) or _DEFAULT
+
+
+@contextlib.contextmanager
+def _stream_context(stream):
+    was = getattr(_CURRENT, "stream", None)
+    _CURRENT.stream = stream if stream is not None else was
+    try:
+        yield
+    finally:
+        _CURRENT.stream = was
+
+
+def _touch(t: torch.Tensor, stream: _VStream, stamp, write: bool, op) -> None:
+    """Record ``stream``'s access to ``t``'s storage; refuse it when unordered with another
+    stream's earlier write (or, for a write, read)."""
+    key = _key(t)
+    if key is None or _state(t) != GPU:
+        return
+    info = _ACCESS.setdefault(key, {"alloc": stream.id, "write": None, "reads": {}, "rec": set()})
+    w = info["write"]
+    if w is not None and not stream.knows(w):
+        raise DeviceError(
+            f"{op}: stream {stream.id} uses {_where(t)}, written on stream {w[0]} (by "
+            f"{info['by']}) without a wait between them (wait_stream / an event)"
+        )
+    if write:
+        for sid, n in info["reads"].items():
+            if not stream.knows((sid, n)):
+                raise DeviceError(
+                    f"{op}: stream {stream.id} writes {_where(t)}, which stream {sid} may still "
+                    "be reading (wait_stream / an event)"
+                )
+        info["write"], info["by"] = stamp, op
+    info["reads"][stream.id] = max(info["reads"].get(stream.id, 0), stamp[1])
+
+
+def _on_stream(func, args, kwargs, out, stream: _VStream | None = None) -> None:
+    """A device op: it runs on the current stream, reading its cuda operands and writing its
+    outputs and the operands it mutates."""
+    stream = stream or _current()
+    stamp = stream.tick()
+    mutated = {
+        id(a)
+        for a, arg in zip(args, func._schema.arguments, strict=False)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.Tensor)
+    }
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            _touch(t, stream, stamp, id(t) in mutated, func)
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and _key(t) not in _ACCESS:  # a new storage
+            _touch(t, stream, stamp, True, func)
+
+
+def _made(t: torch.Tensor, op) -> None:
+    """A cuda storage made outside an op's dispatch (a factory, a copy to the device): written
+    on the current stream, its home."""
+    if is_cuda(t):
+        stream = _current()
+        _touch(t, stream, stream.tick(), True, op)
+
+
+def _freed(key: int) -> None:
+    """A cuda storage goes back to the allocator's pool of the stream it was made on: every
+    other stream's use of it must be ordered before that stream's next op, or recorded."""
+    info = _ACCESS.pop(key, None)
+    if info is None:
+        return
+    home = _STREAMS[info["alloc"]]
+    for sid, n in info["reads"].items():
+        if sid != home.id and sid not in info["rec"] and not home.knows((sid, n)):
+            STREAM_ERRORS.append(
+                f"a cuda storage made on stream {home.id} was freed while stream {sid} may "
+                "still use it (Tensor.record_stream, or a wait, first)"
+            )
+
+
+def _record_stream(self, stream) -> None:
+    key = _key(self)
+    if key in _ACCESS:
+        _ACCESS[key]["rec"].add(stream.id)
+
+
 class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -162,15 +323,24 @@ class _Dispatch(TorchDispatchMode):
                 target = GPU if GPU in ins else (CPU if ins else ANY)
         if target is None:
             target = self._check(func, args, kwargs)
+        if not getattr(_REAL, "on", False):  # torch.distributed's own ops: the transport's
+            if _IN_FLIGHT:
+                _check_host_op(func, args, kwargs)
+            _note_wait(func, args, kwargs)
         if target == GPU and torch.Tag.nondeterministic_seeded in func.tags:
             out = _on_device_generator(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        if func in _COPIES:  # the destination keeps its device
-            return out
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                _tag(t, target, func)
+        if STREAM_ERRORS:
+            raise DeviceError(STREAM_ERRORS.pop(0))
+        if func not in _COPIES:  # a copy's destination keeps its device
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    _tag(t, target, func)
+        if not getattr(_REAL, "on", False) and any(
+            is_cuda(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+        ):
+            _on_stream(func, args, kwargs, out)
         return out
 
     @staticmethod
@@ -214,6 +384,80 @@ class _Dispatch(TorchDispatchMode):
         return GPU
 
 
+# ops whose host result is read from the device's memory: the host waits for the stream
+_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default}
+_READS |= {_aten.nonzero.default}  # its output's size
+
+
+def _in_flight(host: torch.Tensor, how: str) -> None:
+    """A non-blocking copy reads (READ) or fills (WRITTEN) the host tensor ``host``."""
+    key = _key(host)
+    if key is None:
+        return
+    if key not in _IN_FLIGHT:  # forgotten with its storage: the address will be reused
+        weakref.finalize(host.untyped_storage(), _IN_FLIGHT.pop, key, None)
+    _SERIAL[0] += 1
+    was = _IN_FLIGHT.get(key, (READ, 0))[0]
+    _IN_FLIGHT[key] = (WRITTEN if WRITTEN in (how, was) else READ, _SERIAL[0])
+
+
+def _landed(upto: int | None = None) -> None:
+    """The copies up to serial ``upto`` (every one: None) are done."""
+    for key in [k for k, (_, n) in _IN_FLIGHT.items() if upto is None or n <= upto]:
+        del _IN_FLIGHT[key]
+
+
+def _stream_wait(what: str, stream=None) -> None:
+    """The host waits for ``stream`` (the current one; every stream for "synchronize")."""
+    HOST_WAITS.append(("stream", what))
+    _landed()
+    streams = _STREAMS.values() if what == "synchronize" else [stream or _current()]
+    for s in streams:
+        _merge(_HOST, s.clock)
+
+
+def _check_host_op(func, args, kwargs) -> None:
+    """Refuse a host op (no cuda tensor among its operands) on a host buffer a non-blocking
+    copy still uses."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(is_cuda(t) for t in tensors):
+        return  # the device's op: in stream order with the copies
+    mutated_ids = {
+        id(a)
+        for a, s in zip(args, func._schema.arguments, strict=False)
+        if s.alias_info is not None and s.alias_info.is_write and isinstance(a, torch.Tensor)
+    }
+    mutated_ids |= {id(v) for v in kwargs.values() if isinstance(v, torch.Tensor)}  # out=
+    for t in tensors:
+        key = _key(t)
+        if key not in _IN_FLIGHT:
+            continue
+        how = _IN_FLIGHT[key][0]
+        if how == WRITTEN:
+            raise DeviceError(
+                f"{func}: uses the host tensor {_where(t)} while a non-blocking copy from the "
+                "device may still be filling it (wait for an event recorded after the copy)"
+            )
+        if id(t) in mutated_ids:
+            raise DeviceError(
+                f"{func}: writes the host tensor {_where(t)} while a non-blocking copy to the "
+                "device may still be reading it (wait for an event recorded after the copy)"
+            )
+
+
+def _note_wait(func, args, kwargs) -> None:
+    """Record the op in HOST_WAITS when it makes the host wait for every queued kernel; note a
+    non-blocking copy's host buffer as in flight."""
+    if func in _READS and any(is_cuda(t) for t in args if isinstance(t, torch.Tensor)):
+        _stream_wait(str(func))
+    elif func is _aten.copy_.default and is_cuda(args[0]) != is_cuda(args[1]):
+        host = args[1] if is_cuda(args[0]) else args[0]
+        if (len(args) > 2 and args[2]) or kwargs.get("non_blocking", False):
+            _in_flight(host, READ if is_cuda(args[0]) else WRITTEN)
+        else:
+            _stream_wait(f"{func} {'to' if is_cuda(args[0]) else 'from'} the device")
+
+
 _BASE = torch._C.TensorBase
 _ORIG = {name: getattr(torch.Tensor, name) for name in ("to", "cuda", "cpu", "numpy")}
 
@@ -240,6 +484,8 @@ def _numpy(self, *args, **kwargs):
             f"can't convert cuda:0 device type tensor to numpy ({_where(self)}); "
             "use Tensor.cpu() to copy the tensor to host memory first"
         )
+    if _key(self) in _IN_FLIGHT:
+        raise DeviceError(f".numpy() of {_where(self)} while a non-blocking copy uses it")
     return _ORIG["numpy"](self, *args, **kwargs)
 
 
@@ -272,8 +518,17 @@ def _move(t, cuda: bool, dtype=None, non_blocking=False, copy=False):
     """``t`` on the (tagged) device: itself when it is already there in that dtype."""
     if is_cuda(t) == cuda and (dtype is None or dtype == t.dtype) and not copy:
         return t
+    if is_cuda(t) != cuda and not non_blocking:
+        _stream_wait("to(cuda)" if cuda else "to(cpu)")
     out = _ORIG["to"](t, dtype=dtype or t.dtype, copy=True)
     _tag(out, cuda)
+    if is_cuda(t) or cuda:  # the copy runs on the current stream
+        stream = _current()
+        stamp = stream.tick()
+        _touch(t, stream, stamp, False, "to")
+        _touch(out, stream, stamp, True, "to")
+    if is_cuda(t) != cuda and non_blocking:
+        _in_flight(out if not cuda else t, READ if cuda else WRITTEN)
     return out
 
 
@@ -294,6 +549,7 @@ def _factory(fn):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 _tag(t, torch.device(device).type == "cuda")
+                _made(t, fn.__name__)
         return out
 
     return make
@@ -339,6 +595,17 @@ def _handed(obj):
             yield from _handed(list(leaf))
 
 
+def _outputs(name: str, args, kwargs):
+    """The tensors a torch.distributed call writes: a receive's, else its first argument's."""
+    if name == "batch_isend_irecv":
+        ops = args[0] if args else kwargs["p2p_op_list"]
+        return [op.tensor for op in ops if getattr(op.op, "__name__", "") == "irecv"]
+    if name == "send":
+        return []
+    first = args[0] if args else next(iter(kwargs.values()))
+    return list(_handed([first]))
+
+
 def _nccl(name: str, fn):
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -347,7 +614,22 @@ def _nccl(name: str, fn):
                 raise DeviceError(f"dist.{name}: NCCL got a cpu tensor ({_where(t)})")
             if not t.is_contiguous():
                 raise DeviceError(f"dist.{name}: NCCL got a non-contiguous tensor {_where(t)}")
-        return _really(fn, *args, **kwargs)
+        # the group's NCCL stream waits for the current one, then runs the collective
+        nccl = _NCCL.setdefault(id(kwargs.get("group")), _VStream())
+        nccl.wait_stream(_current())
+        stamp = nccl.tick()
+        written = {id(t) for t in _outputs(name, args, kwargs)}
+        for t in _handed((list(args), kwargs)):
+            _touch(t, nccl, stamp, id(t) in written, f"dist.{name}")
+            _ACCESS[_key(t)]["rec"].add(nccl.id)  # ProcessGroupNCCL keeps them alive
+        out = _really(fn, *args, **kwargs)
+        done = dict(nccl.clock)
+        if isinstance(out, list):
+            return [_Work(w, done) if isinstance(w, _Work) else w for w in out]
+        if isinstance(out, _Work):
+            return _Work(out, done)
+        _merge(_current().clock, done)  # a blocking call: the current stream waits for it
+        return out
 
     return checked
 
@@ -355,9 +637,30 @@ def _nccl(name: str, fn):
 def _really(fn, *args, **kwargs):
     was, _REAL.on = getattr(_REAL, "on", False), True
     try:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     finally:
         _REAL.on = was
+    if isinstance(out, list):
+        return [_Work(w) if isinstance(w, dist.Work) else w for w in out]
+    return _Work(out) if isinstance(out, dist.Work) else out
+
+
+class _Work:
+    """An async collective's handle: its ``wait`` runs the transport's own ops (gloo copying a
+    result into place), which on a GPU are NCCL's kernels on its stream, not host work; with
+    the NCCL stream's clock at the collective (``done``), the wait orders the current stream
+    after it."""
+
+    def __init__(self, work, done: dict | None = None) -> None:
+        self._work = work._work if isinstance(work, _Work) else work
+        self._done = done or {}
+
+    def wait(self, *args, **kwargs):
+        _merge(_current().clock, self._done)
+        return _really(self._work.wait, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def _plain(fn):
@@ -368,24 +671,45 @@ def _plain(fn):
     return unchecked
 
 
+_GROUP = torch.optim.Optimizer._group_tensors_by_device_and_dtype
+
+
+def _grouped(tensorlistlist, with_indices=False):
+    """torch's optimizers group their tensors by device, as the host sees it: the groups of cuda
+    tensors are keyed cuda:0, so what an optimizer moves "to the group's device" (fused Adam's
+    ``found_inf``) goes where a GPU would put it."""
+    out = {}
+    for (device, dtype), value in _GROUP(tensorlistlist, with_indices).items():
+        first = value[0][0][0] if value[0] and value[0][0] else None
+        out[CUDA if first is not None and is_cuda(first) else device, dtype] = value
+    return out
+
+
 class _FakeEvent:
     def __init__(self, *args, **kwargs) -> None:
         pass
 
-    def record(self, *args) -> None:
-        pass
+    serial = 0
+    clock: dict = {}
+
+    def record(self, stream=None) -> None:
+        self.serial = _SERIAL[0]  # the copies queued so far
+        self.clock = dict((stream or _current()).clock)
 
     def synchronize(self) -> None:
-        pass
+        HOST_WAITS.append(("event", ""))
+        _landed(self.serial)
+        _merge(_HOST, self.clock)
 
     def query(self) -> bool:
+        _landed(self.serial)
         return True
 
     def elapsed_time(self, other) -> float:
         return 0.0
 
-    def wait(self, *args) -> None:
-        pass
+    def wait(self, stream=None) -> None:
+        _merge((stream or _current()).clock, self.clock)
 
 
 @contextlib.contextmanager
@@ -409,7 +733,13 @@ def virtual_cuda():
         (torch.Tensor, "to", _to),
         (torch.Tensor, "cuda", _cuda),
         (torch.Tensor, "cpu", _cpu),
-        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.optim.Optimizer, "_group_tensors_by_device_and_dtype", staticmethod(_grouped)),
+        (torch.cuda, "synchronize", lambda *a, **k: _stream_wait("synchronize")),
+        (torch.cuda, "Stream", _VStream),
+        (torch.cuda, "stream", _stream_context),
+        (torch.cuda, "current_stream", lambda device=None: _current()),
+        (torch.cuda, "default_stream", lambda device=None: _DEFAULT),
+        (torch.Tensor, "record_stream", _record_stream),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "Event", _FakeEvent),
         (torch.cuda, "memory_allocated", lambda *a, **k: MEMORY.allocated),
@@ -440,4 +770,11 @@ def virtual_cuda():
             else:
                 setattr(obj, name, old)
         _TAGS.clear()
+        HOST_WAITS.clear()
+        _IN_FLIGHT.clear()
+        _ACCESS.clear()
+        _HOST.clear()
+        STREAM_ERRORS.clear()
+        _NCCL.clear()
+        _CURRENT.stream = None
         MEMORY.allocated = MEMORY.peak = 0

@@ -1,4 +1,4 @@
-"""Seconds that mean what they say on a GPU.
+"""Seconds that mean what they say on a GPU, and host reads that wait for no more than they need.
 
 ``time.perf_counter()`` around a CUDA kernel or an NCCL call measures its launch: the work runs
 later, on the device's stream. Where zerostack reports seconds of GPU work (the engine's
@@ -6,6 +6,10 @@ later, on the device's stream. Where zerostack reports seconds of GPU work (the 
 pipeline executor's stats), the clock waits for the device first, as DeepSpeed's synchronized
 timers do. It costs a synchronisation per reading, so it only does so when asked for figures;
 on the CPU it is ``perf_counter`` itself.
+
+:class:`HostScalar` reads one device scalar (the step's gradient norm) on the host without
+waiting for the work queued after it: the copy goes behind the work that makes the value, an event
+marks it, and the read waits for that event alone.
 """
 
 from __future__ import annotations
@@ -31,3 +35,28 @@ def device_clock(device: torch.device, wanted: bool) -> Clock:
     """The clock for figures of work on ``device``: synchronizing when it is a GPU and the
     figures are ``wanted``."""
     return Clock(sync=device.type == "cuda" and wanted)
+
+
+class HostScalar:
+    """A 0-dim device tensor's value on the host, read without draining the device's stream.
+
+    ``start(t)`` queues ``t``'s copy into a page-locked host scalar and records an event behind
+    it; ``value()`` waits for that event only, so the work queued between the two calls (the
+    optimizer step, the write-back) keeps the GPU busy while the host waits. On the CPU the copy
+    is done at once and ``value()`` reads it."""
+
+    def __init__(self, device: torch.device) -> None:
+        gpu = device.type == "cuda"
+        pin = gpu and torch.cuda.is_available()
+        self.host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
+        self.event = torch.cuda.Event() if gpu else None
+
+    def start(self, t: torch.Tensor) -> None:
+        self.host.copy_(t.detach(), non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def value(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.host)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .checkpoint.auto_resume import AutoCheckpoint
 from .checkpoint.loss_spike import LossSpikeGuard
-from .clock import device_clock
+from .clock import HostScalar, device_clock
 from .comm import Comm
 from .config import ZeroStackConfig
 from .engine_api import EngineAPI
@@ -100,6 +100,11 @@ class Engine(EngineAPI, nn.Module):
         self.optimizer = optimizer_factory(self.zero.optimizer_groups())
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
         self.loss_scaler = make_loss_scaler(config)
+        # the norm's host read, and whether the optimizer can skip a step without it
+        self._norm_reader = HostScalar(device)
+        self._masters_on_device = all(m.device == device for m in self.zero.masters())
+        fused = getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        self._skips_on_device = fused and self._masters_on_device
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -264,34 +269,57 @@ class Engine(EngineAPI, nn.Module):
         # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
         # those, and averaging, unscaling and clipping are then one coefficient.
         stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self.replicated_elsewhere())
-        norm = self._global_norm(stats)
-        self._global_grad_norm = norm
+        norm = self._global_norm(stats)  # a 0-dim tensor on the device: nothing has waited yet
+        self._norm_reader.start(norm)
+        if self._skips_on_device:
+            # torch's fused optimizers skip their update where ``found_inf`` is 1 (GradScaler's
+            # protocol): the step and the write-back are queued before the host reads the norm,
+            # so the GPU has them to run while the host waits for the norm alone.
+            self.optimizer.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+            try:
+                self.zero.step(self.optimizer, self._coef(norm, stats.post))
+            finally:
+                del self.optimizer.found_inf
+        value = self._norm_reader.value()
+        self._global_grad_norm = value
         # Every rank sees the same norm (its square is summed over every axis), so a NaN or inf
         # gradient on any rank skips the step on all of them, in every precision.
-        overflow = not math.isfinite(norm)
+        overflow = not math.isfinite(value)
         if overflow:
-            self._skip_step(norm)
+            self._skip_step(value)
         else:
-            clip = self.config.gradient_clipping
-            coef = stats.post * min(clip / (norm + 1e-6), 1.0) if clip > 0 else stats.post
-            self.zero.step(self.optimizer, coef)
+            if not self._skips_on_device:  # the step waits for the norm
+                # masters on the host take the factor as a float, computed from the norm's host
+                # copy (the same fp32 arithmetic as on the device)
+                where = norm if self._masters_on_device else self._norm_reader.host
+                coef = self._coef(where, stats.post)
+                self.zero.step(self.optimizer, coef if self._masters_on_device else float(coef))
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._step_applied = not overflow
         self.loss_scaler.update(overflow)
         self.zero.zero_grad()
 
-    def _global_norm(self, stats: GradStats) -> float:
-        """The gradient norm over the whole model, averaged and unscaled. Each tp-split parameter
-        is counted by every tp rank (its own slice), each replica once, each pipeline stage its
-        own layers."""
-        sq = stats.sq.to(self.device)
+    def _coef(self, norm: torch.Tensor, post: float) -> torch.Tensor | float:
+        """What the masters' gradients are multiplied by: ``post`` (the mean over the global
+        batch, unscaled) times the clipping factor ``min(clip / (norm + 1e-6), 1)``, computed
+        on the device (a tensor) when clipping is on."""
+        clip = self.config.gradient_clipping
+        if clip <= 0:
+            return post
+        return (clip / (norm + 1e-6)).clamp(max=1.0) * post
+
+    def _global_norm(self, stats: GradStats) -> torch.Tensor:
+        """The gradient norm over the whole model, averaged and unscaled, as a 0-dim fp32 tensor
+        on the device. Each tp-split parameter is counted by every tp rank (its own slice), each
+        replica once, each pipeline stage its own layers."""
+        sq = stats.sq.to(self.device, non_blocking=True)  # offloaded: summed on the host
         if stats.sharded:
             self.comm.all_reduce(sq, axis="dp")
         for axis in ("tp", "pp", "ep"):
             if self.topology.size(axis) > 1:
                 self.comm.all_reduce(sq, axis=axis)
-        return float(sq.sqrt()) * stats.post
+        return sq.sqrt() * stats.post
 
     def _skip_step(self, norm: float) -> None:
         """A non-finite gradient norm: leave weights, optimizer state and LR schedule as they

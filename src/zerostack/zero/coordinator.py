@@ -62,18 +62,36 @@ class _Gather:
         self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
         self.keep = hpz if not from_secondary else None
         states = [p._zs for p in params]
+        self._ready = None  # the side stream's event behind the gather (offloaded, on a GPU)
+        side = swapper.stream if swapper.offloads and not from_secondary else None
         if from_secondary:  # the pieces are not needed (nor read from NVMe)
             self._finish = gather_full(states, comm, async_op=True, secondary=hpz)
-        else:
+        elif side is None:
             swapper.fetch(params)
             self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
             swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
+        else:
+            # Offloaded pieces go up on a side stream, after what is queued so far (the pieces'
+            # last writes, the memory freed before), and are gathered from there: the copies
+            # overlap the compute queued next; resolve() waits for them where it runs.
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                swapper.fetch(params)
+                self._finish = gather_full(
+                    states, comm, async_op=True, quantized=quantized, record=True
+                )
+                swapper.drop(params)
+            self._ready = side.record_event()
         self.done = False
 
     def resolve(self) -> None:
         if self.done:
             return
+        if self._ready is not None:
+            torch.cuda.current_stream().wait_event(self._ready)
         for p, full in zip(self.params, self._finish(), strict=True):
+            if self._ready is not None:  # made on the side stream, used (and freed) on this one
+                full.record_stream(torch.cuda.current_stream())
             hold(p, full, self.meter, self.copies)
             if self.keep is not None and p._zs.secondary is None:
                 p._zs.secondary = secondary_piece(full, self.keep)

@@ -169,13 +169,16 @@ def gather_full(
     async_op=False,
     quantized: bool = False,
     secondary: Subgroup | None = None,
+    record: bool = False,
 ):
     """All-gather several parameters in one collective; returns their full tensors.
 
     With ``async_op`` returns a function that waits and returns them. ``quantized`` sends int8
     blocks (ZeRO++ qwZ, :mod:`.quantize`) and returns the dequantized values, in the pieces'
     dtype (or ``dtype``). ``secondary`` gathers the states' secondary pieces (ZeRO++ hpZ, see
-    :func:`secondary_piece`) within that subgroup instead of the pieces over dp.
+    :func:`secondary_piece`) within that subgroup instead of the pieces over dp. ``record``:
+    launched on a side stream, the receive buffer is marked used by the stream that waits
+    (``Tensor.record_stream``), which reads it and may free it.
     """
     if secondary is not None:
         pieces = [s.secondary for s in states]
@@ -186,11 +189,13 @@ def gather_full(
         fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
         return (lambda: fulls) if async_op else fulls
     if quantized:
-        return _gather_quantized(states, pieces, comm, async_op)
-    return _gather_rows(states, pieces, comm, world, async_op, "dp", None)
+        return _gather_quantized(states, pieces, comm, async_op, record)
+    return _gather_rows(states, pieces, comm, world, async_op, "dp", None, record)
 
 
-def _gather_rows(states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group):
+def _gather_rows(
+    states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group, record=False
+):
     """One all-gather of the concatenated ``pieces`` (each rank's, equal widths) over ``axis``
     (or ``group``, of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state."""
     flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece is sent as it is
@@ -201,6 +206,8 @@ def _gather_rows(states, pieces, comm: Comm, world: int, async_op: bool, axis: s
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
+        if record:
+            out.record_stream(torch.cuda.current_stream())
         rows = out.view(world, width)
         fulls, off = [], 0
         for s, pc in zip(states, pieces, strict=True):
@@ -226,7 +233,7 @@ def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
     return piece
 
 
-def _gather_quantized(states, pieces, comm: Comm, async_op: bool):
+def _gather_quantized(states, pieces, comm: Comm, async_op: bool, record: bool = False):
     """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
     world = comm.topo.dp
     payload = quantize.pack(pieces)
@@ -236,6 +243,8 @@ def _gather_quantized(states, pieces, comm: Comm, async_op: bool):
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
+        if record:
+            out.record_stream(torch.cuda.current_stream())
         rows = out.view(world, -1)
         numels = [pc.numel() for pc in pieces]
         values = quantize.unpack(rows, numels, pieces[0].dtype)

@@ -172,6 +172,14 @@ class NVMeStore:
         except OSError as exc:
             raise self._failed("reading", key, exc) from exc
 
+    def load(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The file's tensor (one, ``numel`` of ``dtype``) on ``device``: read into host memory
+        (page-locked on a GPU) and copied from there without blocking the host."""
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        host = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        self.read_into(key, [host])
+        return host.to(device, non_blocking=True)
+
     def close(self) -> None:
         _LIVE.discard(self)
         self._cleanup()

@@ -55,6 +55,40 @@ def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> tor
     return out.copy_(t)
 
 
+class Uploads:
+    """Host values written into device tensors without stopping the host: the offloaded
+    write-back of stepped fp32 masters into compute-dtype parameters on the GPU.
+
+    Each value is cast on the host into its own page-locked staging buffer (in the compute dtype:
+    half the bytes over the bus in bf16) and copied from there with ``non_blocking``, so the copy
+    runs in stream order, before anything queued after it reads the destination, while the host
+    goes on. An event recorded behind each copy guards its buffer: the next write into it (a step
+    later, long after the copy) waits for that event first. On the CPU a value is cast straight
+    into its destination."""
+
+    def __init__(self, device: torch.device, pin: bool) -> None:
+        self.gpu = device.type == "cuda"
+        self.pin = pin and torch.cuda.is_available()
+        self.staging: dict[object, tuple[torch.Tensor, object]] = {}  # key -> (buffer, event)
+
+    def copy(self, key: object, dst: torch.Tensor, value: torch.Tensor) -> None:
+        """``dst.copy_(value)``: ``value`` in host memory, ``dst`` on the device; ``key`` (a
+        parameter: hashed by identity) names the staging buffer, one per destination."""
+        if not self.gpu:
+            dst.copy_(value.view(dst.shape))
+            return
+        if key in self.staging:
+            buf, event = self.staging[key]
+            event.synchronize()  # its last copy may still be reading it
+        else:
+            buf = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.pin)
+            event = torch.cuda.Event()
+            self.staging[key] = buf, event
+        buf.copy_(value.view(dst.shape))
+        dst.copy_(buf, non_blocking=True)
+        event.record()
+
+
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """A tensor of p's shape backed by one element (stride 0): a swapped-out master keeps its
     shape, so its gradient can still be assigned, without holding its storage."""
@@ -77,6 +111,14 @@ class HostStore:
         for dst, src in zip(tensors, self.tensors[key], strict=False):
             dst.view(-1).copy_(src)
             self.bytes_read += dst.nbytes
+
+    def load(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The stored tensor (one) on ``device``: a private copy on the host; on a GPU, copied
+        from its page-locked memory without blocking the host (it is never written in place:
+        :meth:`write` stores new tensors, so the copy may read it as long as it takes)."""
+        src = self.tensors[key][0]
+        self.bytes_read += src.nbytes
+        return src.clone() if device.type == "cpu" else src.to(device, non_blocking=True)
 
     def close(self) -> None:
         self.tensors.clear()
@@ -259,8 +301,19 @@ class ParamSwapper:
         self.store, self.meter, self.device = store, meter, device
         self.key: dict[nn.Parameter, str] = {}
         self._count = 0
+        self._stream = None
         for p in params:
             self.add(p)
+
+    @property
+    def stream(self):
+        """The side stream the pieces go up on for a gather (on a GPU; None on the CPU): the
+        copies and the gather overlap the compute queued after them."""
+        if self.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
     def add(self, p: nn.Parameter) -> None:
         """Write p's piece to its file and drop it from memory."""
@@ -289,10 +342,9 @@ class ParamSwapper:
         for p in params:
             if p in self.key and p._zs.piece.stride() == (0,):
                 st = p._zs
-                buf = torch.empty(st.piece.numel(), dtype=st.piece.dtype)
-                self.store.read_into(self.key[p], [buf])
-                self.meter.add(buf.nbytes)
-                st.piece = buf.to(self.device)
+                n, dtype = st.piece.numel(), st.piece.dtype
+                st.piece = self.store.load(self.key[p], n, dtype, self.device)
+                self.meter.add(st.piece.nbytes)
 
     def drop(self, params: list[nn.Parameter]) -> None:
         for p in params:

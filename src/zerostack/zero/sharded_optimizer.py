@@ -38,7 +38,7 @@ from ..precision import Precision
 from .flat_reduce import FlatBackward
 from .flat_state import FlatState
 from .masters import master_store
-from .offload import HostMeter, host_device
+from .offload import HostMeter, Uploads, host_device
 from .partition import Bucket, FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
@@ -186,6 +186,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         # ("nvme"); the optimizer steps on the host either way.
         self.offload = offload.device if offload is not None else "none"
         self._pin = bool(offload is not None and offload.pin_memory)
+        self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
         self.host_meter = HostMeter()
         self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
@@ -338,8 +339,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
 
         def keep(master: nn.Parameter, value: torch.Tensor) -> None:
             st = bucket_of[master]
-            dtype = self.groups[st.group].params_flat.dtype
-            st.updated = value.to(device=self.comm.topo.device, dtype=dtype, copy=True)
+            st.updated = self._on_device(st, value)
 
         self.store.step(optimizer, keep)
 
@@ -352,15 +352,27 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             master = st.updated if st.updated is not None else st.master.detach()
             st.updated = None
             if self.stage == 0 or self.dp == 1:
-                if master.data_ptr() != full.data_ptr():
+                if master.device != full.device:  # offloaded
+                    self.uploads.copy(st.master, full, master)
+                elif master.data_ptr() != full.data_ptr():
                     full.copy_(master)
             else:
                 # A copy even in fp32, where the master is a view into ``full``: gather's input
                 # must not overlap its output.
-                src = master.to(device=full.device, dtype=full.dtype, copy=True)
+                src = self._on_device(st, master)
                 handles.append(self.comm.all_gather(full, src, axis="dp", async_op=True))
         for h in handles:
             h.wait()
+
+    def _on_device(self, st: _BucketState, value: torch.Tensor) -> torch.Tensor:
+        """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
+        memory when offloaded: through the bucket's staging buffer, without blocking)."""
+        device, dtype = self.comm.topo.device, self.groups[st.group].params_flat.dtype
+        if value.device == device:
+            return value.to(dtype=dtype, copy=True)
+        out = torch.empty(value.shape, dtype=dtype, device=device)
+        self.uploads.copy(st.master, out, value)
+        return out
 
     def zero_grad(self) -> None:
         for fg in self.groups:

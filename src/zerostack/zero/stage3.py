@@ -29,6 +29,7 @@ from .offload import (
     HostMeter,
     ParamSwapper,
     ResidentPieces,
+    Uploads,
     host_device,
     offload_pieces,
     to_host,
@@ -99,6 +100,7 @@ class Stage3(Stage3State, StepSequence):
         # or, masters and state, in files ("nvme"); the optimizer steps on the host.
         self.offload = offload.device if offload is not None else "none"
         pin = bool(offload is not None and offload.pin_memory)
+        self.uploads = Uploads(comm.topo.device, pin)  # offloaded masters to the device
         self.host_meter = HostMeter()
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
@@ -262,7 +264,7 @@ class Stage3(Stage3State, StepSequence):
     def _write_pieces(self, g: _Group, value: torch.Tensor) -> None:
         """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
         if g.pieces is not None:  # one flat buffer (no piece of the group is swapped out)
-            g.pieces.copy_(value)
+            self._write(g.master, g.pieces, value)
             return
         off = 0
         for p in g.params:
@@ -270,8 +272,16 @@ class Stage3(Stage3State, StepSequence):
             if self.param_swapper.holds(p):
                 self.param_swapper.update(p, value[off : off + pn])
             else:
-                p._zs.piece.copy_(value[off : off + pn])
+                self._write(p, p._zs.piece, value[off : off + pn])
             off += pn
+
+    def _write(self, key, piece: torch.Tensor, value: torch.Tensor) -> None:
+        """``piece.copy_(value)``; from host memory (offloaded masters) through ``key``'s
+        staging buffer, without blocking."""
+        if value.device != piece.device:
+            self.uploads.copy(key, piece, value)
+        else:
+            piece.copy_(value)
 
     @property
     def prefetched(self) -> int:

@@ -74,9 +74,10 @@ class ZeroStrategy(Protocol):
         """On the boundary: wait for every reduction and give each master its fp32 gradient;
         ``skip``: parameters another rank counts in the norm (tp replicas, tied copies)."""
 
-    def step(self, optimizer, coef: float) -> None:
-        """Multiply the masters' gradients by ``coef``, step, and write the masters back into
-        the compute-dtype parameters (all-gathered where sharded)."""
+    def step(self, optimizer, coef: float | torch.Tensor) -> None:
+        """Multiply the masters' gradients by ``coef`` (a float, or a 0-dim tensor on the
+        masters' device), step, and write the masters back into the compute-dtype parameters
+        (all-gathered where sharded)."""
 
     def zero_grad(self) -> None:
         """Forget the gradients of this window."""
@@ -145,8 +146,8 @@ class StepSequence:
         post = self._prepare_step(loss_scale)
         return GradStats(self.grad_norm_sq(skip), self.grads_sharded, post)
 
-    def step(self, optimizer, coef: float) -> None:
-        if coef != 1.0:
+    def step(self, optimizer, coef: float | torch.Tensor) -> None:
+        if isinstance(coef, torch.Tensor) or coef != 1.0:  # a tensor is not read on the host
             self.scale_grads(coef)
         self.step_optimizer(optimizer)
         self.after_step()
