@@ -289,11 +289,11 @@ class Engine(EngineAPI, nn.Module):
             self._skip_step(value)
         else:
             if not self._skips_on_device:  # the step waits for the norm
-                # masters on the host take the factor as a float, computed from the norm's host
-                # copy (the same fp32 arithmetic as on the device)
-                where = norm if self._masters_on_device else self._norm_reader.host
-                coef = self._coef(where, stats.post)
-                self.zero.step(self.optimizer, coef if self._masters_on_device else float(coef))
+                if self._masters_on_device:
+                    coef = self._coef(norm, stats.post)
+                else:  # a float, from the norm's host copy (the device's fp32 arithmetic)
+                    coef = float(self._coef(self._norm_reader.host, stats.post))
+                self.zero.step(self.optimizer, coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._step_applied = not overflow

@@ -63,8 +63,8 @@ class Uploads:
     half the bytes over the bus in bf16) and copied from there with ``non_blocking``, so the copy
     runs in stream order, before anything queued after it reads the destination, while the host
     goes on. An event recorded behind each copy guards its buffer: the next write into it (a step
-    later, long after the copy) waits for that event first. On the CPU a value is cast straight
-    into its destination."""
+    later, long after the copy) waits for that event first. A value already where its
+    destination is (the CPU, masters not offloaded) is cast straight into it."""
 
     def __init__(self, device: torch.device, pin: bool) -> None:
         self.gpu = device.type == "cuda"
@@ -72,9 +72,9 @@ class Uploads:
         self.staging: dict[object, tuple[torch.Tensor, object]] = {}  # key -> (buffer, event)
 
     def copy(self, key: object, dst: torch.Tensor, value: torch.Tensor) -> None:
-        """``dst.copy_(value)``: ``value`` in host memory, ``dst`` on the device; ``key`` (a
-        parameter: hashed by identity) names the staging buffer, one per destination."""
-        if not self.gpu:
+        """``dst.copy_(value)``; from host memory to the device through the staging buffer
+        that ``key`` (a parameter: hashed by identity) names, one per destination."""
+        if not self.gpu or value.device == dst.device:
             dst.copy_(value.view(dst.shape))
             return
         if key in self.staging:

@@ -352,10 +352,8 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             master = st.updated if st.updated is not None else st.master.detach()
             st.updated = None
             if self.stage == 0 or self.dp == 1:
-                if master.device != full.device:  # offloaded
+                if master.data_ptr() != full.data_ptr():  # offloaded: without blocking
                     self.uploads.copy(st.master, full, master)
-                elif master.data_ptr() != full.data_ptr():
-                    full.copy_(master)
             else:
                 # A copy even in fp32, where the master is a view into ``full``: gather's input
                 # must not overlap its output.
@@ -367,10 +365,8 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
     def _on_device(self, st: _BucketState, value: torch.Tensor) -> torch.Tensor:
         """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
         memory when offloaded: through the bucket's staging buffer, without blocking)."""
-        device, dtype = self.comm.topo.device, self.groups[st.group].params_flat.dtype
-        if value.device == device:
-            return value.to(dtype=dtype, copy=True)
-        out = torch.empty(value.shape, dtype=dtype, device=device)
+        dtype = self.groups[st.group].params_flat.dtype
+        out = torch.empty(value.shape, dtype=dtype, device=self.comm.topo.device)
         self.uploads.copy(st.master, out, value)
         return out
 

@@ -264,7 +264,7 @@ class Stage3(Stage3State, StepSequence):
     def _write_pieces(self, g: _Group, value: torch.Tensor) -> None:
         """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
         if g.pieces is not None:  # one flat buffer (no piece of the group is swapped out)
-            self._write(g.master, g.pieces, value)
+            self.uploads.copy(g.master, g.pieces, value)
             return
         off = 0
         for p in g.params:
@@ -272,16 +272,8 @@ class Stage3(Stage3State, StepSequence):
             if self.param_swapper.holds(p):
                 self.param_swapper.update(p, value[off : off + pn])
             else:
-                self._write(p, p._zs.piece, value[off : off + pn])
+                self.uploads.copy(p, p._zs.piece, value[off : off + pn])
             off += pn
-
-    def _write(self, key, piece: torch.Tensor, value: torch.Tensor) -> None:
-        """``piece.copy_(value)``; from host memory (offloaded masters) through ``key``'s
-        staging buffer, without blocking."""
-        if value.device != piece.device:
-            self.uploads.copy(key, piece, value)
-        else:
-            piece.copy_(value)
 
     @property
     def prefetched(self) -> int:
