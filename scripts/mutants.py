@@ -258,6 +258,28 @@ MUTANTS = [
         (f"{E}[2-unused]",),
     ),
     Mutant(
+        "stage-3 reduced rows held until backward ends, a gradient shard's worth",
+        "zero/reducer.py",
+        "            while len(self._handles) - self._waited > self._in_flight:",
+        "            while False:",
+        (f"{LIVE}::test_reduced_rows_are_delivered_during_backward",),
+    ),
+    Mutant(
+        "stage-3 row delivered before its reduce-scatter completes",
+        "zero/reducer.py",
+        "        if handle is not None:\n            handle.wait()\n"
+        "        self._handles[self._waited]",
+        "        self._handles[self._waited]",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "stage-3 row never delivered",
+        "zero/stage3_reduce.py",
+        "self._deliver(b, self._summed(b, out) if self.quantized and self.dp > 1 else out)",
+        "None",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
         "a bucket launched before all its gradients arrived",
         "zero/reducer.py",
         "and self._arrived[self._next] >= self._sizes[self._next]",

@@ -10,7 +10,11 @@ collectives in the same order even when gradients become ready in a different or
 and waits for all of them.
 
 What a bucket's collective is (all-reduce, reduce-scatter) and where its result goes is the
-strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for). A bucket is reduced
+strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for). A strategy whose
+results take memory of their own until it consumes them (stage 3's reduced pieces) passes
+``done(bucket)``: then at most ``in_flight`` buckets are outstanding, the oldest is waited for
+and handed to ``done`` as a new one launches, and its buffers go while backward goes on (as
+FSDP2 waits for the previous reduce-scatter). A bucket is reduced
 in ``communication_data_type``: :func:`in_dtype` gives the tensor to send (a cast copy when the
 gradients are held in another dtype), and :class:`CastBack` copies an all-reduce's result back.
 """
@@ -48,9 +52,16 @@ class CastBack:
 class GradReducer:
     """Readiness and in-order async launch of gradient buckets."""
 
-    def __init__(self, sizes: list[int], launch: Callable[[int], Handle | CastBack | None]) -> None:
+    def __init__(
+        self,
+        sizes: list[int],
+        launch: Callable[[int], Handle | CastBack | None],
+        done: Callable[[int], None] | None = None,
+        in_flight: int = 2,
+    ) -> None:
         self._sizes = list(sizes)  # parameters per bucket
         self._launch = launch
+        self._done, self._in_flight = done, in_flight
         self.reset()
 
     def reset(self) -> None:
@@ -58,6 +69,7 @@ class GradReducer:
         self._arrived = [0] * len(self._sizes)
         self._next = 0
         self._handles: list[tuple[int, Handle | CastBack | None]] = []
+        self._waited = 0  # self._handles[:_waited] are complete (and handed to ``done``)
 
     def arrived(self, bucket: int, *, launch: bool = True) -> None:
         """One parameter of ``bucket`` has its gradient staged; launch what is ready (unless
@@ -75,6 +87,18 @@ class GradReducer:
     def _start(self, bucket: int) -> None:
         self._handles.append((bucket, self._launch(bucket)))
         self._next += 1
+        if self._done is not None:
+            while len(self._handles) - self._waited > self._in_flight:
+                self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        bucket, handle = self._handles[self._waited]
+        if handle is not None:
+            handle.wait()
+        self._handles[self._waited] = (bucket, None)  # the collective's buffers may go
+        self._waited += 1
+        if self._done is not None:
+            self._done(bucket)
 
     def settle(self) -> bool:
         """If this backward has reported or launched anything: launch the buckets left and wait
@@ -88,9 +112,8 @@ class GradReducer:
     def _launch_rest_and_wait(self) -> None:
         while self._next < len(self._sizes):
             self._start(self._next)
-        for _, handle in self._handles:
-            if handle is not None:
-                handle.wait()
+        while self._waited < len(self._handles):
+            self._wait_oldest()
 
     def flush(self) -> list[int]:
         """Launch every bucket not launched yet, wait for all; the buckets of this backward, in

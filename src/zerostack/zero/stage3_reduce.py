@@ -5,8 +5,10 @@ modules' parameters, :class:`~.partition.PieceBuckets`) is staged as a ``(dp, wi
 row ``r`` holds every parameter's ``r``-th piece; one reduce-scatter hands each rank its row. A
 parameter's full gradient is copied into the matrix and dropped as soon as backward produces it;
 the :class:`~.reducer.GradReducer` launches each bucket, in order, once all its parameters
-arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced row (at dp = 1 as
-soon as the bucket is launched: there is nothing to reduce).
+arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced row as soon as
+its collective is waited for: at most two buckets are in flight, so the reduced rows do not pile up
+until the end of backward (at dp = 1 the row is delivered when the bucket is launched: there is
+nothing to reduce).
 
 With ZeRO++'s quantized gradients (qgZ, ``zero_quantized_gradients``) the reduce-scatter is an
 all-to-all of int8 (or, with ``zero_quantized_gradients_bits: 4``, int4) blocks
@@ -65,7 +67,7 @@ class PieceReducer:
         self.width = layout.width
         self.bucket = {order[i]: b for i, b in layout.bucket.items()}
         self.at = {order[i]: at for i, at in layout.at.items()}
-        self.reducer = GradReducer([len(ps) for ps in self.params], self._launch)
+        self.reducer = GradReducer([len(ps) for ps in self.params], self._launch, self._done)
         self._reset()
 
     def _reset(self) -> None:
@@ -96,7 +98,7 @@ class PieceReducer:
             staging = torch.zeros(size, dtype=self.dtype, device=self.comm.topo.device)
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
-        if self.dp == 1:  # nothing to reduce: delivered now, not held until the end
+        if self.dp == 1:  # nothing to reduce: delivered now
             self._deliver(b, staging.view(-1))
             return None
         if self.quantized:
@@ -126,6 +128,12 @@ class PieceReducer:
             piece.copy_(total)
         return out
 
+    def _done(self, b: int) -> None:
+        """Bucket ``b``'s collective is complete: deliver its row; its buffers go."""
+        out = self._reduced.pop(b, None)
+        if out is not None:
+            self._deliver(b, self._summed(b, out) if self.quantized and self.dp > 1 else out)
+
     def _deliver(self, b: int, out: torch.Tensor) -> None:
         out = out.to(self.to)
         pieces = [(p, out[self.at[p] : self.at[p] + p._zs.piece.numel()]) for p in self.params[b]]
@@ -133,8 +141,5 @@ class PieceReducer:
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, deliver, and start afresh."""
-        for b in self.reducer.flush():
-            if b in self._reduced:
-                out = self._reduced[b]
-                self._deliver(b, self._summed(b, out) if self.quantized else out)
+        self.reducer.flush()  # each bucket is delivered as it completes (``_done``)
         self._reset()
