@@ -46,11 +46,11 @@ from zerostack.models import GPT
 MiB = 2**20
 
 
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
 
 
 class Probe:

@@ -79,6 +79,7 @@ T_HPZ = "tests/test_zeropp.py::test_hpz_gathers_the_backward_within_pairs_and_ch
 T_WAITS = "tests/test_cuda_path.py::test_a_step_on_the_device_waits_only_for_its_norm"
 T_SGD_CLIP = "tests/test_data_parallel.py::test_clipping_with_sgd"
 T_SIDE = "tests/test_cuda_path.py::test_offloaded_pieces_go_up_on_a_side_stream"
+T_SCRATCH = "tests/test_scratch.py::test_stage3_gathers_gradients_and_staging_are_outside_the_heap"
 T_STAGING = "tests/test_cuda_path.py::test_a_staging_buffer_is_written_again_only_after_its_copy"
 T_OFFLOAD_WAITS = (
     "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients"
@@ -278,6 +279,46 @@ MUTANTS = [
         "self._deliver(b, self._summed(b, out) if self.quantized and self.dp > 1 else out)",
         "None",
         (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "scratch: large CPU buffers from malloc's heap",
+        "zero/scratch.py",
+        'return torch.device(device).type == "cpu" and numel * dtype.itemsize >= MIN_BYTES',
+        "return False",
+        (
+            "tests/test_scratch.py::test_a_large_buffer_has_a_mapping_of_its_own_that_goes_when_freed",
+        ),
+    ),
+    Mutant(
+        "scratch: a mapping never unmapped (a leak)",
+        "zero/scratch.py",
+        "    return torch.frombuffer(buf, dtype=dtype, count=numel)",
+        '    globals().setdefault("_kept", []).append(buf)\n'
+        "    return torch.frombuffer(buf, dtype=dtype, count=numel)",
+        (
+            "tests/test_scratch.py::test_a_large_buffer_has_a_mapping_of_its_own_that_goes_when_freed",
+        ),
+    ),
+    Mutant(
+        "stage-3 gathered copies from the heap",
+        "zero/init.py",
+        "                full = scratch.empty(world * pn, out.dtype, out.device)",
+        "                full = torch.empty(world * pn, dtype=out.dtype, device=out.device)",
+        (T_SCRATCH,),
+    ),
+    Mutant(
+        "weight gradient from the heap",
+        "zero/linear.py",
+        "            if flat.dtype == x2.dtype:",
+        "            if False:",
+        (T_SCRATCH,),
+    ),
+    Mutant(
+        "stage-3 staging matrices from the heap",
+        "zero/stage3_reduce.py",
+        "return scratch.zeros(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)",
+        "return torch.zeros(self.dp, self.width[b], dtype=self.dtype, device=device)",
+        (T_SCRATCH,),
     ),
     Mutant(
         "a bucket launched before all its gradients arrived",

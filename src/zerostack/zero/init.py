@@ -25,7 +25,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..topology import Topology
-from . import quantize
+from . import quantize, scratch
 
 
 class StorageMeter:
@@ -198,9 +198,12 @@ def _gather_rows(
 ):
     """One all-gather of the concatenated ``pieces`` (each rank's, equal widths) over ``axis``
     (or ``group``, of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state."""
-    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one piece is sent as it is
+    flat = pieces[0]  # one piece is sent as it is
+    if len(pieces) > 1:
+        flat = scratch.empty(sum(pc.numel() for pc in pieces), flat.dtype, flat.device)
+        torch.cat(pieces, out=flat)
     width = flat.numel()
-    out = torch.empty(world * width, dtype=flat.dtype, device=flat.device)
+    out = scratch.empty(world * width, flat.dtype, flat.device)
     handle = comm.all_gather(out, flat, axis=axis, async_op=True, group=group)
     del flat  # the collective keeps what it sends alive until it completes
 
@@ -212,9 +215,11 @@ def _gather_rows(
         fulls, off = [], 0
         for s, pc in zip(states, pieces, strict=True):
             pn = pc.numel()
-            # One copy: reshape of the strided column block makes a fresh contiguous tensor
-            # (or, for a unit of one parameter, is a view of the fresh ``out``).
-            fulls.append(rows[:, off : off + pn].reshape(-1)[: s.numel].view(s.shape))
+            full = out  # a unit of one parameter: a view of the fresh ``out``
+            if len(states) > 1:  # one copy of the strided column block
+                full = scratch.empty(world * pn, out.dtype, out.device)
+                full.view(world, pn).copy_(rows[:, off : off + pn])
+            fulls.append(full[: s.numel].view(s.shape))
             off += pn
         return fulls
 

@@ -1,13 +1,17 @@
 """A linear layer whose backward does not pin a stage-3 parameter's gathered storage.
 
 Stage 3 routes plain ``nn.Linear`` modules through it, and the tensor-parallel layers use it too,
-so a released weight is freed during forward whichever layer holds it.
+so a released weight is freed during forward whichever layer holds it. Its weight gradient, as
+large as the weight and dropped as soon as it is staged, is made in a mapping of its own on the
+CPU (:mod:`.scratch`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import scratch
 
 
 class _LinearSavingWeight(torch.autograd.Function):
@@ -34,7 +38,12 @@ class _LinearSavingWeight(torch.autograd.Function):
             gx = gy.matmul(weight)
         flat = gy.reshape(-1, gy.shape[-1])
         if ctx.needs_input_grad[1]:
-            gw = flat.t().matmul(x.reshape(-1, x.shape[-1]))
+            x2 = x.reshape(-1, x.shape[-1])
+            if flat.dtype == x2.dtype:  # out of glibc's heap on the CPU (.scratch)
+                gw = scratch.empty(weight.numel(), flat.dtype, flat.device).view(weight.shape)
+                torch.matmul(flat.t(), x2, out=gw)
+            else:
+                gw = flat.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = flat.sum(0)
         return gx, gw, gb

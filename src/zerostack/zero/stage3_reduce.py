@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
-from . import quantize
+from . import quantize, scratch
 from .partition import PieceBuckets
 from .reducer import GradReducer
 
@@ -78,8 +78,7 @@ class PieceReducer:
         """Copy p's full gradient into its bucket, as pieces, and drop it."""
         b = self.bucket[p]
         if b not in self._staging:  # in the dtype it is reduced in
-            size = (self.dp, self.width[b])
-            self._staging[b] = torch.zeros(size, dtype=self.dtype, device=p.device)
+            self._staging[b] = self._new_staging(b, p.device)
         at, pn = self.at[p], p._zs.piece.numel()
         grad = p.grad.reshape(-1)
         if grad.numel() != pn * self.dp:  # pad to whole pieces first
@@ -91,11 +90,14 @@ class PieceReducer:
         """p is staged: launch the buckets that are complete, in order."""
         self.reducer.arrived(self.bucket[p])
 
+    def _new_staging(self, b: int, device: torch.device) -> torch.Tensor:
+        """Bucket ``b``'s ``(dp, width)`` matrix, zeros (padding and absent gradients stay 0)."""
+        return scratch.zeros(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)
+
     def _launch(self, b: int) -> Handle | None:
         staging = self._staging.pop(b, None)
         if staging is None:  # no parameter of this bucket got a gradient in this backward
-            size = (self.dp, self.width[b])
-            staging = torch.zeros(size, dtype=self.dtype, device=self.comm.topo.device)
+            staging = self._new_staging(b, self.comm.topo.device)
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
         if self.dp == 1:  # nothing to reduce: delivered now
@@ -105,7 +107,7 @@ class PieceReducer:
             sent = torch.stack([quantize.pack(self._pieces(b, row), self.bits) for row in staging])
             received = self._reduced[b] = torch.empty_like(sent)
             return self.comm.all_to_all(received, sent, axis="dp", async_op=True)
-        out = self._reduced[b] = staging.new_empty(self.width[b])
+        out = self._reduced[b] = scratch.empty(self.width[b], staging.dtype, staging.device)
         return self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
 
     def _pieces(self, b: int, row: torch.Tensor) -> list[torch.Tensor]:
