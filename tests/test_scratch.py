@@ -91,7 +91,9 @@ def test_small_or_off_cpu_buffers_are_plain_tensors():
 def _stage3(rank, world):
     """Rank 0's findings in one stage-3 step of a GPT whose blocks' Linear layers are 1-4 MiB:
     whether each gathered weight (forward), each weight gradient autograd hands over, and each
-    staged reduce-scatter matrix had a mapping of its own."""
+    staged reduce-scatter matrix had a mapping of its own (with the threshold at 1 MiB, so that
+    a small model's layers cross it)."""
+    scratch.MIN_BYTES = 1 << 20  # this rank's process only
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=4, d_model=512, bias=True)
     config = {

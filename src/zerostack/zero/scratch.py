@@ -21,9 +21,10 @@ import mmap
 
 import torch
 
-MIN_BYTES = 1 << 20
-"""Smallest buffer given a mapping of its own: below it a page fault per 4 KiB costs more than
-the heap's reuse saves."""
+MIN_BYTES = 8 << 20
+"""Smallest buffer given a mapping of its own. A fresh mapping costs the kernel's zeroing of its
+pages at every allocation; below this size that cost (measured: +10-25% step time at 19M
+parameters with 1 MiB) outweighs what the heap's reuse loses."""
 
 
 def _mapped(numel: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -35,7 +36,8 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
     CPU (zero-filled then, though callers must not rely on it), else ``torch.empty``."""
     if not _mapped(numel, dtype, device):
         return torch.empty(numel, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE  # pages in one call
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
     return torch.frombuffer(buf, dtype=dtype, count=numel)  # holds buf; unmapped with it
 
 
