@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -724,11 +725,15 @@ def _by_device(rank, world, root, stage, offload):
         _loop(engine, rank, world, steps=range(1))
         places = engine.memory_by_device()
         kinds = engine.memory_breakdown()
-        gc.collect()
-        device_bytes = MEMORY.allocated  # the virtual allocator: every live device storage
         state = [t for s in engine.optimizer.state.values() for t in s.values()]
         steps = [t for t in state if torch.is_tensor(t) and t.dim() == 0 and t.is_cuda]
-        device_bytes -= sum(t.nbytes for t in steps)  # fused Adam's step counters
+        for _ in range(100):  # gloo's worker thread may hold a waited gather's input a moment
+            gc.collect()
+            # the virtual allocator: every live device storage, less fused Adam's step counters
+            device_bytes = MEMORY.allocated - sum(t.nbytes for t in steps)
+            if device_bytes == sum(places["cuda"].values()):
+                break
+            time.sleep(0.01)
         engine.destroy()
         return psi, places, kinds, device_bytes
 
