@@ -1861,6 +1861,27 @@ MUTANTS = [
         "        rows = out.view(world, width)",
         (T_SIDE,),
     ),
+    Mutant(
+        "reduce_scatter false: every rank keeps rank 0's slice of the all-reduced bucket",
+        "zero/flat_reduce.py",
+        "piece = self._sent[self._rank * n : (self._rank + 1) * n]",
+        "piece = self._sent[:n]",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "reduce_scatter not given over gloo: buckets reduce-scattered anyway",
+        "zero/strategy.py",
+        'reduce_scatter = comm.topo.dp == 1 or comm.backend("dp") != "gloo"',
+        "reduce_scatter = True",
+        ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-None]",),
+    ),
+    Mutant(
+        "reduce_scatter true ignored: buckets all-reduced",
+        "zero/flat_reduce.py",
+        "if not self.reduce_scatter:",
+        "if True:",
+        ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-True]",),
+    ),
 ]
 
 

@@ -119,6 +119,8 @@ def _config(case: dict, micro: int, nvme_root: str | None) -> dict:
         "stage3_param_persistence_threshold": 0,
         "stage3_prefetch_bucket_size": 3000,
     }
+    if "reduce_scatter" in case:
+        zero["reduce_scatter"] = case["reduce_scatter"]
     if case.get("offload"):
         offload = {"device": case["offload"]}
         if case["offload"] == "nvme":
@@ -228,4 +230,6 @@ def describe(case: dict) -> str:
     for key in ("offload", "precision"):
         if case.get(key):
             parts.append(str(case[key]))
+    if "reduce_scatter" in case:
+        parts.append(f"reduce_scatter {case['reduce_scatter']}")
     return ", ".join(parts)

@@ -3,7 +3,9 @@
 Stage 0 all-reduces the gradient buffer once per optimizer step (psi elements, counted as the
 buffer size); stages 1-2 reduce-scatter it and all-gather the updated parameters: 2 psi, plus one
 scalar all-reduce for the global gradient norm. Stage 2 reduces on every micro-step (it keeps only
-its gradient pieces); stages 0-1 stay silent until the last micro-step of the window.
+its gradient pieces); stages 0-1 stay silent until the last micro-step of the window. Over gloo,
+stages 1-2 all-reduce the buckets instead unless ``reduce_scatter`` is set (the bytes each call
+counts are the same: the bucket).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from zerostack.zero.partition import FlatLayout
 BUCKET = 4096
 
 
-def _comm_per_step(rank, world, gas, stage):
+def _comm_per_step(rank, world, gas, stage, reduce_scatter=None):
+    zero = {"stage": stage, "reduce_bucket_size": BUCKET}
+    if reduce_scatter is not None:
+        zero["reduce_scatter"] = reduce_scatter
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
+        "zero_optimization": zero,
     }
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
     log = engine.comm.log
@@ -61,20 +66,31 @@ def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
             assert calls > 0, "no bucket was reduced during the boundary backward (no overlap)"
 
 
+@pytest.mark.parametrize("reduce_scatter", [True, None])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
-def test_stages_1_2_move_two_psi(stage, world, gas):
-    shapes, summaries, per_micro = run_distributed(_comm_per_step, world, args=(gas, stage))[0]
+def test_stages_1_2_move_two_psi(stage, world, gas, reduce_scatter):
+    """With ``reduce_scatter: true`` the buckets are reduce-scattered; not given, over gloo,
+    all-reduced (one more call: the norm's scalar)."""
+    shapes, summaries, per_micro = run_distributed(
+        _comm_per_step, world, args=(gas, stage, reduce_scatter)
+    )[0]
     layout = FlatLayout.build(shapes, world=world, bucket_numel=BUCKET)
     psi_bytes = layout.numel * 4
     n = len(layout.buckets)
     reductions = gas if stage == 2 else 1
+    reduce_op, norm = ("reduce_scatter", 0) if reduce_scatter else ("all_reduce", 1)
     for summary in summaries:
-        assert summary["reduce_scatter"]["calls"] == n * reductions
-        assert summary["reduce_scatter"]["bytes"] == layout.padded_numel * 4 * reductions
+        assert set(summary) == {"reduce_scatter", "all_gather", "all_reduce"} - (
+            set() if reduce_scatter else {"reduce_scatter"}
+        )
+        assert summary[reduce_op]["calls"] == n * reductions + norm
+        assert summary[reduce_op]["bytes"] == layout.padded_numel * 4 * reductions + 4 * norm
         assert summary["all_gather"]["calls"] == n
         assert summary["all_gather"]["bytes"] == layout.padded_numel * 4
-        assert summary["all_reduce"] == {"calls": 1, "bytes": 4, "seconds": pytest.approx(0, abs=5)}
+        if reduce_scatter:
+            norm_only = {"calls": 1, "bytes": 4, "seconds": pytest.approx(0, abs=5)}
+            assert summary["all_reduce"] == norm_only
         # The paper's 2 psi per step (reduce-scatter + all-gather); stage 2 with accumulation
         # reduce-scatters once per micro-step: (gas + 1) psi.
         total = sum(v["bytes"] for v in summary.values())

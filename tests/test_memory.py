@@ -35,11 +35,14 @@ def expected(stage: int, precision: str, psi: float, n: int) -> dict[str, float]
     return {k: v * psi for k, v in zip(keys, table, strict=True)}
 
 
-def _engine(stage: int, precision: str):
+def _engine(stage: int, precision: str, reduce_scatter: bool | None = None):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if reduce_scatter is not None:
+        zero["reduce_scatter"] = reduce_scatter
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
     }
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
@@ -71,7 +74,9 @@ def test_bytes_per_rank_match_the_zero_formulas(stage, precision, world):
             assert value <= got[key] <= value * 1.02 + slack, f"{key}: {got[key]} vs {value:.0f}"
 
 
-def census_expected(stage: int, precision: str, psi: float, n: int, point: str) -> dict:
+def census_expected(
+    stage: int, precision: str, psi: float, n: int, point: str, reduce_scatter: bool | None = None
+) -> dict:
     """What the census must find per rank, ``point`` being "backward" (engine.backward returned,
     step() not yet called) or "step" (step() returned), both on an accumulation boundary with the
     optimizer state already made (the second step).
@@ -84,13 +89,14 @@ def census_expected(stage: int, precision: str, psi: float, n: int, point: str) 
     At the end of backward the formula holds too: stage 2 has added its reduced pieces into the
     fp32 shard (4 psi / N) and dropped the bucket it staged them in; stage 3 has freed every
     parameter it gathered for forward and backward (params are p psi / N) and every reduce bucket.
-    One transient is still alive: stage 1 launches its reduce-scatter during backward on the
-    boundary, and step() waits for it, so this rank's reduced piece (compute dtype, p psi / N) is
-    held beside the full gradient buffer until then. No parameter or optimizer holds it, so the
-    census files it under "other".
+    One transient is still alive with ``reduce_scatter: true``: stage 1 launches its
+    reduce-scatter during backward on the boundary, and step() waits for it, so this rank's
+    reduced piece (compute dtype, p psi / N) is held beside the full gradient buffer until then.
+    No parameter or optimizer holds it, so the census files it under "other". All-reduced (gloo's
+    default), the bucket is reduced in place and the piece is a view of it: nothing extra.
     """
     want = {**expected(stage, precision, psi, n), "other": 0.0}
-    if point == "backward" and stage == 1 and n > 1:
+    if point == "backward" and stage == 1 and n > 1 and reduce_scatter:
         want["other"] = (4 if precision == "fp32" else 2) * psi / n
     return want
 
@@ -120,9 +126,9 @@ def _census(rank, world, cases):
     """Census after the second backward and after the second step, for each (stage, precision)."""
     b = batch(0, 1)
     out = []
-    for stage, precision in cases:
+    for stage, precision, reduce_scatter in cases:
         before = census.baseline()
-        psi, units, engine = _engine(stage, precision)
+        psi, units, engine = _engine(stage, precision, reduce_scatter)
         counters = sum(len(g["params"]) for g in engine.optimizer.param_groups)
         engine.backward(engine(*b))
         engine.step()  # the optimizer state exists from here on
@@ -131,14 +137,18 @@ def _census(rank, world, cases):
         engine.step()
         at_step = census.take(engine, exclude=before)
         for point, c in (("backward", at_backward), ("step", at_step)):
-            out.append((stage, precision, point, psi, units, counters, c.bytes, c.describe()))
+            out.append(
+                (stage, precision, reduce_scatter, point, psi, units, counters, c.bytes)
+                + (c.describe(),)
+            )
         del engine, at_backward, at_step
         before.release()
         gc.collect()
     return out
 
 
-CASES = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
+CASES = [(stage, precision, None) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
+CASES += [(stage, precision, True) for stage in (1, 2) for precision in ("fp32", "bf16")]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -148,10 +158,10 @@ def test_live_storage_census_matches_the_zero_formulas(world):
     (or even a leaked piece) shows."""
     failures = []
     for rank, results in enumerate(run_distributed(_census, world, args=(CASES,))):
-        for stage, precision, point, psi, units, counters, got, table in results:
-            want = census_expected(stage, precision, psi, world, point)
+        for stage, precision, rs, point, psi, units, counters, got, table in results:
+            want = census_expected(stage, precision, psi, world, point, rs)
             slack = census_slack(precision, world, units, counters)
-            case = f"rank {rank} stage {stage} {precision} after {point}"
+            case = f"rank {rank} stage {stage} {precision} reduce_scatter {rs} after {point}"
             total, bound = sum(got.values()), sum(want.values()) + sum(slack.values())
             bad = [] if total <= bound else [f"total {total} > {bound:.0f}"]
             bad += [

@@ -216,7 +216,6 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "zero_optimization.allgather_bucket_size": "stages 1-2 all-gather per reduce bucket, "
     "stage 3 per module",
     "zero_optimization.overlap_comm": "reduction always overlaps backward",
-    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter, stage 0 all-reduces",
     "zero_optimization.contiguous_gradients": "gradients always live in flat buffers",
     "zero_optimization.round_robin_gradients": "gradient partitions follow bucket order",
     "zero_optimization.elastic_checkpoint": "checkpoints load on any layout already",

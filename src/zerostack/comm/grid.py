@@ -58,6 +58,10 @@ class Comm:
         """The group of ``axis``: 'pp', 'dp', 'tp' of the grid, or 'world' (every rank)."""
         return dist.group.WORLD if axis == "world" else self.topo.group(axis)
 
+    def backend(self, axis: str) -> str:
+        """The backend of ``axis``'s group: "gloo", "nccl", ..."""
+        return str(dist.get_backend(self.group(axis)))
+
     def _run(
         self, op: str, axis: str, nbytes: int, fn, async_op: bool, group=None
     ) -> Handle | None:

@@ -10,6 +10,10 @@ stage 2   every micro-step: the bucket's gradients are copied out (``st.staging`
           full-size ones dropped, reduce-scattered, and the piece added into the shard
 ========  ======================================================================================
 
+At stages 1-2 with ``reduce_scatter`` false (the default over gloo, whose reduce-scatter is
+slower than its all-reduce), the bucket is all-reduced in place instead and ``st.piece`` is this
+rank's slice of the sum (:class:`KeepPiece`).
+
 Two dtypes (``precision.py``): the flat buffer (stages 0-1) or the shard (stage 2) holds the
 window's sum in ``self.accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the
 parameters' dtype, each micro-step's ``.grad`` is added into the buffer and dropped. A bucket is
@@ -25,6 +29,23 @@ from torch import nn
 
 from ..comm import Handle
 from .reducer import CastBack, in_dtype
+
+
+class KeepPiece:
+    """A bucket all-reduced (``reduce_scatter: false``): :meth:`wait` waits, then sets the
+    bucket's ``piece`` to this rank's slice of the sum; a copy when the bucket was sent as a
+    cast copy (so the rest of it goes), else a view."""
+
+    def __init__(self, handle: Handle, sent: torch.Tensor, st, rank: int, *, copy: bool) -> None:
+        self._handle, self._sent, self._st, self._rank, self._copy = handle, sent, st, rank, copy
+
+    def wait(self) -> None:
+        self._handle.wait()
+        if self._sent is not None:
+            n = self._st.bucket.piece_numel
+            piece = self._sent[self._rank * n : (self._rank + 1) * n]
+            self._st.piece = piece.clone() if self._copy else piece
+            self._sent = None
 
 
 class FlatBackward:
@@ -76,6 +97,9 @@ class FlatBackward:
         if self.stage == 0:
             handle = self.comm.all_reduce(sent, axis="dp", async_op=True)
             return handle if sent is chunk else CastBack(handle, sent, chunk)
+        if not self.reduce_scatter:
+            handle = self.comm.all_reduce(sent, axis="dp", async_op=True)
+            return KeepPiece(handle, sent, st, self.rank, copy=sent is not chunk)
         st.piece = sent.new_empty(st.bucket.piece_numel)
         return self.comm.reduce_scatter(st.piece, sent, axis="dp", async_op=True)
 

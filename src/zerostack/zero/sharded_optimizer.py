@@ -179,6 +179,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         prescale: float = 1.0,
         offload=None,
         sub_group_numel: int | None = None,
+        reduce_scatter: bool = True,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ShardedDataParallel handles ZeRO stages 0-2, not {stage}")
@@ -191,6 +192,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
+        self.reduce_scatter = reduce_scatter  # stages 1-2; else all-reduce and keep the piece
         self.reduce_dtype = precision.reduce_dtype
         self.accum_dtype = precision.accum_dtype(stage)
         self.groups: list[FlatGroup] = []
