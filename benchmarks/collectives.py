@@ -3,12 +3,13 @@
     python benchmarks/collectives.py                      # 2 gloo ranks, 4M fp32 elements
     python benchmarks/collectives.py --nproc 4 --numel 1000000 --rounds 20
 
-ZeRO stages 1-2 reduce each gradient bucket and all-gather each updated parameter bucket. Over
-gloo, torch's reduce-scatter of a bucket takes longer than an all-reduce of the same bucket,
-which moves twice the bytes; that is why ``zero_optimization.reduce_scatter``, when not given,
-all-reduces over gloo. Every op runs on the same buffers, interleaved round by round after a
-barrier; the median over ``--rounds`` (the first two left out) is printed per op, with each
-op's time over the all-reduce's, as one JSON object.
+ZeRO stages 1-3 reduce-scatter each gradient bucket and all-gather parameters. Over gloo,
+torch's reduce-scatter of a bucket takes longer than an all-reduce of the same bucket, which
+moves twice the bytes; zerostack's (``zerostack_reduce_scatter``: an all-to-all and a sum, see
+``zerostack.comm.grid``) moves the reduce-scatter's bytes. Every op runs on the same buffers,
+interleaved round by round after a barrier; the median over ``--rounds`` (the first two left
+out, the slowest rank's) is printed per op, with each op's time over the all-reduce's, as one
+JSON object.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 from _bench import emit, torchrun  # benchmarks/_bench.py
+
+try:
+    from zerostack.comm.grid import _reduce_scatter_rows
+except ImportError:  # run from a checkout without installing: use its source
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    from zerostack.comm.grid import _reduce_scatter_rows
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names still work, deprecated)
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,6 +57,9 @@ def worker(args) -> None:
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter_tensor": lambda: _RS(piece, full),
         "reduce_scatter_list": lambda: dist.reduce_scatter(piece, list(full.chunk(world))),
+        "zerostack_reduce_scatter": lambda: _reduce_scatter_rows(
+            piece, full, op=dist.ReduceOp.SUM, group=dist.group.WORLD, async_op=False
+        ),
         "all_gather_tensor": lambda: _AG(out, piece),
         "all_gather_list": lambda: dist.all_gather(list(out.chunk(world)), piece),
     }

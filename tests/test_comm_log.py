@@ -3,9 +3,9 @@
 Stage 0 all-reduces the gradient buffer once per optimizer step (psi elements, counted as the
 buffer size); stages 1-2 reduce-scatter it and all-gather the updated parameters: 2 psi, plus one
 scalar all-reduce for the global gradient norm. Stage 2 reduces on every micro-step (it keeps only
-its gradient pieces); stages 0-1 stay silent until the last micro-step of the window. Over gloo,
-stages 1-2 all-reduce the buckets instead unless ``reduce_scatter`` is set (the bytes each call
-counts are the same: the bucket).
+its gradient pieces); stages 0-1 stay silent until the last micro-step of the window. With
+``reduce_scatter: false`` stages 1-2 all-reduce the buckets instead (each call counts the same
+bytes: the bucket's).
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
             assert calls > 0, "no bucket was reduced during the boundary backward (no overlap)"
 
 
-@pytest.mark.parametrize("reduce_scatter", [True, None])
+@pytest.mark.parametrize("reduce_scatter", [None, False])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
 def test_stages_1_2_move_two_psi(stage, world, gas, reduce_scatter):
-    """With ``reduce_scatter: true`` the buckets are reduce-scattered; not given, over gloo,
-    all-reduced (one more call: the norm's scalar)."""
+    """Not given (DeepSpeed's true), the buckets are reduce-scattered; with
+    ``reduce_scatter: false``, all-reduced (with the norm's scalar: one more call)."""
     shapes, summaries, per_micro = run_distributed(
         _comm_per_step, world, args=(gas, stage, reduce_scatter)
     )[0]
@@ -79,16 +79,17 @@ def test_stages_1_2_move_two_psi(stage, world, gas, reduce_scatter):
     psi_bytes = layout.numel * 4
     n = len(layout.buckets)
     reductions = gas if stage == 2 else 1
-    reduce_op, norm = ("reduce_scatter", 0) if reduce_scatter else ("all_reduce", 1)
+    scatter = reduce_scatter is None
+    reduce_op, norm = ("reduce_scatter", 0) if scatter else ("all_reduce", 1)
     for summary in summaries:
         assert set(summary) == {"reduce_scatter", "all_gather", "all_reduce"} - (
-            set() if reduce_scatter else {"reduce_scatter"}
+            set() if scatter else {"reduce_scatter"}
         )
         assert summary[reduce_op]["calls"] == n * reductions + norm
         assert summary[reduce_op]["bytes"] == layout.padded_numel * 4 * reductions + 4 * norm
         assert summary["all_gather"]["calls"] == n
         assert summary["all_gather"]["bytes"] == layout.padded_numel * 4
-        if reduce_scatter:
+        if scatter:
             norm_only = {"calls": 1, "bytes": 4, "seconds": pytest.approx(0, abs=5)}
             assert summary["all_reduce"] == norm_only
         # The paper's 2 psi per step (reduce-scatter + all-gather); stage 2 with accumulation

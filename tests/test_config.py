@@ -148,7 +148,7 @@ def test_defaults_match_deepspeed():
         "allgather_partitions": True,
         "allgather_bucket_size": 500_000_000,
         "overlap_comm": None,
-        "reduce_scatter": None,  # DeepSpeed's true; not given here: the backend's faster one
+        "reduce_scatter": True,
         "reduce_bucket_size": 500_000_000,
         "contiguous_gradients": True,
         "sub_group_size": 1_000_000_000,

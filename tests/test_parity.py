@@ -53,8 +53,8 @@ FAMILIES = {
     "dp1": (1, _cases(stages=[0, 1, 2, 3])),
     "dp2": (2, _cases(stages=[0, 1, 2, 3])),
     "dp4": (4, _cases(stages=[0, 1, 2, 3])),
-    # over gloo, stages 1-2 all-reduce unless told to reduce-scatter
-    "dp4-reduce-scatter": (4, _cases(stages=[1, 2], reduce_scatter=True)),
+    # stages 1-2 all-reducing each bucket and keeping their piece
+    "dp4-all-reduce": (4, _cases(stages=[1, 2], reduce_scatter=False)),
     "tp2": (2, _cases(stages=[0], tp=2)),
     "tp2xdp2": (4, _cases(stages=[0, 1, 2, 3], tp=2)),
     "pp2": (2, _cases(stages=[0], pp=2)),

@@ -492,14 +492,12 @@ class ZeroConfig(_Model):
     overlap_comm: bool | None = None
     """Overlap gradient reduction with the backward pass (None: the stage's default). Accepted
     for DeepSpeed compatibility; no effect: reduction always overlaps backward."""
-    reduce_scatter: bool | None = None
+    reduce_scatter: bool = True
     """Stages 1-2: reduce each gradient bucket with a reduce-scatter (true: each rank receives
-    its piece, 1/N of the bucket on the wire per rank) or an all-reduce (false: every rank
-    receives the whole sum and keeps its piece, twice the bytes), as DeepSpeed's key. Not given:
-    all-reduce over gloo, whose reduce-scatter of a bucket took 2-3.9x an all-reduce of it
-    (``benchmarks/collectives.py``, 2 and 4 ranks, 4M elements), reduce-scatter over any other
-    backend. Stage 0 always
-    all-reduces; stage 3 always reduce-scatters."""
+    its piece, (N-1)/N of the bucket on the wire per rank) or an all-reduce (false: every rank
+    receives the whole sum and keeps its piece, twice the bytes), as DeepSpeed's key. Stage 0
+    always all-reduces; stage 3 always reduce-scatters. Over gloo a reduce-scatter is an
+    all-to-all and a local sum (:mod:`zerostack.comm.grid`), faster than gloo's own."""
     reduce_bucket_size: PositiveInt = 500_000_000
     """Elements per gradient bucket: each bucket is reduced (and, at stages 1-2, its updated
     parameters all-gathered) as one collective, launched during backward; at stage 3 a bucket

@@ -10,9 +10,8 @@ stage 2   every micro-step: the bucket's gradients are copied out (``st.staging`
           full-size ones dropped, reduce-scattered, and the piece added into the shard
 ========  ======================================================================================
 
-At stages 1-2 with ``reduce_scatter`` false (the default over gloo, whose reduce-scatter is
-slower than its all-reduce), the bucket is all-reduced in place instead and ``st.piece`` is this
-rank's slice of the sum (:class:`KeepPiece`).
+At stages 1-2 with ``reduce_scatter: false`` the bucket is all-reduced in place instead (twice
+the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
 
 Two dtypes (``precision.py``): the flat buffer (stages 0-1) or the shard (stage 2) holds the
 window's sum in ``self.accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the
@@ -103,6 +102,21 @@ class FlatBackward:
         st.piece = sent.new_empty(st.bucket.piece_numel)
         return self.comm.reduce_scatter(st.piece, sent, axis="dp", async_op=True)
 
+    def _reduced(self, b: int) -> None:
+        """Bucket ``b``'s collective is complete: at stage 2 its piece goes into the shard and
+        its buffers go (stage 1 keeps the piece for the step)."""
+        st = self.buckets[b]
+        if self.stage == 2:
+            self._add_piece(st)
+
+    def _add_piece(self, st) -> None:
+        """Add a bucket's reduced piece into the group's fp32 gradient shard and drop it."""
+        if st.piece is not None:
+            off = st.bucket.shard_offset
+            shard = self.groups[st.group].grad_shard[off : off + st.bucket.piece_numel]
+            shard.add_(st.piece.to(shard.device))  # in host memory when offloaded
+        st.piece = st.staging = None
+
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The tensor ``p``'s gradient is summed in over the window at stages 0-1: its view of
         the flat buffer (in the accumulation dtype), which a sum over another axis (a pipeline's
@@ -124,17 +138,15 @@ class FlatBackward:
         self._ready.clear()
 
     def end_backward(self) -> None:
-        """Stage 2: finish this micro-step's reduction and add the pieces into the fp32 shard."""
+        """Stage 2: finish this micro-step's reduction (each bucket's piece is added into the
+        fp32 shard as its collective completes); stage 1: wait for the boundary's reduction, so
+        no collective's buffers outlive backward (as DeepSpeed's engine does)."""
+        if self.stage == 1 and self._communicates_now:
+            self.reducer.settle()
         if self.stage != 2:
             return
-        if self.dp == 1:  # nothing to reduce: the staged bucket is the whole piece
+        self._flush()
+        if self.dp == 1:  # nothing was reduced: the staged bucket is the whole piece
             for st in self.buckets:
                 st.piece, st.staging = st.staging, None
-        self._flush()
-        for st in self.buckets:
-            fg = self.groups[st.group]
-            if st.piece is not None:
-                off = st.bucket.shard_offset
-                shard = fg.grad_shard[off : off + st.bucket.piece_numel]
-                shard.add_(st.piece.to(shard.device))  # in host memory when offloaded
-            st.piece = st.staging = None
+                self._add_piece(st)

@@ -257,7 +257,11 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         for st in self.buckets:
             self.store.add(st.master)
         self._sync_untracked(dtype)
-        self.reducer = GradReducer([len(st.bucket.slots) for st in self.buckets], self._launch)
+        # stages 1-2: each bucket is waited for (and, at stage 2, added into the shard and its
+        # buffers freed) while backward goes on, at most two in flight
+        done = self._reduced if stage > 0 else None
+        sizes = [len(st.bucket.slots) for st in self.buckets]
+        self.reducer = GradReducer(sizes, self._launch, done)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
         ]

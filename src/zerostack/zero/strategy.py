@@ -182,14 +182,11 @@ def build_strategy(
             hpz_partition_size=zcfg.zero_hpz_partition_size,
             **common,
         )
-    reduce_scatter = zcfg.reduce_scatter
-    if reduce_scatter is None:  # gloo's reduce-scatter is slower than its all-reduce
-        reduce_scatter = comm.topo.dp == 1 or comm.backend("dp") != "gloo"
     return ShardedDataParallel(
         module,
         groups,
         stage=stage,
         bucket_numel=zcfg.effective_reduce_bucket_size,
-        reduce_scatter=reduce_scatter,
+        reduce_scatter=zcfg.reduce_scatter,
         **common,
     )
