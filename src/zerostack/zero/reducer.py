@@ -11,12 +11,13 @@ and waits for all of them.
 
 What a bucket's collective is (all-reduce, reduce-scatter) and where its result goes is the
 strategy's ``launch(bucket) -> Handle | None`` (None: nothing to wait for). A strategy whose
-results take memory of their own until it consumes them (stage 3's reduced pieces) passes
-``done(bucket)``: then at most ``in_flight`` buckets are outstanding, the oldest is waited for
-and handed to ``done`` as a new one launches, and its buffers go while backward goes on (as
-FSDP2 waits for the previous reduce-scatter). A bucket is reduced
-in ``communication_data_type``: :func:`in_dtype` gives the tensor to send (a cast copy when the
-gradients are held in another dtype), and :class:`CastBack` copies an all-reduce's result back.
+buffers take memory until it consumes them (stage 3's reduced pieces, stage 2's staged buckets;
+stage 1 too, so its waits overlap backward) passes ``done(bucket)``: then at most
+``in_flight`` buckets are outstanding, the oldest is waited for and handed to ``done`` as a new
+one launches, and its buffers go while backward goes on (as FSDP2 waits for the previous
+reduce-scatter). A bucket is reduced in ``communication_data_type``: :func:`in_dtype` gives
+the tensor to send (a cast copy when the gradients are held in another dtype), and
+:class:`CastBack` copies an all-reduce's result back.
 """
 
 from __future__ import annotations
