@@ -272,3 +272,24 @@ def _take_once(engine, module, optimizer, skip: set[int]) -> Census:
                 top, "other"
             )
     return Census(found)
+
+
+def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has: str) -> list[int]:
+    """Bytes of storage whose path holds ``path_has``, by a census at every third gradient hook
+    (a census is slow) of the last of ``steps`` calls of ``train(step)``; each hook runs after
+    the engine's own (the parameter is staged, its bucket maybe launched)."""
+    seen: list[int] = []
+    probing, calls = [False], [0]
+
+    def probe(p):
+        calls[0] += 1
+        if probing[0] and calls[0] % 3 == 0:
+            c = take(engine, exclude=before)
+            seen.append(sum(s.nbytes for s in c.storages.values() if path_has in s.path))
+
+    for p in engine.module.parameters():
+        p.register_post_accumulate_grad_hook(probe)
+    for step in range(steps):
+        probing[0] = step == steps - 1
+        train(step)
+    return seen

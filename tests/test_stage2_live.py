@@ -39,22 +39,13 @@ def _staged(rank, world, reduce_scatter: bool):
         },
     }
     engine, *_ = zerostack.initialize(model=GPT(CFG), config=config)
-    seen: list[int] = []
 
-    def probe(p):  # runs after the engine's own hook: p is staged, its bucket maybe launched
-        calls[0] += 1
-        if probing[0] and calls[0] % 3 == 0:  # a census is slow: every third hook will do
-            c = census.take(engine, exclude=before)
-            seen.append(sum(s.nbytes for s in c.storages.values() if "staging" in s.path))
-
-    probing, calls = [False], [0]
-    for p in engine.module.parameters():
-        p.register_post_accumulate_grad_hook(probe)
-    for step in range(STEPS):
+    def train(step):
         x, y = batch(step, world)
-        probing[0] = step == STEPS - 1
         engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
         engine.step()
+
+    seen = census.held_at_grad_hooks(engine, before, train, STEPS, "staging")
     sizes = [4 * st.bucket.numel for st in engine.zero.buckets]
     before.release()
     return {"peak": max(seen), "bucket": max(sizes), "all": sum(sizes), "n": len(sizes)}

@@ -144,22 +144,13 @@ def _reduced_rows(rank, world):
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 20_000},
     }
     engine, *_ = zerostack.initialize(model=GPT(CFG), config=config)
-    seen: list[int] = []
 
-    def probe(p):  # runs after the engine's own hook: p is staged, its bucket maybe launched
-        calls[0] += 1
-        if probing[0] and calls[0] % 3 == 0:  # a census is slow: every third hook will do
-            c = census.take(engine, exclude=before)
-            seen.append(sum(s.nbytes for s in c.storages.values() if "_reduced" in s.path))
-
-    probing, calls = [False], [0]
-    for p in engine.module.parameters():
-        p.register_post_accumulate_grad_hook(probe)
-    for step in range(STEPS):
+    def train(step):
         x, y = batch(step, world)
-        probing[0] = step == STEPS - 1
         engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
         engine.step()
+
+    seen = census.held_at_grad_hooks(engine, before, train, STEPS, "_reduced")
     width = engine.zero.reduce.width
     before.release()
     return {"peak": max(seen), "row": 4 * max(width), "rows": 4 * sum(width), "n": len(width)}
