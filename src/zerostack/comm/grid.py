@@ -50,8 +50,9 @@ class _SummedRows:
     """gloo's reduce-scatter as zerostack runs it: an all-to-all hands rank ``r`` row ``r`` of
     every rank's input, and :meth:`wait` sums the received rows in rank order into the output.
     The same bytes cross the wire as in a ring reduce-scatter ((N-1)/N of the input per rank);
-    torch's gloo reduce-scatter of the same tensor took 2-4x as long
-    (``benchmarks/collectives.py``). The received rows live until the sum."""
+    torch's gloo reduce-scatter of a 4M-element bucket took 1.6-2.3x as long at 2 ranks
+    (``benchmarks/collectives.py``). The received rows (a whole bucket, in a mapping of its own
+    from :data:`~zerostack.zero.scratch.MIN_BYTES` up) live until the sum."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> None:
         world = dist.get_world_size(group)
