@@ -47,6 +47,16 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
+def _p2p_gather(out, piece) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = out.view(world, -1)
+    rows[rank].copy_(piece)
+    ops = [dist.P2POp(dist.isend, piece, r) for r in range(world) if r != rank]
+    ops += [dist.P2POp(dist.irecv, rows[r], r) for r in range(world) if r != rank]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
 def worker(args) -> None:
     dist.init_process_group(args.backend)
     world = dist.get_world_size()
@@ -62,6 +72,8 @@ def worker(args) -> None:
         ),
         "all_gather_tensor": lambda: _AG(out, piece),
         "all_gather_list": lambda: dist.all_gather(list(out.chunk(world)), piece),
+        "all_gather_p2p": lambda: _p2p_gather(out, piece),
+        "all_gather_a2a": lambda: dist.all_to_all_single(out, piece.repeat(world)),
     }
     times: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(args.rounds):

@@ -93,6 +93,7 @@ T_INT4_WIRE = "tests/test_zeropp.py::test_an_int4_payload_holds_two_values_to_a_
 T_INT4_ROUND = (
     "tests/test_zeropp.py::test_an_int4_round_trip_is_within_half_a_step_of_the_block_scale"
 )
+T_POISON = "tests/test_zero_models.py::test_stage2_reuses_buffers_without_their_old_values"
 T_ALIKE = "tests/test_initialize.py::test_every_rank_starts_from_dp_rank_0s_weights"
 T_PEAK = "tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state"
 
@@ -1909,6 +1910,48 @@ MUTANTS = [
         "if not self.reduce_scatter:",
         "if True:",
         ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-None]",),
+    ),
+    Mutant(
+        "stage 2: a pooled staging buffer's padding not zeroed",
+        "zero/flat_reduce.py",
+        "staging[max(rng.stop for _, rng in st.ranges) - st.bucket.start :].zero_()",
+        "staging[st.bucket.numel :].zero_()",
+        (T_POISON,),
+    ),
+    Mutant(
+        "stage 2: a parameter with no gradient sends a pooled buffer's old values",
+        "zero/flat_reduce.py",
+        "            if p not in self._ready:",
+        "            if False:",
+        (T_POISON,),
+    ),
+    Mutant(
+        "stage 2: a later micro-step overwrites the shard a bucket was reduced into",
+        "zero/flat_reduce.py",
+        "no piece to add\n            st.shard_clean = False",
+        "no piece to add",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "stage 2: the shard never again marked zero after a step (a piece every time)",
+        "zero/sharded_optimizer.py",
+        "            st.shard_clean = True",
+        "            pass",
+        ("tests/test_stage2_live.py::test_the_first_micro_step_reduces_into_the_shard",),
+    ),
+    Mutant(
+        "gloo reduce-scatter: the received rows not handed back to the pool",
+        "comm/grid.py",
+        "self._pool.give(self._rows)",
+        "pass",
+        (f"{T}[2]",),
+    ),
+    Mutant(
+        "scratch pool: nothing kept",
+        "zero/scratch.py",
+        "        self.keep = keep",
+        "        self.keep = 0",
+        (f"{T}[2]",),
     ),
 ]
 

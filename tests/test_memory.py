@@ -101,6 +101,20 @@ def census_expected(
     return want
 
 
+def pool_expected(stage: int, precision: str, psi: float, n: int, reduce_scatter) -> float:
+    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (zero/scratch.py's Pool),
+    the same after backward and after step, with the tiny GPT in one bucket: the bucket's
+    staged gradients (stage 2), the received rows of its reduce-scatter (not with
+    ``reduce_scatter: false``), and the piece the step all-gathers, all in the compute dtype.
+    Each is what one bucket's reduction or gather had live; a bucket reduced straight into the
+    zeroed shard leaves no piece. Stages 0 and 3 keep nothing."""
+    if stage not in (1, 2):
+        return 0.0
+    p = 4 if precision == "fp32" else 2
+    buckets = (stage == 2) + (reduce_scatter is not False)
+    return p * psi * (buckets + 1 / n)
+
+
 def census_slack(precision: str, world: int, units: int, counters: int) -> dict[str, int]:
     """Bytes the census may find beyond :func:`census_expected`.
 
@@ -137,8 +151,11 @@ def _census(rank, world, cases):
         engine.step()
         at_step = census.take(engine, exclude=before)
         for point, c in (("backward", at_backward), ("step", at_step)):
+            got = c.bytes
+            pool = sum(s.nbytes for s in c.storages.values() if ".buffers._free" in s.path)
+            got["other"] -= pool  # kept for reuse: checked on its own
             out.append(
-                (stage, precision, reduce_scatter, point, psi, units, counters, c.bytes)
+                (stage, precision, reduce_scatter, point, psi, units, counters, got, pool)
                 + (c.describe(),)
             )
         del engine, at_backward, at_step
@@ -158,12 +175,15 @@ def test_live_storage_census_matches_the_zero_formulas(world):
     (or even a leaked piece) shows."""
     failures = []
     for rank, results in enumerate(run_distributed(_census, world, args=(CASES,))):
-        for stage, precision, rs, point, psi, units, counters, got, table in results:
+        for stage, precision, rs, point, psi, units, counters, got, pool, table in results:
             want = census_expected(stage, precision, psi, world, point, rs)
             slack = census_slack(precision, world, units, counters)
             case = f"rank {rank} stage {stage} {precision} reduce_scatter {rs} after {point}"
             total, bound = sum(got.values()), sum(want.values()) + sum(slack.values())
             bad = [] if total <= bound else [f"total {total} > {bound:.0f}"]
+            want_pool = pool_expected(stage, precision, psi, world, rs)
+            if not want_pool <= pool <= want_pool + 3 * slack["params"]:
+                bad.append(f"pool {pool} not {want_pool:.0f}")
             bad += [
                 f"{k} {got[k]} not in [{want[k]:.0f}, {want[k] + slack[k]:.0f}]"
                 for k in census.CATEGORIES

@@ -58,3 +58,44 @@ def test_staged_buckets_go_during_backward(reduce_scatter):
     # the bucket being filled and at most two in flight
     assert got["peak"] <= 3 * got["bucket"], got
     assert got["peak"] < got["all"] / 2, got
+
+
+def _into_shard(rank, world):
+    """For each micro-step of a window of two: how many of the bucket reduce-scatters wrote
+    straight into the gradient shard, and how many there were."""
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 20_000},
+    }
+    engine, *_ = zerostack.initialize(model=GPT(CFG), config=config)
+    comm, shard = engine.zero.comm, engine.zero.groups[0].grad_shard
+    lo, hi = shard.data_ptr(), shard.data_ptr() + shard.nbytes
+    outputs = []
+    real = comm.reduce_scatter
+
+    def spy(output, input, **kw):
+        outputs.append(lo <= output.data_ptr() < hi)
+        return real(output, input, **kw)
+
+    comm.reduce_scatter = spy
+    seen = []
+    for step in range(2):
+        for micro in range(2):
+            x, y = batch(2 * step + micro, world)
+            outputs.clear()
+            engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
+            engine.step()
+            seen.append((sum(outputs), len(outputs)))
+    return seen
+
+
+def test_the_first_micro_step_reduces_into_the_shard():
+    """The shard is zero after a step, so a window's first micro-step reduce-scatters every
+    bucket straight into it (no piece, no add); later micro-steps add pieces."""
+    for seen in run_distributed(_into_shard, WORLD, timeout=300):
+        n = seen[0][1]
+        assert n >= 8, seen
+        assert seen == [(n, n), (0, n)] * 2, seen

@@ -61,7 +61,17 @@ def _reference(gas, optimizer):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(rank, world, stage, gas, optimizer):
+def _poison(engine) -> None:
+    """Fill stage 2's buffer pool with NaN buffers of every bucket's sizes, as many as it
+    keeps: whatever a reused buffer held must never reach a gradient."""
+    pool = engine.zero.buffers
+    for st in engine.zero.buckets:
+        for numel in (st.bucket.numel, st.bucket.piece_numel):
+            for _ in range(pool.keep):
+                pool.give(torch.full((numel,), float("nan")))
+
+
+def _train(rank, world, stage, gas, optimizer, poison=False):
     model = Odd()
     params = {"lr": 1e-2} if optimizer == "AdamW" else {"lr": 1e-1, "momentum": 0.9}
     cfg = {
@@ -76,6 +86,8 @@ def _train(rank, world, stage, gas, optimizer):
         },
     }
     engine, *_ = zerostack.initialize(model=model, model_parameters=_groups(model), config=cfg)
+    if poison:
+        _poison(engine)
     n = B // world
     for step in range(STEPS):
         x, y = _data(step, B * gas)
@@ -96,3 +108,15 @@ def test_odd_sizes_and_an_unused_parameter(world, stage, optimizer):
         diff, name = max_rel_diff(got, ref)
         assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
     assert torch.equal(results[0]["unused"], Odd().unused)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage2_reuses_buffers_without_their_old_values(world):
+    """Stage 2 stages each bucket in a reused buffer (zero/scratch.py's Pool) and writes only
+    the ranges of parameters that got a gradient: the padding and the unused parameter's range
+    must still be zeros, here where every buffer the pool starts with is NaN."""
+    ref = _reference(2, "AdamW")
+    for got in run_distributed(_train, world, args=(2, 2, "AdamW", True)):
+        diff, name = max_rel_diff(got, ref)
+        assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
+        assert torch.equal(got["unused"], Odd().unused)

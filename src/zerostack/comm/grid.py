@@ -52,9 +52,12 @@ class _SummedRows:
     The same bytes cross the wire as in a ring reduce-scatter ((N-1)/N of the input per rank);
     torch's gloo reduce-scatter of a 4M-element bucket took 1.6-2.3x as long at 2 ranks
     (``benchmarks/collectives.py``). The received rows (a whole bucket, in a mapping of its own
-    from :data:`~zerostack.zero.scratch.MIN_BYTES` up) live until the sum."""
+    from :data:`~zerostack.zero.scratch.MIN_BYTES` up) live until the sum; taken from and
+    handed back to ``pool`` (a :class:`~zerostack.zero.scratch.Pool`) when one is given."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> None:
+    def __init__(
+        self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool, pool=None
+    ) -> None:
         world = dist.get_world_size(group)
         if input.numel() != output.numel() * world:
             raise ValueError(
@@ -63,8 +66,9 @@ class _SummedRows:
             )
         from ..zero import scratch  # (imported here: zerostack.zero imports this module)
 
-        self._out = output
-        self._rows = scratch.empty(input.numel(), input.dtype, input.device)
+        self._out, self._pool = output, pool
+        make = pool.take if pool is not None else scratch.empty
+        self._rows = make(input.numel(), input.dtype, input.device)
         self._work = dist.all_to_all_single(
             self._rows, input.reshape(-1), group=group, async_op=async_op
         )
@@ -77,11 +81,13 @@ class _SummedRows:
             torch.add(rows[0], rows[1], out=self._out.view(-1))
             for r in range(2, rows.shape[0]):
                 self._out.view(-1).add_(rows[r])
+            if self._pool is not None:
+                self._pool.give(self._rows)
             self._rows = self._work = None
         return True
 
 
-def _reduce_scatter_rows(output, input, *, op, group, async_op):
+def _reduce_scatter_rows(output, input, *, op, group, async_op, pool=None):
     """A summing reduce-scatter into a contiguous output over a gloo group of 2 or more ranks:
     :class:`_SummedRows`; anything else: torch's."""
     if (
@@ -91,7 +97,7 @@ def _reduce_scatter_rows(output, input, *, op, group, async_op):
         or dist.get_world_size(group) < 2
     ):
         return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
-    summed = _SummedRows(output, input, group, async_op)
+    summed = _SummedRows(output, input, group, async_op, pool)
     if not async_op:
         summed.wait()
         return None
@@ -155,13 +161,16 @@ class Comm:
         axis: str = "dp",
         op=dist.ReduceOp.SUM,
         async_op=False,
+        pool=None,
     ) -> Handle | None:
-        """``output`` (1/N of ``input``) receives this rank's slice of the sum over the axis."""
+        """``output`` (1/N of ``input``) receives this rank's slice of the sum over the axis;
+        over gloo the received rows come from and go back to ``pool`` (a
+        :class:`~zerostack.zero.scratch.Pool`), if given."""
         return self._run(
             "reduce_scatter",
             axis,
             input.numel() * input.element_size(),
-            lambda g, a: _reduce_scatter_rows(output, input, op=op, group=g, async_op=a),
+            lambda g, a: _reduce_scatter_rows(output, input, op=op, group=g, async_op=a, pool=pool),
             async_op,
         )
 

@@ -10,6 +10,12 @@ stage 2   every micro-step: the bucket's gradients are copied out (``st.staging`
           full-size ones dropped, reduce-scattered, and the piece added into the shard
 ========  ======================================================================================
 
+At stage 2 the buffers a bucket needs for one micro-step (its staging, the reduce-scatter's
+received rows, a piece) come from and go back to ``self.buffers`` (:class:`~.scratch.Pool`), so
+the same few bucket-sized buffers serve every bucket and step. A bucket whose part of the shard
+is still zero since the last step (``st.shard_clean``; the first micro-step of a window) is
+reduce-scattered straight into the shard when it is in the reduce dtype: no piece, no add.
+
 At stages 1-2 with ``reduce_scatter: false`` the bucket is all-reduced in place instead (twice
 the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
 
@@ -74,7 +80,7 @@ class FlatBackward:
         self._ready.add(p)
         if self.stage == 2:
             if st.staging is None:  # in the dtype it is reduced in
-                st.staging = torch.zeros(st.bucket.numel, dtype=self.reduce_dtype, device=p.device)
+                st.staging = self._staging_for(st, p.device)
             st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
                 p.grad.view(-1)
             )
@@ -86,9 +92,8 @@ class FlatBackward:
         fg = self.groups[st.group]
         if self.stage == 2:
             if st.staging is None:  # no parameter of this bucket got a gradient
-                st.staging = torch.zeros(
-                    st.bucket.numel, dtype=self.reduce_dtype, device=fg.params_flat.device
-                )
+                st.staging = self._staging_for(st, fg.params_flat.device)
+            self._zero_missing(st)
             chunk = st.staging
         else:
             chunk = fg.grads_flat[st.bucket.start : st.bucket.end]
@@ -99,8 +104,37 @@ class FlatBackward:
         if not self.reduce_scatter:
             handle = self.comm.all_reduce(sent, axis="dp", async_op=True)
             return KeepPiece(handle, sent, st, self.rank, copy=sent is not chunk)
-        st.piece = sent.new_empty(st.bucket.piece_numel)
-        return self.comm.reduce_scatter(st.piece, sent, axis="dp", async_op=True)
+        if self.stage == 1:  # kept for the step
+            st.piece = out = sent.new_empty(st.bucket.piece_numel)
+        elif st.shard_clean and self._same_kind(shard := self._shard_of(st), sent):
+            st.piece, out = None, shard  # the sum is the shard's value: no piece to add
+            st.shard_clean = False
+        else:
+            st.piece = out = self.buffers.take(st.bucket.piece_numel, sent.dtype, sent.device)
+        return self.comm.reduce_scatter(out, sent, axis="dp", async_op=True, pool=self.buffers)
+
+    @staticmethod
+    def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and a.device == b.device
+
+    def _staging_for(self, st, device: torch.device) -> torch.Tensor:
+        """A buffer (from the pool: old contents) to stage bucket ``st`` in, its padding zero;
+        each parameter's range is written when its gradient arrives (:meth:`_zero_missing`
+        zeroes those that did not)."""
+        staging = self.buffers.take(st.bucket.numel, self.reduce_dtype, device)
+        staging[max(rng.stop for _, rng in st.ranges) - st.bucket.start :].zero_()
+        return staging
+
+    def _zero_missing(self, st) -> None:
+        """Zero the staged ranges of bucket ``st``'s parameters that got no gradient."""
+        for p, rng in st.ranges:
+            if p not in self._ready:
+                st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].zero_()
+
+    def _shard_of(self, st) -> torch.Tensor:
+        """Stage 2: this rank's part of the group's gradient shard for bucket ``st``."""
+        off = st.bucket.shard_offset
+        return self.groups[st.group].grad_shard[off : off + st.bucket.piece_numel]
 
     def _reduced(self, b: int) -> None:
         """Bucket ``b``'s collective is complete: at stage 2 its piece goes into the shard and
@@ -110,11 +144,12 @@ class FlatBackward:
             self._add_piece(st)
 
     def _add_piece(self, st) -> None:
-        """Add a bucket's reduced piece into the group's fp32 gradient shard and drop it."""
+        """Add a bucket's reduced piece (if it was not reduced into the shard) into the group's
+        gradient shard; its buffers go back to the pool."""
         if st.piece is not None:
-            off = st.bucket.shard_offset
-            shard = self.groups[st.group].grad_shard[off : off + st.bucket.piece_numel]
+            shard = self._shard_of(st)
             shard.add_(st.piece.to(shard.device))  # in host memory when offloaded
+        self.buffers.give(st.piece, st.staging)
         st.piece = st.staging = None
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
@@ -145,8 +180,12 @@ class FlatBackward:
             self.reducer.settle()
         if self.stage != 2:
             return
+        if self.dp == 1:  # nothing is reduced: the staged bucket is the whole piece
+            for st in self.buckets:
+                if st.staging is not None:
+                    self._zero_missing(st)
         self._flush()
-        if self.dp == 1:  # nothing was reduced: the staged bucket is the whole piece
+        if self.dp == 1:
             for st in self.buckets:
                 st.piece, st.staging = st.staging, None
                 self._add_piece(st)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..precision import Precision
+from . import scratch
 from .flat_reduce import FlatBackward
 from .flat_state import FlatState
 from .masters import master_store
@@ -61,6 +62,7 @@ class _BucketState:
     master: nn.Parameter
     staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
     piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
+    shard_clean: bool = True  # stage 2: its part of the gradient shard is zero since the step
     # (start, end, param) of each parameter's elements inside ``master``
     segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
     host_grad: torch.Tensor | None = None  # offload: the fp32 gradient piece, in host memory
@@ -188,6 +190,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self.offload = offload.device if offload is not None else "none"
         self._pin = bool(offload is not None and offload.pin_memory)
         self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
+        self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
         self.host_meter = HostMeter()
         self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
@@ -364,15 +367,21 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                 # A copy even in fp32, where the master is a view into ``full``: gather's input
                 # must not overlap its output.
                 src = self._on_device(st, master)
-                handles.append(self.comm.all_gather(full, src, axis="dp", async_op=True))
-        for h in handles:
-            h.wait()
+                handles.append((self.comm.all_gather(full, src, axis="dp", async_op=True), src))
+                if len(handles) > 2:  # at most two in flight: the inputs are buckets' pieces
+                    self._gathered(*handles.pop(0))
+        for h, src in handles:
+            self._gathered(h, src)
+
+    def _gathered(self, handle, src: torch.Tensor) -> None:
+        handle.wait()
+        self.buffers.give(src)
 
     def _on_device(self, st: _BucketState, value: torch.Tensor) -> torch.Tensor:
         """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
         memory when offloaded: through the bucket's staging buffer, without blocking)."""
         dtype = self.groups[st.group].params_flat.dtype
-        out = torch.empty(value.shape, dtype=dtype, device=self.comm.topo.device)
+        out = self.buffers.take(value.numel(), dtype, self.comm.topo.device).view(value.shape)
         self.uploads.copy(st.master, out, value)
         return out
 
@@ -383,3 +392,4 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                     buf.zero_()
         for st in self.buckets:
             st.master.grad = None
+            st.shard_clean = True
