@@ -6,10 +6,11 @@
 ZeRO stages 1-3 reduce-scatter each gradient bucket and all-gather parameters. Over gloo,
 torch's reduce-scatter of a bucket takes longer than an all-reduce of the same bucket, which
 moves twice the bytes; zerostack's (``zerostack_reduce_scatter``: an all-to-all and a sum, see
-``zerostack.comm.grid``) moves the reduce-scatter's bytes. Every op runs on the same buffers,
-interleaved round by round after a barrier; the median over ``--rounds`` (the first two left
-out, the slowest rank's) is printed per op, with each op's time over the all-reduce's, as one
-JSON object.
+``zerostack.comm.grid``) moves the reduce-scatter's bytes; its all-gather
+(``zerostack_all_gather``) posts every send and receive in one batch. Every op runs on the same
+buffers, interleaved round by round after a barrier; the median over ``--rounds`` (the first two
+left out, the slowest rank's) is printed per op, with each op's time over the all-reduce's, as
+one JSON object.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import torch.distributed as dist
 from _bench import emit, torchrun  # benchmarks/_bench.py
 
 try:
-    from zerostack.comm.grid import _reduce_scatter_rows
+    from zerostack.comm.grid import _all_gather_peers, _reduce_scatter_rows
 except ImportError:  # run from a checkout without installing: use its source
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from zerostack.comm.grid import _reduce_scatter_rows
+    from zerostack.comm.grid import _all_gather_peers, _reduce_scatter_rows
+from zerostack.zero import scratch
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names still work, deprecated)
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -47,22 +49,13 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _p2p_gather(out, piece) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = out.view(world, -1)
-    rows[rank].copy_(piece)
-    ops = [dist.P2POp(dist.isend, piece, r) for r in range(world) if r != rank]
-    ops += [dist.P2POp(dist.irecv, rows[r], r) for r in range(world) if r != rank]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-
-
 def worker(args) -> None:
     dist.init_process_group(args.backend)
     world = dist.get_world_size()
     numel = args.numel // world * world
     full, out = torch.randn(numel), torch.empty(numel)
     piece = torch.empty(numel // world)
+    pool = scratch.Pool()
     ops = {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter_tensor": lambda: _RS(piece, full),
@@ -70,10 +63,15 @@ def worker(args) -> None:
         "zerostack_reduce_scatter": lambda: _reduce_scatter_rows(
             piece, full, op=dist.ReduceOp.SUM, group=dist.group.WORLD, async_op=False
         ),
+        # as stages 1-2 run it: the received rows from a pool, not a fresh buffer each time
+        "zerostack_reduce_scatter_pooled": lambda: _reduce_scatter_rows(
+            piece, full, op=dist.ReduceOp.SUM, group=dist.group.WORLD, async_op=False, pool=pool
+        ),
         "all_gather_tensor": lambda: _AG(out, piece),
         "all_gather_list": lambda: dist.all_gather(list(out.chunk(world)), piece),
-        "all_gather_p2p": lambda: _p2p_gather(out, piece),
-        "all_gather_a2a": lambda: dist.all_to_all_single(out, piece.repeat(world)),
+        "zerostack_all_gather": lambda: _all_gather_peers(
+            out, piece, group=dist.group.WORLD, async_op=False
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(args.rounds):

@@ -93,6 +93,8 @@ T_INT4_WIRE = "tests/test_zeropp.py::test_an_int4_payload_holds_two_values_to_a_
 T_INT4_ROUND = (
     "tests/test_zeropp.py::test_an_int4_round_trip_is_within_half_a_step_of_the_block_scale"
 )
+T_ODD = "tests/test_zero_models.py::test_odd_sizes_and_an_unused_parameter[2-2-AdamW]"
+T_BY_BUCKET = "tests/test_stage2_live.py::test_each_bucket_is_gathered_as_soon_as_it_is_stepped"
 T_POISON = "tests/test_zero_models.py::test_stage2_reuses_buffers_without_their_old_values"
 T_ALIKE = "tests/test_initialize.py::test_every_rank_starts_from_dp_rank_0s_weights"
 T_PEAK = "tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state"
@@ -1945,6 +1947,51 @@ MUTANTS = [
         "self._pool.give(self._rows)",
         "pass",
         (f"{T}[2]",),
+    ),
+    Mutant(
+        "stages 1-2 by bucket: every bucket stepped at every bucket's turn",
+        "zero/sharded_optimizer.py",
+        "            st.master.grad = None\n        handles: list[tuple] = []",
+        "        handles: list[tuple] = []",
+        (T_ODD,),
+    ),
+    Mutant(
+        "stages 1-2 by bucket: a bucket gathered before it is stepped",
+        "zero/sharded_optimizer.py",
+        "                optimizer.step()\n                st.master.grad = None\n"
+        "                self._gather(st, handles)",
+        "                self._gather(st, handles)\n                optimizer.step()\n"
+        "                st.master.grad = None",
+        (T_ODD,),
+    ),
+    Mutant(
+        "stages 1-2: never stepped by bucket",
+        "zero/sharded_optimizer.py",
+        "and type(optimizer) in _ELEMENTWISE",
+        "and False",
+        (T_BY_BUCKET,),
+    ),
+    Mutant(
+        "stages 1-2: a client's optimizer stepped by bucket",
+        "zero/sharded_optimizer.py",
+        "and type(optimizer) in _ELEMENTWISE",
+        "and isinstance(optimizer, _ELEMENTWISE)",
+        (T_BY_BUCKET,),
+    ),
+    Mutant(
+        "gloo all-gather: this rank's own row not written",
+        "comm/grid.py",
+        "            rows[rank].copy_(src)",
+        "            pass",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "gloo all-gather: each peer's row received into the next one's",
+        "comm/grid.py",
+        "dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in peers",
+        "dist.P2POp(dist.irecv, rows[(r + 1) % world if (r + 1) % world != rank else r], "
+        "dist.get_global_rank(group, r), group) for r in peers",
+        (f"{P}[dp4]",),
     ),
     Mutant(
         "scratch pool: nothing kept",

@@ -105,14 +105,15 @@ def pool_expected(stage: int, precision: str, psi: float, n: int, reduce_scatter
     """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (zero/scratch.py's Pool),
     the same after backward and after step, with the tiny GPT in one bucket: the bucket's
     staged gradients (stage 2), the received rows of its reduce-scatter (not with
-    ``reduce_scatter: false``), and the piece the step all-gathers, all in the compute dtype.
-    Each is what one bucket's reduction or gather had live; a bucket reduced straight into the
-    zeroed shard leaves no piece. Stages 0 and 3 keep nothing."""
+    ``reduce_scatter: false``), and in mixed precision the piece the step all-gathers (the
+    fp32 master cast; an fp32 master is gathered in place), all in the compute dtype. Each is
+    what one bucket's reduction or gather had live; a bucket reduced straight into the zeroed
+    shard leaves no piece. Stages 0 and 3 keep nothing."""
     if stage not in (1, 2):
         return 0.0
     p = 4 if precision == "fp32" else 2
     buckets = (stage == 2) + (reduce_scatter is not False)
-    return p * psi * (buckets + 1 / n)
+    return p * psi * (buckets + (precision != "fp32") / n)
 
 
 def census_slack(precision: str, world: int, units: int, counters: int) -> dict[str, int]:

@@ -99,3 +99,48 @@ def test_the_first_micro_step_reduces_into_the_shard():
         n = seen[0][1]
         assert n >= 8, seen
         assert seen == [(n, n), (0, n)] * 2, seen
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """A client's optimizer: zerostack cannot know that it updates each parameter alone."""
+
+
+def _step_order(rank, world, stage, client_optimizer):
+    """The order of optimizer steps and parameter all-gathers within engine.step()."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000},
+    }
+    if client_optimizer:
+        optimizer = _MyAdamW(model.parameters(), lr=1e-3)
+    else:
+        optimizer, config["optimizer"] = None, {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, opt, *_ = zerostack.initialize(model=model, optimizer=optimizer, config=config)
+    events = []
+    opt.register_step_post_hook(lambda *_: events.append("step"))
+    real = engine.zero.comm.all_gather
+
+    def spy(output, input, **kw):
+        events.append("gather")
+        return real(output, input, **kw)
+
+    engine.zero.comm.all_gather = spy
+    x, y = batch(0, world)
+    engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
+    events.clear()
+    engine.step()
+    return events, len(engine.zero.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_bucket_is_gathered_as_soon_as_it_is_stepped(stage):
+    """With torch's AdamW each bucket's master is stepped alone and its all-gather launched
+    before the next bucket's step (so the gathers overlap the step); a client's optimizer,
+    which may couple parameters, steps once and every gather follows."""
+    events, n = run_distributed(_step_order, WORLD, args=(stage, False), timeout=300)[0]
+    assert n >= 8
+    assert events == ["step", "gather"] * n, events
+    events, n = run_distributed(_step_order, WORLD, args=(stage, True), timeout=300)[0]
+    assert events == ["step"] + ["gather"] * n, events

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from common import TINY, batch, max_rel_diff, tiny_gpt
 from distributed import run_distributed
 
@@ -153,13 +154,16 @@ def _train(
     import zerostack.comm.grid as grid
 
     handed = []
-    gather = grid._all_gather
+    exchange = grid.dist.batch_isend_irecv
 
-    def counting(output, input, **kw):  # what gloo receives: the output is world x the input
-        handed.append(output.numel() * output.element_size())
-        return gather(output, input, **kw)
+    def counting(ops):  # over gloo an all-gather posts its sends and receives in one batch
+        sent = [op.tensor for op in ops if op.op is dist.isend]
+        received = [op.tensor for op in ops if op.op is dist.irecv]
+        # this rank's row (its input, sent to every peer) and the rows it receives
+        handed.append(sum(t.numel() * t.element_size() for t in sent[:1] + received))
+        return exchange(ops)
 
-    grid._all_gather = counting
+    grid.dist.batch_isend_irecv = counting
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,

@@ -104,6 +104,56 @@ def _reduce_scatter_rows(output, input, *, op, group, async_op, pool=None):
     return summed
 
 
+class _PeerGather:
+    """gloo's all-gather as zerostack runs it: ``input`` goes to every other rank of the group
+    and each rank's lands in its row of ``output``, all sends and receives posted together
+    (``batch_isend_irecv``). The same bytes as a ring all-gather; for a 4M-element fp32 output
+    at 2 ranks, 0.62x an all-reduce's time where torch's gloo all-gather took 0.77x
+    (``benchmarks/collectives.py``). ``input`` may be this rank's row of ``output``."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> None:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if output.numel() != input.numel() * world:
+            raise ValueError(
+                f"all_gather: output of {output.numel()} elements for an input of "
+                f"{input.numel()} over {world} ranks (want {input.numel() * world})"
+            )
+        rows = output.view(world, -1)
+        src = input.reshape(-1)
+        if rows[rank].data_ptr() != src.data_ptr():
+            rows[rank].copy_(src)
+        peers = [r for r in range(world) if r != rank]
+        ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(group, r), group) for r in peers]
+        ops += [
+            dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in peers
+        ]
+        self._works = dist.batch_isend_irecv(ops)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return True
+
+
+def _all_gather_peers(output, input, *, group, async_op):
+    """An all-gather into a contiguous output over a gloo group of 2 or more ranks:
+    :class:`_PeerGather`; anything else: torch's."""
+    if (
+        not output.is_contiguous()
+        or dist.get_backend(group) != "gloo"
+        or dist.get_world_size(group) < 2
+    ):
+        start = output.data_ptr()
+        if start <= input.data_ptr() < start + output.nbytes:  # gathered in place: not assumed
+            input = input.clone()
+        return _all_gather(output, input, group=group, async_op=async_op)
+    gathered = _PeerGather(output, input, group, async_op)
+    return gathered if async_op else None
+
+
 class Comm:
     """Collectives on the process groups of one topology, each logged in ``self.log``."""
 
@@ -183,13 +233,14 @@ class Comm:
         async_op=False,
         group: dist.ProcessGroup | None = None,
     ) -> Handle | None:
-        """``output`` (N x ``input``) receives every rank's ``input``, in rank order; ``group``
-        replaces the axis's group (logged under ``axis``)."""
+        """``output`` (N x ``input``) receives every rank's ``input``, in rank order; ``input``
+        may be this rank's row of ``output``; ``group`` replaces the axis's group (logged under
+        ``axis``)."""
         return self._run(
             "all_gather",
             axis,
             output.numel() * output.element_size(),
-            lambda g, a: _all_gather(output, input, group=g, async_op=a),
+            lambda g, a: _all_gather_peers(output, input, group=g, async_op=a),
             async_op,
             group,
         )
