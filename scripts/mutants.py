@@ -1994,6 +1994,13 @@ MUTANTS = [
         (f"{P}[dp4]",),
     ),
     Mutant(
+        "stages 1-2 with nvme: the stepped piece not what is gathered",
+        "zero/sharded_optimizer.py",
+        "src, st.updated = st.updated, None  # (nvme",
+        "src, st.updated = None, None  # (nvme",
+        (f"{P}[offload-nvme]",),
+    ),
+    Mutant(
         "scratch pool: nothing kept",
         "zero/scratch.py",
         "        self.keep = keep",

@@ -52,9 +52,10 @@ class Pool:
     """Whole CPU buffers of recurring sizes, handed back for reuse.
 
     Stages 1-2 make and free the same few bucket-sized buffers every backward (a bucket's
-    staged gradients, its reduce-scatter's received rows, the step's all-gather input). Fresh,
-    each costs the kernel a zeroed page per 4 KiB touched: at 19M parameters, 3/4 of stage 2's
-    page faults and some 40 ms of a 550 ms step. Kept here, a buffer is faulted in once. What
+    staged gradients, its reduce-scatter's received rows, in mixed precision the step's
+    all-gather input). Fresh, each costs the kernel a zeroed page per 4 KiB touched: at 19M
+    parameters, 3/4 of stage 2's page faults and some 40 ms of a 550 ms step. Kept here, a
+    buffer is faulted in once. What
     the pool holds is bounded by how many were ever live at once: :meth:`take` reuses before it
     makes one, and a buffer comes back only from whoever took it, once nothing reads or writes
     it (its collective waited for). Tensors on a GPU pass through (its caching allocator already
@@ -80,11 +81,3 @@ class Pool:
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
             if len(free) < self.keep and all(f is not t for f in free):
                 free.append(t)
-
-    def clear(self) -> None:
-        self._free.clear()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffers kept now."""
-        return sum(t.nbytes for free in self._free.values() for t in free)

@@ -416,12 +416,13 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         buffer, appended to ``handles`` as ``(handle, input copy or None)``; at most two stay in
         flight (their inputs are buckets' pieces)."""
         full = self.groups[st.group].params_flat[st.bucket.start : st.bucket.end]
-        master = st.updated if st.updated is not None else st.master.detach()
-        st.updated = None
-        # In fp32 the master is this rank's row of ``full``: gathered in place
-        own = full[self.rank * st.bucket.piece_numel :]
-        in_place = master.data_ptr() == own.data_ptr() and master.dtype == own.dtype
-        src = master if in_place else self._on_device(st, master)
+        src, st.updated = st.updated, None  # (nvme: the stepped piece, already a copy)
+        in_place = False
+        if src is None:
+            # In fp32 the master is this rank's row of ``full``: gathered in place
+            master, own = st.master.detach(), full[self.rank * st.bucket.piece_numel :]
+            in_place = master.data_ptr() == own.data_ptr() and master.dtype == own.dtype
+            src = master if in_place else self._on_device(st, master)
         handle = self.comm.all_gather(full, src, axis="dp", async_op=True)
         handles.append((handle, None if in_place else src))
         if len(handles) > 2:
