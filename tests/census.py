@@ -195,6 +195,11 @@ def take(
     tensor's Python object alive while C++ holds the tensor. Such a tensor has no Python
     referrer, so only gc finds it; while gc finds storage the walk cannot reach, the census is
     taken again, for up to ``settle`` seconds. A real leak stays and is counted.
+
+    Storage only gc finds is always ``other`` with a path starting "gc", so a caller that sums
+    by another category or by a path the walk gives passes ``settle=0``: waiting cannot change
+    its sum (nothing in Python moves while the census runs), and mid-forward or mid-backward,
+    where activations are only found by gc, every census would wait the whole ``settle``.
     """
     module = module if module is not None else engine.module
     optimizer = optimizer if optimizer is not None else engine.optimizer
@@ -284,7 +289,7 @@ def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has: st
     def probe(p):
         calls[0] += 1
         if probing[0] and calls[0] % 3 == 0:
-            c = take(engine, exclude=before)
+            c = take(engine, exclude=before, settle=0)
             seen.append(sum(s.nbytes for s in c.storages.values() if path_has in s.path))
 
     for p in engine.module.parameters():

@@ -157,9 +157,10 @@ def _reduced_elements(engine) -> int:
 
 
 def _grad_storage(engine, base) -> dict[str, int]:
-    """Bytes of live gradient storage by dtype (the census walks what is reachable)."""
+    """Bytes of live gradient storage by dtype (the census walks what is reachable; storage only
+    gc finds is never "grads", so there is nothing to settle)."""
     out: dict[str, int] = {}
-    for s in census.take(engine, exclude=base).storages.values():
+    for s in census.take(engine, exclude=base, settle=0).storages.values():
         if s.category == "grads":
             out[str(s.dtype)] = out.get(str(s.dtype), 0) + s.nbytes
     return out

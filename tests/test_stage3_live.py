@@ -28,7 +28,8 @@ SLACK = 4 * 1024  # padding: each piece is rounded up to a multiple of the dp si
 
 
 def _gathered(c: census.Census) -> int:
-    """Bytes of parameter storage and of gathers in flight."""
+    """Bytes of parameter storage and of gathers in flight (never storage only gc finds, so the
+    censuses here are taken with ``settle=0``)."""
     return sum(
         s.nbytes for s in c.storages.values() if s.category == "params" or "_inflight" in s.path
     )
@@ -51,7 +52,7 @@ def _run(rank, world, zero: dict, empty: bool = False):
 
     def probe(module, args):
         if probing[0]:
-            seen.append(_gathered(census.take(engine, exclude=before)) - start[0])
+            seen.append(_gathered(census.take(engine, exclude=before, settle=0)) - start[0])
 
     for block in engine.module.blocks:
         block.register_forward_pre_hook(probe)
@@ -60,16 +61,16 @@ def _run(rank, world, zero: dict, empty: bool = False):
         x, y = batch(step, world)
         probing[0] = step == STEPS - 1
         if probing[0]:
-            start.append(_gathered(census.take(engine, exclude=before)))
+            start.append(_gathered(census.take(engine, exclude=before, settle=0)))
         loss = engine(x[rank : rank + 1], y[rank : rank + 1])
         if probing[0]:
-            after_forward = _gathered(census.take(engine, exclude=before)) - start[0]
+            after_forward = _gathered(census.take(engine, exclude=before, settle=0)) - start[0]
             if empty:  # DeepSpeed's call to drop what stage 3 keeps between uses
                 engine.empty_partition_cache()
-                emptied = _gathered(census.take(engine, exclude=before)) - start[0]
+                emptied = _gathered(census.take(engine, exclude=before, settle=0)) - start[0]
         engine.backward(loss)
         engine.step()
-    after_step = _gathered(census.take(engine, exclude=before)) - start[0]
+    after_step = _gathered(census.take(engine, exclude=before, settle=0)) - start[0]
     gathered = engine.comm.log.step_summary(STEPS - 1)["all_gather"]["bytes"]
     psi = sum(p._zs.numel for p in engine.module.parameters())
     largest = max(
