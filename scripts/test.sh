@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Set up, lint, run the whole test suite (unit tests and multi-process gloo tests), then the
-# mutation gate (each planted bug must be caught by the tests meant to catch it).
+# Set up, lint, run the whole test suite (unit tests and multi-process gloo tests). Its last line
+# is pytest's summary. The mutation gate is run by .ci/run (or by hand: scripts/mutants.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
 bash scripts/setup.sh
+echo "setup: $((SECONDS - t0)) s"
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
+t0=$SECONDS
 ruff check src tests benchmarks examples scripts
-python -m pytest -q
-python scripts/mutants.py
+echo "lint: $((SECONDS - t0)) s"
+python -m pytest -q "$@"

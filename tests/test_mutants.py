@@ -1,10 +1,14 @@
-"""The mutation gate's own check, in the suite: every mutant still names text that occurs exactly
+"""The mutation gate's own checks, in the suite: every mutant still names text that occurs exactly
 once in its file, and every test it names exists, so a refactor that moves either fails here, in
-seconds, rather than at the end of the gate."""
+seconds, rather than at the end of the gate. ``scripts/mutants.py --check`` runs the same two
+functions; the planted cases below show they fail when they should."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,15 +19,50 @@ import mutants  # noqa: E402
 
 
 def test_every_mutant_names_text_that_occurs_once():
-    src = os.path.join(ROOT, "src")
-    for m in mutants.MUTANTS:
-        text = open(os.path.join(src, "zerostack", m.file)).read()
-        assert text.count(m.old) == 1, f"{m.name}: {m.file} holds its text {text.count(m.old)}x"
-        assert m.new != m.old, m.name
+    assert mutants.stale(mutants.MUTANTS) == []
 
 
 def test_every_mutant_names_tests_that_exist():
-    targets = sorted({t for m in mutants.MUTANTS for t in m.tests})
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd + targets, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert mutants.missing_tests(mutants.MUTANTS) == []
+
+
+def test_a_mutant_whose_text_was_edited_away_is_named(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "src"), src)
+    m, other = mutants.MUTANTS[0], mutants.MUTANTS[1]
+    path = src / "zerostack" / m.file
+    half = len(m.old) // 2
+    path.write_text(path.read_text().replace(m.old, m.old[:half] + "#" + m.old[half:]))
+    twice = dataclasses.replace(m, name="twice", old="\n")
+    same = dataclasses.replace(other, name="same", new=other.old)
+    assert mutants.stale([m, twice, same], str(src)) == [
+        f"mutant {m.name!r}: {m.file} holds its text 0 times, not once",
+        f"mutant 'twice': {m.file} holds its text {path.read_text().count(chr(10))} times, "
+        "not once",
+        "mutant 'same': its replacement is its text",
+    ]
+
+
+def test_a_test_id_that_does_not_exist_is_named():
+    real = mutants.MUTANTS[0]
+    gone = f"{real.tests[0].split('::')[0]}::test_that_was_renamed"
+    planted = dataclasses.replace(real, tests=(real.tests[0], gone))
+    assert mutants.missing_tests([planted]) == [f"test {gone}: not collected"]
+
+
+def test_consecutive_commits_start_the_budgeted_gate_at_different_mutants():
+    # with 2 or 3 mutants half the hashes would collide: the rotation moves those on
+    for count in (2, 3, len(mutants.MUTANTS)):
+        starts = [mutants.rotation(count, f"HEAD~{k}") for k in range(6)]
+        assert all(0 <= r < count for r in starts), starts
+        assert all(a != b for a, b in itertools.pairwise(starts)), (count, starts)
+
+
+def test_a_spent_budget_starts_nothing_and_says_where_it_began():
+    cmd = [sys.executable, "scripts/mutants.py", "--budget", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = mutants.rotation(len(mutants.MUTANTS))
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"rotation {r}: starting at {mutants.MUTANTS[r].name!r}, 0 s"
+    assert lines[-1] == f"0 killed, 0 survived (0 of {len(mutants.MUTANTS)} run, rotation {r})"
