@@ -413,6 +413,7 @@ def _partitioned(rank, world):
     return out, b * t * d * 4
 
 
+@pytest.mark.slow
 def test_partition_activations_over_tp2():
     for out, x_bytes in run_distributed(_partitioned, 2):
         plain, whole, split = out["plain"], out["whole"], out["split"]

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from common import tiny_gpt
 from distributed import run_distributed
 
@@ -82,6 +83,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_names_that_work_are_reached_from_the_package_after_import_zerostack_alone():
     """``import zerostack as deepspeed; deepspeed.zero.Init``: attributes only, in a fresh
     interpreter (other tests import submodules, which makes them attributes here)."""

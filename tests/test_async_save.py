@@ -172,6 +172,7 @@ def _second_waits(rank, world, root):
     return first_pending, first_done, open(os.path.join(root, "latest")).read()
 
 
+@pytest.mark.slow
 def test_a_second_save_waits_for_the_first(tmp_path):
     for first_pending, first_done, latest in run_distributed(
         _second_waits, 2, args=(str(tmp_path),)
@@ -206,6 +207,7 @@ print("pending", engine.auto_checkpoint._saver.pending, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_pending_write_is_finished_at_interpreter_exit(tmp_path):
     """No wait, no destroy: the script ends right after the call, and the checkpoint is whole."""
     script = EXIT_SCRIPT.format(here=HERE, config=_config(2), root=str(tmp_path))

@@ -96,13 +96,16 @@ def reference(tmp_path_factory, stage: int) -> str:
 @pytest.mark.parametrize(
     "stage, kill, extra, resumed_from",
     [
-        (2, "forward:4", (), (4,)),  # mid-epoch: step 5's forward, after the save of step 4
+        # mid-epoch: step 5's forward, after the save of step 4
+        pytest.param(2, "forward:4", (), (4,), marks=pytest.mark.slow),
         (2, "step:5", ("--async-save",), (2, 4)),  # step 6's update; background saves
-        (3, "save:4", (), (2,)),  # while writing step 4's checkpoint: step 2's is latest
-        (2, "save:4", ("--async-save",), (2,)),  # the same in the writer thread, training on
+        # while writing step 4's checkpoint: step 2's is latest
+        pytest.param(3, "save:4", (), (2,), marks=pytest.mark.slow),
+        # the same in the writer thread, training on
+        pytest.param(2, "save:4", ("--async-save",), (2,), marks=pytest.mark.slow),
         # SIGSTOP in step 5's forward: the watchdog ends rank 0 within its 3 s; torchrun's agent
         # kills the stopped rank (SIGTERM waits while it is stopped: SIGKILL after 30 s)
-        (2, "freeze:4", ("--watchdog-timeout", "3"), (4,)),
+        pytest.param(2, "freeze:4", ("--watchdog-timeout", "3"), (4,), marks=pytest.mark.slow),
     ],
     ids=[
         "stage2-forward",
@@ -144,6 +147,7 @@ def test_a_killed_rank_restarts_and_resumes_exactly(
     assert kept == ["global_step6", "global_step8", "latest"], kept  # keep_last 2
 
 
+@pytest.mark.slow
 def test_a_relaunch_on_fewer_ranks_resumes_on_the_new_layout(tmp_path, tmp_path_factory):
     """dp 2 -> dp 1: train_batch_size 8 with micro-batch 2 is kept (accumulation 2 -> 4); the
     sampler's position (samples consumed, over all ranks) makes the one rank start at the first
@@ -178,6 +182,7 @@ def same_global_batches(ref, resumed: list[dict], final) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_an_elastic_job_that_loses_a_node_resumes_on_the_one_left(tmp_path, tmp_path_factory):
     """torchrun's elastic ``--nnodes 1:2``: two node agents (one rank each) join a rendezvous
     whose store this test holds, as a job's would live apart from its nodes. Node 1's rank
@@ -206,6 +211,7 @@ def test_an_elastic_job_that_loses_a_node_resumes_on_the_one_left(tmp_path, tmp_
     print(f"elastic 2 -> 1 nodes in {seconds:.1f} s: largest relative difference {worst:.2e}")
 
 
+@pytest.mark.slow
 def test_zerostack_train_auto_resume_keep_last_and_async_save(tmp_path):
     """``zerostack train --auto-resume``: the config's checkpoint block; a second run of the same
     command with more steps continues after the first one's last step, and keep_last 1 leaves

@@ -105,6 +105,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize(
     "stage,gas,fp16", [(0, 1, False), (1, 2, False), (2, 1, True), (3, 2, False), (3, 1, True)]
 )
+@pytest.mark.slow
 def test_exact_resume(stage, gas, fp16, tmp_path):
     for whole, resumed, client, steps, (want, got), path in run_distributed(
         _resume, 2, args=(stage, str(tmp_path), gas, fp16)
@@ -260,6 +261,7 @@ def _check_resume_cases(results, cases, root):
             assert 0 < counters["skipped_steps"] < counters["global_steps"], counters
 
 
+@pytest.mark.slow
 def test_exact_resume_whole(tmp_path):
     """Parameters, moments, steps, loss scale and losses equal the uninterrupted run's after a
     save and a load in a fresh engine: with dropout (the RNG), after fp16 overflows (the loss
@@ -269,6 +271,7 @@ def test_exact_resume_whole(tmp_path):
     _check_resume_cases(results, RESUME_CASES, tmp_path)
 
 
+@pytest.mark.slow
 def test_exact_resume_with_offload(tmp_path):
     """The same with the optimizer in host memory or in files (read and written through the
     swapper), and at stage 3 the parameter pieces offloaded too (refreshed from loaded masters)."""
@@ -330,6 +333,7 @@ def _load_and_train(rank, world, stage, root, steps):
 @pytest.mark.parametrize(
     "src,dst", [((4, 3), (2, 1)), ((2, 2), (4, 3)), ((2, 1), (1, 0)), ((1, 0), (4, 2))]
 )
+@pytest.mark.slow
 def test_load_on_another_layout(src, dst, tmp_path):
     saved = run_distributed(_save, src[0], args=(src[1], str(tmp_path), 3))[0]
     loaded, final = run_distributed(_load_and_train, dst[0], args=(dst[1], str(tmp_path), 3))[0]
@@ -395,6 +399,7 @@ def _load_error(rank, world, root, model_seed=0, cfg=None):
     del GPTConfig
 
 
+@pytest.mark.slow
 def test_damaged_missing_and_mismatched_checkpoints_are_named(tmp_path):
     run_distributed(_save, 2, args=(1, str(tmp_path), 1))
     folder = tmp_path / "global_step1"
@@ -532,6 +537,7 @@ def _plain_uninterrupted(rank, world, stage):
     return engine.full_state_dict()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_loads_on_data_parallel(tmp_path):
     """tp2 x dp2 (ZeRO 1) -> dp4 (ZeRO 3): tp slices are joined through the full parameter."""
     saved = run_distributed(_tp_save, 4, args=(str(tmp_path),))[0]
@@ -589,6 +595,7 @@ def _merge(results, which):
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoints_change_layout(tmp_path):
     """pp2 x dp2 (ZeRO 1) -> tp2 x pp2 -> one rank: the tied embedding is written once (by the
     first stage), read by both holders, and tp slices are cut from the saved full weights."""

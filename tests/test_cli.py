@@ -59,6 +59,7 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
         ),
     ],
 )
+@pytest.mark.slow
 def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     out = tmp_path / "run"
     cmd = [*CLI, "train", "--nproc", "2", "--steps", "20"]
@@ -86,6 +87,7 @@ def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     assert f"MFU {mfu:.1%} of" in proc.stdout
 
 
+@pytest.mark.slow
 def test_help_explains_every_option():
     proc = _run([*CLI, "train", "--help"], timeout=120)
     assert proc.returncode == 0
@@ -94,6 +96,7 @@ def test_help_explains_every_option():
     assert "default" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_config_is_one_clear_line(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 8, "gradient_clippng": 1.0}))
@@ -104,6 +107,7 @@ def test_bad_config_is_one_clear_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_grid_that_does_not_fit_is_one_clear_line():
     proc = _run([*CLI, "train", "--nproc", "2", "--tp", "4"], timeout=120)
     assert proc.returncode == 2
@@ -116,6 +120,7 @@ def test_grid_that_does_not_fit_is_one_clear_line():
     assert proc.stderr == "ValueError: --ep needs --moe-every > 0 (experts to split)\n"
 
 
+@pytest.mark.slow
 def test_example_script_runs_under_torchrun():
     """examples/train_gpt.py: a DeepSpeed script with the import changed, ZeRO-3 from a JSON."""
     root = os.path.dirname(os.path.dirname(__file__))
@@ -128,6 +133,7 @@ def test_example_script_runs_under_torchrun():
     assert proc.stdout.count("'params'") == 2  # both ranks report their (sharded) bytes
 
 
+@pytest.mark.slow
 def test_save_resume_and_consolidate(tmp_path):
     """--save-every writes checkpoints, --resume continues (on another ZeRO stage) from the
     latest, and `zerostack consolidate` turns it into one safetensors file."""
@@ -180,6 +186,7 @@ def test_batch_options_override_a_config_file(tmp_path):
     assert load_config(cfg).resolve_batch(2) == (64, 8, 4)
 
 
+@pytest.mark.slow
 def test_a_timed_out_command_is_killed_with_everything_it_started():
     child = "import time; time.sleep(120)"  # stands in for torchrun's ranks
     parent = (

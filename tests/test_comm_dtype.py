@@ -261,6 +261,7 @@ def _mismatch(got: dict, ref: dict) -> float:
     return bad / sum(ref[n].numel() for n in ref)
 
 
+@pytest.mark.slow
 def test_fp32_reduction_sends_fp32_and_sums_exactly():
     """bf16 training, dp = 2, one micro-batch: with communication_data_type "fp32" every
     gradient reduction moves 4 bytes per element (2 by default), and the gradient is the fp32 sum
@@ -281,6 +282,7 @@ def test_fp32_reduction_sends_fp32_and_sums_exactly():
         assert _mismatch(ranks[1][i][1], want) == 0, stage
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_buffer_across_micro_batches():
     """bf16 training, dp = 2, two micro-batches, reduced in fp32: grad_accum_dtype "fp32" keeps
     one fp32 buffer (stage 1: the full flat buffer, no bf16 .grad left; stages 2-3: the shard)

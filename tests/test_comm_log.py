@@ -69,6 +69,7 @@ def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
 @pytest.mark.parametrize("reduce_scatter", [None, False])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
+@pytest.mark.slow
 def test_stages_1_2_move_two_psi(stage, world, gas, reduce_scatter):
     """Not given (DeepSpeed's true), the buckets are reduce-scattered; with
     ``reduce_scatter: false``, all-reduced (with the norm's scalar: one more call)."""

@@ -270,6 +270,7 @@ def _same(reference, results) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_the_cuda_path_runs_and_matches_the_cpu_run(tmp_path, name):
     plain = run_distributed(_run, world=2, args=(str(tmp_path), name, False))
     _same(plain, run_distributed(_run, world=2, args=(str(tmp_path), name, True)))
@@ -350,6 +351,7 @@ def test_a_group_made_elsewhere_gets_the_local_rank_device(
     assert seen == ([] if bound is None else [bound])
 
 
+@pytest.mark.slow
 def test_the_gpu_check_script_runs_its_checks_on_the_cpu():
     """scripts/gpu_check.py --quick: every single-device check of the GPU script, tiny, here
     (the script a CUDA machine runs must not first fail there on a typo)."""
@@ -453,6 +455,7 @@ def _host_waits(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 def test_a_step_on_the_device_waits_only_for_its_norm(tmp_path):
     """A ZeRO step with its masters on the device never drains the GPU's stream: the gradient
     norm is copied to the host behind the work that makes it and read through an event. With
@@ -497,6 +500,7 @@ def _offloaded_waits(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path):
     """With the optimizer (or the parameters) offloaded, the host waits for the device only
     where it must: to read the reduced gradients it steps on (copies from the device). Offloaded

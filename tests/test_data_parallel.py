@@ -50,6 +50,7 @@ def _train(rank, world, gas, clip, optimizer="AdamW", stage=0, persist=0):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.slow
 def test_matches_single_process(stage, world, gas):
     ref = reference_train(STEPS, B * gas, clip=0.5)
     got = run_distributed(_train, world, args=(gas, 0.5), kwargs={"stage": stage})[0]
@@ -58,6 +59,7 @@ def test_matches_single_process(stage, world, gas):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.slow
 def test_without_clipping_and_with_sgd(stage):
     ref = reference_train(STEPS, B)
     got = run_distributed(_train, 2, args=(1, 0.0), kwargs={"stage": stage})[0]
@@ -114,6 +116,7 @@ def _accumulate(rank, world, micro, gas, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.slow
 def test_gradient_accumulation_invariance(stage):
     """The same global batch of 16 as micro 8 x GAS 1, micro 2 x GAS 4, micro 1 x GAS 8 (dp=2)
     gives the parameters of one step on all 16 sequences: the loss is normalised once."""

@@ -75,6 +75,7 @@ def _launch(stage: int, nvme: str) -> dict:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.slow
 def test_a_failed_swap_write_ends_every_rank(stage, tmp_path):
     """Rank 1's disk fills before a step: its swap write fails (at stage 1 in a swap thread,
     raised at the step), the exception ends rank 1 naming the rank, the config key and the file,

@@ -224,6 +224,7 @@ def _surface(rank, world, stage, offload, tp, root):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_full_values_match_single_process(case, tmp_path):
     stage, offload, tp = CASES[case]
     results = run_distributed(_surface, 2, args=(stage, offload, tp, str(tmp_path)))

@@ -101,6 +101,7 @@ def _missing_ranks(msg):
     return [int(r) for r in m.group(1).split(",")], int(m.group(2))
 
 
+@pytest.mark.slow
 def test_hanging_rank_fails_naming_the_missing_rank():
     t0 = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
@@ -118,6 +119,7 @@ def _dies_on_rank_one(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_naming_it():
     t0 = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
@@ -132,6 +134,7 @@ def _raises_on_zero_hangs_on_one(rank, world):
     time.sleep(120)
 
 
+@pytest.mark.slow
 def test_error_and_hang_together_report_both():
     t0 = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
@@ -173,6 +176,7 @@ def _holds_its_port(rank, world, parent):
     return port, grabbed, held, t.item()
 
 
+@pytest.mark.slow
 def test_concurrent_runs_get_their_own_port_held_for_the_whole_run():
     # The parent listens on the rendezvous port from before the ranks start until the run ends,
     # so nothing else (a rank's own bind here, another run started meanwhile) can take it.

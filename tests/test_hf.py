@@ -107,6 +107,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_hf_model_matches_single_process_training(arch):
     ref = reference(arch)
     initial = {k: v for k, v in hf_model(arch).named_parameters()}
@@ -125,6 +126,7 @@ def _tp_with_dp(rank, world):
     return _train(rank, world, "llama", [{"stage": 2, "tp": 2}])
 
 
+@pytest.mark.slow
 def test_hf_tensor_parallel_composes_with_data_parallel():
     ref = reference("llama")
     for rank_results in run_distributed(_tp_with_dp, 4, timeout=300):
@@ -192,6 +194,7 @@ def _save(rank, world, root, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.slow
 def test_16bit_model_files_load_in_torch_and_transformers(tp, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -248,6 +251,7 @@ def _lora(rank, world, sharded):
     return engine.full_state_dict()
 
 
+@pytest.mark.slow
 def test_peft_lora_model_trains_at_stage3():
     ref = run_distributed(_lora, 1, args=(False,))[0]
     trainable = [n for n in ref if "lora_" in n]
@@ -278,6 +282,7 @@ def _unknown(rank, world):
     return errors
 
 
+@pytest.mark.slow
 def test_autotp_refuses_what_it_cannot_split():
     errors = run_distributed(_unknown, 2)[0]
     assert errors[0] == (
@@ -295,6 +300,7 @@ def test_autotp_refuses_what_it_cannot_split():
 
 
 @pytest.mark.parametrize("argv", [["--arch", "llama"], ["--arch", "gpt2", "--tp", "2"]])
+@pytest.mark.slow
 def test_example_trains_saves_and_reloads(argv, tmp_path):
     """examples/hf_causal_lm.py under torchrun: trains, writes model.safetensors + config.json,
     and from_pretrained's model gives the engine's validation loss (both compute in bf16 from

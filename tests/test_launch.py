@@ -504,6 +504,7 @@ def test_a_world_with_no_address_is_refused(env, source):
     assert msg.endswith("or launch with torchrun or zerostack launch")
 
 
+@pytest.mark.slow
 def test_init_distributed_refuses_instead_of_a_world_of_one():
     """The issue's complaint: under mpirun without torchrun's variables each process used to
     become its own world of one, silently. Now the process stops, saying why."""
@@ -565,6 +566,7 @@ def one_node(tmp_path_factory):
     return _result(out)
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node(tmp_path, one_node):
     """Two torchrun agents, one per "node" of the hostfile, each started by ``zerostack launch
     --no_ssh --node_rank i`` as a user would on each machine, meet through torchrun's c10d
@@ -594,6 +596,7 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
         assert torch.equal(params[name], ref_params[name]), name
 
 
+@pytest.mark.slow
 def test_open_mpi_variables_alone_form_one_world(tmp_path, one_node):
     """Two plain processes with only Open MPI's variables (as ``mpirun -n 2`` sets them; no
     RANK, WORLD_SIZE, LOCAL_RANK or MASTER_ADDR) form one world of two, and train exactly as

@@ -63,6 +63,7 @@ def _breakdown(rank, world, stage, precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_bytes_per_rank_match_the_zero_formulas(stage, precision, world):
     for psi, got in run_distributed(_breakdown, world, args=(stage, precision)):
         want = expected(stage, precision, psi, world)
@@ -169,7 +170,7 @@ CASES = [(stage, precision, None) for stage in (0, 1, 2, 3) for precision in ("f
 CASES += [(stage, precision, False) for stage in (1, 2) for precision in ("fp32", "bf16")]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_live_storage_census_matches_the_zero_formulas(world):
     """Every live byte the engine brought into being, found without asking the engine, is within
     padding of the formula: per category and in total, so a leaked full-size tensor of any kind

@@ -254,6 +254,7 @@ def test_moe_gpt_matches_single_process(k, factor, stage):
     ids=["ep2-top1-drops-stage0", "ep2-top2-stage2", "dp2xep2-top1-drops-stage1",
          "dp2xep2-top2-drops-stage2", "ep4-top1-drops-stage2", "ep4-top2-drops-stage0"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_expert_parallel_gpt_matches_single_process(world, ep, k, factor, stage):
     """Experts split over 2 ep ranks (alone, and beside dp 2) and over 4 (one each): every
     rank's weights, its experts renamed to their global index, are the single-process run's;

@@ -184,6 +184,7 @@ def _wandb_history(path: str) -> dict[int, dict[str, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_what_the_loop_saw(tmp_path):
     pytest.importorskip("wandb")
     out = str(tmp_path)

@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -22,6 +24,7 @@ def test_every_mutant_names_text_that_occurs_once():
     assert mutants.stale(mutants.MUTANTS) == []
 
 
+@pytest.mark.slow
 def test_every_mutant_names_tests_that_exist():
     assert mutants.missing_tests(mutants.MUTANTS) == []
 

@@ -76,6 +76,7 @@ def _compare(rank, world, stage, device, nvme_root):
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_offloaded_training_matches(stage, device, world, tmp_path):
     results = run_distributed(_compare, world, args=(stage, device, str(tmp_path)))
     for rank, (same, worst, seen, opt) in enumerate(results):
@@ -117,6 +118,7 @@ def _params_offloaded(rank, world, device, nvme_root):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.slow
 def test_stage3_parameters_offloaded(device, world, tmp_path):
     """offload_param: each rank's parameter pieces in files (or host memory), read in for each
     gather; alone and with the optimizer on NVMe too, the run is the run without offload."""

@@ -129,6 +129,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], want[k]), f"{what}: {k} differs"
 
 
+@pytest.mark.slow
 def test_exact_resume_in_fresh_processes_and_without_offload(tmp_path):
     root = str(tmp_path)
     os.makedirs(os.path.join(root, "nvme"))

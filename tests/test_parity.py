@@ -64,7 +64,12 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+QUICK = ("dp1", "dp2", "tp2", "pp2")  # the inner loop's (pytest -m "not slow"): one of each axis
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def test_matches_single_process_at_every_step(family, tmp_path):
     world, cases = FAMILIES[family]
     per_rank = run_distributed(run_cases, world, args=(cases, str(tmp_path)), timeout=400)

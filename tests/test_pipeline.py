@@ -106,6 +106,7 @@ def _reference_losses() -> list[float]:
         (8, 2, 2, 1, "1f1b", 1, {}),
     ],
 )
+@pytest.mark.slow
 def test_gpt_pipeline_matches_single_process(world, pp, tp, stage, schedule, chunks, extra):
     ref = reference_train(STEPS, B, clip=CLIP, cfg=CFG)
     results = run_distributed(_train, world, args=(pp, tp, stage, schedule, chunks), kwargs=extra)

@@ -105,6 +105,7 @@ GRID = [("gpipe", 1), ("1f1b", 1)] + [("interleaved", v) for v in V_RANGE]
 
 
 @pytest.mark.parametrize("name,v", GRID, ids=[f"{n}-v{v}" for n, v in GRID])
+@pytest.mark.slow
 def test_every_stream_is_complete_and_simulates_without_deadlock(name, v):
     for p in P_RANGE:
         for m in M_RANGE:
@@ -465,6 +466,7 @@ def _simulator_accepts(name: str, p: int, m: int, v: int) -> bool:
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.slow
 def test_the_executor_runs_exactly_what_the_simulator_accepts(p):
     results = run_distributed(_every_schedule, p, timeout=150, collective_timeout=20)
     accepted = {c for c in EXEC_COMBOS if _simulator_accepts(c[0], p, c[2], c[1])}

@@ -44,6 +44,7 @@ def test_the_published_1t_layout():
     assert p.memory_bytes < 0.9 * hw.memory_bytes  # it fits in 80 GB, as it did
 
 
+@pytest.mark.slow
 def test_the_planner_on_the_published_case():
     hw = profile("a100-80gb", gpus=3072)
     plan = search(GPT_1T, hw, 3072)

@@ -62,6 +62,7 @@ def _init_and_train(rank, world):
     return engine.full_state_dict(), build_peak, engine.zero.meter.peak, full, largest
 
 
+@pytest.mark.slow
 def test_zero_init_never_holds_the_model_and_trains_the_same():
     ref = reference_train(5, 8, clip=0.5, cfg=DEEP)
     for state, build_peak, train_peak, full, largest in run_distributed(_init_and_train, 4):
@@ -183,6 +184,7 @@ def _half(rank, world, precision):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_stage3_16_bit_trains(precision):
     losses, skipped = run_distributed(_half, 2, args=(precision,))[0]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

@@ -263,6 +263,7 @@ def _runs(world: int) -> dict:
 
 @pytest.mark.parametrize("case", list(MODELS))
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.slow
 def test_stage3_matches_single_process(world, case):
     for optimizer, gas in CONFIGS:
         got, ref = _runs(world)[(case, optimizer, gas)], _reference(case, optimizer, gas)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import census
+import pytest
 import torch
 from common import TINY, batch
 from distributed import run_distributed
@@ -104,6 +105,7 @@ def _all(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_gather_budget_follows_deepspeeds_keys():
     out = run_distributed(_all, WORLD, timeout=300)[0]
     base = out["default"]

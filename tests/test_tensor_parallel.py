@@ -92,6 +92,7 @@ def _reference_norm() -> float:
         (4, 2, 3, True),
     ],
 )
+@pytest.mark.slow
 def test_gpt_matches_single_process(world, tp, stage, sp):
     ref = reference_train(STEPS, B, clip=CLIP, cfg=CFG)
     state, norms = run_distributed(_train, world, args=(tp, stage, sp))[0]
@@ -286,6 +287,7 @@ def _short_training(rank, world, dropout, extra):
     "world,dropout,extra",
     [(2, 0.2, {}), (4, 0.0, {"bf16": {"enabled": True}}), (4, 0.0, {"fp16": {"enabled": True}})],
 )
+@pytest.mark.slow
 def test_gpt_trains_and_tp_ranks_agree_on_the_loss(world, dropout, extra):
     """With dropout (tp stream inside split regions) and in bf16 / fp16 over tp 2 x dp 2."""
     results = run_distributed(_short_training, world, args=(dropout, extra))

@@ -170,6 +170,7 @@ def _mismatched_dp_collective(rank, world, seconds):
     return error, elapsed
 
 
+@pytest.mark.slow
 def test_mismatched_collective_fails_after_the_group_timeout():
     seconds = 3
     results = run_distributed(

@@ -137,6 +137,7 @@ def _train(rank, world, sp, tp, stage, via_config):
         (4, 2, 2, 1, False),  # tp 2 x sp 2: one head per rank
     ],
 )
+@pytest.mark.slow
 def test_gpt_matches_single_process(world, sp, tp, stage, via_config):
     ref = reference("sgd", 1)
     states = run_distributed(_train, world, args=(sp, tp, stage, via_config))[0]

@@ -225,6 +225,7 @@ def _frozen_at(out: str) -> float:
         ("pipeline", 4, None),  # pp 2 x dp 2: a send/recv or the dp reduction
     ],
 )
+@pytest.mark.slow
 def test_a_frozen_rank_ends_the_job_within_the_bound(phase, world, waiting):
     got = _launch(phase, world)
     frozen = _frozen_at(got["outs"][1])
@@ -254,6 +255,7 @@ def test_a_frozen_rank_ends_the_job_within_the_bound(phase, world, waiting):
     assert got["victim_ended"] - frozen < TIMEOUT + 4 * INTERVAL + 6.0
 
 
+@pytest.mark.slow
 def test_ranks_in_different_collectives_are_reported_and_end():
     """Rank 1 skips a forward: the ranks wait in different collectives; each report lists both
     positions, and the job ends."""
@@ -272,6 +274,7 @@ def test_ranks_in_different_collectives_are_reported_and_end():
     assert f"rank {1 - waiter} at step " in first, first
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_is_named_by_every_rank():
     """Rank 1 raises: it ends with its traceback, and rank 0 names rank 1, its exception and its
     step, whether its watchdog reads the posted verdict first or its collective fails first (as

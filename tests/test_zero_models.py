@@ -101,6 +101,7 @@ def _train(rank, world, stage, gas, optimizer, poison=False):
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_odd_sizes_and_an_unused_parameter(world, stage, optimizer):
     ref = _reference(2, optimizer)
     results = run_distributed(_train, world, args=(stage, 2, optimizer))

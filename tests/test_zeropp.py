@@ -305,6 +305,7 @@ def test_qwz_and_qgz_together_train_as_the_reference_with_both():
 @pytest.mark.parametrize(
     "quantized,offload", [(False, None), (True, None), (False, "cpu")], ids=["plain", "qwz", "cpu"]
 )
+@pytest.mark.slow
 def test_hpz_gathers_the_backward_within_pairs_and_changes_no_bit(quantized, offload):
     """dp 4 with zero_hpz_partition_size 2: the forward gathers over dp, the backward within
     pairs of neighbours from the pieces the forward left (the same values, dequantized ones
