@@ -11,4 +11,6 @@ export OMP_NUM_THREADS=1
 t0=$SECONDS
 ruff check src tests benchmarks examples scripts
 echo "lint: $((SECONDS - t0)) s"
-python -m pytest -q "$@"
+# Two workers, a test file each at a time: the multi-process tests wait on process starts and
+# timeouts often enough that a second file overlaps them (6.8 min here, 8.7 one at a time).
+python -m pytest -q -n 2 --dist loadfile "$@"
