@@ -383,6 +383,13 @@ MUTANTS = [
         ("tests/test_cli.py::test_batch_options_fill_in_the_default_micro_batch",),
     ),
     Mutant(
+        "zerostack train: --zero-stage 3 trains at stage 2",
+        "cli.py",
+        'cfg.setdefault("zero_optimization", {})["stage"] = args.zero_stage',
+        'cfg.setdefault("zero_optimization", {})["stage"] = min(args.zero_stage, 2)',
+        ("tests/test_cli.py::test_every_grid_trains_and_its_loss_falls",),
+    ),
+    Mutant(
         "stage-2 full-size gradient kept after its bucket (a leak)",
         "zero/flat_reduce.py",
         "p.grad = None  # the full-size gradient does not outlive its bucket",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import signal
@@ -11,8 +13,9 @@ import sys
 import time
 
 import pytest
+from distributed import run_distributed
 
-from zerostack.cli import _build_config, _parser
+from zerostack.cli import _build_config, _parser, main
 from zerostack.config import load_config
 from zerostack.profiling.flops import transformer_flops
 
@@ -44,30 +47,28 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize(
-    "grid,banner",
-    [
-        ([], "2 ranks, ZeRO"),
-        (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
-        (["--sp", "2", "--zero-stage", "3"], "2 ranks (tp 1 x dp 1 x sp 2), ZeRO stage 3"),
-        (["--moe-every", "1", "--ep", "2", "--zero-stage", "2"], "2 ranks (tp 1 x dp 2, ep 2)"),
-        # one micro-batch a step: this hung before the first step (issue 11)
-        (["--pp", "2", "--schedule", "interleaved"], "2 ranks (pp 2 (inter"),
-        (
-            ["--zero-stage", "3", "--offload", "cpu", "--activation-checkpointing"],
-            "2 ranks, ZeRO stage 3 + cpu offload + activation checkpointing",
-        ),
-    ],
-)
-@pytest.mark.slow
-def test_train_runs_and_loss_falls(tmp_path, grid, banner):
-    out = tmp_path / "run"
-    cmd = [*CLI, "train", "--nproc", "2", "--steps", "20"]
-    cmd += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "32"]
-    cmd += ["--micro-batch", "4", "--out", str(out), "--no-progress", *grid]
-    proc = _run(cmd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"zerostack train: {banner}" in proc.stdout
+GRIDS = [
+    (["--tp", "2", "--sequence-parallel"], "2 ranks (tp 2 x dp 1, seq"),
+    (["--sp", "2", "--zero-stage", "3"], "2 ranks (tp 1 x dp 1 x sp 2), ZeRO stage 3"),
+    (["--moe-every", "1", "--ep", "2", "--zero-stage", "2"], "2 ranks (tp 1 x dp 2, ep 2)"),
+    # one micro-batch a step: this hung before the first step (issue 11)
+    (["--pp", "2", "--schedule", "interleaved"], "2 ranks (pp 2 (inter"),
+    (
+        ["--zero-stage", "3", "--offload", "cpu", "--activation-checkpointing"],
+        "2 ranks, ZeRO stage 3 + cpu offload + activation checkpointing",
+    ),
+]
+
+
+def _train_argv(out, grid: list[str]) -> list[str]:
+    argv = ["train", "--nproc", "2", "--steps", "20"]
+    argv += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "32"]
+    return argv + ["--micro-batch", "4", "--out", str(out), "--no-progress", *grid]
+
+
+def _check_run(out, stdout: str, grid: list[str], banner: str) -> None:
+    """What a `zerostack train` run leaves: its banner, summary, CSV, plot and MFU."""
+    assert f"zerostack train: {banner}" in stdout, stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
@@ -84,19 +85,49 @@ def test_train_runs_and_loss_falls(tmp_path, grid, banner):
     steps_per_s = summary["tokens_per_s"] / (sequences * 32)
     mfu = flops * steps_per_s / (summary["peak_flops_per_rank"] * 2)
     assert summary["mfu"] == pytest.approx(mfu, rel=1e-9) and 0 < mfu < 1
-    assert f"MFU {mfu:.1%} of" in proc.stdout
+    assert f"MFU {mfu:.1%} of" in stdout
 
 
 @pytest.mark.slow
-def test_help_explains_every_option():
-    proc = _run([*CLI, "train", "--help"], timeout=120)
-    assert proc.returncode == 0
+def test_train_runs_under_torchrun_and_loss_falls(tmp_path):
+    """The whole command: it checks the grid, starts torchrun with 2 ranks, each trains."""
+    out = tmp_path / "run"
+    proc = _run([*CLI, *_train_argv(out, [])])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_run(out, proc.stdout, [], "2 ranks, ZeRO")
+
+
+def _train_each_grid(rank, world, root: str) -> list[str]:
+    """Every grid's run, one after another on these two ranks: what `zerostack train` runs on
+    each rank once torchrun has started it (the test above starts one); rank 0's output."""
+    from zerostack.demo.train import train
+
+    printed = []
+    for i, (grid, _) in enumerate(GRIDS):
+        args = _parser().parse_args(_train_argv(os.path.join(root, str(i)), grid))
+        with contextlib.redirect_stdout(io.StringIO()) as stdout:
+            train(args, _build_config(args))
+        printed.append(stdout.getvalue())
+    return printed
+
+
+@pytest.mark.slow
+def test_every_grid_trains_and_its_loss_falls(tmp_path):
+    printed = run_distributed(_train_each_grid, 2, args=(str(tmp_path),), timeout=400)[0]
+    for i, ((grid, banner), stdout) in enumerate(zip(GRIDS, printed, strict=True)):
+        _check_run(tmp_path / str(i), stdout, grid, banner)
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for opt in ("--nproc", "--steps", "--config", "--zero-stage", "--bf16", "--fp16", "--out"):
-        assert opt in proc.stdout
-    assert "default" in proc.stdout
+        assert opt in out
+    assert "default" in out
 
 
-@pytest.mark.slow
 def test_bad_config_is_one_clear_line(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 8, "gradient_clippng": 1.0}))
@@ -107,17 +138,18 @@ def test_bad_config_is_one_clear_line(tmp_path):
     )
 
 
-@pytest.mark.slow
-def test_grid_that_does_not_fit_is_one_clear_line():
-    proc = _run([*CLI, "train", "--nproc", "2", "--tp", "4"], timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr == "ValueError: --tp 4 does not divide --nproc 2\n"
-    proc = _run([*CLI, "train", "--nproc", "2", "--sp", "2", "--n-head", "3"], timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr == "ValueError: --n-head 3 does not split into --tp x --sp heads\n"
-    proc = _run([*CLI, "train", "--nproc", "2", "--ep", "2"], timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr == "ValueError: --ep needs --moe-every > 0 (experts to split)\n"
+def test_grid_that_does_not_fit_is_one_clear_line(capsys):
+    """Refused before torchrun starts (test_bad_config_is_one_clear_line runs the command)."""
+    for argv, line in [
+        (["--tp", "4"], "ValueError: --tp 4 does not divide --nproc 2\n"),
+        (
+            ["--sp", "2", "--n-head", "3"],
+            "ValueError: --n-head 3 does not split into --tp x --sp heads\n",
+        ),
+        (["--ep", "2"], "ValueError: --ep needs --moe-every > 0 (experts to split)\n"),
+    ]:
+        assert main(["train", "--nproc", "2", *argv]) == 2
+        assert capsys.readouterr().err == line
 
 
 @pytest.mark.slow
