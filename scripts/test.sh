@@ -12,5 +12,5 @@ t0=$SECONDS
 ruff check src tests benchmarks examples scripts
 echo "lint: $((SECONDS - t0)) s"
 # Two workers, a test file each at a time: the multi-process tests wait on process starts and
-# timeouts often enough that a second file overlaps them (6.8 min here, 8.7 one at a time).
+# timeouts often enough that a second file overlaps them (6.6 min on 2 cores, 8.5 on one worker).
 python -m pytest -q -n 2 --dist loadfile "$@"
