@@ -2183,7 +2183,8 @@ def main() -> int:
     problems = stale(chosen)  # fail fast on a stale mutant, before any test runs
     if args.check:
         problems += missing_tests(chosen)
-        print("\n".join(problems))
+        for line in problems:
+            print(line)
         tests = len({t for m in chosen for t in m.tests})
         verdict = f"{len(problems)} problems" if problems else "all present"
         print(f"check: {len(chosen)} mutants, {tests} test targets: {verdict}")
