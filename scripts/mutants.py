@@ -102,14 +102,32 @@ T_BY_BUCKET = "tests/test_stage2_live.py::test_each_bucket_is_gathered_as_soon_a
 T_POISON = "tests/test_zero_models.py::test_stage2_reuses_buffers_without_their_old_values"
 T_ALIKE = "tests/test_initialize.py::test_every_rank_starts_from_dp_rank_0s_weights"
 T_PEAK = "tests/test_cuda_path.py::test_the_start_peaks_near_the_steady_state"
+T_SCALE_WRT_GAS = (
+    "tests/test_engine_surface.py::"
+    "test_backward_scale_wrt_gas_false_leaves_the_division_to_the_caller"
+)
 
 MUTANTS = [
     Mutant(
         "loss not divided by gradient_accumulation_steps",
         "engine.py",
-        "scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)",
-        "scaled = loss.float() * self.loss_scaler.loss_scale",
+        "gas = self._gas if scale_wrt_gas else 1",
+        "gas = 1",
         (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "backward's scale_wrt_gas=False ignored (the Trainer's loss divided twice)",
+        "engine.py",
+        "gas = self._gas if scale_wrt_gas else 1",
+        "gas = self._gas",
+        (T_SCALE_WRT_GAS,),
+    ),
+    Mutant(
+        "steps_per_print inf prints at every step",
+        "engine.py",
+        "if self.global_rank != 0 or every is None or self.global_steps % every:",
+        "if self.global_rank != 0 or (every is not None and self.global_steps % every):",
+        (T_SCALE_WRT_GAS,),
     ),
     Mutant(
         "fp16 unscale drops the loss scale (stages 0-2)",

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 
@@ -115,6 +116,12 @@ def test_to_dict_is_json_and_round_trips():
     assert d["scheduler"]["params"]["total_num_steps"] == 5000
     assert d["optimizer"]["params"]["momentum"] == 0.0
     assert load_config(d) == cfg
+
+
+def test_steps_per_print_inf_means_never():
+    # Accelerate always sets it to float("inf"); a whole float (5.0) is the integer
+    assert load_config({"steps_per_print": math.inf}).steps_per_print is None
+    assert load_config({"steps_per_print": 5.0}).steps_per_print == 5
 
 
 def test_defaults_match_deepspeed():
@@ -464,7 +471,10 @@ BAD_CONFIGS = [
         "train_micro_batch_size_per_gpu",
         "must be a valid integer (got '8')",
     ),
-    ({"steps_per_print": True}, "steps_per_print", "must be a valid integer (got True)"),
+    ({"steps_per_print": True}, "steps_per_print", "must be a positive integer or inf (got True)"),
+    ({"steps_per_print": 0}, "steps_per_print", "must be a positive integer or inf (got 0)"),
+    ({"steps_per_print": None}, "steps_per_print", "must be a positive integer or inf (got None)"),
+    ({"steps_per_print": -math.inf}, "steps_per_print", "must be an integer (got -inf)"),
     (
         {"wall_clock_breakdown": [True]},
         "wall_clock_breakdown",

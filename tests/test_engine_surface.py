@@ -20,8 +20,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -547,3 +550,52 @@ def _net_backward(engine, rank, world, step):
 
 def test_no_sync_and_manual_boundary_accumulate_like_one_batch():
     assert run_distributed(_controls, 2) == [True, True]
+
+
+
+def _trained_with(rank, world) -> dict[str, dict]:
+    """Per way of dividing the loss: weights after 2 SGD steps (no clipping) of 2 micro-batches
+    at stages 0, 2 and 3, and what rank 0 printed. The loss goes to ``backward`` whole ("engine":
+    the engine divides it by the accumulation steps), divided first with
+    ``scale_wrt_gas=False`` ("caller", as the Trainer calls it, with Accelerate's
+    ``steps_per_print: inf``), or divided first and by the engine too ("twice")."""
+    out: dict[str, dict] = {}
+    for divide in ("engine", "caller", "twice"):
+        out[divide] = {}
+        for stage in (0, 2, 3):
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": GAS,
+                "gradient_clipping": 0.0,
+                "steps_per_print": math.inf if divide == "caller" else 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+                "zero_optimization": {"stage": stage},
+            }
+            engine, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                for step in range(2 * GAS):
+                    x, y = batch(step, 2 * world)
+                    loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+                    if divide == "engine":
+                        engine.backward(loss)
+                    else:
+                        engine.backward(loss / GAS, scale_wrt_gas=divide == "twice")
+                    engine.step()
+            out[divide][stage] = (engine.full_state_dict(), printed.getvalue())
+            engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_backward_scale_wrt_gas_false_leaves_the_division_to_the_caller():
+    """With the loss divided by the caller (accumulation 2, a power of two: the division is
+    exact), the weights are the engine's own division's bit for bit; divided twice they are
+    not (plain SGD moves them by the gradient, so the factor shows). ``steps_per_print: inf``
+    prints no progress line; 1 prints one a step."""
+    runs = run_distributed(_trained_with, 2)[0]
+    for stage, (want, printed) in runs["engine"].items():
+        caller, silent = runs["caller"][stage]
+        for k, v in want.items():
+            assert torch.equal(caller[k], v), (stage, k)
+        assert max_rel_diff(runs["twice"][stage][0], want)[0] > 1e-3, stage
+        assert printed.count("step=") == 2 and "step=" not in silent, (printed, silent)

@@ -326,8 +326,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
                 training_dataloader was_step_applied destroy train eval zero_grad
             """.split()
         },
-        f"{ENGINE}.backward": _different(
-            "no `scale_wrt_gas=`: the loss is always divided by gradient_accumulation_steps"
+        f"{ENGINE}.backward": _works(
+            "retain_graph; scale_wrt_gas=False when the caller has divided the loss already"
         ),
         f"{ENGINE}.step": _different("no `lr_kwargs=`: the scheduler steps without arguments"),
         f"{ENGINE}.save_checkpoint": _works(

@@ -135,6 +135,20 @@ def _stage_or_auto(v: Any) -> Any:
 
 
 StageOrAuto = Annotated[int | str, BeforeValidator(_stage_or_auto)]
+
+
+def _every_or_never(v: Any) -> Any:
+    # Accelerate always sets steps_per_print to float("inf"): never, None here (one clean
+    # error for anything else, not a union's two)
+    if isinstance(v, float) and v == math.inf:
+        return None
+    v = _integral(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        _fail(f"must be a positive integer or inf (got {v!r})")
+    return v
+
+
+EveryOrNever = Annotated[int | None, BeforeValidator(_every_or_never)]
 PositiveInt = Annotated[Int, Field(gt=0)]
 NonNegInt = Annotated[Int, Field(ge=0)]
 BatchSize = Annotated[PositiveInt | None, BeforeValidator(_auto_is_none)]
@@ -901,9 +915,10 @@ class ZeroStackConfig(_Model):
                 data = {**data, "planned_batch": auto}
         return data
 
-    steps_per_print: PositiveInt = 10
+    steps_per_print: EveryOrNever = 10
     """Print a progress line on rank 0 every this many optimizer steps (to the "zerostack"
-    logger when logging shows INFO, else to stdout) and flush the monitors."""
+    logger when logging shows INFO, else to stdout) and flush the monitors; ``inf`` (as
+    Accelerate sets it) never prints, and the monitors flush when they close."""
     gradient_clipping: NonNegFloat = 0.0
     """Clip the global gradient norm to this value; 0 means no clipping."""
     seed: NonNegInt = 0

@@ -85,7 +85,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         _differs(True),
         bool,
     ),
-    "steps_per_print": _works("the progress line on rank 0"),
+    "steps_per_print": _works("the progress line on rank 0; inf (as Accelerate sets it): never"),
     "gradient_clipping": _works(
         "global-norm clipping; default 0: off, where DeepSpeed 0.19.8's is 1.0"
     ),

@@ -177,8 +177,12 @@ class Engine(EngineAPI, nn.Module):
         self.timers["forward"] += self.clock.now() - t0
         return out
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
+        ``scale_wrt_gas=False`` leaves out the division, for a caller that has divided already
+        (Hugging Face's Trainer always passes it so)."""
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = self.clock.now()
@@ -186,7 +190,8 @@ class Engine(EngineAPI, nn.Module):
         # inside no_sync() gradients accumulate locally, reduced by the next backward outside it
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         self.zero.begin_backward(boundary)
-        scaled = loss.float() * (self.loss_scaler.loss_scale / self._gas)
+        gas = self._gas if scale_wrt_gas else 1
+        scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_backward()
         self.timers["backward"] += self.clock.now() - t0
@@ -352,7 +357,8 @@ class Engine(EngineAPI, nn.Module):
         self.zero.zero_grad()
 
     def _maybe_print(self) -> None:
-        if self.global_rank != 0 or self.global_steps % self.config.steps_per_print:
+        every = self.config.steps_per_print
+        if self.global_rank != 0 or every is None or self.global_steps % every:
             return
         lrs = [f"{lr:.3g}" for lr in self.get_lr()]
         print_progress(

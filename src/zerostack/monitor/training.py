@@ -99,7 +99,7 @@ class StepMonitor:
         for axis, nbytes in self._comm_bytes().items():
             events.append((PREFIX + f"comm_bytes_{axis}_rank0", float(nbytes), x))
         self.master.write_events(events)
-        if engine.global_steps % self.steps_per_print == 0:
+        if self.steps_per_print is not None and engine.global_steps % self.steps_per_print == 0:
             self.master.flush()
 
     def _speed(self, engine, x: int) -> list[Event]:
