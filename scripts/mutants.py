@@ -106,8 +106,26 @@ T_SCALE_WRT_GAS = (
     "tests/test_engine_surface.py::"
     "test_backward_scale_wrt_gas_false_leaves_the_division_to_the_caller"
 )
+T_CONFIG_VIEW = (
+    "tests/test_engine_surface.py::"
+    "test_engine_config_reads_as_deepspeeds_dict_and_as_the_typed_config"
+)
 
 MUTANTS = [
+    Mutant(
+        "engine.config's dict leaves out the resolved batch sizes",
+        "config_view.py",
+        "            data.update(zip(_BATCH_KEYS, batch, strict=True))",
+        "            pass",
+        (T_CONFIG_VIEW,),
+    ),
+    Mutant(
+        "engine.config hands out its own nested dicts (a write sticks, silently)",
+        "config_view.py",
+        "return copy.deepcopy(self._dict[key])",
+        "return self._dict[key]",
+        (T_CONFIG_VIEW,),
+    ),
     Mutant(
         "loss not divided by gradient_accumulation_steps",
         "engine.py",

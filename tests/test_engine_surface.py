@@ -599,3 +599,34 @@ def test_backward_scale_wrt_gas_false_leaves_the_division_to_the_caller():
             assert torch.equal(caller[k], v), (stage, k)
         assert max_rel_diff(runs["twice"][stage][0], want)[0] > 1e-3, stage
         assert printed.count("step=") == 2 and "step=" not in silent, (printed, silent)
+
+
+def _config_as_deepspeed_reads_it(rank, world):
+    config = {
+        "train_batch_size": 2 * world,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3},
+    }
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    view = engine.config
+    # what Transformers' save_model and Accelerate read: DeepSpeed's dict, defaults filled in
+    assert view.get("zero_optimization", {}).get("stage") == 3
+    assert view["train_micro_batch_size_per_gpu"] == 2 and view["gradient_accumulation_steps"] == 1
+    assert "bf16" in view and "no_such_key" not in view and view.get("no_such_key", 7) == 7
+    batch_keys = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
+    assert set(view) == set(view.typed.to_dict()) | batch_keys and len(view) == len(list(view))
+    # zerostack's typed fields, as before
+    assert view.zero_optimization.stage == 3 and view.typed is zerostack.load_config(view)
+    # read-only: a write would change nothing in the running engine, so it is refused
+    view["zero_optimization"]["stage"] = 1
+    assert view["zero_optimization"]["stage"] == 3
+    with pytest.raises(TypeError, match="engine.config is read-only"):
+        view.gradient_clipping = 1.0
+    with pytest.raises(TypeError):
+        view["gradient_clipping"] = 1.0
+    engine.destroy()
+    return True
+
+
+def test_engine_config_reads_as_deepspeeds_dict_and_as_the_typed_config():
+    assert run_distributed(_config_as_deepspeed_reads_it, 1) == [True]

@@ -341,7 +341,9 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         f"{ENGINE}.optimizer": _different(
             "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper)"
         ),
-        f"{ENGINE}.config": _different("a ZeroStackConfig (`.to_dict()`), not the dict"),
+        f"{ENGINE}.config": _works(
+            "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"
+        ),
         f"{ENGINE}.memory_breakdown": _different(
             "bytes held per kind (params, grads, master, optimizer), not the config flag"
         ),

@@ -1140,6 +1140,9 @@ def load_config(config: Any) -> ZeroStackConfig:
     (str or os.PathLike) or JSON text (a str starting with "{"). Raises only ConfigError."""
     if isinstance(config, ZeroStackConfig):
         return config
+    typed = getattr(config, "typed", None)  # engine.config (a ConfigView) is its typed config
+    if isinstance(typed, ZeroStackConfig):
+        return typed
     if config is None:
         raise ConfigError(
             "config: no config given; pass config=dict, a JSON file path or a JSON string"

@@ -24,6 +24,7 @@ from .checkpoint.loss_spike import LossSpikeGuard
 from .clock import HostScalar, device_clock
 from .comm import Comm
 from .config import ZeroStackConfig
+from .config_view import ConfigView
 from .engine_api import EngineAPI
 from .full_params import FullParams, attach
 from .moe.utils import is_moe_param
@@ -55,11 +56,11 @@ class Engine(EngineAPI, nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        self.config = config
+        tbs, micro, gas = config.resolve_batch(topology.data_parallel_size)
+        self.config = ConfigView(config, batch=(tbs, micro, gas))
         self.topology = topology
         self.comm = comm or topology.comm
         self.precision = Precision.from_config(config)
-        tbs, micro, gas = config.resolve_batch(topology.data_parallel_size)
         self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
 
         device = topology.device
