@@ -110,8 +110,89 @@ T_CONFIG_VIEW = (
     "tests/test_engine_surface.py::"
     "test_engine_config_reads_as_deepspeeds_dict_and_as_the_typed_config"
 )
+DSN = "tests/test_deepspeed_name.py"
+T_SERVED = f"{DSN}::test_the_runner_serves_deepspeed_to_the_libraries_and_nothing_else"
+T_ZERO_TO_FP32 = f"{DSN}::test_zero_to_fp32_gives_the_engines_weights"
+T_HF_TRAINER = "tests/test_hf_trainer.py::test_trainer_losses_and_reload_equal_deepspeeds"
 
 MUTANTS = [
+    Mutant(
+        "the deepspeed distribution is not found (the libraries think DeepSpeed is absent)",
+        "compat/serve.py",
+        "        if wanted is None or wanted.lower().replace(\"-\", \"_\") == self.name:",
+        "        if wanted is None:",
+        (T_SERVED,),
+    ),
+    Mutant(
+        "deepspeed.zero is a second copy, not zerostack.zero (aliases ignored)",
+        "compat/serve.py",
+        "                return self.aliases[prefix] + fullname[len(prefix) :]",
+        "                break",
+        (T_SERVED,),
+    ),
+    Mutant(
+        "a real DeepSpeed in the environment is shadowed silently",
+        "compat/serve.py",
+        "    if real is not None:\n        raise ServeError(",
+        "    if False:\n        raise ServeError(",
+        (f"{DSN}::test_a_real_deepspeed_is_never_shadowed",),
+    ),
+    Mutant(
+        "install() after transformers is imported is not refused",
+        "compat/serve.py",
+        "    if early:\n",
+        "    if False:\n",
+        (f"{DSN}::test_install_after_the_libraries_is_refused",),
+    ),
+    Mutant(
+        "the runner leaves the process groups to interpreter exit",
+        "as_deepspeed.py",
+        "        _tear_down()\n        raise\n    _tear_down()\n",
+        "        raise\n",
+        (f"{DSN}::test_the_runner_tears_the_groups_down_when_the_script_ends_well",),
+    ),
+    Mutant(
+        "zero_to_fp32 leaves out the tied weight's second name",
+        "checkpoint/consolidate.py",
+        "        if name in out:\n            out[alias] = out[name]",
+        "        pass",
+        (T_ZERO_TO_FP32,),
+    ),
+    Mutant(
+        "zero_to_fp32 keeps frozen parameters when asked to leave them out",
+        "checkpoint/consolidate.py",
+        "skip = set(manifest.get(\"frozen\", [])) if exclude_frozen else set()",
+        "skip = set()",
+        (T_ZERO_TO_FP32,),
+    ),
+    Mutant(
+        "FusedAdam(adam_w_mode=False) decays decoupled (AdamW), not L2",
+        "compat/deepspeed/ops/adam.py",
+        "decoupled_weight_decay=adam_w_mode,",
+        "decoupled_weight_decay=True,",
+        (f"{DSN}::test_fused_adam_is_torch_adam_with_deepspeeds_arguments",),
+    ),
+    Mutant(
+        "clone_tensors_for_torch_save keeps views of the whole storage",
+        "compat/deepspeed/checkpoint/utils.py",
+        "return item.detach().clone().to(device)",
+        "return item.detach().to(device)",
+        (f"{DSN}::test_small_modules",),
+    ),
+    Mutant(
+        "tp_model_init accepts a config without the tp size",
+        "compat/deepspeed/__init__.py",
+        "    if size != tp_size:",
+        "    if False:",
+        (f"{DSN}::test_small_modules",),
+    ),
+    Mutant(
+        "the Trainer's loss divided twice at accumulation 2 (scale_wrt_gas ignored)",
+        "engine.py",
+        "gas = self._gas if scale_wrt_gas else 1",
+        "gas = self._gas",
+        (f"{T_HF_TRAINER}[zero3_gas2]",),
+    ),
     Mutant(
         "engine.config's dict leaves out the resolved batch sizes",
         "config_view.py",

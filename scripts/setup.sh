@@ -10,5 +10,7 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[dev]"
 # the optional monitors' packages (extras tensorboard, wandb), pinned: tests/test_monitor.py
 python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
-# Hugging Face models (extra hf), pinned: tests/test_hf.py, examples/hf_causal_lm.py
-python -m pip install -q "transformers==5.24.0" "peft==0.21.2"
+# Hugging Face models, Trainer and Accelerate (extra hf), Lightning (extra lightning), pinned:
+# tests/test_hf.py, test_hf_trainer.py, test_deepspeed_name.py, examples/hf_*.py
+python -m pip install -q "transformers==5.24.0" "peft==0.21.2" "accelerate==1.16.0" \
+    "lightning==2.6.6"

@@ -8,7 +8,9 @@ Each DeepSpeed name
   an engine method is on :class:`~zerostack.engine.Engine`), reachable the same way after
   ``import zerostack as deepspeed``;
 - is **different**: zerostack has it under another name (``ours``), or under the same name with
-  a difference a caller can see (``note`` says which); or
+  a difference a caller can see (``note`` says which); ``zerostack.compat.deepspeed.<path>`` is
+  DeepSpeed's own path, which ``import deepspeed`` reaches after
+  ``zerostack.compat.deepspeed.install()`` or under ``python -m zerostack.as_deepspeed``; or
 - is **not supported**: no such name in zerostack (an ``AttributeError`` / ``ImportError``),
   with why and what to use instead.
 
@@ -55,6 +57,15 @@ def _no(note: str) -> Api:
     return Api(UNSUPPORTED, note)
 
 
+_SERVED = "<served>"  # ours: the same path under zerostack.compat (filled in below the table)
+
+
+def _served(note: str) -> Api:
+    """DeepSpeed's path under ``zerostack.compat.deepspeed``, which ``import deepspeed`` is after
+    ``zerostack.compat.deepspeed.install()`` (and under ``python -m zerostack.as_deepspeed``)."""
+    return Api(DIFFERENT, note, _SERVED)
+
+
 def zerostack_name(name: str, entry: Api) -> str:
     """Where zerostack has ``name`` (a dotted path, or ``Engine.x`` / ``PipelineEngine.x``)."""
     if entry.ours is not None:
@@ -69,6 +80,7 @@ def zerostack_name(name: str, entry: Api) -> str:
 _IMPORT_PIPE = "as DeepSpeed's, after `import zerostack.pipe` (`import zerostack` does not load it)"
 _NO_OPS = "no compiled ops: optimizers are torch's (fused where torch has a kernel)"
 _CFG = "read the value from `engine.config`"
+_LOGGER = "zerostack's logger (`logging.getLogger(\"zerostack\")`)"
 
 DEEPSPEED_API: dict[str, dict[str, Api]] = {
     "deepspeed": {
@@ -90,9 +102,7 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         "deepspeed.DeepSpeedEngine": _different(
             "the engine `initialize` returns; its methods below", "zerostack.Engine"
         ),
-        "deepspeed.runtime.engine.DeepSpeedEngine": _different(
-            "no `zerostack.runtime`: the engine class is zerostack.Engine", "zerostack.Engine"
-        ),
+        "deepspeed.runtime.engine.DeepSpeedEngine": _served("zerostack.Engine"),
         "deepspeed.PipelineEngine": _different(
             "the engine `initialize` returns for a PipelineModule",
             "zerostack.pipeline.PipelineEngine",
@@ -104,17 +114,18 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         "deepspeed.DeepSpeedConfigError": _different(
             "one line naming the key and why", "zerostack.ConfigError"
         ),
-        "deepspeed.__version__": _different(
-            "zerostack's own version: a check for a DeepSpeed version fails"
+        "deepspeed.__version__": _served(
+            "`0.19.8+zerostack.<version>`: the API level, a local label (`zerostack.__version__` "
+            "is zerostack's own)"
         ),
         "deepspeed.add_config_arguments": _no(
             "not provided: add `--deepspeed_config` yourself; `initialize(args=...)` reads it"
         ),
-        "deepspeed.get_accelerator": _no("no accelerator layer: use `engine.device` and torch"),
-        "deepspeed.ops": _no(_NO_OPS),
+        "deepspeed.get_accelerator": _served("the device calls the libraries make, over torch"),
+        "deepspeed.ops": _served("DeepSpeedCPUAdam and FusedAdam; " + _NO_OPS),
         "deepspeed.moe": _works(),
-        "deepspeed.logger": _no('zerostack logs to `logging.getLogger("zerostack")`'),
-        "deepspeed.log_dist": _no('log on one rank with `logging.getLogger("zerostack")`'),
+        "deepspeed.logger": _served(_LOGGER),
+        "deepspeed.log_dist": _served("on the ranks listed, to zerostack's logger"),
         "deepspeed.OnDevice": _no("build under `zero.Init`, or with torch's `with torch.device()`"),
         "deepspeed.DeepSpeedOptimizer": _no("optimizers are plain torch optimizers"),
         "deepspeed.DeepSpeedDataLoader": _no(
@@ -122,8 +133,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.init_inference": _no("training only: no inference engine"),
         "deepspeed.InferenceEngine": _no("training only: no inference engine"),
-        "deepspeed.tp_model_init": _no(
-            "tensor parallelism is the config's `tensor_parallel.autotp_size` at `initialize`"
+        "deepspeed.tp_model_init": _served(
+            "checks the config's `tensor_parallel.autotp_size`; `initialize` splits the model"
         ),
         "deepspeed.DeepSpeedTransformerLayer": _no("no fused transformer kernels"),
         "deepspeed.replace_transformer_layer": _no("no kernel injection"),
@@ -165,8 +176,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
             "DeepSpeed's table and signature, zerostack's layout",
             "zerostack.estimate.deepspeed.estimate_zero3_model_states_mem_needs_all_cold",
         ),
-        "deepspeed.runtime.zero.partition_parameters": _no(
-            "DeepSpeed's internals: zero.Init wraps module construction, not tensor constructors"
+        "deepspeed.runtime.zero.partition_parameters": _served(
+            "what Transformers swaps; an identity: zero.Init does not patch tensor constructors"
         ),
     },
     "deepspeed.comm": {
@@ -211,23 +222,25 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         "deepspeed.utils.safe_set_local_optimizer_state": _works(),
         "deepspeed.utils.safe_get_local_grad": _works("mean and unscaled, as safe_get_full_grad"),
         "deepspeed.utils.safe_set_local_grad": _works("mean and unscaled, as safe_get_full_grad"),
-        "deepspeed.utils.logger": _no('zerostack logs to `logging.getLogger("zerostack")`'),
-        "deepspeed.utils.log_dist": _no('log on one rank with `logging.getLogger("zerostack")`'),
-        "deepspeed.utils.groups": _no(
-            "no global group registry: `engine.topology` holds the dp, tp and pp groups"
+        "deepspeed.utils.logger": _served(_LOGGER),
+        "deepspeed.utils.log_dist": _served("on the ranks listed, to zerostack's logger"),
+        "deepspeed.utils.groups": _served(
+            "its sequence-parallel getters raise: no global group registry (`engine.topology` "
+            "holds the groups) and no Hugging Face sequence parallelism yet"
         ),
         "deepspeed.utils.OnDevice": _no("build under `zero.Init`, or with `with torch.device()`"),
         "deepspeed.utils.set_z3_leaf_modules": _no(
             "stage 3 gathers each module that owns parameters; no leaf-module grouping"
         ),
-        "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint": _no(
-            "`zerostack consolidate` (zerostack.checkpoint.consolidate) writes the full weights"
+        "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint": _served(
+            "any layout's checkpoint, every tensor checksummed (zerostack.checkpoint."
+            "full_state_dict)"
         ),
-        "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict": _no(
-            "`zerostack consolidate` (zerostack.checkpoint.consolidate) writes the full weights"
+        "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict": _served(
+            "DeepSpeed's files and shards; written whole, then renamed"
         ),
-        "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint": _no(
-            "`engine.load_checkpoint`, or `zerostack consolidate` then load the file"
+        "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint": _served(
+            "DeepSpeed's: the model on the CPU, loaded non-strict"
         ),
     },
     "deepspeed.checkpointing": {
@@ -258,8 +271,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
             "DeepSpeed's arguments; used for Adam/AdamW with offload_optimizer",
             "zerostack.optim.CPUAdam",
         ),
-        "deepspeed.ops.adam.FusedAdam": _no(
-            "torch's fused AdamW, which the config's optimizer block builds"
+        "deepspeed.ops.adam.FusedAdam": _served(
+            "torch's Adam with DeepSpeed's arguments (decoupled decay when adam_w_mode)"
         ),
         "deepspeed.ops.lamb.FusedLamb": _no("no LAMB: optimizer types are Adam, AdamW, SGD"),
         "deepspeed.ops.lion.DeepSpeedCPULion": _no("no Lion: pass a torch optimizer"),
@@ -273,8 +286,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         "deepspeed.runtime.lr_schedules.WarmupCosineLR": _different(
             "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupCosineLR"
         ),
-        "deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES": _different(
-            "a dict of the three schedules", "zerostack.optim.lr_schedules.SCHEDULERS"
+        "deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES": _served(
+            "the names of the three schedules"
         ),
         "deepspeed.runtime.lr_schedules.OneCycle": _no(
             "not implemented; scheduler.type refuses it"
@@ -286,11 +299,14 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
     "other modules": {
         "deepspeed.profiling.flops_profiler.get_model_profile": _works(),
         "deepspeed.profiling.flops_profiler.FlopsProfiler": _works(),
-        "deepspeed.accelerator.get_accelerator": _no(
-            "no accelerator layer: use `engine.device` and torch"
+        "deepspeed.accelerator.get_accelerator": _served(
+            "the device calls the libraries make, over torch"
         ),
-        "deepspeed.checkpoint.utils.clone_tensors_for_torch_save": _no(
-            "checkpoints are safetensors files written by the engine"
+        "deepspeed.checkpoint.utils.clone_tensors_for_torch_save": _served(
+            "detached copies on the device given"
+        ),
+        "deepspeed.runtime.base_optimizer.DeepSpeedOptimizer": _served(
+            "a class nothing is an instance of: optimizers are torch's"
         ),
         "deepspeed.runtime.utils.move_to_device": _no("use torch's `.to(device)`"),
         "deepspeed.runtime.utils.see_memory_usage": _no("use `engine.memory_breakdown()`"),
@@ -404,6 +420,12 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         ),
     },
 }
+
+
+for _section in DEEPSPEED_API.values():
+    for _name, _entry in _section.items():
+        if _entry.ours == _SERVED:
+            _section[_name] = Api(_entry.status, _entry.note, "zerostack.compat." + _name)
 
 
 def entries() -> dict[str, Api]:

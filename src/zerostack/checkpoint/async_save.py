@@ -237,11 +237,13 @@ def _complete(job: _Job, records: list[dict]) -> None:
     """Rank 0, every rank's file written and verified: the manifest, the rename, ``latest``."""
     manifest = job.base
     excluded: set[str] = set()
+    frozen: set[str] = set()
     for rec in records:
         manifest["params"].update(rec.pop("params"))
         manifest["tp_specs"].update(rec.pop("specs"))
         excluded.update(rec.pop("excluded"))
-    manifest["excluded"] = sorted(excluded)
+        frozen.update(rec.pop("frozen"))
+    manifest["excluded"], manifest["frozen"] = sorted(excluded), sorted(frozen)
     manifest["aliases"] = {a: n for a, n in manifest["aliases"].items() if n not in excluded}
     manifest["files"] = records
     _atomic_write(os.path.join(job.folder, MANIFEST), json.dumps(manifest, indent=1))

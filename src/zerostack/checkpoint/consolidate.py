@@ -62,3 +62,25 @@ def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
     os.replace(tmp, out)
     return out
+
+
+def full_state_dict(ckpt_dir: str, *, tag=None, exclude_frozen: bool = False) -> dict:
+    """The checkpoint's full weights in memory: every parameter whole in fp32 (tp slices joined,
+    tied weights under each of their names, as the module's ``state_dict``), and the buffers in
+    their own dtype. ``exclude_frozen``: leave out parameters saved with
+    ``requires_grad=False``. Every tensor is checked against its sha256 as it is read."""
+    folder, manifest = read_manifest(ckpt_dir, tag)
+    if exclude_frozen and "frozen" not in manifest:
+        raise CheckpointError(
+            f"{folder}: the manifest does not record which parameters were frozen (an older "
+            f"checkpoint); save with exclude_frozen_parameters=True to leave them out"
+        )
+    reader = _Reader(folder, manifest)
+    skip = set(manifest.get("frozen", [])) if exclude_frozen else set()
+    out = {name: reader.full(name) for name in manifest["params"] if name not in skip}
+    for alias, name in manifest["aliases"].items():
+        if name in out:
+            out[alias] = out[name]
+    for name, file in sorted(reader.buffers.items()):
+        out[name] = reader.get(file, f"buffer/{name}")
+    return out

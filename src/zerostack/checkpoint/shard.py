@@ -115,6 +115,7 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
             n: list(partition_spec(p)) for p, n in names.items() if partition_spec(p) is not None
         },
         "excluded": sorted(excluded),
+        "frozen": sorted(n for p, n in names.items() if not p.requires_grad),
     }
     return out
 

@@ -5,7 +5,8 @@ A tag folder holds one safetensors file per rank and ``manifest.json``::
     global_step40/
       manifest.json           layout, counters, loss scaler, LR schedule, optimizer groups,
                               data-loader position, frozen parameters left out (``excluded``,
-                              exclude_frozen_parameters), and per file: size, per tensor: sha256
+                              exclude_frozen_parameters) and those written (``frozen``), and
+                              per file: size, per tensor: sha256
       rank00000.safetensors   master/<name>@<lo>, exp_avg/<name>@<lo>, ... rng/cpu, buffer/...
 
 A tensor ``<kind>/<name>@<lo>`` holds elements ``[lo, hi)`` of parameter ``name`` flattened (its
@@ -205,10 +206,12 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
     params: dict[str, list[int]] = {}
     specs: dict[str, list[int]] = {}
     excluded: set[str] = set()
+    frozen: set[str] = set()
     for rec in records:
         params.update(rec.pop("params"))
         specs.update(rec.pop("specs"))
         excluded.update(rec.pop("excluded"))
+        frozen.update(rec.pop("frozen"))
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {  # a tied weight under its other names, for a plain load_state_dict
         n: canonical[id(t)]
@@ -231,6 +234,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
         },
         "params": params,
         "excluded": sorted(excluded),  # frozen parameters left out (exclude_frozen_parameters)
+        "frozen": sorted(frozen),  # parameters with requires_grad=False that were written
         "tp_specs": specs,
         "counters": engine.training_state(),
         "loss_scaler": engine.loss_scaler.state_dict(),
