@@ -14,7 +14,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from zerostack.config_keys import DEEPSPEED_KEYS, NESTED_NO_EFFECT  # noqa: E402
+from zerostack.config_keys import (  # noqa: E402
+    DEEPSPEED_KEYS,
+    DEFAULT_DIFFERENCES,
+    NESTED_NO_EFFECT,
+)
 
 
 def table() -> str:
@@ -34,6 +38,14 @@ def table() -> str:
         "|---|---|",
     ]
     lines += [f"| `{path}` | {why} |" for path, why in NESTED_NO_EFFECT.items()]
+    lines += [
+        "",
+        "Defaults are DeepSpeed 0.19.8's (`gradient_clipping` is 1.0), but for these:",
+        "",
+        "| key | zerostack's default, and why |",
+        "|---|---|",
+    ]
+    lines += [f"| `{key}` | {why} |" for key, why in DEFAULT_DIFFERENCES.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -58,6 +58,7 @@ def _config(stage: int, precision: str = "fp32", **extra) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 10_000,

@@ -187,6 +187,28 @@ MUTANTS = [
         (f"{DSN}::test_small_modules",),
     ),
     Mutant(
+        "gradient_clipping defaults to 0 (DeepSpeed clips at 1.0)",
+        "config.py",
+        "    gradient_clipping: NonNegFloat = 1.0",
+        "    gradient_clipping: NonNegFloat = 0.0",
+        ("tests/test_deepspeed_defaults.py::test_defaults_equal_deepspeeds_but_the_named_differences",),
+    ),
+    Mutant(
+        "WarmupLR without warmup_max_lr warms up to 0.001, not the optimizer's lr",
+        "optim/lr_schedules.py",
+        'warmup_max_lr = [group["lr"] for group in optimizer.param_groups]',
+        "warmup_max_lr = 0.001",
+        ("tests/test_lr_schedules.py::test_warmup_lr_without_a_max_warms_up_to_each_groups_own_lr",),
+    ),
+    Mutant(
+        "stage 1-2 grad norm over whole buckets (another sum order than DeepSpeed's)",
+        "zero/sharded_optimizer.py",
+        "            st.master.grad[lo:hi]\n            for st in self.buckets\n"
+        "            for lo, hi, p in st.segments\n            if hi > lo and p not in skip\n",
+        "            st.master.grad\n            for st in self.buckets\n",
+        (f"{T_HF_TRAINER}[zero2_gas2]",),
+    ),
+    Mutant(
         "the Trainer's loss divided twice at accumulation 2 (scale_wrt_gas ignored)",
         "engine.py",
         "gas = self._gas if scale_wrt_gas else 1",

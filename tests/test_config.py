@@ -130,7 +130,7 @@ def test_defaults_match_deepspeed():
     assert cfg.train_micro_batch_size_per_gpu is None
     assert cfg.gradient_accumulation_steps is None
     assert cfg.steps_per_print == 10
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # runtime/constants.py: GRADIENT_CLIPPING_DEFAULT
     assert cfg.seed == 0  # DeepSpeed's DistributedSampler seed
     assert cfg.wall_clock_breakdown is False
     assert cfg.dataloader_drop_last is False
@@ -194,15 +194,17 @@ def test_optimizer_and_scheduler_param_defaults():
     sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}).optimizer.params
     assert isinstance(sgd, SGDParams)
     assert (sgd.momentum, sgd.dampening, sgd.weight_decay, sgd.nesterov) == (0, 0, 0, False)
+    assert load_config({"optimizer": {"type": "SGD"}}).optimizer.params.lr == 0.001  # torch's
 
-    warm = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000}
+    # WarmupLR warms up to each group's own lr (None), WarmupDecayLR to 0.001: DeepSpeed's
+    warm = {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000}
     warm |= {"warmup_type": "log", "last_batch_iteration": -1}
     sched = load_config({"scheduler": {"type": "WarmupLR"}}).scheduler.params
     assert sched.model_dump() == warm
     sched = {"type": "WarmupDecayLR", "params": {"total_num_steps": 2000}}
     decay = load_config({"scheduler": sched}).scheduler.params
     assert isinstance(decay, WarmupDecayLRParams)
-    assert decay.model_dump() == warm | {"total_num_steps": 2000}
+    assert decay.model_dump() == warm | {"total_num_steps": 2000, "warmup_max_lr": 0.001}
     sched = {"type": "WarmupCosineLR", "params": {"total_num_steps": 2000}}
     cosine = load_config({"scheduler": sched}).scheduler.params
     assert isinstance(cosine, WarmupCosineLRParams)
@@ -532,7 +534,6 @@ BAD_CONFIGS = [
     ),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type", "'OneBitAdam' is not supported"),
     ({"optimizer": {"params": {"lr": 0.1}}}, "optimizer.type", "required key is missing"),
-    ({"optimizer": {"type": "SGD"}}, "optimizer.params.lr", "required key is missing"),
     (opt("SGD", lr=0.1, nesterov=True), "optimizer.params.nesterov", "requires momentum > 0"),
     (
         sched("OneCycle"),

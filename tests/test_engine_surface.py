@@ -82,6 +82,7 @@ def _surface(rank, world, stage, offload, tp, root):
     per = B // dp // GAS
     config = {
         "train_micro_batch_size_per_gpu": per,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "zero_optimization": zero,
@@ -252,6 +253,7 @@ def test_full_values_match_single_process(case, tmp_path):
 def _fp16_grads(rank, world, stage):
     config = {
         "train_micro_batch_size_per_gpu": B // world,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "fp16": {"enabled": True, "initial_scale_power": 8},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -304,6 +306,7 @@ class Net(nn.Module):
 def _net_config(world, stage, lr=0.1, gas=1, **extra):
     return {
         "train_micro_batch_size_per_gpu": B // world // gas,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -421,6 +424,7 @@ def _save16(rank, world, root, stage):
     gather = {"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {}
     config = {
         "train_micro_batch_size_per_gpu": B // world,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **gather},

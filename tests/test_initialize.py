@@ -43,7 +43,11 @@ def _train_groups(rank, world, how, frozen=False, stage=0):
     if frozen:
         model.blocks[0].requires_grad_(False)
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    cfg = {"train_micro_batch_size_per_gpu": 8 // world, "zero_optimization": zero}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8 // world,
+        "gradient_clipping": 0.0,  # the reference does not clip
+        "zero_optimization": zero,
+    }
     if how == "model_parameters":
         engine, opt, _, _ = zerostack.initialize(
             model=model, model_parameters=_groups(model), config={**cfg, "optimizer": OPT}

@@ -92,6 +92,23 @@ def test_warmup_lr_per_group_lists():
         assert group_lrs(opt) == pytest.approx([1.0 * g, 0.1 + 1.9 * g], rel=REL)
 
 
+def test_warmup_lr_without_a_max_warms_up_to_each_groups_own_lr():
+    """DeepSpeed's WarmupLR: warmup_max_lr None is the optimizer's lr, per group; WarmupDecayLR
+    keeps its 0.001."""
+    opt = make_opt((0.1, 0.3))
+    s = WarmupLR(opt, warmup_num_steps=4)
+    assert group_lrs(opt) == [0.0, 0.0]
+    for it in range(6):
+        s.step()
+        g = warmup_gamma(it, 4, "log")
+        assert group_lrs(opt) == pytest.approx([0.1 * g, 0.3 * g], rel=REL)
+    assert group_lrs(opt) == [0.1, 0.3]
+    d = WarmupDecayLR(make_opt((0.1,)), 100, warmup_num_steps=2)
+    d.step()
+    d.step()
+    assert group_lrs(d.optimizer) == pytest.approx([0.001], rel=REL)  # warmed up, not decayed
+
+
 def test_warmup_decay_sequence_reaches_zero():
     opt = make_opt((0.1, 0.3))
     total, n = 20, 5

@@ -429,6 +429,7 @@ def _every_schedule(rank, world):
         )
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
             "gradient_accumulation_steps": m,
             "optimizer": {"type": "SGD", "params": {"lr": LR}},
             "pipeline": {"schedule": name, "virtual_stages": v},
@@ -506,6 +507,7 @@ def test_a_schedule_the_simulator_refuses_is_a_config_error_at_initialize(monkey
     cfg = load_config(
         {
             "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
             "gradient_accumulation_steps": 3,
             "pipeline": {"schedule": "interleaved", "virtual_stages": 2},
         }

@@ -208,6 +208,7 @@ def _reference(case: str, optimizer: str, gas: int, loss_factor: float = 1.0) ->
 def _train(rank: int, world: int, case: str, optimizer: str, gas: int) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": B // world,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
         "zero_optimization": {

@@ -167,6 +167,7 @@ def _train(
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_optimization": {
             "stage": 3,

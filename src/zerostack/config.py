@@ -238,8 +238,8 @@ class AdamParams(_Model):
 class SGDParams(_Model):
     """``optimizer.params`` for SGD (torch.optim.SGD arguments)."""
 
-    lr: NonNegFloat
-    """Learning rate (required)."""
+    lr: NonNegFloat = 0.001
+    """Learning rate (torch's default, which DeepSpeed passes on)."""
     momentum: NonNegFloat = 0.0
     """Momentum factor."""
     dampening: float = 0.0
@@ -261,8 +261,9 @@ class WarmupLRParams(_Model):
 
     warmup_min_lr: NonNegFloat = 0.0
     """Learning rate at the start of the warmup."""
-    warmup_max_lr: NonNegFloat = 0.001
-    """Learning rate at the end of the warmup."""
+    warmup_max_lr: NonNegFloat | None = None
+    """Learning rate at the end of the warmup; None: each param group's own lr, as DeepSpeed's
+    WarmupLR."""
     warmup_num_steps: NonNegInt = 1000
     """Number of warmup steps (the scheduler uses at least 2, as DeepSpeed does)."""
     warmup_type: WarmupType = "log"
@@ -276,6 +277,8 @@ class WarmupDecayLRParams(WarmupLRParams):
 
     total_num_steps: PositiveInt
     """Step at which the learning rate reaches 0 (required, >= warmup_num_steps)."""
+    warmup_max_lr: NonNegFloat = 0.001
+    """Learning rate at the end of the warmup (DeepSpeed's WarmupDecayLR default)."""
 
     @model_validator(mode="after")
     def _total_after_warmup(self) -> "WarmupDecayLRParams":
@@ -919,8 +922,9 @@ class ZeroStackConfig(_Model):
     """Print a progress line on rank 0 every this many optimizer steps (to the "zerostack"
     logger when logging shows INFO, else to stdout) and flush the monitors; ``inf`` (as
     Accelerate sets it) never prints, and the monitors flush when they close."""
-    gradient_clipping: NonNegFloat = 0.0
-    """Clip the global gradient norm to this value; 0 means no clipping."""
+    gradient_clipping: NonNegFloat = 1.0
+    """Clip the global gradient norm to this value; 0 means no clipping. 1.0 by default, as
+    DeepSpeed."""
     seed: NonNegInt = 0
     """Seed of the order in which the engine's data loader (``initialize(training_data=...)``)
     shuffles the dataset each epoch; 0, as DeepSpeed's DistributedSampler. It seeds nothing else

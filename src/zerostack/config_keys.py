@@ -87,7 +87,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     ),
     "steps_per_print": _works("the progress line on rank 0; inf (as Accelerate sets it): never"),
     "gradient_clipping": _works(
-        "global-norm clipping; default 0: off, where DeepSpeed 0.19.8's is 1.0"
+        "global-norm clipping; default 1.0, as DeepSpeed 0.19.8 (0: off)"
     ),
     "prescale_gradients": _works("divide by dp before the reduction"),
     "gradient_predivide_factor": _works("divide by it before the reduction, by dp / it after"),
@@ -232,6 +232,33 @@ NESTED_NO_EFFECT: dict[str, str] = {
     **{f"zero_optimization.offload_param.{k}": v for k, v in _OFFLOAD_NO_EFFECT.items()},
 }
 """Keys inside zerostack's blocks (dotted paths) accepted with no effect, and why."""
+
+
+_PIN = (
+    "pinning needs CUDA, and zerostack's GPU path has not run on a GPU yet (issue 37); set it "
+    "on GPUs"
+)
+DEFAULT_DIFFERENCES: dict[str, str] = {
+    "steps_per_print": (
+        "10 (DeepSpeed None): the progress line is also when the monitors flush their files, "
+        "and a run that never flushes loses its metrics when it crashes; `null` or `inf` is "
+        "DeepSpeed's silence"
+    ),
+    "pipeline.partition": (
+        "'parameters' (DeepSpeed 'best'): the key must agree with the PipelineModule, whose "
+        "partition_method defaults to 'parameters' in DeepSpeed too; there is no 'best' here"
+    ),
+    "zero_optimization.offload_optimizer.pin_memory": f"False (DeepSpeed True): {_PIN}",
+    "zero_optimization.offload_param.pin_memory": f"False (DeepSpeed True): {_PIN}",
+    "zero_optimization.offload_param.buffer_count": (
+        "4 (DeepSpeed 5): one model serves both offload blocks, and offload_optimizer's is 4"
+    ),
+    "checkpoint.tag_validation": (
+        "'Warn' (DeepSpeed 'WARN'): the same setting (either spelling is read); no effect here"
+    ),
+}
+"""Config keys whose default is not DeepSpeed 0.19.8's, with why (tests/test_deepspeed_defaults.py
+holds every other default to DeepSpeed's)."""
 
 
 def unsupported_error(key: str) -> str:

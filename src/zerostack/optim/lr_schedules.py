@@ -106,11 +106,13 @@ class WarmupLR(_Scheduler):
         self,
         optimizer: Any,
         warmup_min_lr: float | list[float] = 0.0,
-        warmup_max_lr: float | list[float] = 0.001,
+        warmup_max_lr: float | list[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
+        if warmup_max_lr is None:  # each group's own lr, as DeepSpeed's WarmupLR
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
