@@ -23,6 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "hf_trainer.py")
+ACCELERATE_SCRIPT = os.path.join(ROOT, "examples", "accelerate_loop.py")
 STEPS = 4
 
 CASES: dict[str, dict] = {
@@ -73,6 +74,46 @@ def ds_config(stage: int, blocks: bool = True, offload: bool = False, **_) -> di
     return config
 
 
+ACCELERATE_CASES = {
+    "accelerate_zero3_gas1": {"stage": 3, "gas": 1},
+    "accelerate_zero2_gas2": {"stage": 2, "gas": 2},
+}
+"""examples/accelerate_loop.py: Accelerate's own loop with a DeepSpeedPlugin (4 steps, AdamW)."""
+
+
+def _torchrun(engine: str, script: str, args: list[str], timeout: float, ranks: int = 2) -> dict:
+    """Rank 0's ``RESULT`` of ``script`` on ``ranks`` ranks (under the runner for zerostack).
+    Raises with the output when the run fails."""
+    runner = ["-m", "zerostack.as_deepspeed"] if engine == "zerostack" else []
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks), *runner, script, *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT {")]
+    # DeepSpeed itself sometimes aborts at exit, after the script's end ("terminate called
+    # without an active exception": a gloo group destroyed while a peer still runs); its
+    # results stand. zerostack's runner must exit 0.
+    aborted_after = engine == "deepspeed" and lines and "terminate called" in done.stderr
+    if (done.returncode != 0 and not aborted_after) or not lines:
+        raise RuntimeError(
+            f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
+    return lines[0]
+
+
+def run_accelerate(
+    engine: str, case: dict, out: str, *, save_at: int = 0, resume: bool = False
+) -> dict:
+    """One case of examples/accelerate_loop.py; ``save_at`` steps then ``save_state``, or with
+    ``resume``, ``load_state`` from ``out`` and the steps after ``save_at``."""
+    args = ["--stage", str(case["stage"]), "--gas", str(case["gas"]), "--out", out]
+    args += ["--save_at", str(save_at)] if save_at else []
+    args += ["--resume"] if resume else []
+    return _torchrun(engine, ACCELERATE_SCRIPT, args, timeout=300)
+
+
 def run(
     engine: str,
     case: dict,
@@ -92,31 +133,15 @@ def run(
     path = os.path.join(out, "ds_config.json")
     with open(path, "w") as f:
         json.dump(ds_config(**case), f)
-    runner = ["-m", "zerostack.as_deepspeed"] if engine == "zerostack" else []
-    ranks, micro = ("1", "4") if engine == "single" else ("2", "2")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", ranks,
-        *runner, SCRIPT, "--out", out, "--steps", str(steps), "--gas", str(case["gas"]),
-        "--micro", micro,
-    ]
-    cmd += [] if engine == "single" else ["--deepspeed", path]
-    cmd += ["--max_grad_norm", str(case.get("clip", 0.0))]
-    cmd += ["--reload"] if case.get("reload") else []
-    cmd += ["--bf16"] if case.get("bf16") else []
-    cmd += ["--save_steps", str(save_steps)] if save_steps else []
-    cmd += ["--resume", resume] if resume else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT {")]
-    # DeepSpeed itself sometimes aborts at exit, after the script's end ("terminate called
-    # without an active exception": a gloo group destroyed while a peer still runs); its
-    # results stand. zerostack's runner must exit 0.
-    aborted_after = engine == "deepspeed" and lines and "terminate called" in done.stderr
-    if (done.returncode != 0 and not aborted_after) or not lines:
-        raise RuntimeError(
-            f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-        )
-    return lines[0]
+    ranks, micro = (1, "4") if engine == "single" else (2, "2")
+    args = ["--out", out, "--steps", str(steps), "--gas", str(case["gas"]), "--micro", micro]
+    args += [] if engine == "single" else ["--deepspeed", path]
+    args += ["--max_grad_norm", str(case.get("clip", 0.0))]
+    args += ["--reload"] if case.get("reload") else []
+    args += ["--bf16"] if case.get("bf16") else []
+    args += ["--save_steps", str(save_steps)] if save_steps else []
+    args += ["--resume", resume] if resume else []
+    return _torchrun(engine, SCRIPT, args, timeout, ranks)
 
 
 def main(argv=None) -> int:
@@ -132,6 +157,18 @@ def main(argv=None) -> int:
             if args.k in name:
                 results[name] = run(args.engine, case, os.path.join(tmp, name))
                 print(name, json.dumps(results[name]), flush=True)
+        for name, case in ACCELERATE_CASES.items():
+            if args.k in name:
+                results[name] = run_accelerate(args.engine, case, os.path.join(tmp, name))
+                print(name, json.dumps(results[name]), flush=True)
+        if args.k in "accelerate_zero2_gas2_resumed":
+            out = os.path.join(tmp, "accelerate_resume")
+            case = ACCELERATE_CASES["accelerate_zero2_gas2"]
+            run_accelerate(args.engine, case, out, save_at=2)
+            results["accelerate_zero2_gas2_resumed"] = run_accelerate(
+                args.engine, case, out, save_at=2, resume=True
+            )
+            print("accelerate_zero2_gas2_resumed", results["accelerate_zero2_gas2_resumed"])
         if args.k in "zero3_gas2_resumed":  # zero3_gas2 saved at step 2, resumed to step 4
             case = CASES["zero3_gas2"]
             first = os.path.join(tmp, "resume")
@@ -146,8 +183,9 @@ def main(argv=None) -> int:
 
         old = json.load(open(args.write))["results"] if os.path.exists(args.write) else {}
         record = {  # with -k, the other cases' results are kept
-            "command": " ".join(
-                ["DS_ACCELERATOR=cpu", os.path.relpath(sys.executable, ROOT), *sys.argv]
+            "command": " ".join(  # all cases (-k re-records some, keeping the others)
+                ["DS_ACCELERATOR=cpu", os.path.relpath(sys.executable, ROOT), sys.argv[0]]
+                + ["--engine", args.engine, "--write", args.write]
             ),
             "versions": {
                 p: md.version(p) for p in ("deepspeed", "transformers", "accelerate", "torch")
@@ -170,8 +208,9 @@ def table(results: dict, golden: dict) -> str:
         want = golden.get(name)
         if want is None:
             continue
+        loss = (lambda x: x) if name.startswith("accelerate") else (lambda x: x[1])
         pairs = zip(got["losses"], want["losses"], strict=True)
-        diffs = [abs(a[1] - b[1]) / abs(b[1]) for a, b in pairs]
+        diffs = [abs(loss(a) - loss(b)) / abs(loss(b)) for a, b in pairs]
         reload = "-"
         if "reload_loss" in want:
             reload = f"{abs(got['reload_loss'] - want['reload_loss']) / want['reload_loss']:.1e}"

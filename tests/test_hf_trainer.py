@@ -1,4 +1,5 @@
 """An unmodified Hugging Face ``Trainer`` script written for DeepSpeed (examples/hf_trainer.py),
+and an Accelerate loop written for DeepSpeed's plugin (examples/accelerate_loop.py),
 run as ``torchrun --nproc_per_node 2 -m zerostack.as_deepspeed examples/hf_trainer.py
 --deepspeed ds.json``, against DeepSpeed 0.19.8 running the same script (its losses recorded once
 in tests/golden/hf_trainer.json, with the command that produced them) and against one process.
@@ -33,7 +34,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from hf_trainer_runs import CASES, run  # noqa: E402
+from hf_trainer_runs import ACCELERATE_CASES, CASES, run, run_accelerate  # noqa: E402
 
 GOLDEN = json.load(open(os.path.join(ROOT, "tests", "golden", "hf_trainer.json")))
 TOL, TOL_BF16, TOL_BF16_NORM, TOL_SINGLE = 1e-6, 5e-5, 5e-4, 1e-5
@@ -56,7 +57,8 @@ def _assert_losses(got: dict, want: dict, tol: float, norm_tol: float | None = N
 def test_golden_figures_are_deepspeeds():
     assert GOLDEN["versions"]["deepspeed"] == "0.19.8"
     assert GOLDEN["command"].startswith("DS_ACCELERATOR=cpu .peers/bin/python scripts/hf_trainer")
-    assert set(GOLDEN["results"]) == {*CASES, "zero3_gas2_resumed"}
+    resumed = {"zero3_gas2_resumed", "accelerate_zero2_gas2_resumed"}
+    assert set(GOLDEN["results"]) == {*CASES, *ACCELERATE_CASES, *resumed}
 
 
 FAST = {"zero3_gas2"}
@@ -92,3 +94,29 @@ def test_trainer_losses_equal_one_process(tmp_path):
     case = CASES["zero2_torch_optimizer"]
     single = run("single", case, str(tmp_path / "single"))
     _assert_losses(run("zerostack", case, str(tmp_path / "zs")), single, TOL_SINGLE)
+
+
+# ------------------------------------------- Accelerate's own loop (examples/accelerate_loop.py)
+def _assert_plain_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    assert all(_rel(a, b) <= TOL for a, b in zip(got, want, strict=True)), (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ACCELERATE_CASES))
+def test_accelerate_loop_losses_equal_deepspeeds(name, tmp_path):
+    got = run_accelerate("zerostack", ACCELERATE_CASES[name], str(tmp_path))
+    _assert_plain_losses(got["losses"], GOLDEN["results"][name]["losses"])
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_then_load_state_continues_bit_for_bit(tmp_path):
+    case = ACCELERATE_CASES["accelerate_zero2_gas2"]
+    whole = run_accelerate("zerostack", case, str(tmp_path / "whole"))
+    out = str(tmp_path / "saved")
+    run_accelerate("zerostack", case, out, save_at=2)
+    resumed = run_accelerate("zerostack", case, out, save_at=2, resume=True)
+    assert resumed["losses"] == whole["losses"][2:]
+    _assert_plain_losses(
+        resumed["losses"], GOLDEN["results"]["accelerate_zero2_gas2_resumed"]["losses"]
+    )
