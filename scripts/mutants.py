@@ -1574,7 +1574,7 @@ MUTANTS = [
         "api table: zerostack grows a name the table says is not supported",
         "utils.py",
         "from .full_params import engine_of\n",
-        "from .full_params import engine_of\n\ngroups = None\n",
+        "from .full_params import engine_of\n\nOnDevice = None\n",
         (
             "tests/test_api_surface.py::test_names_that_work_or_differ_resolve_and_unsupported_ones_do_not",
         ),
