@@ -95,6 +95,11 @@ def _train(rank, world, stage, gas, optimizer, poison=False):
             lo = micro * B + rank * n
             engine.backward(engine(x[lo : lo + n], y[lo : lo + n]))
             engine.step()
+    if poison:  # nothing a reused buffer held reached the flat masters or their Adam moments,
+        # padding included (the gradient norm, summed parameter by parameter, would not show it)
+        flat = [*engine.zero.masters()]
+        flat += [t for m in flat for t in engine.optimizer.state[m].values() if t.dim() > 0]
+        assert all(torch.isfinite(t).all() for t in flat)
     return engine.full_state_dict()
 
 
