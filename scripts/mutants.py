@@ -209,6 +209,17 @@ MUTANTS = [
         (f"{T_HF_TRAINER}[zero2_gas2]",),
     ),
     Mutant(
+        "load_checkpoint leaves the optimizer state out (Accelerate load_state, Trainer resume)",
+        "checkpoint/restore.py",
+        "with_state = load_optimizer_states and not load_module_only",
+        "with_state = False",
+        (
+            "tests/test_hf_trainer.py::"
+            "test_accelerate_save_state_then_load_state_continues_bit_for_bit",
+            "tests/test_hf_trainer.py::test_resume_from_checkpoint_continues_bit_for_bit",
+        ),
+    ),
+    Mutant(
         "the Trainer's loss divided twice at accumulation 2 (scale_wrt_gas ignored)",
         "engine.py",
         "gas = self._gas if scale_wrt_gas else 1",

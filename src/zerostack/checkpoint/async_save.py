@@ -49,6 +49,7 @@ from .state import (
     _manifest,
     _sha256,
     _write_file,
+    merge_records,
     split_client_state,
 )
 
@@ -235,15 +236,9 @@ def _wait(store, keys: list[str]) -> list[str]:
 
 def _complete(job: _Job, records: list[dict]) -> None:
     """Rank 0, every rank's file written and verified: the manifest, the rename, ``latest``."""
-    manifest = job.base
-    excluded: set[str] = set()
-    frozen: set[str] = set()
-    for rec in records:
-        manifest["params"].update(rec.pop("params"))
-        manifest["tp_specs"].update(rec.pop("specs"))
-        excluded.update(rec.pop("excluded"))
-        frozen.update(rec.pop("frozen"))
-    manifest["excluded"], manifest["frozen"] = sorted(excluded), sorted(frozen)
+    manifest = job.base  # made with no records: merged here, once every rank has written
+    manifest.update(merge_records(records))
+    excluded = set(manifest["excluded"])
     manifest["aliases"] = {a: n for a, n in manifest["aliases"].items() if n not in excluded}
     manifest["files"] = records
     _atomic_write(os.path.join(job.folder, MANIFEST), json.dumps(manifest, indent=1))

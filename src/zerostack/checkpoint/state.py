@@ -189,6 +189,28 @@ def _publish(
         _atomic_write(os.path.join(latest_dir, LATEST), tag)
 
 
+def merge_records(records: list[dict]) -> dict:
+    """What every rank's record says of the parameters, taken out of the records for the
+    manifest: full shapes (tp slices joined) and how each tp-split parameter is cut (with a
+    pipeline, each stage knows only its own parameters), the frozen parameters left out
+    (``excluded``, exclude_frozen_parameters) and those written (``frozen``)."""
+    params: dict[str, list[int]] = {}
+    specs: dict[str, list[int]] = {}
+    excluded: set[str] = set()
+    frozen: set[str] = set()
+    for rec in records:
+        params.update(rec.pop("params"))
+        specs.update(rec.pop("specs"))
+        excluded.update(rec.pop("excluded"))
+        frozen.update(rec.pop("frozen"))
+    return {
+        "params": params,
+        "excluded": sorted(excluded),
+        "frozen": sorted(frozen),
+        "tp_specs": specs,
+    }
+
+
 def _manifest(engine, tag: str, records: list[dict], client_state, client_record=None) -> dict:
     topo, zero_cfg = engine.topology, engine.config.zero_optimization
     groups = []
@@ -201,17 +223,8 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
                 break
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
-    # Full shapes (tp slices joined) and how each tp-split parameter is cut, from every rank's
-    # record (with a pipeline, each stage knows only its own parameters).
-    params: dict[str, list[int]] = {}
-    specs: dict[str, list[int]] = {}
-    excluded: set[str] = set()
-    frozen: set[str] = set()
-    for rec in records:
-        params.update(rec.pop("params"))
-        specs.update(rec.pop("specs"))
-        excluded.update(rec.pop("excluded"))
-        frozen.update(rec.pop("frozen"))
+    merged = merge_records(records)
+    excluded = set(merged["excluded"])
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {  # a tied weight under its other names, for a plain load_state_dict
         n: canonical[id(t)]
@@ -232,10 +245,7 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
             "zero_stage": zero_cfg.stage,
             "precision": engine.precision.name,
         },
-        "params": params,
-        "excluded": sorted(excluded),  # frozen parameters left out (exclude_frozen_parameters)
-        "frozen": sorted(frozen),  # parameters with requires_grad=False that were written
-        "tp_specs": specs,
+        **merged,
         "counters": engine.training_state(),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": (

@@ -14,6 +14,7 @@ import os
 import torch
 
 from zerostack.checkpoint import full_state_dict
+from zerostack.checkpoint.state import _atomic_replace, _atomic_write
 
 from .logging import logger
 
@@ -105,20 +106,13 @@ def convert_zero_checkpoint_to_state_dict(
                 if id(v) in seen:
                     part[k] = v.clone()
                 seen.add(id(v))
-            _replace(os.path.join(output_dir, file), lambda p, t=part: save_file(t, p, _PT))
+            _atomic_replace(os.path.join(output_dir, file), lambda p, t=part: save_file(t, p, _PT))
         else:
-            _replace(os.path.join(output_dir, file), lambda p, t=part: torch.save(t, p))
+            _atomic_replace(os.path.join(output_dir, file), lambda p, t=part: torch.save(t, p))
     if index is not None:
-        index_name = f"{name}.index.json"
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        _replace(os.path.join(output_dir, index_name), lambda p: open(p, "w").write(text))
+        _atomic_write(os.path.join(output_dir, f"{name}.index.json"), text)
     logger.info(f"wrote {len(state)} tensors in {len(shards)} file(s) to {output_dir}")
-
-
-def _replace(path: str, write) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
