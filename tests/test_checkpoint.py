@@ -464,6 +464,66 @@ def test_client_state_is_json_and_tensors_checked(tmp_path):
     assert len(errors) == 3
 
 
+def _pickled_client_state(rank, world, root):
+    from fractions import Fraction
+
+    plain, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(world, 0))
+    opted = _config(world, 0)
+    opted["checkpoint"] = {"pickled_client_state": True}
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=opted)
+    # "a/b" and a/b name two tensors: their keys must not collide
+    state = {
+        "hp": {"frac": Fraction(1, 3)},
+        "ids": {1: "x"},
+        "a/b": torch.ones(2),
+        "a": {"b": torch.zeros(2)},
+    }
+    errors = []
+    try:
+        plain.save_checkpoint(root, tag="refused", client_state=state)
+    except CheckpointError as exc:
+        errors.append(str(exc))
+    engine.save_checkpoint(root, tag="pickled", client_state=state)
+    _, back = engine.load_checkpoint(root, tag="pickled")
+    try:
+        plain.load_checkpoint(root, tag="pickled")
+    except CheckpointError as exc:
+        errors.append(str(exc))
+    path = os.path.join(root, "pickled", "client_state.pickle")
+    with open(path, "r+b") as f:  # one byte changed
+        head = f.read(1)
+        f.seek(0)
+        f.write(bytes([head[0] ^ 1]))
+    try:
+        engine.load_checkpoint(root, tag="pickled")
+    except CheckpointError as exc:
+        errors.append(str(exc))
+    return errors, back, sorted(os.listdir(os.path.join(root, "pickled"))), path
+
+
+def test_pickled_client_state_is_opt_in_and_verified(tmp_path):
+    """What JSON cannot hold is refused by default, pickled into its own sha256-checked file when
+    the config opts in, and unpickled only by a config that opts in too."""
+    from fractions import Fraction
+
+    errors, back, files, path = run_distributed(_pickled_client_state, 1, args=(str(tmp_path),))[0]
+    assert errors[0] == (
+        "client_state['hp/frac']: not JSON-serialisable or a tensor (Object of type Fraction is "
+        "not JSON serializable); store it as JSON or tensors, or set "
+        "checkpoint.pickled_client_state: true to pickle it"
+    )
+    assert errors[1].startswith(f"{path}: client_state holds pickled values and unpickling")
+    assert errors[1].endswith(
+        "set checkpoint.pickled_client_state: true to load them (only for checkpoints you trust)"
+    )
+    assert errors[2] == f"{path}: checksum mismatch"
+    assert len(errors) == 3
+    assert back["hp"]["frac"] == Fraction(1, 3) and back["ids"] == {1: "x"}
+    assert torch.equal(back["a/b"], torch.ones(2)) and torch.equal(back["a"]["b"], torch.zeros(2))
+    assert "client_state.pickle" in files and "client_state.safetensors" in files
+    assert not (tmp_path / "refused").exists()
+
+
 def _save_and_dump(rank, world, stage, root):
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(world, stage))
     _steps(engine, rank, world, 0, 2)

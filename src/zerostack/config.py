@@ -859,6 +859,12 @@ class CheckpointConfig(_Model):
     """DeepSpeed's parallel write options (no effect)."""
     writer: dict[str, Any] | None = None
     """DeepSpeed's checkpoint writer block (no effect: safetensors, one file per rank)."""
+    pickled_client_state: bool = False
+    """``save_checkpoint(client_state=...)`` values that are neither JSON nor tensors (objects
+    among a Lightning module's hyper-parameters, say) are pickled into their own file, its
+    sha256 in the manifest, and loads unpickle them; false: such a value is refused naming its
+    key, and a checkpoint holding them does not load. Unpickling runs code from the file: turn
+    it on only for checkpoints you wrote."""
 
     @model_validator(mode="after")
     def _needs_dir(self) -> "CheckpointConfig":

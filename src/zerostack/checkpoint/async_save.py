@@ -108,7 +108,7 @@ class AsyncSaver:
         every rank calls it); returns the tag's path, complete once :meth:`wait` returns."""
         self.wait()  # one save at a time; the previous one's error is raised here
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        client_state, client_tensors = split_client_state(client_state)  # snapshot copies
+        client_state, client_payload = split_client_state(engine, client_state)  # copies
         rank, world = engine.global_rank, engine.world_size
         store = default_store() if world > 1 else None
         if world > 1 and store is None:
@@ -120,7 +120,7 @@ class AsyncSaver:
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
-            record = client_write(folder, client_tensors)  # small: written now, not queued
+            record = client_write(folder, client_payload)  # small: written now, not queued
             base = json.loads(json.dumps(_manifest(engine, tag, [], client_state, record)))
         _barrier(engine.comm)  # the folder exists before any rank writes into it
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the store outlives restarts

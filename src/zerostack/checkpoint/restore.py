@@ -321,7 +321,8 @@ def _load(
             if tracker:
                 get_rng_tracker().set_states(tracker)
     tensors = manifest.get("client_tensors")
-    client_state = join_client_state(folder, manifest["client_state"], tensors)
+    pickled = engine.config.checkpoint.pickled_client_state
+    client_state = join_client_state(folder, manifest["client_state"], tensors, pickled)
     return folder, client_state, reader
 
 

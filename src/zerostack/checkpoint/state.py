@@ -18,7 +18,7 @@ overlap its own slices, checks their sha256, and copies the overlap. Writes go t
 replaced after that, so an interrupted save leaves the previous checkpoint as it was; a failed
 write on any rank (a full disk, an I/O error) makes every rank raise, and the incomplete folder is
 removed. Nothing is unpickled: tensors come from safetensors, everything else from JSON (client
-state must be JSON-serialisable).
+state too, unless the config opts in to pickling what JSON cannot hold: :mod:`.client_state`).
 
 A rank's file is streamed (:mod:`.stream`): its header is planned first, then one master
 (sub-group) at a time is read, from memory or its NVMe file, written and let go, so a save holds
@@ -119,7 +119,7 @@ def save(
     ``exclude_frozen``: leave out the parameters with ``requires_grad=False`` (the manifest
     lists them under ``excluded``; a load keeps the model's values for them)."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    client_state, client_tensors = split_client_state(client_state)
+    client_state, client_payload = split_client_state(engine, client_state)
     final = os.path.join(save_dir, tag)
     folder = os.path.join(save_dir, f".{tag}.incomplete")
     rank = engine.global_rank
@@ -128,7 +128,7 @@ def save(
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        client_record = client.write(folder, client_tensors)
+        client_record = client.write(folder, client_payload)
     _barrier(engine.comm)
     try:
         record, error = _write_shard(engine, folder, exclude_frozen), None
@@ -160,11 +160,13 @@ def _fail_together(engine, error: str | None, folder: str, final: str) -> None:
     raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
 
 
-def split_client_state(client_state) -> tuple[object, dict]:
-    """``client_state`` as JSON with tensor markers, and its tensors (:mod:`.client_state`);
-    every rank checks it, so a bad value raises everywhere before anything is written."""
+def split_client_state(engine, client_state) -> tuple[object, client.Payload]:
+    """``client_state`` as JSON with markers, and its tensors (and, where the config opts in,
+    pickled values: :mod:`.client_state`); every rank checks it, so a bad value raises
+    everywhere before anything is written."""
+    pickled = engine.config.checkpoint.pickled_client_state
     try:
-        return client.split({} if client_state is None else client_state)
+        return client.split({} if client_state is None else client_state, pickled)
     except client.ClientStateError as exc:
         raise CheckpointError(str(exc)) from None
 
