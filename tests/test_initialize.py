@@ -158,9 +158,63 @@ def test_optimizer_twice_is_an_error():
         )
 
 
-def test_no_optimizer_is_an_error():
-    with pytest.raises(ConfigError, match="^optimizer: none given"):
-        zerostack.initialize(model=tiny_gpt(), config={"train_batch_size": 2})
+def _forward_only(rank, world, stage, root):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    sgd = {"type": "SGD", "params": {"lr": 0.5}}
+    trained, *_ = zerostack.initialize(model=tiny_gpt(), config={**cfg, "optimizer": sgd})
+    x, y = batch(0, 4)
+    for _ in range(2):
+        trained.backward(trained(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+        trained.step()
+    with torch.no_grad():
+        want = trained(x, y).item()
+    trained.save_checkpoint(root)
+    engine, optimizer, _, scheduler = zerostack.initialize(model=tiny_gpt(seed=5), config=cfg)
+    engine.load_checkpoint(root)
+    with torch.no_grad():
+        got = engine(x, y).item()
+    memory = engine.memory_breakdown()
+    refusals = []
+    for call in (lambda: engine.backward(engine(x, y)), engine.step):
+        try:
+            call()
+        except RuntimeError as exc:
+            refusals.append(str(exc))
+    full = sum(p.numel() * 4 for p in tiny_gpt().parameters())
+    return want, got, optimizer, scheduler, memory, full, refusals, engine.get_lr()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_no_optimizer_is_a_forward_only_engine(stage, tmp_path):
+    """DeepSpeed's inference engine (Lightning's and Transformers' evaluation without training):
+    no optimizer anywhere gives an engine that shards as its stage says, holds no gradients or
+    masters, reads a training checkpoint's weights, and refuses backward and step."""
+    for want, got, opt, sched, memory, full, refusals, lr in run_distributed(
+        _forward_only, 2, args=(stage, str(tmp_path))
+    ):
+        assert got == want  # the trained weights, bit for bit
+        assert opt is None and sched is None and lr == []
+        assert memory == {
+            "params": full // 2 if stage == 3 else full,
+            "grads": 0,
+            "master": 0,
+            "optimizer": 0,
+        }
+        forward_only = "this engine runs forward only (initialize was given no optimizer and "
+        assert refusals == [
+            f"engine.backward(): {forward_only}the config has no optimizer block)",
+            f"engine.step(): {forward_only}the config has no optimizer block)",
+        ]
+
+
+def test_scheduler_without_optimizer_is_an_error():
+    config = {"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {}}}
+    with pytest.raises(ConfigError, match="^scheduler: given without an optimizer"):
+        zerostack.initialize(model=tiny_gpt(), config=config)
 
 
 def test_foreign_parameter_is_an_error():

@@ -86,7 +86,8 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
     "deepspeed": {
         "deepspeed.initialize": _works(
             "model, optimizer, model_parameters, training_data, lr_scheduler, config or "
-            "config_params, args.deepspeed_config; returns (engine, optimizer, loader, scheduler)"
+            "config_params, args.deepspeed_config; returns (engine, optimizer, loader, scheduler); "
+            "no optimizer at all: a forward-only engine, as DeepSpeed's"
         ),
         "deepspeed.init_distributed": _works(
             "DeepSpeed's keywords, by name (the positional order differs); gloo on CPU, NCCL on GPU"

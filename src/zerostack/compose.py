@@ -271,11 +271,14 @@ def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
         return rebind
     if callable(optimizer):
         return optimizer
-    if cfg.optimizer is None:
-        raise ConfigError("optimizer: none given; pass optimizer= or set an optimizer block")
     offload = cfg.zero_optimization.offload_optimizer
     offloaded = offload is not None and offload.device != "none"
     return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups, offload=offloaded)
+
+
+def _no_optimizer(flat_groups):
+    """A forward-only engine's optimizer: none (it has nothing to step)."""
+    return None
 
 
 def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):
@@ -344,7 +347,10 @@ def initialize(
     ``config`` is a dict, a JSON file path or a JSON string (also read from
     ``args.deepspeed_config``). ``optimizer`` may be a torch optimizer built over the model's
     parameters, or a callable taking parameter groups; else the config's ``optimizer`` block is
-    used. ``lr_scheduler`` likewise (an object or a callable taking the optimizer).
+    used. ``lr_scheduler`` likewise (an object or a callable taking the optimizer). With neither
+    an optimizer nor an optimizer block, the engine runs forward only (DeepSpeed's inference
+    engine): parameters sharded as the stage says, no fp32 masters, and ``backward``/``step``
+    refuse; ``load_checkpoint`` reads the weights of any checkpoint.
     """
     if model is None:
         raise ValueError("model: initialize needs a model")
@@ -363,8 +369,16 @@ def initialize(
     refusal = grad_accum_refusal(cfg, cfg.zero_optimization.stage)  # the stage "auto" chose
     if refusal is not None:
         raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
-    groups = _param_groups(model, optimizer, model_parameters)
-    opt_factory = _optimizer_factory(optimizer, cfg)
+    # no optimizer anywhere: DeepSpeed's forward-only engine (Lightning's and Transformers'
+    # evaluation without training): every parameter is held as a frozen one, no masters
+    forward_only = optimizer is None and cfg.optimizer is None
+    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
+        raise ConfigError(
+            "scheduler: given without an optimizer (none passed, no optimizer block): "
+            "a forward-only engine has no learning rate to schedule"
+        )
+    groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
+    opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands

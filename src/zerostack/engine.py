@@ -150,6 +150,13 @@ class Engine(EngineAPI, nn.Module):
             if not is_sharded(t):  # zero.Init shards are broadcast when they are made
                 self.comm.broadcast(t.data, src=0, axis="tp")
 
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"engine.{what}(): this engine runs forward only (initialize was given no "
+                f"optimizer and the config has no optimizer block)"
+            )
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step closes an accumulation window: every
         ``gradient_accumulation_steps``-th, or what ``set_gradient_accumulation_boundary`` said
@@ -184,6 +191,7 @@ class Engine(EngineAPI, nn.Module):
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
         ``scale_wrt_gas=False`` leaves out the division, for a caller that has divided already
         (Hugging Face's Trainer always passes it so)."""
+        self._require_optimizer("backward")
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = self.clock.now()
@@ -200,6 +208,7 @@ class Engine(EngineAPI, nn.Module):
 
     def step(self) -> None:
         """Count the micro-step; on an accumulation boundary, update the weights."""
+        self._require_optimizer("step")
         if self._inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = self.clock.now()

@@ -170,7 +170,14 @@ class EngineAPI:
             self._inside_no_sync = False
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        """Each group's learning rate (none for a forward-only engine)."""
+        return [g["lr"] for g in self._optimizer_groups()]
+
+    def _optimizer_groups(self) -> list[dict]:
+        return self.optimizer.param_groups if self.optimizer is not None else []
+
+    def _optimizer_state(self) -> list[dict]:
+        return list(self.optimizer.state.values()) if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step, before clipping (None before any)."""
@@ -180,7 +187,7 @@ class EngineAPI:
         """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
         state = sum(
             t.nbytes
-            for s in self.optimizer.state.values()
+            for s in self._optimizer_state()
             for t in s.values()
             if torch.is_tensor(t) and t.dim() > 0  # step counters are scalars
         )
@@ -191,7 +198,7 @@ class EngineAPI:
         {...}}``): with offload, what stays on the GPU and what went to host memory. Only the
         places something is held appear (on a CPU run, ``cpu`` alone)."""
         out = tally(self.zero.held(), by_device=True)
-        for s in self.optimizer.state.values():
+        for s in self._optimizer_state():
             for t in s.values():
                 if torch.is_tensor(t) and t.dim() > 0:
                     place = out.setdefault(t.device.type, tally(()))

@@ -4,8 +4,16 @@
 :func:`.restore.load`; see :mod:`.state` for the format.
 """
 
-from .consolidate import consolidate, full_state_dict
+from .consolidate import consolidate, full_state_dict, read_client_state
 from .restore import load, read_manifest
 from .state import CheckpointError, save
 
-__all__ = ["CheckpointError", "consolidate", "full_state_dict", "load", "read_manifest", "save"]
+__all__ = [
+    "CheckpointError",
+    "consolidate",
+    "full_state_dict",
+    "load",
+    "read_client_state",
+    "read_manifest",
+    "save",
+]

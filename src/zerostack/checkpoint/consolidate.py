@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .client_state import join
 from .restore import _Reader, read_manifest
 from .state import CheckpointError
 
@@ -84,3 +85,10 @@ def full_state_dict(ckpt_dir: str, *, tag=None, exclude_frozen: bool = False) ->
     for name, file in sorted(reader.buffers.items()):
         out[name] = reader.get(file, f"buffer/{name}")
     return out
+
+
+def read_client_state(ckpt_dir: str, *, tag=None, pickled: bool = False):
+    """The ``client_state`` the checkpoint was saved with, tensors checked; pickled values only
+    with ``pickled`` (see :mod:`.client_state`). No engine or process group needed."""
+    folder, manifest = read_manifest(ckpt_dir, tag)
+    return join(folder, manifest["client_state"], manifest.get("client_tensors"), pickled)

@@ -239,7 +239,7 @@ def _load(
                 raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
     saved_tp = reader.saved_tp
     opt = engine.optimizer
-    with_state = load_optimizer_states and not load_module_only
+    with_state = load_optimizer_states and not load_module_only and opt is not None
     keys = sorted(
         {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
         - {"master", "rng", "buffer"}

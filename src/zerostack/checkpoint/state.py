@@ -216,7 +216,7 @@ def merge_records(records: list[dict]) -> dict:
 def _manifest(engine, tag: str, records: list[dict], client_state, client_record=None) -> dict:
     topo, zero_cfg = engine.topology, engine.config.zero_optimization
     groups = []
-    for g in engine.optimizer.param_groups:
+    for g in engine._optimizer_groups():  # none for a forward-only engine
         step = None
         for m in g["params"]:
             s = engine.optimizer.state.get(m, {}).get("step")
