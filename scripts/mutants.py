@@ -114,6 +114,12 @@ DSN = "tests/test_deepspeed_name.py"
 T_SERVED = f"{DSN}::test_the_runner_serves_deepspeed_to_the_libraries_and_nothing_else"
 T_ZERO_TO_FP32 = f"{DSN}::test_zero_to_fp32_gives_the_engines_weights"
 T_HF_TRAINER = "tests/test_hf_trainer.py::test_trainer_losses_and_reload_equal_deepspeeds"
+LT = "tests/test_lightning.py"
+T_LT_DDP = f"{LT}::test_native_strategy_steps_as_ddp[3]"
+T_LT_RESUME = f"{LT}::test_native_strategy_resumes_and_validates_its_checkpoints"
+T_LT_DS = f"{LT}::test_deepspeed_strategy_under_the_runner_equals_deepspeed[stage3_gas2_sgd]"
+T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
+T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
     Mutant(
@@ -2167,6 +2173,78 @@ MUTANTS = [
         "        self.keep = keep",
         "        self.keep = 0",
         (f"{T}[2]",),
+    ),
+    Mutant(
+        "the Lightning strategy divides the loss by the accumulation steps again",
+        "integrations/lightning.py",
+        "backward(tensor, *args, scale_wrt_gas=False, **kwargs)",
+        "backward(tensor, *args, **kwargs)",
+        (T_LT_DDP,),
+    ),
+    Mutant(
+        "the Lightning strategy loses Lightning's own state on resume (loops start over)",
+        "integrations/lightning.py",
+        "                load_module_strict=module.strict_loading,\n"
+        "            )\n            return client",
+        "                load_module_strict=module.strict_loading,\n"
+        "            )\n            return {}",
+        (T_LT_RESUME,),
+    ),
+    Mutant(
+        "the Lightning strategy clips at DeepSpeed's 1.0 when the Trainer does not clip",
+        "integrations/lightning.py",
+        '        config.setdefault("gradient_clipping", 0.0)',
+        "        pass",
+        (f"{LT}::test_the_trainers_settings_fill_the_config",),
+    ),
+    Mutant(
+        "a config's accumulation steps silently lose to the Trainer's",
+        "integrations/lightning.py",
+        "    if key in config and config[key] != value:",
+        "    if False:",
+        (f"{LT}::test_contradicting_settings_are_refused_naming_both",),
+    ),
+    Mutant(
+        "fresh-process validation skips the checkpoint's weights",
+        "integrations/lightning.py",
+        '        return {**client, "state_dict": full_state_dict(path, tag=TAG)}',
+        '        return {**client, "state_dict": self.lightning_module.state_dict()}',
+        (T_LT_RESUME,),
+    ),
+    Mutant(
+        "client_state keys collide ({'a/b': t} and {'a': {'b': t}})",
+        "checkpoint/client_state.py",
+        '    part = str(part).replace("~", "~0").replace("/", "~1")',
+        "    part = str(part)",
+        (T_PICKLED,),
+    ),
+    Mutant(
+        "pickled client_state is loaded without the opt-in",
+        "checkpoint/client_state.py",
+        "        if not pickled:\n            raise CheckpointError(",
+        "        if False:\n            raise CheckpointError(",
+        (T_PICKLED,),
+    ),
+    Mutant(
+        "pickled client_state is loaded unverified",
+        "checkpoint/client_state.py",
+        '        if _digest(blob) != record["pickled"]["sha256"]:',
+        "        if False:",
+        (T_PICKLED,),
+    ),
+    Mutant(
+        "a forward-only engine still steps every parameter (gradients kept)",
+        "compose.py",
+        "    groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)",
+        "    groups = _param_groups(model, optimizer, model_parameters)",
+        (T_FORWARD_ONLY,),
+    ),
+    Mutant(
+        "a forward-only engine's load reads optimizer state it has not got",
+        "checkpoint/restore.py",
+        "    with_state = load_optimizer_states and not load_module_only and opt is not None",
+        "    with_state = load_optimizer_states and not load_module_only",
+        (T_FORWARD_ONLY,),
     ),
 ]
 
