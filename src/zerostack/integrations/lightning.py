@@ -43,10 +43,12 @@ Where it differs, on purpose:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -63,7 +65,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 import zerostack
 
 from ..comm.process import init_distributed
-from ..topology import DEFAULT_TIMEOUT
+from ..topology import DEFAULT_TIMEOUT, shutdown
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 
@@ -256,6 +258,8 @@ class ZeroStackStrategy(DDPStrategy):
             world_size=self.world_size,
             auto_mpi_discovery=False,
         )
+        atexit.unregister(_shut_down_at_exit)  # once, however many Trainers
+        atexit.register(_shut_down_at_exit)
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
@@ -424,6 +428,15 @@ class ZeroStackStrategy(DDPStrategy):
         for name, kwargs in names.items():
             what = ", ".join(f"{k}={v}" for k, v in kwargs.items())
             registry.register(name, cls, description=f"zerostack ({what})", **kwargs)
+
+
+def _shut_down_at_exit() -> None:
+    """A Lightning script ends without tearing the process groups down, and a gloo group left to
+    interpreter exit can abort the process after a clean run ("terminate called without an
+    active exception", seen with ``self.all_gather``): :func:`zerostack.shutdown` at exit, as
+    the runner does. Not after an uncaught exception: the peers may never arrive."""
+    if getattr(sys, "last_value", None) is None:
+        shutdown()
 
 
 def _read_config(config) -> dict:
