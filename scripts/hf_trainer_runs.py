@@ -93,9 +93,10 @@ def _torchrun(engine: str, script: str, args: list[str], timeout: float, ranks: 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT {")]
     # DeepSpeed itself sometimes aborts at exit, after the script's end ("terminate called
-    # without an active exception": a gloo group destroyed while a peer still runs); its
-    # results stand. zerostack's runner must exit 0.
-    aborted_after = engine == "deepspeed" and lines and "terminate called" in done.stderr
+    # without an active exception": a gloo group destroyed while a peer still runs), and so does
+    # Lightning's DDP ("peer"); their results stand. zerostack must exit 0.
+    peer = engine in ("deepspeed", "peer")
+    aborted_after = peer and lines and "terminate called" in done.stderr
     if (done.returncode != 0 and not aborted_after) or not lines:
         raise RuntimeError(
             f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -178,18 +179,24 @@ def main(argv=None) -> int:
                 resume=os.path.join(first, "checkpoint-2"),
             )
             print("zero3_gas2_resumed", json.dumps(results["zero3_gas2_resumed"]), flush=True)
+    finish(args, results, ("deepspeed", "transformers", "accelerate", "torch"), table)
+    return 0
+
+
+def finish(args, results: dict, packages: tuple[str, ...], table) -> None:
+    """``--write``: record ``results`` (with the command and the ``packages``' versions; a file
+    already there keeps its other cases' results, so ``-k`` re-records some). ``--against``:
+    print ``table(results, golden)``."""
     if args.write:
         import importlib.metadata as md
 
         old = json.load(open(args.write))["results"] if os.path.exists(args.write) else {}
-        record = {  # with -k, the other cases' results are kept
-            "command": " ".join(  # all cases (-k re-records some, keeping the others)
+        record = {
+            "command": " ".join(  # all cases
                 ["DS_ACCELERATOR=cpu", os.path.relpath(sys.executable, ROOT), sys.argv[0]]
                 + ["--engine", args.engine, "--write", args.write]
             ),
-            "versions": {
-                p: md.version(p) for p in ("deepspeed", "transformers", "accelerate", "torch")
-            },
+            "versions": {p: md.version(p) for p in packages},
             "results": {**old, **results},
         }
         with open(args.write, "w") as f:
@@ -197,7 +204,6 @@ def main(argv=None) -> int:
     if args.against:
         golden = json.load(open(args.against))["results"]
         print(table(results, golden))
-    return 0
 
 
 def table(results: dict, golden: dict) -> str:

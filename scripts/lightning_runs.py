@@ -26,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hf_trainer_runs import ROOT, _torchrun  # noqa: E402
+from hf_trainer_runs import ROOT, _torchrun, finish  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "lightning_trainer.py")
 SAVED = "epoch=0-step=2.ckpt"  # the end of the first epoch
@@ -68,8 +68,8 @@ def run(
     timeout: float = 300,
 ) -> dict:
     """One run of the script: ``engine`` "zerostack" (under the runner for a DeepSpeed strategy,
-    directly for zerostack's own), "deepspeed" (real DeepSpeed) or "plain" (no runner: DDP and
-    the like). Trains and saves into ``out``; with ``resume``, fits again from the first
+    directly for zerostack's own and for Lightning's others, DDP) or "deepspeed" (real
+    DeepSpeed). Trains and saves into ``out``; with ``resume``, fits again from the first
     epoch's checkpoint there; with ``validate``, only validates the last one."""
     args = flags(case)
     if resume:
@@ -80,8 +80,8 @@ def run(
         args += ["--save", out]
     if engine == "zerostack" and case["strategy"].startswith("deepspeed"):
         engine = "zerostack"  # _torchrun: under the runner
-    elif engine == "zerostack":
-        engine = "plain"
+    elif engine == "zerostack":  # zerostack's own strategy (must exit 0), or a peer (ddp)
+        engine = "plain" if case["strategy"].startswith("zerostack") else "peer"
     return _torchrun(engine, SCRIPT, args, timeout)
 
 
@@ -102,22 +102,7 @@ def main(argv=None) -> int:
             for key in (name, f"{name}_resumed", f"{name}_validated"):
                 if key in results:
                     print(key, json.dumps(results[key]), flush=True)
-    if args.write:
-        import importlib.metadata as md
-
-        record = {
-            "command": " ".join(
-                ["DS_ACCELERATOR=cpu", os.path.relpath(sys.executable, ROOT), sys.argv[0]]
-                + ["--engine", args.engine, "--write", args.write]
-            ),
-            "versions": {p: md.version(p) for p in ("deepspeed", "lightning", "torch")},
-            "results": results,
-        }
-        with open(args.write, "w") as f:
-            f.write(json.dumps(record, indent=1) + "\n")
-    if args.against:
-        golden = json.load(open(args.against))["results"]
-        print(table(results, golden))
+    finish(args, results, ("deepspeed", "lightning", "torch"), table)
     return 0
 
 

@@ -1157,6 +1157,16 @@ def load_config(config: Any) -> ZeroStackConfig:
         raise ConfigError(
             "config: no config given; pass config=dict, a JSON file path or a JSON string"
         )
+    config = read_config(config)
+    try:
+        return ZeroStackConfig.model_validate(config)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+
+
+def read_config(config: Any) -> dict:
+    """The dict a config stands for, not yet validated: a dict as is, a JSON file's path or JSON
+    text parsed (duplicate keys refused). Raises only ConfigError."""
     if isinstance(config, str) and config.lstrip().startswith(("{", "[")):
         config = _parse_json(config)
     elif isinstance(config, str | os.PathLike):
@@ -1171,7 +1181,4 @@ def load_config(config: Any) -> ZeroStackConfig:
         config = _parse_json(text, f" in {path}")
     if not isinstance(config, dict):
         raise ConfigError(f"config: must be a JSON object (a dict), got {type(config).__name__}")
-    try:
-        return ZeroStackConfig.model_validate(config)
-    except ValidationError as exc:
-        raise _config_error(exc) from None
+    return config

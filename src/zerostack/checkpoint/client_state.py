@@ -112,6 +112,11 @@ def _digest(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def from_manifest(folder: str, manifest: dict, pickled: bool = False):
+    """The client state a checkpoint's manifest records, its values read back and checked."""
+    return join(folder, manifest["client_state"], manifest.get("client_tensors"), pickled)
+
+
 def join(folder: str, tree, record: dict | None, pickled: bool = False):
     """``tree`` with its markers replaced by the values ``record`` lists, each checked; pickled
     values only with ``pickled`` (the loading config's opt-in), else a one-line refusal."""

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .client_state import join
+from .client_state import from_manifest
 from .restore import _Reader, read_manifest
 from .state import CheckpointError
 
@@ -90,5 +90,4 @@ def full_state_dict(ckpt_dir: str, *, tag=None, exclude_frozen: bool = False) ->
 def read_client_state(ckpt_dir: str, *, tag=None, pickled: bool = False):
     """The ``client_state`` the checkpoint was saved with, tensors checked; pickled values only
     with ``pickled`` (see :mod:`.client_state`). No engine or process group needed."""
-    folder, manifest = read_manifest(ckpt_dir, tag)
-    return join(folder, manifest["client_state"], manifest.get("client_tensors"), pickled)
+    return from_manifest(*read_manifest(ckpt_dir, tag), pickled)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..zero.init import GatheredParameters
-from .client_state import join as join_client_state
+from .client_state import from_manifest as client_state_of
 from .state import (
     FORMAT,
     LATEST,
@@ -320,9 +320,8 @@ def _load(
             }
             if tracker:
                 get_rng_tracker().set_states(tracker)
-    tensors = manifest.get("client_tensors")
     pickled = engine.config.checkpoint.pickled_client_state
-    client_state = join_client_state(folder, manifest["client_state"], tensors, pickled)
+    client_state = client_state_of(folder, manifest, pickled)
     return folder, client_state, reader
 
 

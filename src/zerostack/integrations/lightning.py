@@ -46,105 +46,47 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
-import json
 import os
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import (
+    DeepSpeedPrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
+from lightning.pytorch.plugins.precision.deepspeed import _PRECISION_INPUT
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from lightning_utilities.core.apply_func import apply_to_collection
 
 import zerostack
 
 from ..comm.process import init_distributed
+from ..config import read_config
 from ..topology import DEFAULT_TIMEOUT, shutdown
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 
-DTYPES = {
-    "32-true": torch.float32,
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-}
-TAG = (
-    "checkpoint"  # the folder inside a Lightning checkpoint path, as DeepSpeed's strategy names it
-)
+PRECISIONS = get_args(_PRECISION_INPUT)  # what Lightning's DeepSpeed precision takes
+TAG = "checkpoint"  # the folder inside a Lightning checkpoint path, as DeepSpeed's strategy has it
 
 
-class ZeroStackPrecision(Precision):
-    """The precision plugin of :class:`ZeroStackStrategy`: the engine runs backward and the step;
-    ``"*-true"`` casts the module, and floating-point inputs are cast to the precision's dtype
-    (what Lightning's DeepSpeed precision does); the config's ``bf16``/``fp16`` block keeps fp32
-    masters."""
-
-    def __init__(self, precision: str = "32-true") -> None:
-        if precision not in DTYPES:
-            raise ValueError(
-                f"ZeroStackStrategy: precision={precision!r} is not supported; "
-                f"use one of {', '.join(DTYPES)}"
-            )
-        self.precision = precision
-        self._dtype = DTYPES[precision]
-
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(dtype=self._dtype) if self.precision.endswith("-true") else module
-
-    def convert_input(self, data: Any) -> Any:
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self._dtype) if torch.is_floating_point(t) else t
-
-        return apply_to_collection(data, torch.Tensor, cast)
-
-    def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return _default_dtype(self._dtype) if self.precision.endswith("-true") else _nothing()
-
-    def module_init_context(self) -> contextlib.AbstractContextManager:
-        return self.tensor_init_context()
+class ZeroStackPrecision(DeepSpeedPrecision):
+    """Lightning's DeepSpeed precision plugin (``*-true`` casts the module, floating-point inputs
+    are cast to the precision's dtype, the engine steps and clips; the config's ``bf16``/``fp16``
+    block keeps fp32 masters), but for one thing: backward does not divide the loss by the
+    accumulation steps again."""
 
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
         # Lightning has divided the loss by accumulate_grad_batches already
         model.trainer.strategy.engine.backward(tensor, *args, scale_wrt_gas=False, **kwargs)
-
-    def optimizer_step(self, optimizer, model, closure, **kwargs) -> Any:
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("ZeroStackStrategy: LBFGS re-evaluates the loss inside its step")
-        result = closure()
-        self._after_closure(model, optimizer)
-        if model.automatic_optimization and result is None:
-            raise ValueError(
-                "ZeroStackStrategy: training_step returned None (a skipped step); every rank "
-                "must run backward, or the others wait in its collectives"
-            )
-        model.trainer.strategy.engine.step()
-        return result
-
-    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
-        """The engine clips, by the config's ``gradient_clipping`` (the Trainer's value)."""
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 class ZeroStackStrategy(DDPStrategy):
@@ -217,7 +159,7 @@ class ZeroStackStrategy(DDPStrategy):
         else:
             raise ValueError(
                 f"ZeroStackStrategy: the precision plugin {type(plugin).__name__} is not "
-                f"supported; pass precision= one of {', '.join(DTYPES)}"
+                f"supported; pass precision= one of {', '.join(PRECISIONS)}"
             )
 
     @property
@@ -440,14 +382,7 @@ def _shut_down_at_exit() -> None:
 
 
 def _read_config(config) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, str | os.PathLike):
-        with open(config) as f:
-            return json.load(f)
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(f"ZeroStackStrategy: config is a {type(config).__name__}, not a dict or path")
+    return {} if config is None else copy.deepcopy(read_config(config))
 
 
 def _zero_block(config: dict, stage, offload_optimizer: bool, offload_parameters: bool) -> dict:
