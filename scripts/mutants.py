@@ -2246,6 +2246,21 @@ MUTANTS = [
         "    with_state = load_optimizer_states and not load_module_only",
         (T_FORWARD_ONLY,),
     ),
+    Mutant(
+        "stage 3's linear runs backward outside the forward's autocast (bf16 grad x fp32 weight)",
+        "zero/linear.py",
+        "        with autocast_as(ctx.autocast):\n"
+        "            return _LinearSavingWeight._backward(",
+        "        if True:\n            return _LinearSavingWeight._backward(",
+        ("tests/test_autocast.py::test_autocast_trains_at_every_stage_as_at_stage_0[3]",),
+    ),
+    Mutant(
+        "the sequence-parallel linear runs backward outside the forward's autocast",
+        "tensor_parallel/mappings.py",
+        "        with autocast_as(ctx.autocast):  # as forward ran (a user's torch.autocast)",
+        "        if True:",
+        ("tests/test_autocast.py::test_autocast_with_tensor_and_sequence_parallelism",),
+    ),
 ]
 
 

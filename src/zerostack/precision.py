@@ -156,3 +156,19 @@ def make_loss_scaler(cfg) -> LossScaler:
         min_loss_scale=fp16.min_loss_scale,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
+
+
+def autocast_state(t: torch.Tensor) -> tuple[str, bool, torch.dtype]:
+    """The autocast state a custom Function's forward runs under on ``t``'s device type, for its
+    backward to run under too (what ``torch.amp.custom_fwd``/``custom_bwd`` record, for whichever
+    device the tensors are on). Under a user's ``torch.autocast``, forward's ``F.linear`` computes
+    in bf16 and backward, outside the context, would multiply a bf16 gradient by an fp32
+    weight."""
+    kind = t.device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def autocast_as(state: tuple[str, bool, torch.dtype]):
+    """A context that restores :func:`autocast_state`'s ``state``."""
+    kind, enabled, dtype = state
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from ..precision import autocast_as, autocast_state
 
 SEQ_DIM = 1
 
@@ -153,10 +154,16 @@ class _GatherLinearFromSP(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm):
         ctx.comm, ctx.has_bias = comm, bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.autocast = autocast_state(x)
         return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, comm), weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_as(ctx.autocast):  # as forward ran (a user's torch.autocast)
+            return _GatherLinearFromSP._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         shard, weight = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:

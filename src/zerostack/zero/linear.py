@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..precision import autocast_as, autocast_state
 from . import scratch
 
 
@@ -28,10 +29,16 @@ class _LinearSavingWeight(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.autocast = autocast_state(x)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
+        with autocast_as(ctx.autocast):
+            return _LinearSavingWeight._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         x, weight = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
