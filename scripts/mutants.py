@@ -1381,8 +1381,8 @@ MUTANTS = [
     Mutant(
         "cuda: a group made elsewhere binds a device that is not visible",
         "topology.py",
-        "if local != torch.cuda.current_device() and local < torch.cuda.device_count():",
-        "if local != torch.cuda.current_device():",
+        "    index = local_device_index(int(local), torch.cuda.device_count())",
+        "    index = int(local)",
         ("tests/test_cuda_path.py::test_a_group_made_elsewhere_gets_the_local_rank_device",),
     ),
     Mutant(
@@ -2260,6 +2260,27 @@ MUTANTS = [
         "        with autocast_as(ctx.autocast):  # as forward ran (a user's torch.autocast)",
         "        if True:",
         ("tests/test_autocast.py::test_autocast_with_tensor_and_sequence_parallelism",),
+    ),
+    Mutant(
+        "the device is chosen by the backend's name (a gloo + NCCL group trains on the CPU)",
+        "topology.py",
+        '    return "cuda" if devices.get("cuda", "gloo") != "gloo" else "cpu"',
+        '    return "cuda" if backend == "nccl" else "cpu"',
+        ("tests/test_topology.py::test_the_device_follows_what_the_group_does_on_cuda_not_its_name",),
+    ),
+    Mutant(
+        "the grid's device is read from get_backend() again",
+        "topology.py",
+        "        device_type = world_device_type()",
+        '        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"',
+        ("tests/test_topology.py::test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu",),
+    ),
+    Mutant(
+        "LOCAL_RANK beyond the visible GPUs is used as the device index",
+        "topology.py",
+        "    index = 0 if visible == 1 else local % visible",
+        "    index = local",
+        ("tests/test_topology.py::test_a_local_rank_beyond_the_visible_gpus_takes_one_it_sees",),
     ),
 ]
 

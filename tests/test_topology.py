@@ -298,3 +298,59 @@ def test_shutdown_ends_the_gloo_threads_while_the_engine_lives(pipeline):
     for before, after in results:
         assert before > 0, "no gloo threads before shutdown: the test proves nothing"
         assert after == 0, f"{after} gloo threads outlived shutdown ({before} before)"
+
+
+@pytest.mark.parametrize(
+    "backend,cuda,want",
+    [
+        ("nccl", True, "cuda"),
+        ("cpu:gloo,cuda:nccl", True, "cuda"),  # torchtitan's; get_backend() is not "nccl"
+        ("undefined", True, "cuda"),  # init_process_group() with no backend: gloo + NCCL
+        ("gloo", True, "cpu"),  # gloo chosen on a GPU machine: the CPU, as asked
+        ("cpu:gloo,cuda:gloo", True, "cpu"),
+        ("nccl", False, "cpu"),
+    ],
+)
+def test_the_device_follows_what_the_group_does_on_cuda_not_its_name(backend, cuda, want):
+    from zerostack.topology import device_type_of
+
+    assert device_type_of(backend, cuda) == want
+
+
+def test_a_local_rank_beyond_the_visible_gpus_takes_one_it_sees(caplog):
+    from zerostack.topology import local_device_index
+
+    with caplog.at_level("WARNING", logger="zerostack"):
+        assert local_device_index(3, 8) == 3
+        assert not caplog.records
+        assert local_device_index(5, 1) == 0  # Slurm --gpus-per-task=1: one GPU per process
+        assert local_device_index(5, 4) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "LOCAL_RANK 5 but 1 visible GPU(s): using cuda:0 (one per process, as with Slurm's "
+        "--gpus-per-task, is fine; otherwise check CUDA_VISIBLE_DEVICES)",
+        "LOCAL_RANK 5 but 4 visible GPU(s): using cuda:1 (one per process, as with Slurm's "
+        "--gpus-per-task, is fine; otherwise check CUDA_VISIBLE_DEVICES)",
+    ]
+
+
+def _mesh_device_of_a_gloo_nccl_group(rank, world):
+    import zerostack.topology as topology
+
+    seen = []
+    real_mesh = topology.init_device_mesh
+
+    def mesh(device_type, *args, **kwargs):
+        seen.append(device_type)
+        return real_mesh("cpu", *args, **kwargs)  # this machine has no GPU to build it on
+
+    topology.init_device_mesh = mesh
+    topology._bind_local_device = lambda: seen.append("bound")
+    topology.torch.cuda.is_available = lambda: True
+    # what init_process_group() reports on a GPU machine; get_backend() is not "nccl" there
+    topology.dist.get_backend_config = lambda group=None: "cpu:gloo,cuda:nccl"
+    Topology.build()
+    return seen
+
+
+def test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu():
+    assert run_distributed(_mesh_device_of_a_gloo_nccl_group, 1)[0] == ["bound", "cuda"]

@@ -23,6 +23,7 @@ and reduces over; the batch is split over ``data_parallel_size = dp * ep`` repli
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
@@ -58,6 +59,47 @@ class TopologyError(ValueError):
 
 def _launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+log = logging.getLogger("zerostack")
+
+
+def device_type_of(backend: str, cuda_available: bool) -> str:
+    """Where a group with ``backend`` computes: "cuda" when CUDA is available and the group
+    reduces CUDA tensors with other than gloo ("nccl"; "cpu:gloo,cuda:nccl", as torchtitan sets
+    it; no backend named, which is gloo + NCCL on a GPU machine), else "cpu". By what the group
+    does on each device, never by its name: ``get_backend()`` of a gloo + NCCL group is not
+    "nccl", and such a job trained on the CPU without a word."""
+    if not cuda_available:
+        return "cpu"
+    if dist.Backend(backend) == dist.Backend.UNDEFINED:  # torch's default for each device
+        devices = dist.Backend.default_device_backend_map
+    else:
+        devices = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    return "cuda" if devices.get("cuda", "gloo") != "gloo" else "cpu"
+
+
+def world_device_type() -> str:
+    """:func:`device_type_of` the world group (initialised)."""
+    return device_type_of(dist.get_backend_config(), torch.cuda.is_available())
+
+
+def local_device_index(local: int, visible: int) -> int:
+    """The GPU of the rank whose launcher says ``LOCAL_RANK`` ``local``, among ``visible``
+    devices: its own when visible; when fewer are visible (Slurm ``--gpus-per-task``, an MPI
+    wrapper setting ``CUDA_VISIBLE_DEVICES`` per rank), the only one, or ``local % visible``,
+    with a warning (``set_device(local)`` would fail with "invalid device ordinal")."""
+    if local < visible or visible == 0:  # none visible: CUDA's own error, naming the index
+        return local
+    index = 0 if visible == 1 else local % visible
+    log.warning(
+        "LOCAL_RANK %d but %d visible GPU(s): using cuda:%d (one per process, as with Slurm's "
+        "--gpus-per-task, is fine; otherwise check CUDA_VISIBLE_DEVICES)",
+        local,
+        visible,
+        index,
+    )
+    return index
 
 
 def default_backend() -> str:
@@ -103,10 +145,12 @@ def init_distributed(
         if found is not None and found.world_size > 1:
             os.environ.update(found.env())  # what torch's env:// and LOCAL_RANK readers expect
     bound = {}
-    if backend == "nccl" and "LOCAL_RANK" in os.environ:
+    cuda = device_type_of(backend, cuda_available=True) == "cuda"  # asked for, so meant
+    if cuda and "LOCAL_RANK" in os.environ:
         # this rank's GPU, before the group exists: NCCL's communicators bind to it (device_id),
         # instead of every rank of a node landing on cuda:0
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        index = local_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count())
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         bound = {"device_id": device}
     if init_method is None and _restartable_agent_store():
@@ -136,9 +180,9 @@ def _bind_local_device() -> None:
     local = os.environ.get("LOCAL_RANK")
     if local is None:
         return
-    local = int(local)
-    if local != torch.cuda.current_device() and local < torch.cuda.device_count():
-        torch.cuda.set_device(local)
+    index = local_device_index(int(local), torch.cuda.device_count())
+    if index != torch.cuda.current_device():
+        torch.cuda.set_device(index)
 
 
 def _restartable_agent_store() -> bool:
@@ -276,7 +320,7 @@ class Topology:
             raise TopologyError(f"pp * dp * tp = {shown} != world size {world}")
         if dp % sp:
             raise TopologyError(f"sp {sp} does not divide the dp axis of {dp} ranks")
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = world_device_type()
         if device_type == "cuda":
             _bind_local_device()
         with warnings.catch_warnings():

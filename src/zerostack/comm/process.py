@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as td
 
-from ..topology import DEFAULT_TIMEOUT
+from ..topology import DEFAULT_TIMEOUT, world_device_type
 from ..topology import init_distributed as _init_torch
 from .collectives import barrier
 from .summary import comms_logger
@@ -122,7 +122,7 @@ def get_all_ranks_from_group(group=None) -> list[int]:
 
 def initialize_mesh_device(mesh_shape, mesh_dim_names):
     _require("initialize_mesh_device")
-    device = "cuda" if td.get_backend() == "nccl" else "cpu"
+    device = world_device_type()
     return td.device_mesh.init_device_mesh(device, mesh_shape, mesh_dim_names=mesh_dim_names)
 
 

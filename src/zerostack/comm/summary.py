@@ -27,6 +27,7 @@ from datetime import datetime
 import torch
 import torch.distributed as dist
 
+from ..topology import world_device_type
 from .records import CommLog, CommRecord
 
 _ALL_REDUCES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce")
@@ -236,7 +237,7 @@ def _straggler_analysis(snapshot: dict, print_log: bool) -> dict:
         print("Breakdown with straggler effect")
         print("-------------------------------")
         print(_row(STRAGGLER_HEADER))
-    cuda = dist.get_backend() == "nccl"
+    cuda = world_device_type() == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     out: dict = {}
     for name, sizes in snapshot.items():
