@@ -230,7 +230,7 @@ def check_scripts(tmp) -> None:
         ),
     ):
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=55)
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
         report(name, proc.returncode == 0, seconds=time.perf_counter() - t0, last_line=tail)
 
@@ -281,41 +281,73 @@ def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> Non
     engine.destroy()
 
 
+CHECKS = ("precision", "no-stream-sync", "offload-and-init", "dropout", "scripts", "big")
+"""What ``--only`` runs, one per process (``gpu_check.sh`` gives each its own time limit)."""
+
+
+def _run(name: str, small, steps: int, quick: bool, tmp: str) -> None:
+    if name == "precision":
+        check_precision(small, steps)
+    elif name == "no-stream-sync":
+        check_no_stream_sync(small)
+    elif name == "offload-and-init":
+        check_offload_and_init(small, steps, tmp)
+    elif name == "dropout":
+        check_dropout(small, steps, tmp)
+    elif name == "scripts":
+        check_scripts(tmp)
+    elif quick:
+        check_big(2, 64, 4, 32, 2)
+    else:
+        check_big(24, 2048, 16, 1024, 4)  # 1.3B parameters
+
+
+def summary(rows: list[dict]) -> int:
+    """Print the summary line of ``rows`` (check results); 1 when one failed."""
+    checks = [r for r in rows if "check" in r]
+    failed = [r["check"] for r in checks if r["ok"] is False]
+    print(json.dumps({"summary": True, "failed": failed, "checks": len(checks)}), flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU smoke run)")
+    p.add_argument("--list", action="store_true", help="print the check names")
+    p.add_argument("--only", choices=CHECKS, help="run this check alone (no summary line)")
+    p.add_argument("--summary", metavar="JSONL", help="the summary line of these results")
     args = p.parse_args()
+    if args.list:
+        print(" ".join(CHECKS))
+        return 0
+    if args.summary:
+        with open(args.summary) as f:
+            return summary([json.loads(x) for x in f if x.startswith("{")])
     zerostack.init_distributed(timeout=timedelta(seconds=120))  # a hang fails in 2 minutes
     quick = args.quick or not torch.cuda.is_available()
     small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
     if not quick:
         small = GPTConfig(vocab_size=50304, block_size=256, n_layer=4, n_head=8, d_model=512)
     steps = 6
-    report(
-        "device",
-        True,
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        torch=torch.__version__,
-        gpus=torch.cuda.device_count(),
-    )
+    if args.only in (None, "precision"):
+        report(
+            "device",
+            True,
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            torch=torch.__version__,
+            gpus=torch.cuda.device_count(),
+        )
+    names = [args.only] if args.only else [c for c in CHECKS if c != "scripts" or not args.quick]
     with tempfile.TemporaryDirectory(prefix="zs-gpu-check-") as tmp:
-        check_precision(small, steps)
-        check_no_stream_sync(small)
-        check_offload_and_init(small, steps, tmp)
-        check_dropout(small, steps, tmp)
-        if not args.quick:
-            check_scripts(tmp)
-        if quick:
-            check_big(2, 64, 4, 32, 2)
-        else:
-            check_big(24, 2048, 16, 1024, 4)  # 1.3B parameters
-    if torch.cuda.device_count() < 2:
+        for name in names:
+            _run(name, small, steps, quick, tmp)
+    if args.only is None and torch.cuda.device_count() < 2:
         for what in ("pipeline-pp2", "tp2-sequence-parallel", "reduce-scatter-overlap"):
             skipped(what, "needs 2 GPUs")
-    failed = [r["check"] for r in RESULTS if r["ok"] is False]
-    print(json.dumps({"summary": True, "failed": failed, "checks": len(RESULTS)}), flush=True)
     zerostack.shutdown()
-    return 1 if failed else 0
+    if args.only:
+        return 1 if any(r["ok"] is False for r in RESULTS) else 0
+    return summary(RESULTS)
 
 
 if __name__ == "__main__":

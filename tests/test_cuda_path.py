@@ -773,3 +773,49 @@ def test_a_cpu_run_holds_everything_on_the_host():
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2))
     assert engine.memory_by_device() == {"cpu": engine.memory_breakdown()}
     engine.destroy()
+
+
+def _gpu_check_sh(tmp_path, budget: int):
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path), GPU_CHECK_BUDGET=str(budget))
+    proc = subprocess.run(
+        ["bash", os.path.join(root, "scripts", "gpu_check.sh")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    saved = (tmp_path / "gpu_check.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in saved] == rows[:-1]  # written as they came, but the summary
+    return proc, rows
+
+
+def test_the_gpu_check_skips_what_its_time_budget_no_longer_fits(tmp_path):
+    """No check is started that the budget cannot hold (one device call must end in time)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    from gpu_check import CHECKS
+
+    proc, rows = _gpu_check_sh(tmp_path, budget=0)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = "out of time (GPU_CHECK_BUDGET)"
+    assert rows[: len(CHECKS)] == [{"check": c, "ok": None, "skipped": skipped} for c in CHECKS]
+    assert rows[-1] == {"summary": True, "failed": [], "checks": len(rows) - 1}
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_runs_on_this_cpu_machine(tmp_path):
+    """``bash scripts/gpu_check.sh``, as the lent machine runs it: every check in its own
+    process, each passing (tiny, on the CPU) or skipped saying why (two GPUs, CUDA's sync
+    debug mode), then the summary; no traceback."""
+    proc, rows = _gpu_check_sh(tmp_path, budget=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert rows[-1]["summary"] and rows[-1]["failed"] == []
+    assert all(r["ok"] or r.get("skipped") for r in rows[:-1]), rows
+    assert sum(1 for r in rows if r.get("skipped")) == 4  # 3 two-GPU runs, the sync debug mode
+    assert {"zero3-bf16-vs-fp32", "examples/train_gpt.py", "gpt-zero3-bf16"} <= {
+        r["check"] for r in rows[:-1]
+    }
+    assert "Traceback" not in (tmp_path / "gpu_check.err").read_text()
