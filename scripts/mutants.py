@@ -752,8 +752,8 @@ MUTANTS = [
     Mutant(
         "watchdog: an async collective stays in flight after its wait",
         "comm/grid.py",
-        "            self._work = None\n        self._log.end(self._record)",
-        "            self._work = None",
+        "        self._log.end(self._record, _behind(work) if self._on_device else None)",
+        "        pass",
         ("tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",),
     ),
     Mutant(
@@ -2281,6 +2281,57 @@ MUTANTS = [
         "    index = 0 if visible == 1 else local % visible",
         "    index = local",
         ("tests/test_topology.py::test_a_local_rank_beyond_the_visible_gpus_takes_one_it_sees",),
+    ),
+    Mutant(
+        "NCCL: a collective leaves the log when wait() returns (a hang on the device is unseen)",
+        "comm/records.py",
+        "        if event is not None and running(event):",
+        "        if False:",
+        (
+            "tests/test_watchdog.py::test_a_collective_the_device_never_completes_is_named",
+            "tests/test_cuda_path.py::test_a_collective_stays_in_flight_until_the_device_has_run_it",
+        ),
+    ),
+    Mutant(
+        "a collective the device completed stays in flight (a false watchdog verdict)",
+        "comm/records.py",
+        "            if event is not None and not running(event):",
+        "            if False:",
+        (
+            "tests/test_watchdog.py::test_a_collective_the_device_never_completes_is_named",
+            "tests/test_cuda_path.py::test_a_collective_stays_in_flight_until_the_device_has_run_it",
+        ),
+    ),
+    Mutant(
+        "a CPU collective waits for a CUDA event (gloo's are done in wait())",
+        "comm/grid.py",
+        "        self._log.end(self._record, _behind(work) if self._on_device else None)",
+        "        self._log.end(self._record, _behind(work))",
+        ("tests/test_watchdog.py::test_a_collective_done_when_waited_for_leaves_at_once",),
+    ),
+    Mutant(
+        "NCCL's timeout is 30 minutes, not the watchdog's bound and a minute",
+        "topology.py",
+        "    return timedelta(seconds=bound + NCCL_MARGIN)",
+        "    return DEFAULT_TIMEOUT",
+        (
+            "tests/test_cuda_path.py::test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on",
+            "tests/test_cuda_path.py::test_initialize_gives_nccl_the_configs_watchdog_bound",
+        ),
+    ),
+    Mutant(
+        "NCCL's flight recorder is left off (a timeout names no collective)",
+        "topology.py",
+        "            os.environ.setdefault(key, value)",
+        "            pass",
+        ("tests/test_cuda_path.py::test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on",),
+    ),
+    Mutant(
+        "initialize gives NCCL the default bound, not the config's watchdog.timeout",
+        "compose.py",
+        "        init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))",
+        "        init_distributed()",
+        ("tests/test_cuda_path.py::test_initialize_gives_nccl_the_configs_watchdog_bound",),
     ),
 ]
 

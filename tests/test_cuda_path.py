@@ -329,6 +329,66 @@ def test_nccl_init_binds_the_local_rank_device(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "backend, watchdog, seconds",
+    [
+        ("nccl", None, 180),  # the watchdog's 120 s and a minute
+        ("nccl", {"timeout": 600}, 660),
+        ("cpu:gloo,cuda:nccl", {"timeout": 30}, 90),
+        ("nccl", {"enabled": False}, 1800),  # DeepSpeed's 30 minutes
+        ("gloo", None, 1800),  # the host waits in gloo's collectives: the watchdog sees them
+    ],
+)
+def test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on(
+    monkeypatch, backend, watchdog, seconds
+):
+    """NCCL's collectives return before they run: the watchdog names one that never completes,
+    and NCCL's own timeout, which dumps its flight recorder (switched on unless the environment
+    says otherwise), follows a minute later, not 30 minutes later."""
+    import torch.distributed as dist
+
+    import zerostack.comm
+
+    got = {}
+    monkeypatch.setattr(os, "environ", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"})
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def init(backend, **kwargs):
+        got["timeout"] = kwargs["timeout"].total_seconds()
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    config = None if watchdog is None else {"watchdog": watchdog}
+    with pytest.raises(_Stop):
+        zerostack.comm.init_distributed(dist_backend=backend, config=config, init_method="env://")
+    assert got["timeout"] == seconds
+    recorder = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}  # the user's size stands
+    if "nccl" in backend:
+        recorder["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    assert os.environ == recorder
+
+
+def test_initialize_gives_nccl_the_configs_watchdog_bound(monkeypatch):
+    import torch.distributed as dist
+
+    from zerostack import topology
+
+    got = {}
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.setattr(topology, "default_backend", lambda: "nccl")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def init(backend, **kwargs):
+        got[backend] = kwargs["timeout"].total_seconds()
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(_Stop):
+        config = _config(1, watchdog={"timeout": 5})
+        zerostack.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert got == {"nccl": 65.0}
+
+
+@pytest.mark.parametrize(
     "local, current, count, bound",
     [("2", 0, 4, 2), ("0", 0, 4, None), ("2", 2, 4, None), ("2", 0, 1, None), (None, 0, 4, None)],
 )
@@ -546,6 +606,34 @@ def test_a_staging_buffer_is_written_again_only_after_its_copy():
         uploads.copy(key, dst, master)  # in flight again
         with pytest.raises(DeviceError, match="non-blocking copy to the device may still"):
             staging.add_(1)
+
+
+def _device_records(rank, world, root):
+    with virtual_cuda():
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2))
+        x, y = batch(0, MICRO * GAS * world)
+        for m in range(GAS):
+            lo = (m * world + rank) * MICRO
+            xb, yb = (t[lo : lo + MICRO].to(engine.device) for t in (x, y))
+            engine.backward(engine(xb, yb))
+            if m < GAS - 1:
+                engine.step()
+        log = engine.comm.log
+        backward = {r.seq: r.op for r in log.in_flight.values() if r.on_device}
+        engine.step()
+        log.poll()  # as the watchdog's thread does
+        left = sorted(set(backward) & set(log.in_flight))
+        engine.destroy()
+    return sorted(set(backward.values())), left
+
+
+def test_a_collective_stays_in_flight_until_the_device_has_run_it(tmp_path):
+    """On NCCL ``wait()`` returns before the collective runs: the backward's reduce-scatters are
+    still in flight, on the device, after ``backward`` returns (a watchdog can name one that
+    never completes), and leave once the step's read of the norm has waited for them."""
+    for ops, left in run_distributed(_device_records, world=2, args=(str(tmp_path),)):
+        assert ops == ["reduce_scatter"] and left == []
 
 
 def _side_stream(rank, world, root, virtual):

@@ -349,7 +349,11 @@ def test_env_files_and_exports(tmp_path, monkeypatch):
         "NCCL_IB_DISABLE": "1",
         "A": "cwd",
         "B": "x=y",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # NCCL's flight recorder: a timeout dumps
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }
+    off = exports({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, str(cwd), str(home))  # the user's stands
+    assert off["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     (cwd / "my_env").write_text("C=1\n")
     assert exports({"DS_ENV_FILE": "my_env"}, str(cwd), str(home))["C"] == "1"
     with pytest.raises(LaunchError, match="^f:2: 'oops' is not KEY=VALUE$"):

@@ -13,9 +13,12 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from zerostack.clock import Clock
 from zerostack.comm import CommLog
+from zerostack.comm.grid import Handle
 from zerostack.config import ConfigError, load_config
 from zerostack.watchdog import EXIT_CODE, PREFIX, Watchdog
 
@@ -86,6 +89,82 @@ def test_waiting_too_long_in_a_collective_lists_every_rank():
     assert "rank 1 at step 3, after 9 collectives, in all_gather #8 on dp" in verdict
     dog.log.end(rec)
     assert dog.check() is None
+
+
+class _NcclWork:
+    """An NCCL collective's Work as the host sees it: ``wait()`` returns at once (the stream
+    waits, not the host)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Event:
+    """A CUDA event: ``query()`` says whether the device has reached it."""
+
+    made: list[_Event] = []
+
+    def __init__(self) -> None:
+        self.reached = False
+        _Event.made.append(self)
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.reached
+
+
+@pytest.fixture
+def events(monkeypatch):
+    _Event.made = []
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    return _Event.made
+
+
+def test_a_collective_the_device_never_completes_is_named(events):
+    """NCCL: the host went on after ``wait()`` and blocks later elsewhere (the norm's read);
+    the collective that never completed (a peer took another branch) stays in flight, on the
+    device, and the verdict and both ranks' positions name it."""
+    store = dist.HashStore()
+    dog, _ = _dog(store)
+    dog._seen = {1: (-1, time.monotonic())}
+    rec = dog.log.begin("all_reduce", "dp", 4)
+    Handle(_NcclWork(), rec, dog.log, Clock(), on_device=True).wait()
+    assert dog.log.in_flight == {0: rec} and rec.on_device  # the host went on
+    assert dog.state()["waiting"][4] is True
+    rec.started -= 1.0
+    _beat(store, 1, 1, step=0, calls=2, waiting=["all_reduce", 1, "dp", 1.0, True])
+    verdict = dog.check()
+    assert verdict.startswith(
+        "rank 0's all_reduce #0 on dp at step 0 has not completed on the device after 0.3 s "
+        "while its peers answer"
+    )
+    assert (
+        "rank 1 at step 0, after 2 collectives, with all_reduce #1 on dp unfinished on the "
+        "device (1.0 s) when last seen"
+    ) in verdict
+    assert "queued on the device" in rec.describe()
+    events[0].reached = True  # the device ran it: out of flight at the next look
+    assert dog.check() is None and dog.log.in_flight == {} and rec.event is None
+
+
+def test_a_collective_done_when_waited_for_leaves_at_once(events):
+    """On the CPU (gloo) a collective is done in ``wait()`` and leaves the log there; on the
+    GPU it leaves once the device has reached the event behind its wait, looked at as the next
+    collective begins (or by the watchdog)."""
+    log = CommLog()
+    for work, on_device in [(None, True), (_NcclWork(), False)]:
+        rec = log.begin("all_gather", "dp", 8)
+        Handle(work, rec, log, Clock(), on_device).wait()
+        assert log.in_flight == {} and rec.done and rec.event is None
+    assert events == []
+    first = log.begin("reduce_scatter", "dp", 8)
+    Handle(_NcclWork(), first, log, Clock(), on_device=True).wait()
+    assert first.on_device and not first.done
+    events[0].reached = True
+    log.begin("all_reduce", "dp", 8)  # the next collective looks first
+    assert first.done and list(log.in_flight) == [3]
 
 
 def test_a_posted_verdict_ends_every_rank():

@@ -14,6 +14,8 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
 - What CUDA refuses is refused: an op mixing cuda tensors with cpu tensors that are not 0-dim
   (CUDA takes those as scalars), an in-place op whose cpu destination gets a cuda operand,
   ``.numpy()`` of a cuda tensor, a gradient on another device than its parameter.
+- ``comm.grid`` takes its NCCL branch (torch's reduce-scatter and all-gather) at every world
+  size, never its gloo fast paths.
 - What NCCL refuses is refused: every tensor handed to a torch.distributed collective or
   point-to-point op must be a contiguous cuda tensor (the check wraps torch.distributed itself,
   so code that bypasses zerostack's Comm is checked too).
@@ -24,10 +26,13 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
 - Streams are modelled with vector clocks (as torch's CUDA sanitizer does): each device op runs
   on the current stream (``torch.cuda.stream(s)``), ``wait_stream`` / events / host waits order
   streams, each collective runs on its process group's NCCL stream, which waits for the current
-  stream at launch and is waited for by ``work.wait()``. An op that touches a storage another
-  stream wrote (or reads, for a write) without being ordered after it is refused, and so is a
-  storage freed on its stream while another stream's use of it is unordered and not announced
-  with ``record_stream`` (the caching allocator would hand its memory out again).
+  stream at launch and is waited for by ``work.wait()``; an event's ``query()`` is True once a
+  host wait covers it (as late as a GPU could answer), never merely because ``wait()`` returned.
+  An op that
+  touches a storage another stream wrote (or reads, for a write) without being ordered after it
+  is refused, and so is a storage freed on its stream while another stream's use of it is
+  unordered and not announced with ``record_stream`` (the caching allocator would hand its
+  memory out again).
 - A ``non_blocking`` copy is in flight until such a wait covers it: a host op that writes the
   host buffer a copy to the device still reads, or touches the one a copy from the device still
   fills, is refused, as the race it would be on a GPU (whether the buffer is pinned or not).
@@ -702,6 +707,8 @@ class _FakeEvent:
         _merge(_HOST, self.clock)
 
     def query(self) -> bool:
+        if not all(_HOST.get(sid, 0) >= n for sid, n in self.clock.items()):
+            return False
         _landed(self.serial)
         return True
 
@@ -723,6 +730,9 @@ def virtual_cuda():
     patches += [
         (grid, "_all_gather", _nccl("all_gather_into_tensor", grid._all_gather)),
         (grid, "_reduce_scatter", _nccl("reduce_scatter_tensor", grid._reduce_scatter)),
+        # NCCL's branch at every size: torch's reduce-scatter and all-gather, whose outputs
+        # NCCL writes on its stream (gloo's fast paths run in the plain CPU tests)
+        (grid, "_gloo", lambda group: False),
         (topology.Topology, "device", property(lambda self: CUDA)),
         (torch.Tensor, "device", property(_device)),
         (torch.Tensor, "is_cuda", property(_seen_cuda)),

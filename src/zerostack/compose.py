@@ -30,7 +30,7 @@ from .plan.auto import resolve as resolve_auto
 from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
-from .topology import Topology, init_distributed
+from .topology import Topology, default_timeout, init_distributed
 from .watchdog import start_watchdog
 
 
@@ -360,7 +360,7 @@ def initialize(
         config = getattr(args, "deepspeed_config", None)
     cfg = load_config(config)
     if dist_init_required is not False:
-        init_distributed()
+        init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))
     topo = _topology(model, cfg, topology, mpu)
     if cfg.log_level is not None:  # DeepSpeed sets its own logger's level from the key
         logging.getLogger("zerostack").setLevel(cfg.log_level.upper())

@@ -40,6 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 AXES = ("pp", "dp", "tp")
 EP_AXES = ("pp", "dp", "ep", "tp")  # the mesh's dimensions when ep > 1
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+WATCHDOG_BOUND = 120.0
+"""The watchdog's bound in seconds when its block sets none (:mod:`zerostack.watchdog`)."""
+NCCL_MARGIN = 60.0
+"""Seconds NCCL's own timeout leaves the watchdog to name a hang before NCCL ends the job."""
 
 _GROUP_HOLDERS: list[weakref.ref] = []
 """Objects that keep process groups (each :class:`Topology`, a pipeline's tied-weight groups),
@@ -107,9 +111,26 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def default_timeout(backend: str | None = None, watchdog=None) -> timedelta:
+    """The process groups' timeout when none is given, for ``backend`` (the default one: None)
+    and the config's ``watchdog`` block (a :class:`~zerostack.config.WatchdogConfig`, or None
+    for its defaults).
+
+    On CUDA the watchdog's bound plus :data:`NCCL_MARGIN`: NCCL's collectives return before they
+    run, so a collective that never completes is named by the watchdog, and NCCL's own timeout
+    (dumping its flight recorder) follows a minute later, not 30 minutes later (torch's NCCL
+    default is 10). On gloo, or with the watchdog off, DeepSpeed's 30 minutes."""
+    backend = backend or default_backend()
+    enabled = watchdog is None or watchdog.enabled
+    if not enabled or device_type_of(backend, cuda_available=True) != "cuda":
+        return DEFAULT_TIMEOUT
+    bound = (watchdog.timeout if watchdog is not None else None) or WATCHDOG_BOUND
+    return timedelta(seconds=bound + NCCL_MARGIN)
+
+
 def init_distributed(
     dist_backend: str | None = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
@@ -127,11 +148,14 @@ def init_distributed(
     from ``MASTER_PORT`` or ``distributed_port`` (see :mod:`zerostack.launcher.discovery`); a
     world larger than one with no address is a ``RendezvousError``. A plain ``python script.py``
     runs as a world of one with an in-memory store, so scripts need no launcher to try things.
-    Calling again after initialisation does nothing.
+    Calling again after initialisation does nothing. ``timeout`` defaults to
+    :func:`default_timeout`'s; on CUDA, NCCL's flight recorder is switched on where the
+    environment does not set its variables (:data:`.launcher.environment.FLIGHT_RECORDER`).
     """
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    timeout = timeout if timeout is not None else default_timeout(backend)
     if init_method is None and not _launched_by_torchrun():
         from .launcher.discovery import discover
 
@@ -146,6 +170,11 @@ def init_distributed(
             os.environ.update(found.env())  # what torch's env:// and LOCAL_RANK readers expect
     bound = {}
     cuda = device_type_of(backend, cuda_available=True) == "cuda"  # asked for, so meant
+    if cuda:
+        from .launcher.environment import FLIGHT_RECORDER
+
+        for key, value in FLIGHT_RECORDER.items():  # read when NCCL's group is made
+            os.environ.setdefault(key, value)
     if cuda and "LOCAL_RANK" in os.environ:
         # this rank's GPU, before the group exists: NCCL's communicators bind to it (device_id),
         # instead of every rank of a node landing on cuda:0
@@ -301,7 +330,7 @@ class Topology:
         ``timeout``; by default, the world group's own timeout.
         """
         if not dist.is_initialized():
-            init_distributed(timeout=timeout or DEFAULT_TIMEOUT)
+            init_distributed(timeout=timeout)
         timeout = timeout or world_timeout()
         world = dist.get_world_size()
         for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)):

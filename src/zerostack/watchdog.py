@@ -13,7 +13,10 @@ training thread, so a rank that computes for a long time still beats; a rank tha
   answering; its last heartbeat says at which step and in which collective;
 * this rank has waited ``timeout`` seconds in one collective while every peer still beats: the
   ranks are in different collectives (a skipped forward, a rank-dependent branch), or one is
-  computing for too long; every rank's position is listed, so a mismatch shows.
+  computing for too long; every rank's position is listed, so a mismatch shows. On NCCL the
+  host does not wait in the collective itself: its record stays in flight "on the device" until
+  the collective completes (:mod:`zerostack.comm.records`), so the verdict names it too when the
+  host blocks later in an unrelated read (the norm's, a user's ``.item()``).
 
 The rank that reaches a verdict posts it in the store, prints it with its last collectives and
 exits non-zero; every other rank sees the posted verdict within ``interval``, prints its own
@@ -125,7 +128,8 @@ class Watchdog:
         pending = self.log.oldest_in_flight()
         waiting = None
         if pending is not None:
-            waiting = [pending.op, pending.seq, pending.axis, time.monotonic() - pending.started]
+            waited = time.monotonic() - pending.started
+            waiting = [pending.op, pending.seq, pending.axis, waited, pending.on_device]
         return {"beat": self._beat, "step": self.log.step, "calls": self.log.count,
                 "waiting": waiting}  # fmt: skip
 
@@ -188,10 +192,17 @@ class Watchdog:
         pending = self.log.oldest_in_flight()
         if pending is not None and now - pending.started > self.timeout:
             others = "; ".join(f"rank {r} {self._position(r)}" for r in sorted(self._peers))
+            what = f"{pending.op} #{pending.seq} on {pending.axis} at step {pending.step}"
+            if pending.on_device:  # NCCL: the host went on, the collective never completed
+                head = (
+                    f"rank {self.rank}'s {what} has not completed on the device after "
+                    f"{self.timeout:g} s"
+                )
+            else:
+                head = f"rank {self.rank} waited more than {self.timeout:g} s in {what}"
             return (
-                f"rank {self.rank} waited more than {self.timeout:g} s in {pending.op} "
-                f"#{pending.seq} on {pending.axis} at step {pending.step} while its peers answer "
-                f"(ranks in different collectives, or one computing too long): {others}"
+                f"{head} while its peers answer (ranks in different collectives, or one "
+                f"computing too long): {others}"
             )
         return None
 
@@ -201,8 +212,7 @@ class Watchdog:
         if pending is None:
             return where + ", in no collective"
         waited = time.monotonic() - pending.started
-        where += f", in {pending.op} #{pending.seq} on {pending.axis}"
-        return where + f" (waiting {waited:.1f} s)"
+        return where + _pending(pending.op, pending.seq, pending.axis, pending.on_device, waited)
 
     def _position(self, r: int) -> str:
         body = self._peers.get(r)
@@ -210,8 +220,9 @@ class Watchdog:
             return "(never beat)"
         where = f"at step {body['step']}, after {body['calls']} collectives"
         if body["waiting"]:
-            op, seq, axis, waited = body["waiting"]
-            where += f", in {op} #{seq} on {axis} (waiting {waited:.1f} s when last seen)"
+            op, seq, axis, waited, *device = body["waiting"]
+            where += _pending(op, seq, axis, bool(device and device[0]), waited)
+            where += " when last seen"
         else:
             where += ", in no collective"
         return where
@@ -320,6 +331,14 @@ class Watchdog:
         self._wake_r, self._wake_w, self._old_wakeup = r, w, None
 
 
+def _pending(op: str, seq: int, axis: str, on_device: bool, waited: float) -> str:
+    """A position's pending collective: the one the host waits in, or one the host went on
+    from that the device (NCCL) has not completed."""
+    if on_device:
+        return f", with {op} #{seq} on {axis} unfinished on the device ({waited:.1f} s)"
+    return f", in {op} #{seq} on {axis} (waiting {waited:.1f} s)"
+
+
 def _started(pid: int | str = "self") -> int | None:
     """A process's start time in clock ticks since boot (Linux), to tell it from a later process
     given the same pid; None where /proc is not there."""
@@ -336,14 +355,14 @@ def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
     process group's timeout (``init_distributed(timeout=...)``) when that is shorter."""
     import torch.distributed as dist
 
-    from .topology import world_timeout
+    from .topology import WATCHDOG_BOUND, world_timeout
 
     if not cfg.enabled or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     store = default_store()
     if store is None:
         return None
-    timeout = cfg.timeout or min(120.0, world_timeout().total_seconds())
+    timeout = cfg.timeout or min(WATCHDOG_BOUND, world_timeout().total_seconds())
     return Watchdog(
         log,
         store,

@@ -24,26 +24,45 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Handle:
-    """An in-flight async collective; ``wait()`` adds the wait to the call's recorded seconds."""
+    """An in-flight async collective; ``wait()`` adds the wait to the call's recorded seconds.
+    On the GPU (``on_device``) it also records an event behind the wait, and the log keeps the
+    record in flight until the device reaches it (NCCL's ``wait()`` only orders the current
+    stream after the collective)."""
 
     def __init__(
-        self, work: dist.Work | None, record: CommRecord, log: CommLog, clock: Clock
+        self,
+        work: dist.Work | None,
+        record: CommRecord,
+        log: CommLog,
+        clock: Clock,
+        on_device: bool = False,
     ) -> None:
         self._work = work
         self._record = record
         self._log = log
         self._clock = clock
+        self._on_device = on_device
 
     def wait(self) -> None:
-        if self._work is not None:
+        work, self._work = self._work, None
+        if work is not None:
             t0 = self._clock.now()
             try:
-                self._work.wait()
+                work.wait()
             except RuntimeError as exc:
                 raise self._log.failed(self._record, exc) from exc
             self._record.seconds += self._clock.now() - t0
-            self._work = None
-        self._log.end(self._record)
+        self._log.end(self._record, _behind(work) if self._on_device else None)
+
+
+def _behind(work) -> torch.cuda.Event | None:
+    """An event on the current stream after ``work``'s wait: reached once the collective ran
+    (None for none)."""
+    if work is None:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class _SummedRows:
@@ -87,15 +106,16 @@ class _SummedRows:
         return True
 
 
+def _gloo(group) -> bool:
+    """Whether ``group`` of 2 or more ranks runs on gloo, where zerostack's own reduce-scatter
+    and all-gather beat torch's (on NCCL torch's are the ones to use)."""
+    return dist.get_backend(group) == "gloo" and dist.get_world_size(group) >= 2
+
+
 def _reduce_scatter_rows(output, input, *, op, group, async_op, pool=None):
     """A summing reduce-scatter into a contiguous output over a gloo group of 2 or more ranks:
     :class:`_SummedRows`; anything else: torch's."""
-    if (
-        op != dist.ReduceOp.SUM
-        or not output.is_contiguous()
-        or dist.get_backend(group) != "gloo"
-        or dist.get_world_size(group) < 2
-    ):
+    if op != dist.ReduceOp.SUM or not output.is_contiguous() or not _gloo(group):
         return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
     summed = _SummedRows(output, input, group, async_op, pool)
     if not async_op:
@@ -141,11 +161,7 @@ class _PeerGather:
 def _all_gather_peers(output, input, *, group, async_op):
     """An all-gather into a contiguous output over a gloo group of 2 or more ranks:
     :class:`_PeerGather`; anything else: torch's."""
-    if (
-        not output.is_contiguous()
-        or dist.get_backend(group) != "gloo"
-        or dist.get_world_size(group) < 2
-    ):
+    if not output.is_contiguous() or not _gloo(group):
         start = output.data_ptr()
         if start <= input.data_ptr() < start + output.nbytes:  # gathered in place: not assumed
             input = input.clone()
@@ -173,11 +189,13 @@ class Comm:
         rec = self.log.begin(op, axis, nbytes, dist.get_world_size(group))
         t0 = self.clock.now()
         try:
-            work = fn(group, async_op)
+            # posted asynchronously even when the caller waits (torch's own blocking call is
+            # the same post and wait): the log keeps the Work while the device runs it
+            work = fn(group, True)
         except RuntimeError as exc:
             raise self.log.failed(rec, exc) from exc
         rec.seconds = self.clock.now() - t0
-        handle = Handle(work, rec, self.log, self.clock)
+        handle = Handle(work, rec, self.log, self.clock, self.topo.device.type == "cuda")
         if async_op:
             return handle
         handle.wait()
@@ -301,7 +319,7 @@ class Comm:
             "send",
             axis,
             tensor.numel() * tensor.element_size(),
-            lambda g, a: dist.send(tensor, dst=dist.get_global_rank(g, dst), group=g),
+            lambda g, a: dist.isend(tensor, dst=dist.get_global_rank(g, dst), group=g),
             False,
         )
 
@@ -310,7 +328,7 @@ class Comm:
             "recv",
             axis,
             tensor.numel() * tensor.element_size(),
-            lambda g, a: dist.recv(tensor, src=dist.get_global_rank(g, src), group=g),
+            lambda g, a: dist.irecv(tensor, src=dist.get_global_rank(g, src), group=g),
             False,
         )
 
@@ -344,9 +362,10 @@ class Comm:
         except RuntimeError as exc:
             raise self.log.failed(records[0], exc) from exc
         seconds = self.clock.now() - t0
+        event = _behind(works) if self.topo.device.type == "cuda" else None
         for rec in records:
             rec.seconds = seconds / len(ops)
-            self.log.end(rec)
+            self.log.end(rec, event)
 
     def barrier(self, *, axis: str = "dp") -> None:
         self._run("barrier", axis, 0, lambda g, a: dist.barrier(group=g, async_op=a), False)

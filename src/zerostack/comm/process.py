@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as td
 
-from ..topology import DEFAULT_TIMEOUT, world_device_type
+from ..topology import default_timeout, world_device_type
 from ..topology import init_distributed as _init_torch
 from .collectives import barrier
 from .summary import comms_logger
@@ -27,7 +27,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config=None,
@@ -37,8 +37,12 @@ def init_distributed(
     """DeepSpeed's ``init_distributed``: the config's ``comms_logger`` block, then torch's
     process group from torchrun's environment, else (``auto_mpi_discovery``) from Open MPI's,
     MPICH's or Slurm's, with ``distributed_port`` when ``MASTER_PORT`` is unset; a world of one
-    without a launcher (see :func:`zerostack.topology.init_distributed`)."""
+    without a launcher (see :func:`zerostack.topology.init_distributed`). ``timeout`` defaults
+    to 30 minutes (DeepSpeed's) on gloo and, on NCCL, to the config's watchdog bound plus a
+    minute (:func:`zerostack.topology.default_timeout`)."""
     configure(deepspeed_config=config)
+    if timeout is None:
+        timeout = default_timeout(dist_backend, _watchdog_block(config))
     if dist_init_required is False:
         _require("init_distributed(dist_init_required=False)")
         return
@@ -51,6 +55,15 @@ def init_distributed(
         auto_mpi_discovery=auto_mpi_discovery,
         distributed_port=distributed_port,
     )
+
+
+def _watchdog_block(config):
+    """The ``watchdog`` block of a config (a ZeroStackConfig, dict or JSON path), or None."""
+    if config is None:
+        return None
+    from ..config import load_config
+
+    return load_config(config).watchdog
 
 
 def configure(

@@ -4,6 +4,15 @@
 ``bytes`` is the size of the full (unsharded) buffer a call works on: an all-reduce of ``t``
 counts ``t.nbytes``; a reduce-scatter counts its input, an all-gather its output. That is the
 unit of the ZeRO paper's communication volume (stages 0-2 move 2 psi per step, stage 3 3 psi).
+
+On NCCL a collective's ``work.wait()`` returns once the current stream waits for it, not once it
+ran: the record stays in flight, "on the device", until an event recorded on the current stream
+after the wait has completed (queried as each collective begins and by the watchdog's thread;
+an event holds no tensor, where keeping the ``Work`` would keep its buffers). So ranks that diverge
+(a data-dependent branch, MoE routing, ``generate`` with different lengths at ZeRO-3) leave a
+collective that never completes, and the watchdog names it, where the host blocks later in an
+unrelated read with nothing in flight.
+On gloo ``wait()`` returns when the collective is done and the record closes there.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -25,11 +35,29 @@ class CommRecord:
     started: float = 0.0  # time.monotonic() when it was posted
     done: bool = True
     ranks: int = 1  # the size of the group it ran on (the n of the bandwidth formulas)
+    # waited for on the host but maybe still running on the device (NCCL): a CUDA event
+    # recorded on the current stream after its wait, which completes once the collective has
+    event: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.event is not None
 
     def describe(self) -> str:
-        state = "done" if self.done else f"waiting {time.monotonic() - self.started:.1f} s"
+        waiting = time.monotonic() - self.started
+        state = "done" if self.done else f"waiting {waiting:.1f} s"
+        if not self.done and self.on_device:
+            state = f"queued on the device {waiting:.1f} s"
         where = f"{self.op} #{self.seq} on {self.axis}"
         return f"{where} ({self.bytes} bytes, step {self.step}, {state})"
+
+
+def running(event) -> bool:
+    """Whether the device has not yet reached ``event`` (``query()``, thread-safe)."""
+    try:
+        return not event.query()
+    except RuntimeError:  # the device failed: its error surfaces where the work is used
+        return False
 
 
 class CommLog:
@@ -71,20 +99,33 @@ class CommLog:
 
     def begin(self, op: str, axis: str, nbytes: int, ranks: int = 1) -> CommRecord:
         """A collective about to be posted: recorded now, in flight until :meth:`end`."""
+        self.poll()  # those the device finished meanwhile: their Works (and tensors) go
         rec = self.add(op, axis, nbytes, 0.0, ranks)
         rec.started, rec.done = time.monotonic(), False
         self.in_flight[rec.seq] = rec
         return rec
 
-    def end(self, rec: CommRecord) -> None:
-        """``rec`` completed (its ``seconds`` are final): out of flight, shown to observers."""
-        self._close(rec)
+    def end(self, rec: CommRecord, event=None) -> None:
+        """``rec`` was waited for (its ``seconds`` are final): shown to observers, and out of
+        flight unless the device has not reached ``event`` (a CUDA event recorded after the
+        wait), which :meth:`poll` then watches for."""
+        if event is not None and running(event):
+            rec.event = event
+        else:
+            self._close(rec)
         for observe in self.observers:
             observe(rec)
 
     def _close(self, rec: CommRecord) -> None:
-        rec.done = True
+        rec.done, rec.event = True, None
         self.in_flight.pop(rec.seq, None)
+
+    def poll(self) -> None:
+        """Close the records on the device whose collectives completed (from any thread)."""
+        for rec in list(self.in_flight.values()):
+            event = rec.event
+            if event is not None and not running(event):
+                self._close(rec)
 
     def failed(self, rec: CommRecord, exc: Exception) -> Exception:
         """The error to raise for a collective that failed: when a watchdog says the job is
@@ -100,6 +141,7 @@ class CommLog:
         )
 
     def oldest_in_flight(self) -> CommRecord | None:
+        self.poll()
         pending = list(self.in_flight.values())  # read from the watchdog's thread too
         return min(pending, key=lambda r: r.seq) if pending else None
 

@@ -69,8 +69,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 import zerostack
 
 from ..comm.process import init_distributed
-from ..config import read_config
-from ..topology import DEFAULT_TIMEOUT, shutdown
+from ..config import WatchdogConfig, read_config
+from ..topology import default_timeout, shutdown
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 
@@ -115,7 +115,7 @@ class ZeroStackStrategy(DDPStrategy):
         cluster_environment=None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -192,9 +192,13 @@ class ZeroStackStrategy(DDPStrategy):
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(self.local_rank),
         )
+        timeout = self._timeout
+        if timeout is None:  # on NCCL: the watchdog's bound and a minute (default_timeout)
+            watchdog = WatchdogConfig(**self.config.get("watchdog", {}))
+            timeout = default_timeout(self._process_group_backend, watchdog)
         init_distributed(
             self._process_group_backend,
-            timeout=self._timeout,
+            timeout=timeout,
             init_method="env://",
             rank=self.global_rank,
             world_size=self.world_size,

@@ -1,7 +1,8 @@
 """What a launch carries to every node: DeepSpeed's exported variables and its env files.
 
 As DeepSpeed's runner does, variables whose names start with one of :data:`EXPORT_PREFIXES`
-travel to every node, with the current folder put first on ``PYTHONPATH``; then the lines of
+travel to every node (and NCCL's flight recorder, :data:`FLIGHT_RECORDER`), with the current
+folder put first on ``PYTHONPATH``; then the lines of
 ``.deepspeed_env`` (the name ``DS_ENV_FILE`` gives, if set) and then ``.zerostack_env``, each
 looked for in the home folder and then the current one (a later file wins). A file holds
 ``KEY=VALUE`` lines; blank lines and ``#`` comments are skipped.
@@ -19,6 +20,12 @@ from .hostfile import LaunchError
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "GLOO")
 
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
+
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""NCCL's flight recorder, on unless the environment sets these: a collective that times out
+then writes each rank's last collectives (op, sizes, state) to ``TORCH_FR_DUMP_TEMP_FILE``
+(default ``/tmp/nccl_trace_rank_<rank>``; ``torchfrtrace`` reads them). Every node gets them
+from the launcher, and :func:`zerostack.init_distributed` sets them too (under plain torchrun)."""
 
 
 def parse_env_file(text: str, path: str) -> dict[str, str]:
@@ -44,6 +51,7 @@ def exports(env: Mapping[str, str], cwd: str, home: str) -> dict[str, str]:
     """The variables every node gets: the exported prefixes, ``PYTHONPATH`` with ``cwd`` first,
     then the env files (home folder, then ``cwd``)."""
     out = {k: v for k, v in env.items() if k.startswith(EXPORT_PREFIXES)}
+    out.update({k: env.get(k, v) for k, v in FLIGHT_RECORDER.items()})
     out["PYTHONPATH"] = cwd + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for name in env_file_names(env):
         for folder in (home, cwd):
