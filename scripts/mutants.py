@@ -752,7 +752,7 @@ MUTANTS = [
     Mutant(
         "watchdog: an async collective stays in flight after its wait",
         "comm/grid.py",
-        "        self._log.end(self._record, _behind(work) if self._on_device else None)",
+        "        self._log.end(self._record, _behind() if self._on_device else None)",
         "        pass",
         ("tests/test_watchdog.py::test_a_frozen_rank_ends_the_job_within_the_bound",),
     ),
@@ -2305,8 +2305,8 @@ MUTANTS = [
     Mutant(
         "a CPU collective waits for a CUDA event (gloo's are done in wait())",
         "comm/grid.py",
-        "        self._log.end(self._record, _behind(work) if self._on_device else None)",
-        "        self._log.end(self._record, _behind(work))",
+        "        self._log.end(self._record, _behind() if self._on_device else None)",
+        "        self._log.end(self._record, _behind())",
         ("tests/test_watchdog.py::test_a_collective_done_when_waited_for_leaves_at_once",),
     ),
     Mutant(

@@ -154,9 +154,9 @@ def test_a_collective_done_when_waited_for_leaves_at_once(events):
     GPU it leaves once the device has reached the event behind its wait, looked at as the next
     collective begins (or by the watchdog)."""
     log = CommLog()
-    for work, on_device in [(None, True), (_NcclWork(), False)]:
+    for work in (None, _NcclWork()):
         rec = log.begin("all_gather", "dp", 8)
-        Handle(work, rec, log, Clock(), on_device).wait()
+        Handle(work, rec, log, Clock()).wait()
         assert log.in_flight == {} and rec.done and rec.event is None
     assert events == []
     first = log.begin("reduce_scatter", "dp", 8)
@@ -165,6 +165,9 @@ def test_a_collective_done_when_waited_for_leaves_at_once(events):
     events[0].reached = True
     log.begin("all_reduce", "dp", 8)  # the next collective looks first
     assert first.done and list(log.in_flight) == [3]
+    blocking = log.begin("send", "pp", 8)  # torch's blocking call: no Work, waited all the same
+    Handle(None, blocking, log, Clock(), on_device=True).wait()
+    assert blocking.on_device
 
 
 def test_a_posted_verdict_ends_every_rank():

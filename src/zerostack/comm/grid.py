@@ -52,14 +52,12 @@ class Handle:
             except RuntimeError as exc:
                 raise self._log.failed(self._record, exc) from exc
             self._record.seconds += self._clock.now() - t0
-        self._log.end(self._record, _behind(work) if self._on_device else None)
+        self._log.end(self._record, _behind() if self._on_device else None)
 
 
-def _behind(work) -> torch.cuda.Event | None:
-    """An event on the current stream after ``work``'s wait: reached once the collective ran
-    (None for none)."""
-    if work is None:
-        return None
+def _behind() -> torch.cuda.Event:
+    """An event on the current stream, recorded after a collective's wait (or a blocking call,
+    which waits too): the device reaches it once the collective ran."""
     event = torch.cuda.Event()
     event.record()
     return event
@@ -190,7 +188,7 @@ class Comm:
         t0 = self.clock.now()
         try:
             # posted asynchronously even when the caller waits (torch's own blocking call is
-            # the same post and wait): the log keeps the Work while the device runs it
+            # the same post and wait), so the wait's time is counted in one place
             work = fn(group, True)
         except RuntimeError as exc:
             raise self.log.failed(rec, exc) from exc
@@ -319,7 +317,7 @@ class Comm:
             "send",
             axis,
             tensor.numel() * tensor.element_size(),
-            lambda g, a: dist.isend(tensor, dst=dist.get_global_rank(g, dst), group=g),
+            lambda g, a: dist.send(tensor, dst=dist.get_global_rank(g, dst), group=g),
             False,
         )
 
@@ -328,7 +326,7 @@ class Comm:
             "recv",
             axis,
             tensor.numel() * tensor.element_size(),
-            lambda g, a: dist.irecv(tensor, src=dist.get_global_rank(g, src), group=g),
+            lambda g, a: dist.recv(tensor, src=dist.get_global_rank(g, src), group=g),
             False,
         )
 
@@ -362,7 +360,7 @@ class Comm:
         except RuntimeError as exc:
             raise self.log.failed(records[0], exc) from exc
         seconds = self.clock.now() - t0
-        event = _behind(works) if self.topo.device.type == "cuda" else None
+        event = _behind() if self.topo.device.type == "cuda" else None
         for rec in records:
             rec.seconds = seconds / len(ops)
             self.log.end(rec, event)
