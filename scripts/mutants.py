@@ -2333,6 +2333,48 @@ MUTANTS = [
         "        init_distributed()",
         ("tests/test_cuda_path.py::test_initialize_gives_nccl_the_configs_watchdog_bound",),
     ),
+    Mutant(
+        "offload pins nothing by default (each pageable copy stops the host on a GPU)",
+        "config.py",
+        "    pin_memory: bool = True",
+        "    pin_memory: bool = False",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "the write-back's staging buffers are pageable",
+        "zero/offload.py",
+        "            buf = host_empty(dst.shape, dst.dtype, self.pin)",
+        "            buf = torch.empty(dst.shape, dtype=dst.dtype)",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "an offloaded norm goes up to the device from pageable memory",
+        "engine.py",
+        "            sq = self._sq_host.copy_(sq).to(self.device, non_blocking=True)",
+        "            sq = sq.to(self.device, non_blocking=True)",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "pinning is never asked for, whatever the flag says",
+        "pinned.py",
+        "    return torch.empty(shape, dtype=dtype, device=\"cpu\", pin_memory=pin and can_pin())",
+        "    return torch.empty(shape, dtype=dtype, device=\"cpu\")",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "pin_memory=false on a GPU is not warned about",
+        "config_keys.py",
+        "        if block is not None and block.device != \"none\" and not block.pin_memory:",
+        "        if False:",
+        ("tests/test_cuda_path.py::test_pageable_offload_stops_the_host_and_is_warned_about",),
+    ),
+    Mutant(
+        "the pinned bytes the host allocator holds are not reported",
+        "engine_api.py",
+        "            out[\"pinned\"] = pinned",
+        "            pass",
+        ("tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",),
+    ),
 ]
 
 

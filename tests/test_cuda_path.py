@@ -488,7 +488,7 @@ def _steps_waits(engine, rank, world) -> list[list[tuple[str, str]]]:
     steps = []
     for step in range(STEPS):
         HOST_WAITS.clear()
-        x, y = batch(step, MICRO * GAS * world)
+        x, y = (t.pin_memory() for t in batch(step, MICRO * GAS * world))  # a pinned loader's
         for m in range(GAS):
             lo = (m * world + rank) * MICRO
             xb, yb = (t[lo : lo + MICRO].to(engine.device, non_blocking=True) for t in (x, y))
@@ -608,6 +608,44 @@ def test_a_staging_buffer_is_written_again_only_after_its_copy():
             staging.add_(1)
 
 
+def _pageable(rank, world, root):
+    with virtual_cuda():
+        zero = {"offload_optimizer": {"device": "cpu", "pin_memory": False}}
+        extra = {"bf16": {"enabled": True}, "zero": zero}
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2, **extra))
+        steps = _steps_waits(engine, rank, world)
+        engine.destroy()
+    return steps
+
+
+def test_pageable_offload_stops_the_host_and_is_warned_about(tmp_path, caplog):
+    """``pin_memory: false`` on a GPU: the write-back of the stepped masters comes from pageable
+    memory, so each copy stops the host until the stream has drained (CUDA's rule, modelled by
+    virtual CUDA); ``initialize`` says so in one warning. The default pins (DeepSpeed's)."""
+    from zerostack.config import load_config
+    from zerostack.config_keys import warn_pageable_offload
+
+    for steps in run_distributed(_pageable, world=2, args=(str(tmp_path),)):
+        for waits in steps:
+            after = waits[waits.index(("launch", "")) + 1 :]
+            assert ("stream", "pageable non_blocking aten.copy_.default to the device") in after
+    pageable = {"offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    cfg = load_config(_config(2, zero=pageable))
+    with caplog.at_level("WARNING", logger="zerostack"):
+        warn_pageable_offload(cfg, torch.device("cpu"), 0)  # nothing to stop on a CPU
+        warn_pageable_offload(cfg, torch.device("cuda"), 1)  # rank 0 says it
+        assert caplog.messages == []
+        warn_pageable_offload(cfg, torch.device("cuda"), 0)
+        default = load_config(_config(2, zero={"offload_optimizer": {"device": "cpu"}}))
+        warn_pageable_offload(default, torch.device("cuda"), 0)
+    assert caplog.messages == [
+        "zero_optimization.offload_optimizer.pin_memory=false: offloaded state is copied from "
+        "pageable host memory, and each copy stops the host until the GPU's stream has drained; "
+        "set it true (DeepSpeed's default) unless page-locked memory is short"
+    ]
+
+
 def _device_records(rank, world, root):
     with virtual_cuda():
         torch.manual_seed(0)
@@ -713,6 +751,7 @@ def _device_memory(rank, world, root):
         figures = {"memory_allocated": 5, "max_memory_allocated": 7, "memory_reserved": 11}
         for name, value in figures.items():
             setattr(torch.cuda, name, lambda device=None, value=value: value)
+        torch.cuda.host_memory_stats = lambda: {"allocated_bytes.current": 16, "active_bytes": 9}
         monitor = {"enabled": True, "output_path": root, "job_name": "job"}
         engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2, csv_monitor=monitor))
         _loop(engine, rank, world, range(1))
@@ -721,10 +760,11 @@ def _device_memory(rank, world, root):
 
 
 def test_the_cuda_allocator_figures_are_reported_beside_the_census(tmp_path):
-    """``engine.device_memory()``: the CUDA allocator's allocated / peak / reserved bytes (empty
-    on the CPU), written by the monitors each step on a GPU."""
+    """``engine.device_memory()``: the CUDA allocator's allocated / peak / reserved bytes and
+    the page-locked bytes its host allocator holds, rounded (empty on the CPU), written by the
+    monitors each step on a GPU."""
     for figures in run_distributed(_device_memory, world=2, args=(str(tmp_path),)):
-        assert figures == {"allocated": 5, "max_allocated": 7, "reserved": 11}
+        assert figures == {"allocated": 5, "max_allocated": 7, "reserved": 11, "pinned": 16}
     written = (tmp_path / "job" / "Train_Samples_cuda_max_allocated_bytes_rank0.csv").read_text()
     assert written.splitlines() == ["step,cuda_max_allocated_bytes_rank0", "8,7.0"]  # x: samples
     torch.manual_seed(0)

@@ -33,10 +33,15 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
   is refused, and so is a storage freed on its stream while another stream's use of it is
   unordered and not announced with ``record_stream`` (the caching allocator would hand its
   memory out again).
-- A ``non_blocking`` copy is in flight until such a wait covers it: a host op that writes the
-  host buffer a copy to the device still reads, or touches the one a copy from the device still
-  fills, is refused, as the race it would be on a GPU (whether the buffer is pinned or not).
-- ``Topology.device`` is cuda:0; ``torch.cuda.is_available()`` stays False (nothing is pinned),
+- Page-locked memory is modelled: ``zerostack.pinned.can_pin()`` is True, and ``pin_memory=True``
+  or ``.pin_memory()`` marks a host storage pinned (``is_pinned()``); a ``.to("cpu",
+  non_blocking=True)`` from the device lands in pinned memory, as torch makes it.
+- A ``non_blocking`` copy between the device and pinned host memory is in flight until such a
+  wait covers it: a host op that writes the host buffer a copy to the device still reads, or
+  touches the one a copy from the device still fills, is refused, as the race it would be on a
+  GPU. From or into pageable memory CUDA waits for the stream first: a host wait, ``("stream",
+  "pageable ...")``, whatever ``non_blocking`` says.
+- ``Topology.device`` is cuda:0; ``torch.cuda.is_available()`` stays False,
   and the few ``torch.cuda`` calls that only wait (``synchronize``, ``current_device``) answer as
   a device with nothing in flight. The allocator's figures (``memory_allocated``,
   ``max_memory_allocated``) count the bytes of the storages tagged cuda, alive and at their
@@ -73,6 +78,7 @@ HOST_WAITS: list[tuple[str, str]] = []  # what the host waited for the device on
 # one from it; the copy's serial number, which an event's record covers)
 _IN_FLIGHT: dict[int, tuple[str, int]] = {}
 READ, WRITTEN = "read", "written"
+_PINNED: set[int] = set()  # host storages that are page-locked
 _SERIAL = [0]
 CPU, GPU, ANY = "cpu", "cuda", "any"
 
@@ -86,6 +92,25 @@ def _key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # no storage (sparse, ...)
         return None
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``'s host storage page-locked (until it is freed)."""
+    key = _key(t)
+    if key is not None and key not in _PINNED:
+        _PINNED.add(key)
+        weakref.finalize(t.untyped_storage(), _PINNED.discard, key)
+    return t
+
+
+def pinned(t: torch.Tensor) -> bool:
+    return _key(t) in _PINNED
+
+
+def _pin_memory(self, *args, **kwargs) -> torch.Tensor:
+    if is_cuda(self):
+        raise DeviceError("pin_memory(): only host tensors can be pinned, got a cuda tensor")
+    return _pin(self.clone())
 
 
 def _state(t: torch.Tensor) -> str:
@@ -457,10 +482,13 @@ def _note_wait(func, args, kwargs) -> None:
         _stream_wait(str(func))
     elif func is _aten.copy_.default and is_cuda(args[0]) != is_cuda(args[1]):
         host = args[1] if is_cuda(args[0]) else args[0]
-        if (len(args) > 2 and args[2]) or kwargs.get("non_blocking", False):
-            _in_flight(host, READ if is_cuda(args[0]) else WRITTEN)
+        way = "to" if is_cuda(args[0]) else "from"
+        if not ((len(args) > 2 and args[2]) or kwargs.get("non_blocking", False)):
+            _stream_wait(f"{func} {way} the device")
+        elif not pinned(host):
+            _stream_wait(f"pageable non_blocking {func} {way} the device")
         else:
-            _stream_wait(f"{func} {'to' if is_cuda(args[0]) else 'from'} the device")
+            _in_flight(host, READ if is_cuda(args[0]) else WRITTEN)
 
 
 _BASE = torch._C.TensorBase
@@ -525,8 +553,13 @@ def _move(t, cuda: bool, dtype=None, non_blocking=False, copy=False):
         return t
     if is_cuda(t) != cuda and not non_blocking:
         _stream_wait("to(cuda)" if cuda else "to(cpu)")
+    elif cuda and not is_cuda(t) and not pinned(t):  # CUDA waits for the stream first
+        _stream_wait("pageable non_blocking to(cuda)")
+        non_blocking = False
     out = _ORIG["to"](t, dtype=dtype or t.dtype, copy=True)
     _tag(out, cuda)
+    if non_blocking and is_cuda(t) and not cuda:  # torch lands it in pinned host memory
+        _pin(out)
     if is_cuda(t) or cuda:  # the copy runs on the current stream
         stream = _current()
         stamp = stream.tick()
@@ -543,12 +576,17 @@ def _factory(fn):
 
     @functools.wraps(fn)
     def make(*args, **kwargs):
+        pin = kwargs.pop("pin_memory", False)  # this build cannot pin: modelled by a mark
         device = kwargs.get("device")
         was, _IN_FACTORY.on = getattr(_IN_FACTORY, "on", False), True
         try:  # no device: torch's default, the host
             out = fn(*args, **dict(kwargs, device="cpu") if device is not None else kwargs)
         finally:
             _IN_FACTORY.on = was
+        if pin:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    _pin(t)
         if device is None:
             return out
         for t in tree_leaves(out):
@@ -722,6 +760,7 @@ class _FakeEvent:
 @contextlib.contextmanager
 def virtual_cuda():
     """The tagged-device run described in the module docstring (for one process)."""
+    from zerostack import pinned as zerostack_pinned
     from zerostack import topology
     from zerostack.comm import grid
 
@@ -733,6 +772,9 @@ def virtual_cuda():
         # NCCL's branch at every size: torch's reduce-scatter and all-gather, whose outputs
         # NCCL writes on its stream (gloo's fast paths run in the plain CPU tests)
         (grid, "_gloo", lambda group: False),
+        (zerostack_pinned, "can_pin", lambda: True),
+        (torch.Tensor, "pin_memory", _pin_memory),
+        (torch.Tensor, "is_pinned", lambda self, *a, **k: pinned(self)),
         (topology.Topology, "device", property(lambda self: CUDA)),
         (torch.Tensor, "device", property(_device)),
         (torch.Tensor, "is_cuda", property(_seen_cuda)),
@@ -782,6 +824,7 @@ def virtual_cuda():
         _TAGS.clear()
         HOST_WAITS.clear()
         _IN_FLIGHT.clear()
+        _PINNED.clear()
         _ACCESS.clear()
         _HOST.clear()
         STREAM_ERRORS.clear()

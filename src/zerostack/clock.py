@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from .pinned import host_zeros
+
 
 class Clock:
     """``now()``: ``time.perf_counter()`` after the device's work so far (``sync``)."""
@@ -47,8 +49,7 @@ class HostScalar:
 
     def __init__(self, device: torch.device) -> None:
         gpu = device.type == "cuda"
-        pin = gpu and torch.cuda.is_available()
-        self.host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
+        self.host = host_zeros((), torch.float32, pin=gpu)
         self.event = torch.cuda.Event() if gpu else None
 
     def start(self, t: torch.Tensor) -> None:

@@ -19,12 +19,13 @@ from . import activation_checkpointing
 from .comm import comms_logger
 from .comm import configure as configure_comms
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_config
-from .config_keys import warn_no_effect
+from .config_keys import warn_no_effect, warn_pageable_offload
 from .data.sampler import ResumableSampler
 from .engine import Engine
 from .moe import MoE
 from .moe.sync import average_over_ep
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
+from .pinned import can_pin
 from .pipeline import PipelineEngine, PipelineModule
 from .plan.auto import resolve as resolve_auto
 from .sequence import DistributedAttention, shard_sequence
@@ -313,7 +314,7 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         # out of step with the uninterrupted run.
         generator=torch.Generator().manual_seed(cfg.seed),
         # page-locked batches on a GPU, so the copy to the device need not wait (non_blocking)
-        pin_memory=engine.device.type == "cuda" and torch.cuda.is_available(),
+        pin_memory=engine.device.type == "cuda" and can_pin(),
     )
 
 
@@ -365,6 +366,7 @@ def initialize(
     if cfg.log_level is not None:  # DeepSpeed sets its own logger's level from the key
         logging.getLogger("zerostack").setLevel(cfg.log_level.upper())
     warn_no_effect(cfg, topo.global_rank)
+    warn_pageable_offload(cfg, topo.device, topo.global_rank)
     cfg = resolve_auto(cfg, model, topo)  # "auto" stage / micro-batch, chosen and logged
     refusal = grad_accum_refusal(cfg, cfg.zero_optimization.stage)  # the stage "auto" chose
     if refusal is not None:

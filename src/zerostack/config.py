@@ -460,8 +460,9 @@ class OffloadConfig(_Model):
     nvme_path: str | None = None
     """Directory for nvme offload (required when device is "nvme"); each rank writes its files
     in its own subdirectory, removed at the end."""
-    pin_memory: bool = False
-    """Page-locked host buffers (only matters with a GPU)."""
+    pin_memory: bool = True
+    """Page-locked host buffers, so copies to and from the GPU overlap the host's work (only
+    matters with a GPU; :mod:`zerostack.pinned`)."""
     buffer_count: PositiveInt = 4
     """Sub-groups (optimizer) or parameter shards held in host memory at once with nvme."""
     buffer_size: PositiveInt = 100_000_000

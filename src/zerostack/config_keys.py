@@ -234,10 +234,6 @@ NESTED_NO_EFFECT: dict[str, str] = {
 """Keys inside zerostack's blocks (dotted paths) accepted with no effect, and why."""
 
 
-_PIN = (
-    "pinning needs CUDA, and zerostack's GPU path has not run on a GPU yet (issue 37); set it "
-    "on GPUs"
-)
 DEFAULT_DIFFERENCES: dict[str, str] = {
     "steps_per_print": (
         "10 (DeepSpeed None): the progress line is also when the monitors flush their files, "
@@ -248,8 +244,6 @@ DEFAULT_DIFFERENCES: dict[str, str] = {
         "'parameters' (DeepSpeed 'best'): the key must agree with the PipelineModule, whose "
         "partition_method defaults to 'parameters' in DeepSpeed too; there is no 'best' here"
     ),
-    "zero_optimization.offload_optimizer.pin_memory": f"False (DeepSpeed True): {_PIN}",
-    "zero_optimization.offload_param.pin_memory": f"False (DeepSpeed True): {_PIN}",
     "zero_optimization.offload_param.buffer_count": (
         "4 (DeepSpeed 5): one model serves both offload blocks, and offload_optimizer's is 4"
     ),
@@ -298,6 +292,23 @@ def no_effect_settings(cfg) -> list[str]:
         if found is not None and found[0] != found[1]:
             out.append(f"{path} ({why})")
     return out
+
+
+def warn_pageable_offload(cfg, device, rank: int) -> None:
+    """One warning on rank 0 when an offload block on a GPU turns ``pin_memory`` off: every copy
+    of offloaded state then stops the host until the stream has drained."""
+    if device.type != "cuda" or rank != 0:
+        return
+    zero = cfg.zero_optimization
+    for name in ("offload_optimizer", "offload_param"):
+        block = getattr(zero, name)
+        if block is not None and block.device != "none" and not block.pin_memory:
+            log.warning(
+                "zero_optimization.%s.pin_memory=false: offloaded state is copied from pageable "
+                "host memory, and each copy stops the host until the GPU's stream has drained; "
+                "set it true (DeepSpeed's default) unless page-locked memory is short",
+                name,
+            )
 
 
 def warn_no_effect(cfg, rank: int) -> None:

@@ -29,6 +29,7 @@ from .engine_api import EngineAPI
 from .full_params import FullParams, attach
 from .moe.utils import is_moe_param
 from .monitor import StepMonitor
+from .pinned import host_empty
 from .precision import Precision, make_loss_scaler
 from .profiling.flops_profiler.step import StepProfile
 from .runner import cast_inputs, repeat_loader, run_micro_batches
@@ -103,6 +104,7 @@ class Engine(EngineAPI, nn.Module):
         self.loss_scaler = make_loss_scaler(config)
         # the norm's host read, and whether the optimizer can skip a step without it
         self._norm_reader = HostScalar(device)
+        self._sq_host: torch.Tensor | None = None  # an offloaded norm's way up to the device
         self._masters_on_device = all(m.device == device for m in self.zero.masters())
         fused = getattr(self.optimizer, "_step_supports_amp_scaling", False)
         self._skips_on_device = fused and self._masters_on_device
@@ -328,7 +330,13 @@ class Engine(EngineAPI, nn.Module):
         """The gradient norm over the whole model, averaged and unscaled, as a 0-dim fp32 tensor
         on the device. Each tp-split parameter is counted by every tp rank (its own slice), each
         replica once, each pipeline stage its own layers."""
-        sq = stats.sq.to(self.device, non_blocking=True)  # offloaded: summed on the host
+        sq = stats.sq
+        if sq.device != self.device:  # offloaded: summed on the host, up through pinned memory
+            # (from pageable memory the copy would wait for the stream); written again only
+            # after this step's norm read, which waits for the copy
+            if self._sq_host is None or self._sq_host.dtype != sq.dtype:
+                self._sq_host = host_empty((), sq.dtype)
+            sq = self._sq_host.copy_(sq).to(self.device, non_blocking=True)
         if stats.sharded:
             self.comm.all_reduce(sq, axis="dp")
         for axis in ("tp", "pp", "ep"):

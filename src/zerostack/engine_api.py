@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .pinned import pinned_bytes
 from .zero.strategy import tally
 
 log = logging.getLogger("zerostack")
@@ -211,14 +212,20 @@ class EngineAPI:
         """The CUDA caching allocator's figures for this rank's device, beside
         :meth:`memory_breakdown`'s census of what zerostack holds: ``allocated`` (now),
         ``max_allocated`` (the peak since the last ``reset_peak_memory_stats``) and ``reserved``
-        (held by the allocator, free blocks included). Empty on the CPU."""
+        (held by the allocator, free blocks included); and ``pinned``, the page-locked host bytes
+        torch's host allocator holds (each block rounded up to a power of two: up to twice what
+        the census counts in pinned tensors). Empty on the CPU."""
         if self.device.type != "cuda":
             return {}
-        return {
+        out = {
             "allocated": torch.cuda.memory_allocated(self.device),
             "max_allocated": torch.cuda.max_memory_allocated(self.device),
             "reserved": torch.cuda.memory_reserved(self.device),
         }
+        pinned = pinned_bytes()
+        if pinned is not None:
+            out["pinned"] = pinned
+        return out
 
     def save_checkpoint(
         self,

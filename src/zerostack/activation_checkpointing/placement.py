@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import torch
 
+from .. import pinned
+
 HOST = "host"  # where cpu_checkpointing keeps inputs: memory from host_empty
 Where = torch.device | str  # a device, or HOST
 
@@ -19,7 +21,7 @@ Where = torch.device | str  # a device, or HOST
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Host memory for kept inputs under ``cpu_checkpointing`` (pinned when CUDA is there, so the
     copies back can overlap). Every host tensor a checkpoint keeps comes from here."""
-    return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+    return pinned.host_empty(numel, dtype)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,8 +15,8 @@ zerostack's own, at the same x:
 - ``Train/Samples/tflops_per_rank``: model TFLOP/s per rank, once the flops profiler has
   measured a step,
 - ``Train/Samples/memory_bytes_rank0``: rank 0's ``engine.memory_breakdown()`` total,
-- ``Train/Samples/cuda_{allocated,max_allocated,reserved}_bytes_rank0``: on a GPU, the CUDA
-  allocator's figures (``engine.device_memory()``),
+- ``Train/Samples/cuda_{allocated,max_allocated,reserved,pinned}_bytes_rank0``: on a GPU, the
+  CUDA allocator's figures and the pinned host bytes (``engine.device_memory()``),
 - ``Train/Samples/comm_bytes_<axis>_rank0``: bytes rank 0's collectives moved in the step on each
   axis (``dp``, ``tp``, ``pp``; ``world``), as its CommLog counts them.
 

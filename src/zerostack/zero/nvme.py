@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from ..config import ConfigError
+from ..pinned import host_empty
 
 _MMAP_SET = False
 
@@ -175,8 +176,7 @@ class NVMeStore:
     def load(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The file's tensor (one, ``numel`` of ``dtype``) on ``device``: read into host memory
         (page-locked on a GPU) and copied from there without blocking the host."""
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        host = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        host = host_empty(numel, dtype, pin=device.type == "cuda")
         self.read_into(key, [host])
         return host.to(device, non_blocking=True)
 

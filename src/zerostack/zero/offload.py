@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..pinned import host_empty
 from .nvme import NVMeStore
 
 
@@ -46,13 +47,7 @@ def host_device() -> torch.device:
 
 def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host copy of ``t`` (page-locked when a GPU is present and ``pin``)."""
-    out = torch.empty(
-        t.shape,
-        dtype=dtype or t.dtype,
-        device=host_device(),
-        pin_memory=pin and torch.cuda.is_available(),
-    )
-    return out.copy_(t)
+    return host_empty(t.shape, dtype or t.dtype, pin).copy_(t)
 
 
 class Uploads:
@@ -68,7 +63,7 @@ class Uploads:
 
     def __init__(self, device: torch.device, pin: bool) -> None:
         self.gpu = device.type == "cuda"
-        self.pin = pin and torch.cuda.is_available()
+        self.pin = pin
         self.staging: dict[object, tuple[torch.Tensor, object]] = {}  # key -> (buffer, event)
 
     def copy(self, key: object, dst: torch.Tensor, value: torch.Tensor) -> None:
@@ -81,7 +76,7 @@ class Uploads:
             buf, event = self.staging[key]
             event.synchronize()  # its last copy may still be reading it
         else:
-            buf = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.pin)
+            buf = host_empty(dst.shape, dst.dtype, self.pin)
             event = torch.cuda.Event()
             self.staging[key] = buf, event
         buf.copy_(value.view(dst.shape))

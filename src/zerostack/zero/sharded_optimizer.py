@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..pinned import host_empty, host_zeros
 from ..precision import Precision
 from . import scratch
 from .flat_reduce import FlatBackward
@@ -227,8 +228,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             is there), else on the device; None where the master is the parameter buffer's
             own piece (fp32, not offloaded)."""
             if self.offload != "none":
-                pin = self._pin and torch.cuda.is_available()
-                return torch.zeros(numel, dtype=torch.float32, pin_memory=pin)
+                return host_zeros(numel, torch.float32, self._pin)
             if dtype == torch.float32:
                 return None
             return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
@@ -330,12 +330,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             grad = self._grad_piece(st)
             if self.offload != "none" and self.stage < 2:  # stage 2's shard is on the host
                 if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
-                    st.host_grad = torch.empty(
-                        grad.numel(),
-                        dtype=torch.float32,
-                        device=host_device(),
-                        pin_memory=self._pin and torch.cuda.is_available(),
-                    )
+                    st.host_grad = host_empty(grad.numel(), torch.float32, self._pin)
                 grad = st.host_grad.copy_(grad)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
