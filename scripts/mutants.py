@@ -1325,8 +1325,8 @@ MUTANTS = [
     Mutant(
         "cuda: offloaded stage 2 adds a device piece into the host shard",
         "zero/flat_reduce.py",
-        "shard.add_(st.piece.to(shard.device))",
-        "shard.add_(st.piece)",
+        "            if shard.device == st.piece.device:",
+        "            if True:",
         (f"{CUDA}[stage2-offload]",),
     ),
     Mutant(
@@ -2374,6 +2374,27 @@ MUTANTS = [
         "            out[\"pinned\"] = pinned",
         "            pass",
         ("tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",),
+    ),
+    Mutant(
+        "stage 2's offloaded pieces come down in a blocking copy inside backward again",
+        "zero/flat_reduce.py",
+        "                self.downloads.fetch(st.piece, shard.add_)",
+        "                shard.add_(st.piece.to(shard.device))",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "a mid-window gradient read misses the pieces still coming down",
+        "zero/flat_state.py",
+        "            self.downloads.settle()",
+        "            pass",
+        ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads",),
+    ),
+    Mutant(
+        "the step reads the offloaded shard before the last pieces are added",
+        "zero/sharded_optimizer.py",
+        "        self.downloads.settle()\n        for st in self.buckets:",
+        "        for st in self.buckets:",
+        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage2-offload]",),
     ),
 ]
 

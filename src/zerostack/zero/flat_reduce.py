@@ -145,10 +145,17 @@ class FlatBackward:
 
     def _add_piece(self, st) -> None:
         """Add a bucket's reduced piece (if it was not reduced into the shard) into the group's
-        gradient shard; its buffers go back to the pool."""
+        gradient shard; its buffers go back to the pool. A shard in host memory (offloaded)
+        gets it from a copy that does not stop the host (:class:`~.offload.Downloads`): added
+        once the copy is settled; the pool's next use of the piece's buffer is in stream order
+        after the copy."""
         if st.piece is not None:
             shard = self._shard_of(st)
-            shard.add_(st.piece.to(shard.device))  # in host memory when offloaded
+            if shard.device == st.piece.device:
+                shard.add_(st.piece)
+            else:
+                self.downloads.settle_sealed()  # the last micro-step's: done long ago
+                self.downloads.fetch(st.piece, shard.add_)
         self.buffers.give(st.piece, st.staging)
         st.piece = st.staging = None
 
@@ -189,3 +196,4 @@ class FlatBackward:
             for st in self.buckets:
                 st.piece, st.staging = st.staging, None
                 self._add_piece(st)
+        self.downloads.seal()

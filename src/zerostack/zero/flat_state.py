@@ -90,6 +90,7 @@ class FlatState:
         fg = self.groups[st.group]
         lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
         if self.stage == 2:
+            self.downloads.settle()
             off = st.bucket.shard_offset
             return self._whole_bucket(fg.grad_shard[off : off + st.bucket.piece_numel])[lo:hi]
         reduced = self.dp > 1 and self.reducer.settle()

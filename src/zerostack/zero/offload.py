@@ -84,6 +84,63 @@ class Uploads:
         event.record()
 
 
+class Downloads:
+    """Device tensors brought into host memory without stopping the host: the reduced gradient
+    pieces of an offloaded optimizer, added into its fp32 gradients in host memory.
+
+    A blocking copy to the host inside backward waits for the whole stream (every backward kernel
+    queued so far and the reduce-scatter), so the GPU would idle at every bucket while the host
+    adds. :meth:`fetch` instead copies the tensor into a page-locked buffer with ``non_blocking``
+    (in stream order, behind the collective that made it) and records an event; its ``then``
+    (the add) runs when the copy is settled. :meth:`seal` ends a micro-step's copies;
+    :meth:`settle_sealed` runs them early in the next micro-step's reduction, when the device has
+    long done them, and :meth:`settle` runs every one before anything reads the gradients (the
+    step, ``window_grad``, ``zero_grad``). The ``then`` calls run in fetch order, so the sums
+    are the blocking copies' sums, bit for bit. On the CPU, or for a tensor already in host
+    memory, ``then`` runs at once. The page-locked buffers are reused by size once settled: at
+    most two micro-steps' pieces are held."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.gpu = device.type == "cuda"
+        self._open: list[tuple] = []  # (event, host buffer, then, shape) of this micro-step
+        self._sealed: list[tuple] = []
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def fetch(self, t: torch.Tensor, then: Callable[[torch.Tensor], object]) -> None:
+        """``then(t on the host)``, now on the CPU, else once the copy is settled."""
+        if not self.gpu or t.device.type == "cpu":
+            then(t)
+            return
+        free = self._free.get((t.numel(), t.dtype))
+        host = free.pop() if free else host_empty(t.numel(), t.dtype)
+        host.copy_(t.reshape(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._open.append((event, host, then, t.shape))
+
+    def seal(self) -> None:
+        """The micro-step's copies are all queued."""
+        self._sealed += self._open
+        self._open = []
+
+    def settle_sealed(self) -> None:
+        """Run the earlier micro-steps' ``then`` calls."""
+        sealed, self._sealed = self._sealed, []
+        self._run(sealed)
+
+    def settle(self) -> None:
+        """Run every pending ``then``, waiting for each copy's event."""
+        self.settle_sealed()
+        pending, self._open = self._open, []
+        self._run(pending)
+
+    def _run(self, items: list[tuple]) -> None:
+        for event, host, then, shape in items:
+            event.synchronize()  # this copy and what came before it, nothing after
+            then(host.view(shape))
+            self._free.setdefault((host.numel(), host.dtype), []).append(host)
+
+
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """A tensor of p's shape backed by one element (stride 0): a swapped-out master keeps its
     shape, so its gradient can still be assigned, without holding its storage."""

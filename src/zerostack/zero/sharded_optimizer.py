@@ -42,7 +42,7 @@ from . import scratch
 from .flat_reduce import FlatBackward
 from .flat_state import FlatState
 from .masters import master_store
-from .offload import HostMeter, Uploads, host_device
+from .offload import Downloads, HostMeter, Uploads, host_device
 from .partition import Bucket, FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
@@ -197,6 +197,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self.offload = offload.device if offload is not None else "none"
         self._pin = bool(offload is not None and offload.pin_memory)
         self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
+        self.downloads = Downloads(comm.topo.device)  # stage 2's pieces to an offloaded shard
         self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
         self.host_meter = HostMeter()
@@ -326,6 +327,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         and scaled; return the factor that averages and unscales it."""
         if self.stage < 2:
             self._flush()
+        self.downloads.settle()
         for st in self.buckets:
             grad = self._grad_piece(st)
             if self.offload != "none" and self.stage < 2:  # stage 2's shard is on the host
@@ -438,6 +440,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         return out
 
     def zero_grad(self) -> None:
+        self.downloads.settle()  # no late add after the zeros
         for fg in self.groups:
             for buf in (fg.grads_flat, fg.grad_shard):
                 if buf is not None:
