@@ -2387,7 +2387,7 @@ MUTANTS = [
         "zero/flat_state.py",
         "            self.downloads.settle()",
         "            pass",
-        ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads",),
+        ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[2]",),
     ),
     Mutant(
         "the step reads the offloaded shard before the last pieces are added",
@@ -2395,6 +2395,27 @@ MUTANTS = [
         "        self.downloads.settle()\n        for st in self.buckets:",
         "        for st in self.buckets:",
         ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage2-offload]",),
+    ),
+    Mutant(
+        "stage 3's offloaded rows come down in a blocking copy inside backward again",
+        "zero/stage3_reduce.py",
+        "        self.downloads.fetch(out, lambda host: self._hand(b, host, final))",
+        "        self._hand(b, out.to(self.to), final)",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "stage 3's step reads the offloaded gradients before the last rows are added",
+        "zero/stage3.py",
+        "        self.downloads.settle()\n        self.grads.hand_to(self.groups)",
+        "        self.grads.hand_to(self.groups)",
+        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage3-offload-param-cpu]",),
+    ),
+    Mutant(
+        "a stage-3 mid-window gradient read misses the rows still coming down",
+        "zero/stage3_state.py",
+        "        self.downloads.settle()\n        piece = self.grads.piece(p)",
+        "        piece = self.grads.piece(p)",
+        ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[3]",),
     ),
 ]
 

@@ -563,8 +563,8 @@ def _offloaded_waits(rank, world, root):
 @pytest.mark.slow
 def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path):
     """With the optimizer (or the parameters) offloaded, the host waits for the device only
-    where it must: to read the reduced gradients it steps on (copies from the device; at stage 2,
-    ZeRO-Offload, only events behind each bucket's copy, waited for once the GPU is past them).
+    where it must: to read the reduced gradients it steps on (copies from the device; at stages
+    2-3 only events behind each bucket's copy, waited for once the GPU is past them).
     Offloaded
     parameter pieces go up for each gather, and the stepped masters come back down to the
     parameters, in copies the host does not wait for; the staging buffers they go through are
@@ -582,11 +582,11 @@ def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path
                 after = kinds[kinds.index("launch") + 1 :]
                 if name != "stage3-param-nvme":
                     assert set(after) <= {"event"}, (name, waits)
-                # every wait on the whole stream reads gradients from the device; stage 2's
-                # pieces come down behind events (Downloads), added into the shard later: the
-                # host never waits for the whole stream inside backward
+                # every wait on the whole stream reads gradients from the device; stages 2-3
+                # bring their pieces down behind events (Downloads), added into the host
+                # gradients later: the host never waits for the whole stream inside backward
                 streams = [what for kind, what in waits if kind == "stream"]
-                if name == "stage2":
+                if name in ("stage2", "stage3", "stage3-param-cpu"):
                     assert streams == [], waits
                     assert "event" in kinds[: kinds.index("launch")], waits
                 else:
@@ -655,14 +655,14 @@ def test_pageable_offload_stops_the_host_and_is_warned_about(tmp_path, caplog):
     ]
 
 
-def _window_grads(rank, world, root, virtual):
+def _window_grads(rank, world, root, virtual, stage):
     from zerostack.utils import safe_get_full_grad
 
     context = virtual_cuda() if virtual else contextlib.nullcontext()
     with context:
         torch.manual_seed(0)
         zero = {"offload_optimizer": {"device": "cpu"}}
-        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(2, zero=zero))
+        engine, *_ = zerostack.initialize(model=tiny_gpt(), config=_config(stage, zero=zero))
         x, y = batch(0, MICRO * GAS * world)
         lo = rank * MICRO
         xb, yb = (t[lo : lo + MICRO].to(engine.device) for t in (x, y))
@@ -672,12 +672,13 @@ def _window_grads(rank, world, root, virtual):
     return grads
 
 
-def test_a_mid_window_gradient_read_sees_the_pending_downloads(tmp_path):
-    """Stage 2 with the optimizer offloaded: the pieces come down to the host shard behind
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_mid_window_gradient_read_sees_the_pending_downloads(tmp_path, stage):
+    """Stages 2-3 with the optimizer offloaded: the pieces come down to host memory behind
     events and are added later; ``safe_get_full_grad`` between micro-steps settles them first,
     and reads what the CPU run reads, bit for bit."""
-    cpu = run_distributed(_window_grads, world=2, args=(str(tmp_path), False))
-    cuda = run_distributed(_window_grads, world=2, args=(str(tmp_path), True))
+    cpu = run_distributed(_window_grads, world=2, args=(str(tmp_path), False, stage))
+    cuda = run_distributed(_window_grads, world=2, args=(str(tmp_path), True, stage))
     for a, b in zip(cpu, cuda, strict=True):
         assert all(torch.equal(g, h) for g, h in zip(a, b, strict=True))
         assert any(g.abs().sum() > 0 for g in a)

@@ -26,6 +26,7 @@ from .coordinator import ParamCoordinator, gather_now
 from .init import StorageMeter, Subgroup, is_sharded, shard_param
 from .masters import GradFiles, GradShards, master_store
 from .offload import (
+    Downloads,
     HostMeter,
     ParamSwapper,
     ResidentPieces,
@@ -101,6 +102,7 @@ class Stage3(Stage3State, StepSequence):
         self.offload = offload.device if offload is not None else "none"
         pin = bool(offload is not None and offload.pin_memory)
         self.uploads = Uploads(comm.topo.device, pin)  # offloaded masters to the device
+        self.downloads = Downloads(comm.topo.device)  # reduced rows to offloaded gradients
         self.host_meter = HostMeter()
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
@@ -199,6 +201,7 @@ class Stage3(Stage3State, StepSequence):
             to=self.grads.device,  # offloaded: the host
             quantized=quantized_gradients,
             bits=gradient_bits,
+            downloads=self.downloads,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
@@ -286,10 +289,15 @@ class Stage3(Stage3State, StepSequence):
         self.coord.grad_arrived(p)  # p's gathered copy may go
         self.reduce.arrived(p)
 
-    def _accumulate(self, pieces: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Add a bucket's reduced pieces into the fp32 gradients (a shard or files)."""
+    def begin_backward(self, boundary: bool) -> None:
+        super().begin_backward(boundary)
+        self.reduce.final = boundary
+
+    def _accumulate(self, pieces: list[tuple[nn.Parameter, torch.Tensor]], final: bool) -> None:
+        """Add a bucket's reduced pieces into the fp32 gradients (a shard or files); ``final``:
+        the window's last micro-step."""
         for p, piece in pieces:
-            self.grads.add(p, piece, final=self.boundary)
+            self.grads.add(p, piece, final=final)
 
     def end_backward(self) -> None:
         """Reduce what is left, add this rank's pieces into the fp32 gradients, free the rest."""
@@ -328,6 +336,7 @@ class Stage3(Stage3State, StepSequence):
     def _prepare_step(self, loss_scale: float) -> float:
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel._prepare_step)."""
+        self.downloads.settle()
         self.grads.hand_to(self.groups)
         return self.grad_post(loss_scale)
 
@@ -353,4 +362,5 @@ class Stage3(Stage3State, StepSequence):
         self._refresh_persistent([p for p in self._persistent if p in self._trainable])
 
     def zero_grad(self) -> None:
+        self.downloads.settle()  # no late add after the zeros
         self.grads.clear(self.groups)

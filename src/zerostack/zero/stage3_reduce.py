@@ -5,10 +5,13 @@ modules' parameters, :class:`~.partition.PieceBuckets`) is staged as a ``(dp, wi
 row ``r`` holds every parameter's ``r``-th piece; one reduce-scatter hands each rank its row. A
 parameter's full gradient is copied into the matrix and dropped as soon as backward produces it;
 the :class:`~.reducer.GradReducer` launches each bucket, in order, once all its parameters
-arrived, and ``deliver([(param, piece), ...])`` receives each bucket's reduced row as soon as
-its collective is waited for: at most two buckets are in flight, so the reduced rows do not pile up
-until the end of backward (at dp = 1 the row is delivered when the bucket is launched: there is
-nothing to reduce).
+arrived, and ``deliver([(param, piece), ...], final)`` receives each bucket's reduced row as soon
+as its collective is waited for: at most two buckets are in flight, so the reduced rows do not
+pile up until the end of backward (at dp = 1 the row is delivered when the bucket is launched:
+there is nothing to reduce). ``final`` says whether the row is the accumulation window's last
+(:attr:`PieceReducer.final`, set for each backward). Rows bound for host memory (an offloaded
+optimizer) come down without stopping the host (:class:`~.offload.Downloads`) and are delivered
+once settled.
 
 With ZeRO++'s quantized gradients (qgZ, ``zero_quantized_gradients``) the reduce-scatter is an
 all-to-all of int8 (or, with ``zero_quantized_gradients_bits: 4``, int4) blocks
@@ -27,10 +30,11 @@ from torch import nn
 
 from ..comm import Comm, Handle
 from . import quantize, scratch
+from .offload import Downloads
 from .partition import PieceBuckets
 from .reducer import GradReducer
 
-Deliver = Callable[[list[tuple[nn.Parameter, torch.Tensor]]], None]
+Deliver = Callable[[list[tuple[nn.Parameter, torch.Tensor]], bool], None]
 
 
 class PieceReducer:
@@ -48,12 +52,15 @@ class PieceReducer:
         to: torch.device,
         quantized: bool = False,
         bits: int = 8,
+        downloads: Downloads | None = None,
     ) -> None:
         """``units``: the parameters each bucket keeps together (a module's), in launch order;
         ``dtype``: the one gradients are reduced in (``communication_data_type``); ``to``: where
         the reduced pieces are delivered (the host when the gradients are)."""
         self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
         self.to, self.quantized, self.bits = to, quantized, bits
+        self.downloads = downloads or Downloads(torch.device("cpu"))
+        self.final = True  # this backward is its window's last
         self.dp = comm.topo.dp
         order = [p for unit in units for p in unit]
         index = {p: i for i, p in enumerate(order)}
@@ -137,11 +144,19 @@ class PieceReducer:
             self._deliver(b, self._summed(b, out) if self.quantized and self.dp > 1 else out)
 
     def _deliver(self, b: int, out: torch.Tensor) -> None:
-        out = out.to(self.to)
+        final = self.final
+        if out.device == self.to:
+            self._hand(b, out, final)
+            return
+        self.downloads.settle_sealed()  # the last micro-step's: done long ago
+        self.downloads.fetch(out, lambda host: self._hand(b, host, final))
+
+    def _hand(self, b: int, out: torch.Tensor, final: bool) -> None:
         pieces = [(p, out[self.at[p] : self.at[p] + p._zs.piece.numel()]) for p in self.params[b]]
-        self.deliver(pieces)
+        self.deliver(pieces, final)
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, deliver, and start afresh."""
         self.reducer.flush()  # each bucket is delivered as it completes (``_done``)
+        self.downloads.seal()
         self._reset()

@@ -114,11 +114,13 @@ class Stage3State:
         rank's piece, all-gathered (a collective over dp). ``p.grad`` is None after backward
         at stage 3; the pieces are where the gradient is."""
         st = p._zs
+        self.downloads.settle()
         piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
         return gather_full([type(st)(st.shape, st.numel, piece)], self.comm)[0].reshape(-1)
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
+        self.downloads.settle()
         return self.grads.piece(p).to(torch.float32, copy=True)
 
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
