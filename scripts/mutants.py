@@ -2417,6 +2417,17 @@ MUTANTS = [
         "        piece = self.grads.piece(p)",
         ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[3]",),
     ),
+    Mutant(
+        "stage 3's norm takes a kernel per parameter again",
+        "zero/masters.py",
+        "        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()",
+        "        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) "
+        "for g in grads]).square()",
+        (
+            "tests/test_stage3.py::"
+            "test_the_norm_takes_one_multi_tensor_kernel_not_three_per_parameter",
+        ),
+    ),
 ]
 
 

@@ -190,3 +190,41 @@ def test_stage3_16_bit_trains(precision):
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, f"{precision}: loss {first:.3f} -> {last:.3f}"
     assert skipped <= 3
+
+
+def _norm_ops(rank, world, n_layer):
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = tiny_gpt(cfg=dataclasses.replace(TINY, n_layer=n_layer))
+    engine, *_ = zerostack.initialize(model=model, config=_config(world))
+    x, y = batch(0, 8)
+    engine.backward(engine(x[:4], y[:4]))
+    with Count() as count:
+        sq = engine.zero.grad_norm_sq(set())
+    params = len(list(model.parameters()))
+    reference = sum(float(g.grad_shard.square().sum()) for g in engine.zero.groups)
+    engine.destroy()
+    return dict(count.ops), params, float(sq), reference
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_the_norm_takes_one_multi_tensor_kernel_not_three_per_parameter(n_layer):
+    """Stage 3's gradient norm: one ``_foreach_norm`` over every piece, whatever the parameter
+    count (a GPU ran three tiny kernels per parameter before the host's one read)."""
+    ops, params, sq, reference = run_distributed(_norm_ops, world=2, args=(n_layer,))[0]
+    assert params > 6 * n_layer  # each layer has six or more
+    assert ops["aten._foreach_norm.Scalar"] == 1 and "aten.linalg_vector_norm.default" not in ops
+    assert sum(ops.values()) <= 5, ops
+    assert sq == pytest.approx(reference, rel=1e-5)

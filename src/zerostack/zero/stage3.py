@@ -323,15 +323,14 @@ class Stage3(Stage3State, StepSequence):
     def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards, leaving out the parameters in ``skip``
         (tp replicas counted on another rank)."""
-        # Parameter by parameter, so the sum does not depend on how groups are cut into
-        # sub-groups (NVMe offload): offloaded or not, the clipping factor is the same number.
-        # where the shards are (the device, or host memory when offloaded): summed in place
-        sq = torch.zeros((), dtype=torch.float32, device=self.grads.device)
-        for g in self.groups:
-            for p in g.params:
-                if p not in skip:
-                    sq += self.grads.norm_sq(p)
-        return sq
+        # Parameter by parameter, summed over one vector in parameter order, so the sum does
+        # not depend on how groups are cut into sub-groups (NVMe offload): offloaded or not, the
+        # clipping factor is the same number; where the shards are (the device, or host memory
+        # when offloaded).
+        params = [p for g in self.groups for p in g.params if p not in skip]
+        if not params:
+            return torch.zeros((), dtype=torch.float32, device=self.grads.device)
+        return self.grads.norms_sq(params).sum()
 
     def _prepare_step(self, loss_scale: float) -> float:
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
