@@ -1318,9 +1318,9 @@ MUTANTS = [
     Mutant(
         "cuda: stage 3 sums the gradient norm into a host scalar",
         "zero/stage3.py",
-        "sq = torch.zeros((), dtype=torch.float32, device=self.grads.device)",
-        "sq = torch.zeros((), dtype=torch.float32)",
-        (f"{CUDA}[stage3]",),
+        "        return self.grads.norms_sq(params).sum()",
+        "        return self.grads.norms_sq(params).sum().cpu()",
+        ("tests/test_cuda_path.py::test_a_step_on_the_device_waits_only_for_its_norm",),
     ),
     Mutant(
         "cuda: offloaded stage 2 adds a device piece into the host shard",
