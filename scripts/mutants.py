@@ -2428,6 +2428,13 @@ MUTANTS = [
             "test_the_norm_takes_one_multi_tensor_kernel_not_three_per_parameter",
         ),
     ),
+    Mutant(
+        "the async save's agreement polls the store every 20 ms however long it waits",
+        "checkpoint/async_save.py",
+        "        pause = min(2 * pause, longest)",
+        "        pass",
+        ("tests/test_async_save.py::test_waiting_for_the_other_ranks_asks_the_store_ever_less_often",),
+    ),
 ]
 
 

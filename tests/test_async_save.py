@@ -240,3 +240,27 @@ def test_keep_last_never_removes_latest_nor_other_tags(tmp_path):
         "global_step8",
         "latest",
     ]
+
+
+def test_waiting_for_the_other_ranks_asks_the_store_ever_less_often():
+    """The agreement's wait polls the store with pauses that double (20 ms up to 1 s): waiting
+    2 s for a slow writer takes a dozen looks, not a hundred (at a thousand ranks, every look
+    of every rank is two requests to one TCPStore)."""
+    class Counting:
+        def __init__(self) -> None:
+            self.store, self.checks = torch.distributed.HashStore(), 0
+
+        def check(self, keys):
+            self.checks += 1
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = Counting()
+    threading.Timer(2.0, lambda: store.set("job/rank1", "done")).start()
+    t0 = time.monotonic()
+    assert async_save._wait(store, ["job/rank1"]) == ["done"]
+    waited = time.monotonic() - t0
+    assert 2.0 <= waited < 3.2
+    assert store.checks <= 2 * 9 + 1, store.checks  # 20, 40, ..., 640 ms, 1 s, 1 s: 9 looks

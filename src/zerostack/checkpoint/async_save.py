@@ -218,19 +218,28 @@ def _agree(job: _Job, record: dict | None, error: str | None) -> str:
     return verdict
 
 
+POLL_S = (0.02, 1.0)
+"""The first and the longest pause between two looks at the store while waiting for answers:
+the pause doubles, so a thousand ranks waiting on a slow writer ask the store a few times a
+second each, not fifty (every look is two requests to one TCPStore)."""
+
+
 def _wait(store, keys: list[str]) -> list[str]:
-    """The values of ``keys`` once all are set (polled: the training thread keeps the GIL).
-    Gives up when the watchdog has posted that the job is ending (a rank died or froze: its
-    answer will never come, and this thread must not hold the process at exit)."""
+    """The values of ``keys`` once all are set (polled, with pauses growing from
+    :data:`POLL_S`'s first to its last: the training thread keeps the GIL). Gives up when the
+    watchdog has posted that the job is ending (a rank died or froze: its answer will never
+    come, and this thread must not hold the process at exit)."""
     deadline = time.monotonic() + WAIT_S
     verdict = f"{WATCHDOG_PREFIX}verdict"
+    pause, longest = POLL_S
     while not store.check(keys):
         if store.check([verdict]):
             raise RuntimeError(f"the job is ending ({store.get(verdict).decode()})")
         if time.monotonic() > deadline:
             missing = [k for k in keys if not store.check([k])]
             raise TimeoutError(f"no answer within {WAIT_S:g} s for {', '.join(missing)}")
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(2 * pause, longest)
     return [v.decode() for v in store.multi_get(keys)]
 
 
