@@ -6,6 +6,11 @@
 One process, one device (world 1): the checks that need two GPUs (pipeline, tensor parallelism,
 reduce-scatter overlap) say so and are skipped on one; on two or more, ``gpu_check.sh`` runs
 ``zerostack train`` with pp 2 (1F1B, interleaved) and tp 2 + sequence parallelism on NCCL.
+On one GPU, ``fake-dp8`` runs stages 1-3 at dp = 8 through torch's fake process group (their
+dp > 1 paths; no data moves) and ``nccl-lifetimes`` runs NCCL's ops at world 1 behind queued
+work with their inputs freed at once (issue 37's checks A-E: also ``offload-host-time``,
+``nonfinite-skip``, ``autocast`` and ``sanitizer``, under ``TORCH_CUDA_SANITIZER=1``). The
+fp32 checks compared at 1e-6 run with deterministic algorithms (cuBLAS's workspace setting).
 Each check prints ``{"check": ..., "ok": ..., ...figures}``; the last line is the summary, and
 the exit code is 1 when a check failed. ``zero{0-3}-{bf16,fp32}-step-no-stream-sync`` runs two
 steps under torch's sync debug mode: the real-GPU counterpart of virtual CUDA's record of the
@@ -281,7 +286,273 @@ def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> Non
     engine.destroy()
 
 
-CHECKS = ("precision", "no-stream-sync", "offload-and-init", "dropout", "scripts", "big")
+def _sleep_ms(ms: float) -> None:
+    """Queue about ``ms`` of work on the current stream (``torch.cuda._sleep``: clock cycles)."""
+    torch.cuda._sleep(int(ms * 1e-3 * 1.5e9))
+
+
+def check_fake_dp8(model_cfg) -> None:
+    """Check A: dp = 8 on one device, through torch's fake process group (collectives move no
+    data: the losses mean nothing), so stages 1-3 take their dp > 1 and NCCL paths; two steps
+    after a warm-up under the sync debug mode (on a GPU), and the peak memory per stage. Runs
+    in its own process: the world is the fake group's."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    batches = _batches(model_cfg, 3)
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(
+            model=GPT(model_cfg), config=_config(stage, "bf16", gradient_clipping=1.0)
+        )
+        psi = sum(p.numel() for p in engine.module.parameters())
+        error = None
+        try:
+            for i, (x, y) in enumerate(batches):
+                if cuda and i == 2:  # after the warm-up step
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.set_sync_debug_mode("error")
+                dev = engine.device
+                loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                engine.backward(loss)
+                engine.step()
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[0]
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        report(
+            f"fake-dp8-zero{stage}-bf16",
+            error is None and engine.topology.dp == 8,
+            error=error,
+            device=str(engine.device),
+            peak_bytes_per_param=None if peak is None else peak / psi,
+        )
+        engine.destroy()
+    dist.destroy_process_group()
+
+
+def check_nccl_lifetimes(name: str) -> None:
+    """Check B: NCCL at world 1, each op of the NCCL branch launched behind 50 ms of queued
+    work, its inputs freed and their memory filled with a sentinel at once: the outputs must be
+    exact (the allocator did not hand out memory NCCL still reads), and ``wait()`` returns
+    before the queued work ends (it orders the stream, it does not block)."""
+    if not torch.cuda.is_available():
+        skipped(name, "needs CUDA")
+        return
+    from zerostack.comm import Comm
+    from zerostack.topology import Topology
+
+    comm = Comm(Topology.build())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 1 << 20
+
+    def reduce_scatter(x):
+        out = torch.empty(n, device=dev)
+        return out, comm.reduce_scatter(out, x, async_op=True), x
+
+    def all_gather(x):
+        out = torch.empty(n, device=dev)
+        return out, comm.all_gather(out, x, async_op=True), x
+
+    def all_gather_in_place(x):
+        out = x.clone()
+        return out, comm.all_gather(out, out[:n], async_op=True), x
+
+    def all_to_all(x):
+        out = torch.empty(n, device=dev)
+        return out, comm.all_to_all(out, x, async_op=True), x
+
+    def broadcast(x):
+        out = x.clone()
+        return out, comm.broadcast(out, async_op=True), x
+
+    for op in (reduce_scatter, all_gather, all_gather_in_place, all_to_all, broadcast):
+        x = torch.arange(n, device=dev, dtype=torch.float32)
+        _sleep_ms(50)
+        out, handle, want = op(x)
+        want = want.clone()
+        del x
+        sentinel = [torch.full((n,), -7.0, device=dev) for _ in range(4)]
+        t0 = time.perf_counter()
+        handle.wait()
+        waited_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        exact = torch.equal(out, want)
+        report(f"{name}-{op.__name__}", exact and waited_ms < 25, waited_ms=waited_ms)
+        del sentinel
+
+
+def check_offload_host_time(model_cfg) -> None:
+    """Check C: how long the host is held when 200 ms of work is queued before a forward and
+    before a backward, with offloaded state pinned and pageable, and the page-locked bytes the
+    host allocator holds beside the pinned bytes of the census."""
+    if not torch.cuda.is_available():
+        skipped("offload-host-time", "needs CUDA")
+        return
+    x, y = _batches(model_cfg, 1)[0]
+    for name, zero in (
+        ("zero2-offload-optimizer", {"offload_optimizer": {"device": "cpu"}}),
+        ("zero3-offload-param-optimizer", {"offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}),
+    ):  # fmt: skip
+        for pin in (True, False):
+            for block in zero.values():
+                block["pin_memory"] = pin
+            stage = 3 if "param" in name else 2
+            cfg = _config(stage, "bf16", zero=zero, gradient_accumulation_steps=1)
+            engine, _ = _train(model_cfg, cfg, 1)
+            dev = engine.device
+            xb, yb = x.pin_memory().to(dev), y.pin_memory().to(dev)
+            torch.cuda.synchronize()
+            _sleep_ms(200)
+            t0 = time.perf_counter()
+            loss = engine(xb, yb)
+            forward_ms = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            _sleep_ms(200)
+            t0 = time.perf_counter()
+            engine.backward(loss)
+            backward_ms = (time.perf_counter() - t0) * 1e3
+            engine.step()
+            figures = engine.device_memory()
+            pinned_census = sum(
+                b for place in engine.memory_by_device().get("cpu", {}).values() for b in [place]
+            )
+            report(
+                f"{name}-{'pinned' if pin else 'pageable'}-host-ms",
+                True if not pin else backward_ms < 100,
+                forward_ms=forward_ms,
+                backward_ms=backward_ms,
+                pinned_allocator_bytes=figures.get("pinned"),
+                host_census_bytes=pinned_census,
+            )
+            engine.destroy()
+
+
+def check_nonfinite_skip(model_cfg) -> None:
+    """Check D: an inf gradient at the second step, stages 0-3 x bf16/fp16, fused AdamW,
+    clipping on: the step is skipped on the device (masters, moments, step count and LR as
+    they were; ``skipped_steps`` 1), the host does not drain the stream meanwhile, and the next
+    step updates."""
+    cuda = torch.cuda.is_available()
+    fused = {"type": "AdamW", "params": {"lr": 1e-3}}  # torch's fused AdamW where it can
+    batches = _batches(model_cfg, 3)
+    for stage in (0, 1, 2, 3):
+        for precision in ("bf16", "fp16"):
+            torch.manual_seed(0)
+            cfg = _config(stage, precision, gradient_clipping=1.0, optimizer=fused,
+                          gradient_accumulation_steps=1)  # fmt: skip
+            engine, *_ = zerostack.initialize(model=GPT(model_cfg), config=cfg)
+            first = next(p for p in engine.module.parameters() if p.requires_grad)
+            poison = [False]
+            first.register_hook(
+                lambda g, poison=poison: torch.full_like(g, float("inf")) if poison[0] else g
+            )
+
+            def state(engine=engine):
+                masters = [m.detach().clone() for m in engine.zero.masters()]
+                moments = [
+                    {k: v.clone() for k, v in engine.optimizer.state.get(m, {}).items()}
+                    for m in engine.zero.masters()
+                ]
+                return masters, moments, engine.get_lr()
+
+            error, unchanged = None, False
+            try:
+                for i, (x, y) in enumerate(batches):
+                    poison[0] = i == 1
+                    dev = engine.device
+                    if i == 1:
+                        before = state()
+                        if cuda:
+                            torch.cuda.synchronize()
+                            torch.cuda.set_sync_debug_mode("error")
+                    loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                    engine.backward(loss)
+                    engine.step()
+                    if i == 1:
+                        if cuda:
+                            torch.cuda.set_sync_debug_mode(0)
+                        after = state()
+                        unchanged = after[2] == before[2] and all(
+                            torch.equal(a, b) for a, b in zip(after[0], before[0], strict=True)
+                        ) and all(
+                            all(torch.equal(a[k], b[k]) for k in b)
+                            for a, b in zip(after[1], before[1], strict=True)
+                        )  # fmt: skip
+                updated = not all(
+                    torch.equal(a, b)
+                    for a, b in zip(state()[0], before[0], strict=True)
+                )
+            except RuntimeError as exc:
+                error, updated = str(exc).splitlines()[0], False
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+            report(
+                f"zero{stage}-{precision}-inf-skipped-on-device",
+                error is None and unchanged and updated and engine.skipped_steps == 1,
+                error=error,
+                skipped_steps=engine.skipped_steps,
+                loss_scale=getattr(engine.loss_scaler, "loss_scale", None),
+            )
+            engine.destroy()
+
+
+def check_autocast(model_cfg) -> None:
+    """Check E (first half): a user's loop under ``torch.autocast`` (bf16) with an fp32 config
+    trains at stages 0-3 (stage 3's linear replays the autocast state in backward)."""
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(model=GPT(model_cfg), config=_config(stage))
+        error, losses = None, []
+        try:
+            for x, y in _batches(model_cfg, 2):
+                with torch.autocast(kind, dtype=torch.bfloat16):
+                    loss = engine(x.to(engine.device), y.to(engine.device))
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
+        except RuntimeError as exc:
+            error = str(exc).splitlines()[0]
+        ok = error is None and all(v == v and abs(v) < 1e4 for v in losses)
+        report(f"zero{stage}-user-autocast-bf16", ok, error=error, losses=losses[-1:])
+        engine.destroy()
+
+
+def check_sanitizer(model_cfg, tmp) -> None:
+    """Check E (second half): two steps of stage 3 with parameters offloaded (pinned host
+    memory, and NVMe) under torch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``, set by
+    ``main`` before torch starts): the real GPU's counterpart of virtual CUDA's vector clocks."""
+    if not torch.cuda.is_available():
+        skipped("sanitizer", "needs CUDA")
+        return
+    nvme = os.path.join(tmp, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    for where, place in (("cpu", {"device": "cpu"}),
+                         ("nvme", {"device": "nvme", "nvme_path": nvme})):  # fmt: skip
+        error = None
+        try:
+            engine, _ = _train(model_cfg, _config(3, "bf16", zero={"offload_param": place}), 2)
+            engine.destroy()
+        except Exception as exc:  # the sanitizer raises its own error type
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        report(f"zero3-offload-param-{where}-sanitizer", error is None, error=error)
+
+
+CHECKS = (
+    "precision", "no-stream-sync", "nccl-lifetimes", "fake-dp8", "nonfinite-skip",
+    "offload-host-time", "autocast", "offload-and-init", "dropout", "big", "sanitizer",
+    "nccl-lifetimes-avoid-record-streams", "scripts",
+)  # fmt: skip
 """What ``--only`` runs, one per process (``gpu_check.sh`` gives each its own time limit)."""
 
 
@@ -296,6 +567,18 @@ def _run(name: str, small, steps: int, quick: bool, tmp: str) -> None:
         check_dropout(small, steps, tmp)
     elif name == "scripts":
         check_scripts(tmp)
+    elif name.startswith("nccl-lifetimes"):
+        check_nccl_lifetimes(name)
+    elif name == "fake-dp8":
+        check_fake_dp8(small)
+    elif name == "nonfinite-skip":
+        check_nonfinite_skip(small)
+    elif name == "offload-host-time":
+        check_offload_host_time(small)
+    elif name == "autocast":
+        check_autocast(small)
+    elif name == "sanitizer":
+        check_sanitizer(small, tmp)
     elif quick:
         check_big(2, 64, 4, 32, 2)
     else:
@@ -323,7 +606,18 @@ def main() -> int:
     if args.summary:
         with open(args.summary) as f:
             return summary([json.loads(x) for x in f if x.startswith("{")])
-    zerostack.init_distributed(timeout=timedelta(seconds=120))  # a hang fails in 2 minutes
+    # cuBLAS deterministic (read when cuBLAS starts): the fp32 checks compare at 1e-6
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.only == "nccl-lifetimes-avoid-record-streams":
+        os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"  # read when NCCL's group is made
+    if args.only == "sanitizer" and torch.cuda.is_available():
+        if os.environ.get("TORCH_CUDA_SANITIZER") != "1":  # read when torch starts: again
+            env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.only in ("offload-and-init", "dropout"):
+        torch.use_deterministic_algorithms(True, warn_only=True)  # SDPA's deterministic path
+    if args.only != "fake-dp8":  # that check's world is torch's fake process group
+        zerostack.init_distributed(timeout=timedelta(seconds=120))  # a hang fails in 2 minutes
     quick = args.quick or not torch.cuda.is_available()
     small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
     if not quick:
@@ -337,14 +631,18 @@ def main() -> int:
             torch=torch.__version__,
             gpus=torch.cuda.device_count(),
         )
-    names = [args.only] if args.only else [c for c in CHECKS if c != "scripts" or not args.quick]
+    own_world = ("fake-dp8", "nccl-lifetimes-avoid-record-streams", "sanitizer")
+    names = [args.only] if args.only else [
+        c for c in CHECKS if (c != "scripts" or not args.quick) and c not in own_world
+    ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="zs-gpu-check-") as tmp:
         for name in names:
             _run(name, small, steps, quick, tmp)
     if args.only is None and torch.cuda.device_count() < 2:
         for what in ("pipeline-pp2", "tp2-sequence-parallel", "reduce-scatter-overlap"):
             skipped(what, "needs 2 GPUs")
-    zerostack.shutdown()
+    if args.only != "fake-dp8":
+        zerostack.shutdown()
     if args.only:
         return 1 if any(r["ok"] is False for r in RESULTS) else 0
     return summary(RESULTS)

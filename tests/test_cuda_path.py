@@ -436,6 +436,9 @@ def test_the_gpu_check_script_runs_its_checks_on_the_cpu():
             assert row["ok"] and 0 < row["worst_update_rel"] <= row["tolerance"], row
     for name in ("zero3-offload-param-nvme", "save-load-step-dropout", "gpt-zero3-bf16"):
         assert checks[name]["ok"], checks[name]
+    for stage in range(4):
+        for name in (f"zero{stage}-bf16-inf-skipped-on-device", f"zero{stage}-user-autocast-bf16"):
+            assert checks[name]["ok"], checks[name]
 
 
 # ---------------------------------------------------------------------- seconds of GPU work
@@ -980,8 +983,14 @@ def test_the_gpu_check_script_runs_on_this_cpu_machine(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert rows[-1]["summary"] and rows[-1]["failed"] == []
     assert all(r["ok"] or r.get("skipped") for r in rows[:-1]), rows
-    assert sum(1 for r in rows if r.get("skipped")) == 4  # 3 two-GPU runs, the sync debug mode
-    assert {"zero3-bf16-vs-fp32", "examples/train_gpt.py", "gpt-zero3-bf16"} <= {
-        r["check"] for r in rows[:-1]
-    }
+    # 3 two-GPU runs, the sync debug mode; NCCL's lifetimes (twice), offload's host time and
+    # the stream sanitizer need CUDA
+    assert sum(1 for r in rows if r.get("skipped")) == 8
+    names = {r["check"] for r in rows[:-1]}
+    assert {"zero3-bf16-vs-fp32", "examples/train_gpt.py", "gpt-zero3-bf16"} <= names
+    assert {f"fake-dp8-zero{stage}-bf16" for stage in (1, 2, 3)} <= names  # check A at dp 8
+    for stage in range(4):  # checks D and E's autocast
+        assert {f"zero{stage}-fp16-inf-skipped-on-device", f"zero{stage}-user-autocast-bf16"} <= (
+            names
+        )
     assert "Traceback" not in (tmp_path / "gpu_check.err").read_text()
