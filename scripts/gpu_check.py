@@ -241,7 +241,9 @@ def check_scripts(tmp) -> None:
 
 
 def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> None:
-    """A GPT at ZeRO-3 bf16: MFU, and max_memory_allocated against the model-state formula."""
+    """A GPT at ZeRO-3 bf16 on one device (dp = 1: nothing is sharded or gathered, so the
+    memory is the whole model's states): MFU, and max_memory_allocated against the model-state
+    formula, with the peak while ``initialize`` builds the engine apart."""
     from zerostack.profiling.flops import transformer_flops
 
     cfg = GPTConfig(vocab_size=50304, block_size=seq, n_layer=layers, n_head=heads, d_model=hidden)
@@ -249,7 +251,11 @@ def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> Non
     config["gradient_accumulation_steps"] = 1
     config["train_micro_batch_size_per_gpu"] = micro
     torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    init_peak = torch.cuda.max_memory_allocated() if cuda else None
     params = cfg.num_params
     x = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=engine.device)
     cuda = engine.device.type == "cuda"
@@ -272,6 +278,7 @@ def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> Non
         peak = 989e12  # dense bf16, H200 (as H100 SXM)
     states = 2 * params + 4 * params + 4 * params + 8 * params  # bf16 + fp32 grad, master, Adam
     figures = {
+        "dp": engine.topology.dp,
         "parameters": params,
         "step_s": step,
         "tflops": flops / step / 1e12,
@@ -279,6 +286,7 @@ def check_big(layers: int, hidden: int, heads: int, seq: int, micro: int) -> Non
         "model_state_bytes_formula": states,
     }
     if cuda:
+        figures["initialize_peak_allocated"] = init_peak
         figures["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         figures["memory_reserved"] = torch.cuda.memory_reserved()
         figures["allocated_over_states"] = figures["max_memory_allocated"] / states

@@ -2435,6 +2435,15 @@ MUTANTS = [
         "        pass",
         ("tests/test_async_save.py::test_waiting_for_the_other_ranks_asks_the_store_ever_less_often",),
     ),
+    Mutant(
+        "the pipeline's shape handshake sends header and payload in one batch (the peer takes two)",
+        "pipeline/executor.py",
+        '                    self.comm.p2p([("send", _header(out), rank)], axis="pp")\n'
+        '                    self.comm.p2p([("send", out, rank)], axis="pp")',
+        '                    self.comm.p2p([("send", _header(out), rank), ("send", out, rank)], '
+        'axis="pp")',
+        ("tests/test_pipeline.py::test_each_p2p_batch_is_mirrored_by_its_peer",),
+    ),
 ]
 
 

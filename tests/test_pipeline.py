@@ -216,3 +216,30 @@ def test_pipeline_engine_errors_and_eval():
     assert out[0]["chunks"] == "pipeline.virtual_stages: 2 but the PipelineModule has 1"
     assert "use engine.train_batch()" in out[0]["forward"]
     assert out[0]["eval"] == out[1]["eval"] and 5.0 < out[0]["eval"] < 6.0  # ~ln(256), untrained
+
+
+def _shape_batches(rank, world):
+    from zerostack.comm import Comm
+
+    calls, p2p = [], Comm.p2p
+
+    def recording(self, ops, *, axis="pp"):
+        calls.append([kind for kind, _, _ in ops])
+        return p2p(self, ops, axis=axis)
+
+    Comm.p2p = recording
+    try:
+        state, losses, stage = _train(rank, world, 2, 1, 1, "1f1b")
+    finally:
+        Comm.p2p = p2p
+    return stage, calls
+
+
+def test_each_p2p_batch_is_mirrored_by_its_peer():
+    """Every batch of point-to-point ops one stage posts is posted as the same batch on the
+    other side (its sends the peer's receives, batch for batch; the order within a batch is
+    free, NCCL groups it): the shape handshake sent header and payload in one batch while the
+    receiver took them in two."""
+    (_, first), (_, second) = sorted(run_distributed(_shape_batches, world=2))
+    mirror = {"send": "recv", "recv": "send"}
+    assert first and [sorted(mirror[k] for k in b) for b in first] == [sorted(b) for b in second]

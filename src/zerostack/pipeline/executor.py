@@ -196,7 +196,9 @@ class PipelineExecutor:
                     out = self.module.forward_chunk(chunk, x).contiguous()
                     self._meta_out[chunk] = (out.shape, out.dtype)
                     rank, _ = self._peer(chunk, +1)
-                    self.comm.p2p([("send", _header(out), rank), ("send", out, rank)], axis="pp")
+                    # two batches, as the receiver posts them (NCCL groups each batch's P2P)
+                    self.comm.p2p([("send", _header(out), rank)], axis="pp")
+                    self.comm.p2p([("send", out, rank)], axis="pp")
         finally:
             self.module.train(was_training)
         self._shapes_known = True
