@@ -2444,6 +2444,20 @@ MUTANTS = [
         'axis="pp")',
         ("tests/test_pipeline.py::test_each_p2p_batch_is_mirrored_by_its_peer",),
     ),
+    Mutant(
+        "an in-place all-gather on NCCL is cloned anyway (a bucket-sized copy every step)",
+        "comm/grid.py",
+        "        if overlaps and not _in_place_row(output, input, group):  # else not assumed",
+        "        if overlaps:",
+        ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),
+    ),
+    Mutant(
+        "an all-gather overlapping its output elsewhere than this rank's row is not copied",
+        "comm/grid.py",
+        "    return input.data_ptr() == output.data_ptr() + rank * n * output.element_size()",
+        "    return True",
+        ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),
+    ),
 ]
 
 

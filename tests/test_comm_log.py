@@ -173,3 +173,30 @@ def test_an_engine_run_holds_the_last_64_steps_of_its_log():
         assert per_step > 0 and set(steps_made) == {per_step}
         assert held == list(range(steps - 64, steps))
         assert n == 64 * per_step < counts[-1]
+
+
+@pytest.mark.parametrize("backend, row, cloned", [
+    ("nccl", 0, False),  # NCCL gathers in place: no bucket-sized copy at every step
+    ("gloo", 0, True),  # torch's gloo does not promise it
+    ("nccl", None, True),  # overlapping, but not this rank's row
+])  # fmt: skip
+def test_an_in_place_all_gather_is_copied_only_where_it_must_be(monkeypatch, backend, row, cloned):
+    import torch
+    import torch.distributed as dist
+
+    from zerostack.comm import grid
+
+    seen = {}
+
+    def gather(output, input, group=None, async_op=False):
+        seen["aliased"] = input.data_ptr() == output.data_ptr()
+        output[: input.numel()].copy_(input)
+
+    monkeypatch.setattr(grid, "_all_gather", gather)
+    monkeypatch.setattr(grid, "_gloo", lambda group: False)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    out = torch.arange(8.0)
+    piece = out[:4] if row == 0 else out[1:5]
+    grid._all_gather_peers(out, piece, group=None, async_op=False)
+    assert seen["aliased"] is (not cloned)

@@ -156,12 +156,22 @@ class _PeerGather:
         return True
 
 
+def _in_place_row(output, input, group) -> bool:
+    """Whether ``input`` is exactly this rank's row of ``output`` on an NCCL group, which
+    gathers in place (NCCL documents it; torch's gloo does not promise it)."""
+    if dist.get_backend(group) != "nccl" or not output.is_contiguous() or not input.is_contiguous():
+        return False
+    rank, n = dist.get_rank(group), input.numel()
+    return input.data_ptr() == output.data_ptr() + rank * n * output.element_size()
+
+
 def _all_gather_peers(output, input, *, group, async_op):
     """An all-gather into a contiguous output over a gloo group of 2 or more ranks:
     :class:`_PeerGather`; anything else: torch's."""
     if not output.is_contiguous() or not _gloo(group):
         start = output.data_ptr()
-        if start <= input.data_ptr() < start + output.nbytes:  # gathered in place: not assumed
+        overlaps = start <= input.data_ptr() < start + output.nbytes
+        if overlaps and not _in_place_row(output, input, group):  # else not assumed
             input = input.clone()
         return _all_gather(output, input, group=group, async_op=async_op)
     gathered = _PeerGather(output, input, group, async_op)
