@@ -1800,13 +1800,6 @@ MUTANTS = [
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
     Mutant(
-        "shared gradients are not averaged over the ep ranks",
-        "moe/sync.py",
-        '        comm.all_reduce(grad, axis="ep")\n',
-        "",
-        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
-    ),
-    Mutant(
         "the ep ranks' tokens never reach the other ranks' experts",
         "moe/sharded_moe.py",
         '    topology.comm.all_to_all(out, x, axis="ep")',
@@ -1836,9 +1829,9 @@ MUTANTS = [
     ),
     Mutant(
         "expert gradients reduced over all data-parallel ranks, like the shared ones",
-        "moe/sync.py",
-        "p.register_hook(expert if is_moe_param(p) else shared)",
-        "p.register_hook(shared)",
+        "engine.py",
+        "            {p for p in module.parameters() if not is_moe_param(p)} if topology.ep > 1",
+        "            set(module.parameters()) if topology.ep > 1",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
     Mutant(
@@ -2457,6 +2450,27 @@ MUTANTS = [
         "    return input.data_ptr() == output.data_ptr() + rank * n * output.element_size()",
         "    return True",
         ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),
+    ),
+    Mutant(
+        "MoE: the shared gradients are not summed over the ep ranks",
+        "zero/sharded_optimizer.py",
+        "        if self.ep_shared:\n            self._average_over_ep()",
+        "        if False:\n            self._average_over_ep()",
+        ("tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[ep2-top2-stage2]",),
+    ),
+    Mutant(
+        "MoE: the shared gradients' sum over ep is not divided by ep",
+        "zero/sharded_optimizer.py",
+        "            flat.div_(ep)",
+        "            pass",
+        ("tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
+    ),
+    Mutant(
+        "MoE: one all-reduce over ep per parameter",
+        "zero/sharded_optimizer.py",
+        "        limit = max(st.bucket.numel for st in self.buckets)",
+        "        limit = 1",
+        ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
     ),
 ]
 

@@ -477,3 +477,37 @@ def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path):
         assert resumed_diff <= 1e-6, resumed_diff
         for ep, loss in losses.items():
             assert abs(loss - saved_loss) <= 1e-6 * saved_loss, (ep, loss, saved_loss)
+
+
+def _ep_reductions(rank, world, stage):
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    log = engine.comm.log
+    first = log.count
+    for m in range(2):
+        x, y = batch(2 * m + rank, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    calls = sum(1 for r in log.since(first) if r.op == "all_reduce" and r.axis == "ep")
+    shared = len(engine._ep_replicas)
+    buckets = len(engine.zero.buckets)
+    engine.destroy()
+    return calls, shared, buckets
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_shared_gradients_cross_ep_once_per_step_in_buckets(stage):
+    """At ep > 1 the gradients every ep rank holds are summed over ep once per step, in
+    bucket-sized all-reduces of the reduced pieces: not one all-reduce per parameter at every
+    micro-step (2 micro-steps here). One more all-reduce over ep sums the gradient norm."""
+    for calls, shared, buckets in run_distributed(_ep_reductions, 2, args=(stage,)):
+        assert 1 <= calls - 1 <= buckets < 2 * shared, (calls, shared, buckets)

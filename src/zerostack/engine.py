@@ -96,6 +96,8 @@ class Engine(EngineAPI, nn.Module):
             precision=self.precision,
             prescale=prescale,
         )
+        if self._ep_replicas:  # stages 0-2 (ep refuses 3): summed over ep at each step
+            self.zero.ep_shared = self._ep_replicas
         self.comm.log.step = 0
         self.full_params = FullParams(self)  # one parameter's full values (zerostack.utils)
         attach(self, module)

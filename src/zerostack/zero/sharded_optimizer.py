@@ -198,6 +198,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self._pin = bool(offload is not None and offload.pin_memory)
         self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
         self.downloads = Downloads(comm.topo.device)  # stage 2's pieces to an offloaded shard
+        self.ep_shared: set[nn.Parameter] = set()  # MoE: averaged over ep at the step
         self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
         self.host_meter = HostMeter()
@@ -336,7 +337,34 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
                 grad = st.host_grad.copy_(grad)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
+        if self.ep_shared:
+            self._average_over_ep()
         return self.grad_post(loss_scale)
+
+    def _average_over_ep(self) -> None:
+        """MoE at ep > 1: the gradients every ep rank holds (all but the experts; the ep ranks
+        read different batches) summed over the ep ranks and divided by ep, once per step on
+        this rank's reduced fp32 pieces, in bucket-sized all-reduces (a hook all-reduced each
+        parameter's whole gradient at every micro-step before; the experts' hook divides
+        theirs by ep, :mod:`zerostack.moe.sync`)."""
+        views = [
+            st.master.grad[lo:hi]
+            for st in self.buckets
+            for lo, hi, p in st.segments
+            if hi > lo and p in self.ep_shared
+        ]
+        ep, device = self.comm.topo.ep, self.comm.topo.device
+        limit = max(st.bucket.numel for st in self.buckets)
+        while views:
+            chunk, numel = [], 0
+            while views and (not chunk or numel + views[0].numel() <= limit):
+                numel += views[0].numel()
+                chunk.append(views.pop(0))
+            flat = torch.cat([v.reshape(-1) for v in chunk]).to(device)  # offloaded: up and back
+            self.comm.all_reduce(flat, axis="ep")
+            flat.div_(ep)
+            for v, part in zip(chunk, flat.split([v.numel() for v in chunk]), strict=True):
+                v.copy_(part.view_as(v))
 
     def grad_post(self, loss_scale: float) -> float:
         """The factor that turns the summed, scaled gradients into the mean over the global
