@@ -942,7 +942,7 @@ MUTANTS = [
     Mutant(
         "safe_get_full_grad: the summed gradient not averaged over dp",
         "full_params.py",
-        "grad = zero.window_grad(p).mul_(post)",
+        "grad = zero.window_grad(p).mul(post)",
         "grad = zero.window_grad(p)",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
     ),
@@ -2470,6 +2470,21 @@ MUTANTS = [
         "zero/sharded_optimizer.py",
         "        limit = max(st.bucket.numel for st in self.buckets)",
         "        limit = 1",
+        ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
+    ),
+    Mutant(
+        "reading a gradient unscales it in place (the shard itself at dp 1)",
+        "full_params.py",
+        "        grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself",
+        "        grad = zero.window_grad(p).mul_(post)  # not in place: it may be the shard itself",
+        ("tests/test_engine_surface.py::test_reading_a_gradient_leaves_it_as_it_was",),
+    ),
+    Mutant(
+        "MoE: a shared parameter's gradient is read without its average over ep",
+        "full_params.py",
+        '        if p in getattr(zero, "ep_shared", ()):  # MoE: summed over the ep ranks at '
+        "the step",
+        "        if False:",
         ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
     ),
 ]

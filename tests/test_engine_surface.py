@@ -286,6 +286,32 @@ def test_full_grad_is_unscaled_in_fp16(stage):
             assert worst < 2e-2, f"{name} differs by {worst:.2e}"
 
 
+def _read_twice(rank, world, stage):
+    config = {
+        "train_micro_batch_size_per_gpu": B // world,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 8},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    per = B // world
+    x, y = batch(0, B)
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    p = engine.module.wpe.weight
+    first = safe_get_full_grad(p).clone()  # a view of the shard would change with it
+    second = safe_get_full_grad(p)
+    engine.destroy()
+    return torch.equal(first, second)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_reading_a_gradient_leaves_it_as_it_was(stage, world):
+    """``safe_get_full_grad`` reads; at stage 2 on one rank in fp16 it divided the gradient
+    shard itself by the loss scale (the read's unscaling was done in place on a view)."""
+    assert all(run_distributed(_read_twice, world, args=(stage,)))
+
+
 # ---------------------------------------------------------------------------- checkpoints
 class Net(nn.Module):
     """Two Linears, ``a`` then ``second`` (named as asked), ``a`` frozen if asked."""

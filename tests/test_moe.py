@@ -482,6 +482,8 @@ def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path):
 def _ep_reductions(rank, world, stage):
     import dataclasses
 
+    from zerostack.utils import safe_get_full_grad
+
     cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
     torch.manual_seed(0)
     config = {
@@ -496,18 +498,30 @@ def _ep_reductions(rank, world, stage):
     for m in range(2):
         x, y = batch(2 * m + rank, 2)
         engine.backward(engine(x, y))
+        if m == 1:  # between backward and step: the window's whole gradient, ep-averaged
+            read = log.count
+            grad = safe_get_full_grad(engine.module.wpe.weight)
+            reading = range(read, log.count)  # the read's own collectives are not the step's
         engine.step()
-    calls = sum(1 for r in log.since(first) if r.op == "all_reduce" and r.axis == "ep")
+    calls = sum(
+        1
+        for r in log.since(first)
+        if r.op == "all_reduce" and r.axis == "ep" and r.seq not in reading
+    )
     shared = len(engine._ep_replicas)
     buckets = len(engine.zero.buckets)
     engine.destroy()
-    return calls, shared, buckets
+    return calls, shared, buckets, grad
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_shared_gradients_cross_ep_once_per_step_in_buckets(stage):
     """At ep > 1 the gradients every ep rank holds are summed over ep once per step, in
     bucket-sized all-reduces of the reduced pieces: not one all-reduce per parameter at every
-    micro-step (2 micro-steps here). One more all-reduce over ep sums the gradient norm."""
-    for calls, shared, buckets in run_distributed(_ep_reductions, 2, args=(stage,)):
+    micro-step (2 micro-steps here). One more all-reduce over ep sums the gradient norm. A
+    shared parameter's gradient read before the step is already the average over ep (the same
+    on both ranks, which read different batches)."""
+    results = run_distributed(_ep_reductions, 2, args=(stage,))
+    for calls, shared, buckets, _ in results:
         assert 1 <= calls - 1 <= buckets < 2 * shared, (calls, shared, buckets)
+    assert torch.equal(results[0][3], results[1][3])

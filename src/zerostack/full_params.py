@@ -160,12 +160,16 @@ class FullParams:
         """``p``'s gradient so far in this accumulation window: the mean over the global batch,
         unscaled, fp32, whole (None for a parameter the optimizer does not step). Between
         ``backward`` and ``step`` on the boundary it is what the step applies before clipping.
-        A collective over dp and tp."""
+        A collective over dp and tp (and ep, for what MoE's ep ranks share)."""
         zero = self.engine.zero
         if not zero.is_trained(p):
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
-        grad = zero.window_grad(p).mul_(post)
+        grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself (dp 1)
+        if p in getattr(zero, "ep_shared", ()):  # MoE: summed over the ep ranks at the step
+            topo = self.engine.topology
+            self.engine.comm.all_reduce(grad, axis="ep")
+            grad.div_(topo.ep)
         return self.join_tp(p, grad.view(full_shape(p)))
 
     def set_grad(self, p: nn.Parameter, value: torch.Tensor, what: str = "") -> None:
