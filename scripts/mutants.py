@@ -2385,8 +2385,8 @@ MUTANTS = [
     Mutant(
         "the step reads the offloaded shard before the last pieces are added",
         "zero/sharded_optimizer.py",
-        "        self.downloads.settle()\n        for st in self.buckets:",
-        "        for st in self.buckets:",
+        "        self.downloads.settle()\n        down = ",
+        "        down = ",
         ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage2-offload]",),
     ),
     Mutant(
@@ -2486,6 +2486,20 @@ MUTANTS = [
         "the step",
         "        if False:",
         ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
+    ),
+    Mutant(
+        "stage 1's offloaded boundary copies each wait for the whole stream again",
+        "zero/sharded_optimizer.py",
+        "                grad = st.host_grad.copy_(grad, non_blocking=down)",
+        "                grad = st.host_grad.copy_(grad)",
+        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+    ),
+    Mutant(
+        "stage 1's host optimizer steps on gradients still coming down",
+        "zero/sharded_optimizer.py",
+        "            copied.synchronize()",
+        "            pass",
+        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage1-offload-pinned]",),
     ),
 ]
 

@@ -566,8 +566,9 @@ def _offloaded_waits(rank, world, root):
 @pytest.mark.slow
 def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path):
     """With the optimizer (or the parameters) offloaded, the host waits for the device only
-    where it must: to read the reduced gradients it steps on (copies from the device; at stages
-    2-3 only events behind each bucket's copy, waited for once the GPU is past them).
+    where it must: to read the reduced gradients it steps on (copies from the device; with the
+    optimizer offloaded only events behind the copies, at stages 2-3 waited for once the GPU is
+    past them, at stage 1 once for all of the boundary's).
     Offloaded
     parameter pieces go up for each gather, and the stepped masters come back down to the
     parameters, in copies the host does not wait for; the staging buffers they go through are
@@ -587,9 +588,10 @@ def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path
                     assert set(after) <= {"event"}, (name, waits)
                 # every wait on the whole stream reads gradients from the device; stages 2-3
                 # bring their pieces down behind events (Downloads), added into the host
-                # gradients later: the host never waits for the whole stream inside backward
+                # gradients later, and stage 1 queues its boundary copies and waits for them
+                # once: the host never waits for the whole stream for gradients
                 streams = [what for kind, what in waits if kind == "stream"]
-                if name in ("stage2", "stage3", "stage3-param-cpu"):
+                if name in ("stage1", "stage2", "stage3", "stage3-param-cpu"):
                     assert streams == [], waits
                     assert "event" in kinds[: kinds.index("launch")], waits
                 else:

@@ -329,14 +329,21 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         if self.stage < 2:
             self._flush()
         self.downloads.settle()
+        down = self.downloads.gpu and self.offload != "none" and self.stage < 2
         for st in self.buckets:
             grad = self._grad_piece(st)
             if self.offload != "none" and self.stage < 2:  # stage 2's shard is on the host
                 if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
                     st.host_grad = host_empty(grad.numel(), torch.float32, self._pin)
-                grad = st.host_grad.copy_(grad)
+                # queued one after another (pinned: without stopping the host), waited for
+                # once below, where each blocking copy waited for the whole stream
+                grad = st.host_grad.copy_(grad, non_blocking=down)
             st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
             st.piece = None
+        if down:
+            copied = torch.cuda.Event()
+            copied.record()
+            copied.synchronize()
         if self.ep_shared:
             self._average_over_ep()
         return self.grad_post(loss_scale)
