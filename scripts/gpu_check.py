@@ -134,6 +134,29 @@ def check_precision(model_cfg, steps) -> None:
             engine.destroy()
 
 
+def _steps_watched(engine, batches, watch_from: int) -> str | None:
+    """A step per batch, copied from pinned memory without blocking; from batch ``watch_from``
+    on, on a GPU, with the peak reset and under the sync debug mode ("error"). The first line
+    of the error that stopped it, or None."""
+    cuda = engine.device.type == "cuda"
+    try:
+        for i, (x, y) in enumerate(batches):
+            if cuda and i == watch_from:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.set_sync_debug_mode("error")
+            dev = engine.device
+            loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+            engine.backward(loss)
+            engine.step()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    return None
+
+
 def check_no_stream_sync(model_cfg) -> None:
     """A step with its masters on the device never drains the stream: under torch's sync debug
     mode ("error"), which raises on ``.item()``, blocking copies and stream synchronisation, but
@@ -146,19 +169,7 @@ def check_no_stream_sync(model_cfg) -> None:
     for stage in (0, 1, 2, 3):
         for precision in ("bf16", "fp32"):
             engine, _ = _train(model_cfg, _config(stage, precision, gradient_clipping=1.0), 1)
-            error = None
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                for x, y in batches[2:]:
-                    dev = engine.device
-                    loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-                    engine.backward(loss)
-                    engine.step()
-            except RuntimeError as exc:
-                error = str(exc).splitlines()[0]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+            error = _steps_watched(engine, batches[2:], watch_from=0)
             report(f"zero{stage}-{precision}-step-no-stream-sync", error is None, error=error)
             engine.destroy()
 
@@ -312,28 +323,15 @@ def check_fake_dp8(model_cfg) -> None:
         torch.cuda.set_device(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     batches = _batches(model_cfg, 3)
+    if cuda:  # as from a pinned loader
+        batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
     for stage in (1, 2, 3):
         torch.manual_seed(0)
         engine, *_ = zerostack.initialize(
             model=GPT(model_cfg), config=_config(stage, "bf16", gradient_clipping=1.0)
         )
         psi = sum(p.numel() for p in engine.module.parameters())
-        error = None
-        try:
-            for i, (x, y) in enumerate(batches):
-                if cuda and i == 2:  # after the warm-up step
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    torch.cuda.set_sync_debug_mode("error")
-                dev = engine.device
-                loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-                engine.backward(loss)
-                engine.step()
-        except RuntimeError as exc:
-            error = str(exc).splitlines()[0]
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(0)
+        error = _steps_watched(engine, batches, watch_from=2)  # after the warm-up step
         peak = torch.cuda.max_memory_allocated() if cuda else None
         report(
             f"fake-dp8-zero{stage}-bf16",
