@@ -2278,8 +2278,8 @@ MUTANTS = [
     Mutant(
         "NCCL: a collective leaves the log when wait() returns (a hang on the device is unseen)",
         "comm/records.py",
-        "        if event is not None and running(event):",
-        "        if False:",
+        "        if event is not None and running(event):\n            rec.event = event",
+        "        if False:\n            rec.event = event",
         (
             "tests/test_watchdog.py::test_a_collective_the_device_never_completes_is_named",
             "tests/test_cuda_path.py::test_a_collective_stays_in_flight_until_the_device_has_run_it",
@@ -2288,8 +2288,8 @@ MUTANTS = [
     Mutant(
         "a collective the device completed stays in flight (a false watchdog verdict)",
         "comm/records.py",
-        "            if event is not None and not running(event):",
-        "            if False:",
+        "                self._close(self._on_device.popleft())",
+        "                return",
         (
             "tests/test_watchdog.py::test_a_collective_the_device_never_completes_is_named",
             "tests/test_cuda_path.py::test_a_collective_stays_in_flight_until_the_device_has_run_it",

@@ -17,6 +17,7 @@ On gloo ``wait()`` returns when the collective is done and the record closes the
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -80,6 +81,10 @@ class CommLog:
         self._starts: deque[int] = deque(maxlen=keep_steps)  # seq where each kept step began
         self.step = 0
         self.in_flight: dict[int, CommRecord] = {}
+        # the records left on the device, in the order their events were recorded (on one
+        # stream they complete in that order): poll looks at the oldest only
+        self._on_device: deque[CommRecord] = deque()
+        self._polling = threading.Lock()  # the watchdog's thread polls too
         # set by a watchdog: why the job is ending, if it is (a verdict posted by some rank)
         self.explain: Callable[[], str | None] | None = None
         self.observers: list[Callable[[CommRecord], None]] = []
@@ -99,7 +104,7 @@ class CommLog:
 
     def begin(self, op: str, axis: str, nbytes: int, ranks: int = 1) -> CommRecord:
         """A collective about to be posted: recorded now, in flight until :meth:`end`."""
-        self.poll()  # those the device finished meanwhile: their Works (and tensors) go
+        self.poll()  # those the device finished meanwhile leave the in-flight list
         rec = self.add(op, axis, nbytes, 0.0, ranks)
         rec.started, rec.done = time.monotonic(), False
         self.in_flight[rec.seq] = rec
@@ -111,6 +116,7 @@ class CommLog:
         wait), which :meth:`poll` then watches for."""
         if event is not None and running(event):
             rec.event = event
+            self._on_device.append(rec)
         else:
             self._close(rec)
         for observe in self.observers:
@@ -121,11 +127,15 @@ class CommLog:
         self.in_flight.pop(rec.seq, None)
 
     def poll(self) -> None:
-        """Close the records on the device whose collectives completed (from any thread)."""
-        for rec in list(self.in_flight.values()):
-            event = rec.event
-            if event is not None and not running(event):
-                self._close(rec)
+        """Close the records on the device whose collectives completed, oldest first, up to the
+        first still running (from any thread; a record completed behind a running one waits
+        for it, which only keeps it longer)."""
+        with self._polling:
+            while self._on_device:
+                event = self._on_device[0].event
+                if event is not None and running(event):
+                    return
+                self._close(self._on_device.popleft())
 
     def failed(self, rec: CommRecord, exc: Exception) -> Exception:
         """The error to raise for a collective that failed: when a watchdog says the job is
