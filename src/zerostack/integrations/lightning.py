@@ -69,8 +69,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 import zerostack
 
 from ..comm.process import init_distributed
-from ..config import WatchdogConfig, read_config
-from ..topology import default_timeout, shutdown
+from ..config import read_config
+from ..topology import shutdown
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 
@@ -192,13 +192,10 @@ class ZeroStackStrategy(DDPStrategy):
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(self.local_rank),
         )
-        timeout = self._timeout
-        if timeout is None:  # on NCCL: the watchdog's bound and a minute (default_timeout)
-            watchdog = WatchdogConfig(**self.config.get("watchdog", {}))
-            timeout = default_timeout(self._process_group_backend, watchdog)
-        init_distributed(
+        init_distributed(  # timeout None: on NCCL the config's watchdog bound and a minute
             self._process_group_backend,
-            timeout=timeout,
+            timeout=self._timeout,
+            config=self.config,
             init_method="env://",
             rank=self.global_rank,
             world_size=self.world_size,
