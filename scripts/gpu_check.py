@@ -428,16 +428,14 @@ def check_offload_host_time(model_cfg) -> None:
             backward_ms = (time.perf_counter() - t0) * 1e3
             engine.step()
             figures = engine.device_memory()
-            pinned_census = sum(
-                b for place in engine.memory_by_device().get("cpu", {}).values() for b in [place]
-            )
+            host_census = sum(engine.memory_by_device().get("cpu", {}).values())
             report(
                 f"{name}-{'pinned' if pin else 'pageable'}-host-ms",
                 True if not pin else backward_ms < 100,
                 forward_ms=forward_ms,
                 backward_ms=backward_ms,
                 pinned_allocator_bytes=figures.get("pinned"),
-                host_census_bytes=pinned_census,
+                host_census_bytes=host_census,
             )
             engine.destroy()
 

@@ -259,8 +259,5 @@ def test_waiting_for_the_other_ranks_asks_the_store_ever_less_often():
 
     store = Counting()
     threading.Timer(2.0, lambda: store.set("job/rank1", "done")).start()
-    t0 = time.monotonic()
     assert async_save._wait(store, ["job/rank1"]) == ["done"]
-    waited = time.monotonic() - t0
-    assert 2.0 <= waited < 3.2
     assert store.checks <= 2 * 9 + 1, store.checks  # 20, 40, ..., 640 ms, 1 s, 1 s: 9 looks
