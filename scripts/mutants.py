@@ -84,6 +84,7 @@ T_WAITS = "tests/test_cuda_path.py::test_a_step_on_the_device_waits_only_for_its
 T_SGD_CLIP = "tests/test_data_parallel.py::test_clipping_with_sgd"
 T_SIDE = "tests/test_cuda_path.py::test_offloaded_pieces_go_up_on_a_side_stream"
 T_SCRATCH = "tests/test_scratch.py::test_stage3_gathers_gradients_and_staging_are_outside_the_heap"
+T_READ_AHEAD = "tests/test_offload.py::test_nvme_pieces_are_read_ahead_off_the_training_thread"
 T_STAGING = "tests/test_cuda_path.py::test_a_staging_buffer_is_written_again_only_after_its_copy"
 T_OFFLOAD_WAITS = (
     "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients"
@@ -1990,10 +1991,31 @@ MUTANTS = [
     ),
     Mutant(
         "offloaded pieces read from their files go up in a blocking copy",
-        "zero/nvme.py",
-        "        return host.to(device, non_blocking=True)",
-        "        return host.to(device)",
+        "zero/offload.py",
+        "                p._zs.piece = host.to(self.device, non_blocking=True)",
+        "                p._zs.piece = host.to(self.device)",
         (T_OFFLOAD_WAITS,),
+    ),
+    Mutant(
+        "NVMe pieces are read at their gather, not ahead of it",
+        "zero/coordinator.py",
+        "        if not self.param_swapper.reads_ahead or not self._prefetching:",
+        "        if True:",
+        (T_READ_AHEAD,),
+    ),
+    Mutant(
+        "NVMe pieces are read on the training thread",
+        "zero/offload.py",
+        "        self.reads_ahead = isinstance(store, NVMeStore)",
+        "        self.reads_ahead = False",
+        (T_READ_AHEAD,),
+    ),
+    Mutant(
+        "the reads ahead a pass did not use are kept past it",
+        "zero/coordinator.py",
+        "        self._inflight.clear()\n        self.param_swapper.forget_reads()\n",
+        "        self._inflight.clear()\n",
+        (T_READ_AHEAD,),
     ),
     Mutant(
         "offloaded pieces go up on the compute stream (no overlap)",

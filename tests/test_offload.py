@@ -162,6 +162,82 @@ def test_zero_init_straight_to_nvme(world, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+SKIP = 2  # the step whose passes skip the last block (an order other than the recorded one)
+
+
+def _train_skipping(engine, rank, world, after_step=lambda: None):
+    block = engine.module.blocks[-1]
+    for step in range(STEPS):
+        if step == SKIP:
+            block.forward = lambda x: x
+        _step(engine, rank, world, step)
+        if step == SKIP:
+            del block.forward
+        after_step()
+
+
+def _reads_off_the_training_thread(rank, world, nvme_root):
+    """Stage 3 with its pieces in files: which thread read each file; per step how many pieces
+    were read ahead of their gather and how many at it, and the host bytes still held after it.
+    At step SKIP both runs skip the last block, so reads made ahead for it go unused."""
+    import threading
+
+    plain = _config(world, 3)
+    plain["gradient_clipping"] = 0.0
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=plain)
+    _train_skipping(engine, rank, world)
+    base = engine.full_state_dict()
+    engine.destroy()
+    nvme = {"device": "nvme", "nvme_path": nvme_root}
+    cfg = {**plain, "zero_optimization": {**plain["zero_optimization"], "offload_param": nvme}}
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    swapper = engine.zero.param_swapper
+    threads, read_into = set(), swapper.store.read_into
+
+    def watched(key, tensors):
+        threads.add(threading.current_thread().name)
+        return read_into(key, tensors)
+
+    swapper.store.read_into = watched
+    passes, held, seen = [], [], [0, 0]
+
+    def after_step():
+        early, demand = swapper.read_early, swapper.read_on_demand
+        passes.append((early - seen[0], demand - seen[1]))
+        seen[:] = early, demand
+        held.append(engine.zero.host_meter.live)
+
+    _train_skipping(engine, rank, world, after_step)
+    got = engine.full_state_dict()
+    units = [len(u) for u in engine.zero.coord.units]
+    engine.destroy()
+    same = all(torch.equal(got[k], base[k]) for k in base)
+    return same, threads, passes, held, units
+
+
+def test_nvme_pieces_are_read_ahead_off_the_training_thread(tmp_path):
+    """ZeRO-Infinity's parameter reads run on the swapper's thread, never on the training
+    thread, and once the order is recorded each unit's pieces are read while an earlier unit
+    computes: only the first gathers of each pass wait for the disk. Reads ahead that a pass
+    did not use (it took another order) are dropped as it ends, not used after the step."""
+    for same, threads, passes, held, units in run_distributed(
+        _reads_off_the_training_thread, 2, args=(str(tmp_path),)
+    ):
+        assert same
+        assert threads and all(t.startswith("zerostack-nvme") for t in threads), threads
+        assert held == [0] * STEPS  # no piece, read ahead or not, is held between steps
+        # a step is two passes (micro-steps); each reads every piece it gathers once
+        per_pass = sum(passes[-1]) // 2
+        steady = [p for i, p in enumerate(passes) if i != SKIP]
+        assert per_pass >= sum(units) and all(sum(p) == 2 * per_pass for p in steady), passes
+        # the first pass records the order, so it reads at each gather; the second, like each
+        # pass after it, waits only at its first gather (the first unit and the one prefetched
+        # with it): every later piece was read while an earlier unit computed
+        assert passes[0] == (per_pass - 2, per_pass + 2), passes
+        assert all(p == (2 * per_pass - 4, 4) for p in steady[1:]), passes
+    assert os.listdir(tmp_path) == []
+
+
 def _bad_path(rank, world, path):
     cfg = _config(1, 2, {"device": "nvme", "nvme_path": path})
     try:

@@ -183,7 +183,7 @@ class ParamCoordinator:
         self._trace: list[int] | None = None
         self._recording: list[int] = []
         self._training_pass = False
-        self._ptr = 0
+        self._ptr = self._read_from = 0
         self._prefetching = False
         self._inflight: dict[nn.Parameter, _Gather] = {}
         self._kept: set[nn.Parameter] = set()  # released by their units, kept for a reuse
@@ -237,6 +237,7 @@ class ParamCoordinator:
             g = self._launch(need + ahead)
             for p in need + ahead:
                 self._inflight[p] = g
+        self._read_ahead()
         for p in ps:
             pending = self._inflight.pop(p, None)
             if pending is not None:
@@ -287,9 +288,11 @@ class ParamCoordinator:
         inflight = sum(p._zs.numel for p in self._inflight)
         room = min(self.prefetch_numel - inflight, self.max_live_numel - self.live_numel)
         ahead: list[nn.Parameter] = []
+        self._read_from = self._ptr
         for nxt in self._trace[self._ptr :]:
             if room <= 0:
                 break
+            self._read_from += 1
             new = [
                 p
                 for p in self.units[nxt]
@@ -301,6 +304,21 @@ class ParamCoordinator:
                 room -= sum(p._zs.numel for p in new)
                 self.prefetched += 1
         return ahead
+
+    def _read_ahead(self) -> None:
+        """Offloaded to NVMe: submit the file reads of the units after the prefetched ones (up to
+        ``prefetch_numel`` elements) to the swapper's thread, so that the disk works while this
+        unit computes and their gather later finds the pieces in memory."""
+        if not self.param_swapper.reads_ahead or not self._prefetching:
+            return
+        room, params = self.prefetch_numel, []
+        for nxt in self._trace[self._read_from :]:
+            if room <= 0:
+                break
+            new = [p for p in self.units[nxt] if not p._zs.gathered and p not in self._inflight]
+            params += new
+            room -= _numel(new)
+        self.param_swapper.read_ahead(params)
 
     def _release(self, u: int) -> None:
         reused = self._reused_soon()
@@ -343,6 +361,7 @@ class ParamCoordinator:
             if not p._zs.gathered:
                 self._free(p)
         self._inflight.clear()
+        self.param_swapper.forget_reads()
 
     def _drop_kept(self) -> None:
         for p in self._kept:

@@ -14,12 +14,12 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import weakref
 
 import torch
 
 from ..config import ConfigError
-from ..pinned import host_empty
 
 _MMAP_SET = False
 
@@ -111,6 +111,7 @@ class NVMeStore:
         self.what, self.rank = what, rank
         self.bytes_read = 0
         self.bytes_written = 0
+        self._counting = threading.Lock()  # the swappers' threads read and write at once
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         atexit.register(self._cleanup)
 
@@ -154,7 +155,8 @@ class NVMeStore:
                 for t in tensors:  # a device tensor is copied to host memory first
                     view = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
                     f.write(memoryview(view))
-                    self.bytes_written += view.nbytes
+                    with self._counting:
+                        self.bytes_written += view.nbytes
         except OSError as exc:
             raise self._failed("writing", key, exc) from exc
 
@@ -167,18 +169,12 @@ class NVMeStore:
                     got = f.readinto(memoryview(view))
                     if got != view.nbytes:
                         raise OSError(f"short read ({got} of {view.nbytes} bytes)")
-                    self.bytes_read += got
+                    with self._counting:
+                        self.bytes_read += got
                     if host is not t:  # read into a device tensor: through host memory
                         t.copy_(host)
         except OSError as exc:
             raise self._failed("reading", key, exc) from exc
-
-    def load(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The file's tensor (one, ``numel`` of ``dtype``) on ``device``: read into host memory
-        (page-locked on a GPU) and copied from there without blocking the host."""
-        host = host_empty(numel, dtype, pin=device.type == "cuda")
-        self.read_into(key, [host])
-        return host.to(device, non_blocking=True)
 
     def close(self) -> None:
         _LIVE.discard(self)

@@ -324,9 +324,16 @@ class ResidentPieces:
     nothing to swap (``offload_param`` off)."""
 
     offloads = False
+    reads_ahead = False
 
     def holds(self, p: nn.Parameter) -> bool:
         return False
+
+    def read_ahead(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def forget_reads(self) -> None:
+        pass
 
     def fetch(self, params: list[nn.Parameter]) -> None:
         pass
@@ -343,6 +350,12 @@ class ParamSwapper:
 
     A swapped-out piece is a placeholder of its size; :meth:`fetch` reads pieces in for a gather
     (counted in the meter until :meth:`drop`), :meth:`update` writes a stepped piece back.
+
+    Reads from files run on a thread of their own, never on the training thread: the coordinator
+    submits the next units' reads ahead (:meth:`read_ahead`, into page-locked memory on a GPU), so
+    that their gather finds the pieces in memory and only queues the copy up. A read not
+    submitted ahead is submitted by :meth:`fetch`, which waits for it. A disk error raised on the
+    thread reaches the training thread there.
     """
 
     offloads = True
@@ -354,6 +367,13 @@ class ParamSwapper:
         self.key: dict[nn.Parameter, str] = {}
         self._count = 0
         self._stream = None
+        # files are read on a thread; host memory (offload_param "cpu") needs no read
+        self.reads_ahead = isinstance(store, NVMeStore)
+        self._pool = None
+        if self.reads_ahead:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerostack-nvme")
+        self._reads: dict[nn.Parameter, Future] = {}
+        self.read_early = self.read_on_demand = 0  # pieces read ahead of / at their fetch
         for p in params:
             self.add(p)
 
@@ -390,13 +410,49 @@ class ParamSwapper:
     def holds(self, p: nn.Parameter) -> bool:
         return p in self.key
 
+    def _out(self, p: nn.Parameter) -> bool:
+        """p's piece is in its file only: neither in memory nor being read."""
+        return p in self.key and p._zs.piece.stride() == (0,) and p not in self._reads
+
+    def _read(self, p: nn.Parameter) -> None:
+        """Submit p's read into host memory (page-locked on a GPU) to the thread."""
+        piece = p._zs.piece
+        self.meter.add(piece.nbytes)
+        host = host_empty(piece.numel(), piece.dtype, pin=self.device.type == "cuda")
+        self._reads[p] = self._pool.submit(self._read_file, self.key[p], host)
+
+    def _read_file(self, key: str, host: torch.Tensor) -> torch.Tensor:
+        self.store.read_into(key, [host])
+        return host
+
+    def read_ahead(self, params: list[nn.Parameter]) -> None:
+        """Start reading these pieces from their files on the thread, for a later fetch."""
+        if self.reads_ahead:
+            for p in params:
+                if self._out(p):
+                    self._read(p)
+                    self.read_early += 1
+
     def fetch(self, params: list[nn.Parameter]) -> None:
+        """Bring these pieces into memory: the device's copy queued up (without blocking the
+        host, on a GPU) from the read, which is waited for first."""
+        if not self.reads_ahead:
+            for p in params:
+                if self._out(p):
+                    st = p._zs
+                    n, dtype = st.piece.numel(), st.piece.dtype
+                    st.piece = self.store.load(self.key[p], n, dtype, self.device)
+                    self.meter.add(st.piece.nbytes)
+            return
         for p in params:
-            if p in self.key and p._zs.piece.stride() == (0,):
-                st = p._zs
-                n, dtype = st.piece.numel(), st.piece.dtype
-                st.piece = self.store.load(self.key[p], n, dtype, self.device)
-                self.meter.add(st.piece.nbytes)
+            if self._out(p):
+                self._read(p)
+                self.read_on_demand += 1
+        for p in params:
+            read = self._reads.pop(p, None)
+            if read is not None:
+                host = read.result()
+                p._zs.piece = host.to(self.device, non_blocking=True)
 
     def drop(self, params: list[nn.Parameter]) -> None:
         for p in params:
@@ -404,10 +460,21 @@ class ParamSwapper:
                 self.meter.sub(p._zs.piece.nbytes)
                 p._zs.piece = _placeholder(p._zs.piece)
 
+    def forget_reads(self) -> None:
+        """Discard the reads ahead no gather used (the pass took another order than the one
+        recorded). The coordinator calls this as each pass ends, before a step writes the files
+        again: a read kept past that would hold the old values."""
+        for p, read in list(self._reads.items()):
+            read.result()  # no thread writes into the buffer once it is dropped
+            self.meter.sub(p._zs.piece.nbytes)
+        self._reads.clear()
+
     def update(self, p: nn.Parameter, value: torch.Tensor) -> None:
         self.store.write(self.key[p], [value.to(dtype=p._zs.piece.dtype, device="cpu")])
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.store.close()
 
 
