@@ -21,6 +21,11 @@ computes. A unit done with its parameters keeps those that the recorded order us
 ``max_reuse_numel`` elements of gathers (DeepSpeed's ``stage3_max_reuse_distance``; 0, the
 default here, releases at once). Every rank runs the same graph, so every rank issues the same
 collectives in the same order.
+
+With the pieces offloaded to NVMe (``offload_param``), the files of the units after the prefetched
+ones (up to ``prefetch_numel`` elements more) are read ahead on the swapper's thread, so that the
+disk works while the current unit computes and a gather only queues its copy; reads a pass did not
+use are dropped as it ends (:meth:`.offload.ParamSwapper.forget_reads`).
 """
 
 from __future__ import annotations
