@@ -85,6 +85,7 @@ T_SGD_CLIP = "tests/test_data_parallel.py::test_clipping_with_sgd"
 T_SIDE = "tests/test_cuda_path.py::test_offloaded_pieces_go_up_on_a_side_stream"
 T_SCRATCH = "tests/test_scratch.py::test_stage3_gathers_gradients_and_staging_are_outside_the_heap"
 T_READ_AHEAD = "tests/test_offload.py::test_nvme_pieces_are_read_ahead_off_the_training_thread"
+T_DOWN_SIDE = "tests/test_cuda_path.py::test_offloaded_gradients_come_down_on_a_side_stream"
 T_STAGING = "tests/test_cuda_path.py::test_a_staging_buffer_is_written_again_only_after_its_copy"
 T_OFFLOAD_WAITS = (
     "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients"
@@ -2016,6 +2017,27 @@ MUTANTS = [
         "        self._inflight.clear()\n        self.param_swapper.forget_reads()\n",
         "        self._inflight.clear()\n",
         (T_READ_AHEAD,),
+    ),
+    Mutant(
+        "offloaded gradients come down on the compute stream (the compute waits for the copy)",
+        "zero/offload.py",
+        "        with torch.cuda.stream(side):\n            host.copy_(t.reshape(-1), non_block",
+        "        with torch.cuda.stream(None):\n            host.copy_(t.reshape(-1), non_block",
+        (T_DOWN_SIDE,),
+    ),
+    Mutant(
+        "a gradient's copy down starts before the collective that made it",
+        "zero/offload.py",
+        "        side.wait_stream(torch.cuda.current_stream())\n        with torch.cuda.stream(s",
+        "        with torch.cuda.stream(s",
+        (T_DOWN_SIDE,),
+    ),
+    Mutant(
+        "a gradient piece is freed while its copy down may still read it",
+        "zero/offload.py",
+        "        t.record_stream(side)\n",
+        "",
+        (T_DOWN_SIDE,),
     ),
     Mutant(
         "offloaded pieces go up on the compute stream (no overlap)",

@@ -622,6 +622,30 @@ def test_a_staging_buffer_is_written_again_only_after_its_copy():
             staging.add_(1)
 
 
+def test_offloaded_gradients_come_down_on_a_side_stream():
+    """Downloads' copies run on a stream of their own, behind the collective that made the
+    piece: the compute stream goes on without them (writing the piece on it now would be the
+    race virtual CUDA refuses), the piece may be freed at once (announced to the copy's stream),
+    and the host waits only for the copy's event when it settles."""
+    from zerostack.zero.offload import Downloads
+
+    with virtual_cuda():
+        downloads = Downloads(torch.device("cuda", 0))
+        got = []
+        first = torch.arange(4.0, device="cuda") * 2  # "reduced" on the compute stream
+        downloads.fetch(first, got.append)
+        with pytest.raises(DeviceError, match="may still be reading"):
+            first.add_(1)  # the compute stream is not ordered after the copy
+        second = torch.arange(4.0, device="cuda") + 10
+        downloads.fetch(second, got.append)
+        del second  # freed on the compute stream while its copy may run: record_stream
+        (torch.ones(4, device="cuda") + 1).sum()  # the next op raises a race found at a free
+        assert got == [] and HOST_WAITS == []  # queued, nothing waited for
+        downloads.settle()
+        assert HOST_WAITS == [("event", ""), ("event", "")]
+        assert [t.tolist() for t in got] == [[0.0, 2.0, 4.0, 6.0], [10.0, 11.0, 12.0, 13.0]]
+
+
 def _pageable(rank, world, root):
     with virtual_cuda():
         zero = {"offload_optimizer": {"device": "cpu", "pin_memory": False}}

@@ -91,7 +91,7 @@ class Downloads:
     A blocking copy to the host inside backward waits for the whole stream (every backward kernel
     queued so far and the reduce-scatter), so the GPU would idle at every bucket while the host
     adds. :meth:`fetch` instead copies the tensor into a page-locked buffer with ``non_blocking``
-    (in stream order, behind the collective that made it) and records an event; its ``then``
+    on a side stream (behind the collective that made it) and records an event; its ``then``
     (the add) runs when the copy is settled. :meth:`seal` ends a micro-step's copies;
     :meth:`settle_sealed` runs them early in the next micro-step's reduction, when the device has
     long done them, and :meth:`settle` runs every one before anything reads the gradients (the
@@ -105,17 +105,28 @@ class Downloads:
         self._open: list[tuple] = []  # (event, host buffer, then, shape) of this micro-step
         self._sealed: list[tuple] = []
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._stream = None
 
     def fetch(self, t: torch.Tensor, then: Callable[[torch.Tensor], object]) -> None:
-        """``then(t on the host)``, now on the CPU, else once the copy is settled."""
+        """``then(t on the host)``, now on the CPU, else once the copy is settled.
+
+        The copy runs on a side stream of its own, behind what the current stream has queued
+        (the collective that made ``t``), so the compute queued next does not wait for it;
+        ``t`` is announced to that stream (``record_stream``), so its memory is not handed out
+        again before the copy has read it."""
         if not self.gpu or t.device.type == "cpu":
             then(t)
             return
         free = self._free.get((t.numel(), t.dtype))
         host = free.pop() if free else host_empty(t.numel(), t.dtype)
-        host.copy_(t.reshape(-1), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=t.device)
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            host.copy_(t.reshape(-1), non_blocking=True)
+            event = side.record_event()
+        t.record_stream(side)
         self._open.append((event, host, then, t.shape))
 
     def seal(self) -> None:
