@@ -86,6 +86,8 @@ T_SIDE = "tests/test_cuda_path.py::test_offloaded_pieces_go_up_on_a_side_stream"
 T_SCRATCH = "tests/test_scratch.py::test_stage3_gathers_gradients_and_staging_are_outside_the_heap"
 T_READ_AHEAD = "tests/test_offload.py::test_nvme_pieces_are_read_ahead_off_the_training_thread"
 T_DOWN_SIDE = "tests/test_cuda_path.py::test_offloaded_gradients_come_down_on_a_side_stream"
+T_ALIGN = "tests/test_cuda_path.py::test_every_collective_buffer_starts_16_byte_aligned"
+T_ALIGNED_LAYOUT = "tests/test_partition.py::test_engine_layouts_align_every_piece_to_16_bytes"
 T_STAGING = "tests/test_cuda_path.py::test_a_staging_buffer_is_written_again_only_after_its_copy"
 T_OFFLOAD_WAITS = (
     "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients"
@@ -310,6 +312,41 @@ MUTANTS = [
         "lo = bucket.start + rank * bucket.piece_numel",
         "lo = bucket.start + rank * bucket.piece_numel - (rank > 0)",
         (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "pieces padded to whole elements only, not to 16 bytes",
+        "zero/partition.py",
+        "ALIGN_NUMEL = 8\n",
+        "ALIGN_NUMEL = 1\n",
+        (f"{T_ALIGN}[1]", f"{T_ALIGN}[3]", T_ALIGNED_LAYOUT),
+    ),
+    Mutant(
+        "stage 1-2 buckets padded to whole elements only",
+        "zero/partition.py",
+        "            piece = piece_numel(offset - start, world, align)",
+        "            piece = piece_numel(offset - start, world, 1)",
+        (f"{T_ALIGN}[1]", T_ALIGNED_LAYOUT),
+    ),
+    Mutant(
+        "stage 3 pieces padded to whole elements only",
+        "zero/init.py",
+        "    piece_numel = partition.piece_numel(n, world)",
+        "    piece_numel = max(1, -(-n // world))",
+        (f"{T_ALIGN}[3]",),
+    ),
+    Mutant(
+        "frozen parameters written in cuts other than stage 3's pieces",
+        "checkpoint/shard.py",
+        "        c = piece_numel(math.prod(full_shape_of(p, 1)), dp)",
+        "        c = max(1, -(-math.prod(full_shape_of(p, 1)) // dp))",
+        ("tests/test_frozen.py",),
+    ),
+    Mutant(
+        "estimate: stage 3 pieces not padded to 16 bytes",
+        "estimate/memory.py",
+        "        shard = sum(piece_numel(n, dp) for n in sizes)",
+        "        shard = sum(-(-n // dp) for n in sizes)",
+        ("tests/test_estimate.py::test_stage3_padding_is_estimated_as_the_engine_pads",),
     ),
     Mutant(
         "NaN guard removed (bf16 and fp32 apply non-finite steps)",

@@ -9,6 +9,7 @@ import functools
 import json
 
 import pytest
+import torch
 from common import TINY, batch, run_cli, tiny_gpt, tiny_transformer
 from distributed import run_distributed
 from test_memory import expected
@@ -183,6 +184,25 @@ LIVE = {
 
 
 def _live_engine(case: dict):
+    if case.get("pp", 1) == 1:
+        model = tiny_gpt()
+        if case.get("tp", 1) > 1:
+            model = model.parallelize(zerostack.Topology.build(tp=2))
+        return _live_engine_of(model, case)
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+    from zerostack.pipeline import PipelineModule
+
+    topo = zerostack.Topology.build(pp=2)
+    model = PipelineModule(
+        gpt_layers(TINY, topology=topo),
+        topology=topo,
+        loss_fn=GPTLoss(topo),
+        partition_method="type:Block",
+    )
+    return _live_engine_of(model, {**case, "gas": 2})
+
+
+def _live_engine_of(model, case: dict):
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -196,22 +216,8 @@ def _live_engine(case: dict):
         if key in case:
             name = "offload_optimizer" if key == "offload" else key
             cfg["zero_optimization"][name] = {"device": case[key]}
-    if case.get("pp", 1) > 1:
-        from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
-        from zerostack.pipeline import PipelineModule
-
-        topo = zerostack.Topology.build(pp=2)
-        model = PipelineModule(
-            gpt_layers(TINY, topology=topo),
-            topology=topo,
-            loss_fn=GPTLoss(topo),
-            partition_method="type:Block",
-        )
-        cfg["gradient_accumulation_steps"] = 2
-        return zerostack.initialize(model=model, config=cfg)[0]
-    model = tiny_gpt()
-    if case.get("tp", 1) > 1:
-        model = model.parallelize(zerostack.Topology.build(tp=2))
+    if "gas" in case:
+        cfg["gradient_accumulation_steps"] = case["gas"]
     return zerostack.initialize(model=model, config=cfg)[0]
 
 
@@ -270,6 +276,28 @@ def test_estimate_matches_live_engines():
                 assert value <= breakdown[kind] <= value + slack, (name, kind, breakdown, want)
             total = estimate(local * layout.tp * layout.pp, layout)["model_states"]["total"]
             assert total == sum(model_states(local, layout).by_kind().values())
+
+
+def _odd_stage3(rank, world):
+    from zerostack.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, d_model=20, bias=True)
+    torch.manual_seed(0)
+    engine = _live_engine_of(GPT(cfg), dict(stage=3, precision="bf16"))
+    sizes = [full_shape(p).numel() for p in engine.module.parameters()]
+    out = sizes, engine.memory_breakdown()
+    engine.destroy()
+    return out
+
+
+def test_stage3_padding_is_estimated_as_the_engine_pads():
+    """Given the tensors' sizes, the estimate of stage 3's parameter pieces is the engine's to the
+    byte, for a model whose sizes are not multiples of 8 (pieces padded to 16-byte blocks)."""
+    for sizes, breakdown in run_distributed(_odd_stage3, 2):
+        layout = _case_layout(dict(stage=3, precision="bf16"), 2)
+        want = model_states(sum(sizes), layout, sizes=sizes)
+        assert any(n % 16 for n in sizes)  # padding is in play
+        assert breakdown["params"] == want.params and breakdown["master"] == want.master
 
 
 def test_estimate_from_the_model_description_matches_every_rank():

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from zerostack.zero.partition import Bucket, FlatLayout, PieceBuckets, Slot
+from zerostack.zero.partition import (
+    ALIGN_NUMEL,
+    Bucket,
+    FlatLayout,
+    PieceBuckets,
+    Slot,
+    piece_numel,
+)
 
 try:
     from hypothesis import given, settings
@@ -16,9 +23,13 @@ except ImportError:  # property test below is skipped; the seeded sweep still ru
     given = None
 
 
-def check_layout(shapes, world, bucket_numel, reverse):
-    """Every invariant of a layout; raises AssertionError on the first miss."""
-    layout = FlatLayout.build(shapes, world=world, bucket_numel=bucket_numel, reverse=reverse)
+def check_layout(shapes, world, bucket_numel, reverse, align=1):
+    """Every invariant of a layout; raises AssertionError on the first miss. The hand-computed
+    examples use ``align=1`` (pieces padded to whole elements only); the engine's layouts align
+    pieces to ALIGN_NUMEL elements (the tests after them)."""
+    layout = FlatLayout.build(
+        shapes, world=world, bucket_numel=bucket_numel, reverse=reverse, align=align
+    )
     sizes = [math.prod(s) for s in shapes]
     limit = math.inf if bucket_numel is None else bucket_numel
     slots, buckets = layout.slots, layout.buckets
@@ -50,15 +61,16 @@ def check_layout(shapes, world, bucket_numel, reverse):
         last = i == len(buckets) - 1
         real = sum(slots[p].numel for p in b.slots)
 
-        # Size and padding: world equal pieces; padding below world unless nothing is real.
+        # Size and padding: world equal pieces of whole blocks of align elements; padding below
+        # one block per rank unless nothing is real.
         assert b.numel == b.end - b.start > 0
-        assert b.numel % world == 0
+        assert b.numel % world == 0 and b.piece_numel % align == 0
         assert b.numel == world * b.piece_numel
         assert b.numel >= real
         if real == 0:
-            assert b.numel == world
+            assert b.numel == world * align
         else:
-            assert b.numel - real < world
+            assert b.numel - real < world * align
 
         # Slots are packed end to end from the bucket's start, so they lie inside it.
         offset = b.start
@@ -109,7 +121,8 @@ def check_layout(shapes, world, bucket_numel, reverse):
 
 
 def test_docstring_example():
-    # The module docstring's example: the 3-element slot alone reaches the limit.
+    # The module docstring's example unaligned (aligned: below): the 3-element slot alone
+    # reaches the limit.
     layout = check_layout([(4, 3), (3,)], world=2, bucket_numel=3, reverse=True)
     assert layout.slots == (Slot(1, 0, 3, (3,)), Slot(0, 4, 12, (4, 3)))
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 4), (4, 16)]
@@ -141,7 +154,7 @@ def test_forward_order():
 
 
 def test_default_is_one_bucket_reverse_order_world_1():
-    layout = FlatLayout.build([(4, 3), (3,)])
+    layout = FlatLayout.build([(4, 3), (3,)], align=1)
     assert layout.world == 1
     assert layout.slots == (Slot(1, 0, 3, (3,)), Slot(0, 3, 12, (4, 3)))
     assert layout.buckets == (Bucket(0, 15, (0, 1), 15, 0),)
@@ -298,6 +311,11 @@ def test_bucket_and_slot_properties():
 # ---------------------------------------------------------------- argument errors
 
 
+def test_build_rejects_a_bad_align():
+    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
+        FlatLayout.build([(4,)], align=0)
+
+
 @pytest.mark.parametrize("world", [0, -2])
 def test_build_rejects_bad_world(world):
     with pytest.raises(ValueError, match=f"world must be >= 1, got {world}"):
@@ -317,6 +335,25 @@ def test_piece_rejects_out_of_range_rank(rank):
         layout.piece(layout.buckets[0], rank)
     with pytest.raises(ValueError, match=f"rank {rank} out of range for world 3"):
         layout.shard_pieces(rank)
+
+
+def test_engine_layouts_align_every_piece_to_16_bytes():
+    """The engine's layouts (the default ``align``): each rank's piece of every bucket, and so
+    every bucket's start, falls on a 16-byte boundary at 2-byte dtypes (8 elements), with the
+    least padding that does: the docstring's example, and stage 3's per-parameter pieces."""
+    assert ALIGN_NUMEL * 2 == 16
+    layout = check_layout([(4, 3), (3,)], world=2, bucket_numel=3, reverse=True, align=8)
+    assert layout == FlatLayout.build([(4, 3), (3,)], world=2, bucket_numel=3)
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 16), (16, 32)]
+    assert layout.piece(layout.buckets[1], rank=1) == (24, 32)
+    assert layout.shard_numel == 16
+    big = check_layout([(100,), (17,)], world=3, bucket_numel=50, reverse=False, align=8)
+    assert [(b.start, b.piece_numel) for b in big.buckets] == [(0, 40), (120, 8)]
+    for b in big.buckets:
+        assert all(lo * 2 % 16 == 0 for lo, _ in (big.piece(b, r) for r in range(3)))
+    # stage 3: a parameter of n elements in world pieces
+    assert [piece_numel(n, 4) for n in (0, 1, 32, 33, 64, 65)] == [8, 8, 8, 16, 16, 24]
+    assert piece_numel(7, 1) == 8 and piece_numel(7, 1, align=1) == 7
 
 
 def test_build_arguments_are_keyword_only():
@@ -339,6 +376,7 @@ def test_invariants_seeded_sweep():
             world=rng.randint(1, 8),
             bucket_numel=rng.choice([None, 1, 2, 3, 5, 8, 16, 50, 1000]),
             reverse=rng.random() < 0.5,
+            align=rng.choice([1, 2, ALIGN_NUMEL]),
         )
 
 
@@ -351,9 +389,10 @@ if given is not None:
         world=st.integers(1, 8),
         bucket_numel=st.none() | st.integers(1, 80),
         reverse=st.booleans(),
+        align=st.sampled_from([1, 3, ALIGN_NUMEL]),
     )
-    def test_invariants_property(shapes, world, bucket_numel, reverse):
-        check_layout(shapes, world, bucket_numel, reverse)
+    def test_invariants_property(shapes, world, bucket_numel, reverse, align):
+        check_layout(shapes, world, bucket_numel, reverse, align)
 
 else:
 

@@ -18,7 +18,9 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
   size, never its gloo fast paths.
 - What NCCL refuses is refused: every tensor handed to a torch.distributed collective or
   point-to-point op must be a contiguous cuda tensor (the check wraps torch.distributed itself,
-  so code that bypasses zerostack's Comm is checked too).
+  so code that bypasses zerostack's Comm is checked too). One that starts off a 16-byte
+  boundary is recorded in ``UNALIGNED`` (NCCL takes it, on slower paths), and so is an
+  all-gather or reduce-scatter whose ranks' chunks are not whole 16-byte blocks.
 - What makes the host wait for the GPU is recorded in ``HOST_WAITS``, in order: ``("stream",
   what)`` for a wait on all the work queued so far (``.item()``, ``float()``, ``bool()`` of a cuda
   tensor, a blocking copy either way, ``torch.cuda.synchronize``), ``("event", "")`` for
@@ -204,6 +206,7 @@ _STREAMS: dict[int, _VStream] = {}
 _HOST: dict[int, int] = {}  # what the host has waited for: every op launched later comes after
 _ACCESS: dict[int, dict] = {}  # cuda storage -> its stream accesses (see _touch)
 STREAM_ERRORS: list[str] = []  # races found when a storage is freed (raised at the next op)
+UNALIGNED: list[str] = []  # collectives handed a tensor that starts off a 16-byte boundary
 
 
 def _merge(into: dict[int, int], other: dict[int, int]) -> None:
@@ -268,33 +271,56 @@ def _stream_context(stream):
         _CURRENT.stream = was
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor can touch: ``[lo, hi)`` (a strided view: its extent)."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return lo, lo + (last + 1) * size
+
+
 def _touch(t: torch.Tensor, stream: _VStream, stamp, write: bool, op) -> None:
-    """Record ``stream``'s access to ``t``'s storage; refuse it when unordered with another
-    stream's earlier write (or, for a write, read)."""
+    """Record ``stream``'s access to ``t``'s bytes of its storage; refuse it when unordered with
+    another stream's earlier write (or, for a write, read) of bytes it overlaps. Views of
+    disjoint parts of one buffer (the buckets of a flat gradient buffer) do not race."""
     key = _key(t)
     if key is None or _state(t) != GPU:
         return
-    info = _ACCESS.setdefault(key, {"alloc": stream.id, "write": None, "reads": {}, "rec": set()})
-    w = info["write"]
-    if w is not None and not stream.knows(w):
-        raise DeviceError(
-            f"{op}: stream {stream.id} uses {_where(t)}, written on stream {w[0]} (by "
-            f"{info['by']}) without a wait between them (wait_stream / an event)"
-        )
+    info = _ACCESS.setdefault(key, {"alloc": stream.id, "spans": {}, "reads": {}, "rec": set()})
+    lo, hi = _span(t)
+    if lo == hi:
+        return  # no bytes
+    for (a, b), seen in info["spans"].items():
+        if b <= lo or hi <= a:
+            continue  # disjoint bytes
+        w = seen["write"]
+        if w is not None and not stream.knows(w):
+            raise DeviceError(
+                f"{op}: stream {stream.id} uses {_where(t)}, written on stream {w[0]} (by "
+                f"{seen['by']}) without a wait between them (wait_stream / an event)"
+            )
+        if write:
+            for sid, n in seen["reads"].items():
+                if not stream.knows((sid, n)):
+                    raise DeviceError(
+                        f"{op}: stream {stream.id} writes {_where(t)}, which stream {sid} may "
+                        "still be reading (wait_stream / an event)"
+                    )
+    mine = info["spans"].setdefault((lo, hi), {"write": None, "by": None, "reads": {}})
     if write:
-        for sid, n in info["reads"].items():
-            if not stream.knows((sid, n)):
-                raise DeviceError(
-                    f"{op}: stream {stream.id} writes {_where(t)}, which stream {sid} may still "
-                    "be reading (wait_stream / an event)"
-                )
-        info["write"], info["by"] = stamp, op
-    info["reads"][stream.id] = max(info["reads"].get(stream.id, 0), stamp[1])
+        mine["write"], mine["by"] = stamp, op
+    for reads in (mine["reads"], info["reads"]):  # the storage's, for the check at its free
+        reads[stream.id] = max(reads.get(stream.id, 0), stamp[1])
 
 
 def _on_stream(func, args, kwargs, out, stream: _VStream | None = None) -> None:
     """A device op: it runs on the current stream, reading its cuda operands and writing its
     outputs and the operands it mutates."""
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return  # a view (slice, view, expand...): metadata only, no kernel reads its bytes
     stream = stream or _current()
     stamp = stream.tick()
     mutated = {
@@ -607,6 +633,7 @@ _NEW = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
 
 
 # ---------------------------------------------------------------------- torch.distributed
+_CHUNKED = ("all_gather_into_tensor", "reduce_scatter_tensor")
 _COLLECTIVES = (
     "all_reduce",
     "broadcast",
@@ -657,6 +684,14 @@ def _nccl(name: str, fn):
                 raise DeviceError(f"dist.{name}: NCCL got a cpu tensor ({_where(t)})")
             if not t.is_contiguous():
                 raise DeviceError(f"dist.{name}: NCCL got a non-contiguous tensor {_where(t)}")
+            if t.data_ptr() % 16:
+                UNALIGNED.append(f"dist.{name}: {_where(t)} starts {t.data_ptr() % 16} bytes in")
+        if name in _CHUNKED:  # rank r's chunk of the big tensor starts r chunks in
+            out = args[0] if args else kwargs["output_tensor"]
+            inp = args[1] if len(args) > 1 else kwargs["input_tensor"]
+            chunk = (inp if name == "all_gather_into_tensor" else out).nbytes
+            if chunk % 16:
+                UNALIGNED.append(f"dist.{name}: rank chunks of {chunk} bytes")
         # the group's NCCL stream waits for the current one, then runs the collective
         nccl = _NCCL.setdefault(id(kwargs.get("group")), _VStream())
         nccl.wait_stream(_current())
@@ -828,6 +863,7 @@ def virtual_cuda():
         _ACCESS.clear()
         _HOST.clear()
         STREAM_ERRORS.clear()
+        UNALIGNED.clear()
         _NCCL.clear()
         _CURRENT.stream = None
         MEMORY.allocated = MEMORY.peak = 0

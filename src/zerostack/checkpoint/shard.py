@@ -21,6 +21,7 @@ import torch
 from ..moe.utils import global_names
 from ..tensor_parallel import partition_spec
 from ..zero.init import full_shape
+from ..zero.partition import piece_numel
 from .stream import Entry, ShardWriter
 
 
@@ -88,11 +89,12 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
         for key, a, b in cuts:
             out.entries += [Entry(f"{k}/{key}", dt, (b - a,)) for k, dt in out.kinds[m]]
     # Frozen parameters: their value as master slices (fp32 of what is held), no optimizer state.
-    # dp rank r writes elements [r*c, (r+1)*c), c = ceil(n / dp): at stage 3 the piece it holds,
-    # at stages 0-2 (all ranks hold the whole) the same cut, so a frozen base is written by all.
+    # dp rank r writes elements [r*c, (r+1)*c), c = piece_numel(n, dp): at stage 3 the piece it
+    # holds, at stages 0-2 (all ranks hold the whole) the same cut, so a frozen base is written
+    # by all.
     dp, dp_rank = topo.dp, topo.rank("dp")
     for p, lo, hi in zero.frozen_extents():
-        c = max(1, -(-math.prod(full_shape_of(p, 1)) // dp))
+        c = piece_numel(math.prod(full_shape_of(p, 1)), dp)
         x, y = max(lo, dp_rank * c), min(hi, (dp_rank + 1) * c)
         if x >= y or p in elsewhere or p not in names:  # not names: exclude_frozen_parameters
             continue

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..zero.partition import piece_numel
+
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 # Optimizer state bytes per trained parameter (fp32 state, as torch keeps it).
@@ -119,9 +121,10 @@ def model_states(
     training the master is the parameter (or its piece) itself, 0 bytes extra. Offloaded to the
     CPU, the master (a separate copy even in fp32), the optimizer state and the fp32 gradient
     piece live in host memory; to NVMe, master and state live in files. Shards are rounded up to
-    whole pieces (padding), as zerostack pads: given the trained tensors' ``sizes``, stage 3 pads
-    each tensor (its pieces are per parameter). ``persistent``: elements of stage-3 parameters
-    below ``stage3_param_persistence_threshold``, also held whole on every rank.
+    whole pieces (padding), as zerostack pads: given the trained tensors' ``sizes``, stage 3
+    pads each tensor's pieces to whole 16-byte blocks
+    (:func:`~zerostack.zero.partition.piece_numel`). ``persistent``: elements of stage-3
+    parameters below ``stage3_param_persistence_threshold``, also held whole on every rank.
     """
     if trained < 0 or frozen < 0:
         raise EstimateError(f"parameters: {trained} trained, {frozen} frozen; need >= 0")
@@ -130,7 +133,7 @@ def model_states(
     dp, stage = layout.dp, layout.stage
     shard = _ceil_div(trained, dp) if stage > 0 else trained  # this rank's trained elements
     if sizes is not None and stage == 3:
-        shard = sum(_ceil_div(n, dp) for n in sizes)
+        shard = sum(piece_numel(n, dp) for n in sizes)
     out = ModelStates()
     out.params = c * (shard + _ceil_div(frozen, dp) if stage == 3 else trained + frozen)
     if stage == 3:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..topology import Topology
-from . import quantize, scratch
+from . import partition, quantize, scratch
 
 
 class StorageMeter:
@@ -140,7 +140,7 @@ def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) 
     full = p.data.to(comm.topo.device).contiguous()
     if world > 1:
         comm.broadcast(full, src=0, axis="dp")
-    piece_numel = max(1, -(-n // world))
+    piece_numel = partition.piece_numel(n, world)
     padded = torch.zeros(piece_numel * world, dtype=full.dtype, device=full.device)
     padded[:n].copy_(full.reshape(-1))
     piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
@@ -230,7 +230,7 @@ def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
     """This rank's piece of ``full`` cut ``sub.size`` ways (padded), a copy: ZeRO++ hpZ keeps it
     from a forward's gather so that the backward gathers within the subgroup."""
     flat = full.reshape(-1)
-    width = -(-flat.numel() // sub.size)
+    width = partition.piece_numel(flat.numel(), sub.size)
     lo = min(sub.rank * width, flat.numel())
     hi = min(lo + width, flat.numel())
     piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)

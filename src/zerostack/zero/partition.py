@@ -3,21 +3,35 @@
 Parameters of one optimizer group are packed end to end into one flat buffer, in the order their
 gradients are expected to become ready (reverse registration order, as backward visits them), and
 cut at parameter boundaries into buckets of at least ``bucket_numel`` elements. Each bucket is
-padded to a multiple of the data-parallel size ``world`` so that it splits into ``world`` equal
-pieces: a bucket of ready gradients is one contiguous range, all-reduced (stage 0) or
-reduce-scattered (stages 1-2) without a copy, and rank ``r`` owns piece ``r`` of every bucket.
+padded so that it splits into ``world`` equal pieces of a multiple of :data:`ALIGN_NUMEL`
+elements (:func:`piece_numel`): a bucket of ready gradients is one contiguous range, all-reduced
+(stage 0) or reduce-scattered (stages 1-2) without a copy, and rank ``r`` owns piece ``r`` of
+every bucket.
 A rank's shard is its pieces of all buckets, end to end::
 
     layout = FlatLayout.build([(4, 3), (3,)], world=2, bucket_numel=3)
-    [(b.start, b.end) for b in layout.buckets]   # [(0, 4), (4, 16)]: padded to multiples of 2
-    layout.piece(layout.buckets[1], rank=1)      # (10, 16): rank 1's piece of bucket 1
-    layout.shard_numel                           # 8 = 2 + 6
+    [(b.start, b.end) for b in layout.buckets]   # [(0, 16), (16, 32)]: pieces of 8 elements
+    layout.piece(layout.buckets[1], rank=1)      # (24, 32): rank 1's piece of bucket 1
+    layout.shard_numel                           # 16 = 8 + 8
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+ALIGN_NUMEL = 8
+"""Every rank's piece (of a bucket at stages 0-2, of a parameter at stage 3) is a multiple of this
+many elements: 16 bytes at 2-byte dtypes, 32 in fp32. So each piece, and each bucket after it,
+starts 16-byte aligned inside its buffer (whose start the allocator aligns), where NCCL and
+multi-tensor apply take their fast paths; DeepSpeed aligns NCCL's starts too."""
+
+
+def piece_numel(numel: int, world: int, align: int = ALIGN_NUMEL) -> int:
+    """Elements of each of ``world`` equal pieces that hold ``numel`` (padded): the smallest
+    multiple of ``align`` that is enough, and at least ``align``."""
+    per = -(-numel // world)
+    return max(align, -(-per // align) * align)
 
 
 @dataclass(frozen=True)
@@ -66,8 +80,10 @@ class FlatLayout:
         world: int = 1,
         bucket_numel: int | None = None,
         reverse: bool = True,
+        align: int = ALIGN_NUMEL,
     ) -> FlatLayout:
-        """Pack parameters of the given shapes; ``reverse`` puts the last parameter first.
+        """Pack parameters of the given shapes; ``reverse`` puts the last parameter first; each
+        rank's piece of a bucket is a multiple of ``align`` elements (:func:`piece_numel`).
 
         ``bucket_numel=None`` makes one bucket of everything. A bucket closes as soon as it holds
         ``bucket_numel`` elements (so a large parameter closes the bucket it lands in, as in torch
@@ -75,6 +91,8 @@ class FlatLayout:
         """
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
         if bucket_numel is not None and bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
         order = list(range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes)))
@@ -98,8 +116,8 @@ class FlatLayout:
                 positions.append(len(slots))
                 slots.append(Slot(i, offset, n, tuple(shapes[i])))
                 offset += n
-            padded = max(world, -(-(offset - start) // world) * world)
-            piece = padded // world
+            piece = piece_numel(offset - start, world, align)
+            padded = piece * world
             buckets.append(Bucket(start, start + padded, tuple(positions), piece, shard_offset))
             start += padded
             shard_offset += piece
