@@ -31,7 +31,7 @@ try:
 except ImportError:  # run from a checkout without installing: use its source
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from zerostack.comm.grid import _all_gather_peers, _reduce_scatter_rows
-from zerostack.zero import scratch
+from zerostack.core import scratch
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names still work, deprecated)
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

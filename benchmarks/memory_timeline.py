@@ -19,7 +19,7 @@ not produce itself:
 - ``mmapped``: the part of ``live`` in chunks of their own (``hblkhd``), which go back to the
   system when freed.
 
-Buffers zerostack maps itself (``zero/scratch.py``: stage 3's large transients) are not malloc's,
+Buffers zerostack maps itself (``core/scratch.py``: stage 3's large transients) are not malloc's,
 so ``live`` and ``held`` leave them out; RSS counts them.
 
 Prints one JSON object: per side the phases (rank 0's, MiB) and the peaks over ranks, and the

@@ -20,6 +20,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack import ConfigError, Topology, checkpointing
+from zerostack.comm.grid import comm_for
 from zerostack.models import GPT
 from zerostack.tensor_parallel import get_rng_tracker, model_parallel_seed
 
@@ -373,7 +374,7 @@ def _partitioned(rank, world):
     topo = Topology.build(tp=world)
     b, t, d = 4, TP_CFG.block_size, TP_CFG.d_model
     x, y = batch(0, b)
-    log = topo.comm.log
+    log = comm_for(topo).log
     out = {}
     all_on = dict(partition_activations=True, checkpoint_in_cpu=True, num_checkpoints=4)
     for name, every, options in (

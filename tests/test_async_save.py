@@ -20,7 +20,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack.checkpoint import CheckpointError, async_save
-from zerostack.checkpoint.auto_resume import prune
+from zerostack.checkpoint.tags import prune
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

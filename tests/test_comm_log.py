@@ -15,6 +15,7 @@ from common import batch, tiny_gpt
 from distributed import run_distributed
 
 import zerostack
+from zerostack.comm.grid import comm_for
 from zerostack.zero.partition import FlatLayout
 
 BUCKET = 4096
@@ -107,8 +108,8 @@ def test_stages_1_2_move_two_psi(stage, world, gas, reduce_scatter):
 def _strings(rank, world):
     topo = zerostack.Topology.build()
     texts = ["", "schrödinger's rank", "a" * 300, "x"]
-    got = topo.comm.all_gather_strings(texts[rank])
-    return got, topo.comm.log.total_bytes(op="all_gather") > 0
+    got = comm_for(topo).all_gather_strings(texts[rank])
+    return got, comm_for(topo).log.total_bytes(op="all_gather") > 0
 
 
 def test_all_gather_strings_moves_text_without_pickle():

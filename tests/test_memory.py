@@ -103,7 +103,7 @@ def census_expected(
 
 
 def pool_expected(stage: int, precision: str, psi: float, n: int, reduce_scatter) -> float:
-    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (zero/scratch.py's Pool),
+    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (core/scratch.py's Pool),
     the same after backward and after step, with the tiny GPT in one bucket: the bucket's
     staged gradients (stage 2), the received rows of its reduce-scatter (not with
     ``reduce_scatter: false``), and in mixed precision the piece the step all-gathers (the

@@ -1,4 +1,4 @@
-"""Stage 3's large transient CPU buffers live in mappings of their own (zerostack.zero.scratch),
+"""Stage 3's large transient CPU buffers live in mappings of their own (zerostack.core.scratch),
 outside glibc's heap, and go back to the system when freed.
 
 Where a buffer lives is read from glibc (``mallinfo2``: malloc's own count of what it handed out)
@@ -16,8 +16,8 @@ from common import batch
 from distributed import run_distributed
 
 import zerostack
+from zerostack.core import scratch
 from zerostack.models import GPT, GPTConfig
-from zerostack.zero import scratch
 
 PAGE = 4096
 

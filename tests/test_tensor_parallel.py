@@ -17,6 +17,7 @@ from distributed import run_distributed
 import zerostack
 from zerostack import ConfigError, Topology
 from zerostack.checkpointing import checkpoint
+from zerostack.comm.grid import comm_for
 from zerostack.models import GPT, GPTConfig
 from zerostack.models.gpt import join_state_dicts, split_state_dict, tp_spec
 from zerostack.plan.cost import tp_collectives
@@ -143,7 +144,7 @@ def _count(rank, world, sp):
     b, s, h = 2, CFG.block_size, CFG.d_model
     x, y = batch(0, b)
     full = b * s * h * 4  # bytes of one b x s x h activation (CommLog counts the full buffer)
-    log = topo.comm.log
+    log = comm_for(topo).log
 
     def counts(fn):
         start = len(log.records)

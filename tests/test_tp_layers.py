@@ -15,6 +15,7 @@ from distributed import run_distributed
 from torch import nn
 
 from zerostack import Topology
+from zerostack.comm.grid import comm_for
 from zerostack.tensor_parallel import (
     SEQ_DIM,
     ColumnParallelLinear,
@@ -157,7 +158,7 @@ def _cross_entropy(topo, failures):
     gy = _inputs(B, S, seed=11).abs()
     ref.backward(gy)
     local = _part(logits.detach(), topo, -1).requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, topo.comm)
+    loss = vocab_parallel_cross_entropy(local, targets, comm_for(topo))
     _close("cross entropy loss", loss.detach(), ref.detach(), failures)
     loss.backward(gy)
     _close("cross entropy grad", local.grad, _part(logits.grad, topo, -1), failures)
@@ -183,7 +184,7 @@ def _layer_norm(topo, failures):
 
 def _mappings(topo, failures):
     """The region functions alone: forward values and the gradients autograd gets through them."""
-    comm = topo.comm
+    comm = comm_for(topo)
     x = _inputs(B, S, D_OUT, seed=15)
     g = _inputs(B, S, D_OUT, seed=16)
     # scatter then gather along the features (and along the sequence) is the identity both ways

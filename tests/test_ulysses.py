@@ -19,6 +19,7 @@ from parity import CFG, STEPS, B, reference
 
 import zerostack
 from zerostack import ConfigError, Topology
+from zerostack.comm.grid import comm_for
 from zerostack.models import GPT, GPTConfig
 from zerostack.sequence import DistributedAttention, seq_all_to_all, shard_sequence
 
@@ -44,7 +45,7 @@ def _exchange(rank, world):
         torch.equal(out, expected),
         torch.equal(x.grad, g[rank * n : (rank + 1) * n]),
         torch.equal(back, x.detach()),
-        [(r.op, r.axis, r.bytes) for r in topo.comm.log.records],
+        [(r.op, r.axis, r.bytes) for r in comm_for(topo).log.records],
     )
 
 
@@ -174,11 +175,11 @@ def _per_layer(rank, world, sp):
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(x, y)
-        forward = [r.bytes for r in topo.comm.log.records if r.op == "all_to_all"]
+        forward = [r.bytes for r in comm_for(topo).log.records if r.op == "all_to_all"]
         loss.backward()
     finally:
         dist.all_to_all_single = real
-    both = [r.bytes for r in topo.comm.log.records if r.op == "all_to_all"]
+    both = [r.bytes for r in comm_for(topo).log.records if r.op == "all_to_all"]
     return forward, both, handed, sum(saved)
 
 

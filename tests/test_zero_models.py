@@ -118,7 +118,7 @@ def test_odd_sizes_and_an_unused_parameter(world, stage, optimizer):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_stage2_reuses_buffers_without_their_old_values(world):
-    """Stage 2 stages each bucket in a reused buffer (zero/scratch.py's Pool) and writes only
+    """Stage 2 stages each bucket in a reused buffer (core/scratch.py's Pool) and writes only
     the ranges of parameters that got a gradient: the padding and the unused parameter's range
     must still be zeros, here where every buffer the pool starts with is NaN."""
     ref = _reference(2, "AdamW")

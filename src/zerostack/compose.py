@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from . import activation_checkpointing
 from .comm import comms_logger
 from .comm import configure as configure_comms
+from .comm.grid import comm_for
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_config
 from .config_keys import warn_no_effect, warn_pageable_offload
 from .data.sampler import ResumableSampler
@@ -388,7 +389,7 @@ def initialize(
     # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
     # included) are summarised with zerostack.comm's while the logger is enabled
     configure_comms(deepspeed_config=cfg)
-    comms_logger.follow(topo.comm.log)
+    comms_logger.follow(comm_for(topo).log)
     _host_threads_for_offload(cfg, topo)
     engine_cls = Engine
     if isinstance(model, PipelineModule):

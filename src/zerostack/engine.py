@@ -23,8 +23,10 @@ from .checkpoint.auto_resume import AutoCheckpoint
 from .checkpoint.loss_spike import LossSpikeGuard
 from .clock import HostScalar, device_clock
 from .comm import Comm
+from .comm.grid import comm_for
 from .config import ZeroStackConfig
 from .config_view import ConfigView
+from .core.progress import print_progress
 from .engine_api import EngineAPI
 from .full_params import FullParams, attach
 from .moe.utils import is_moe_param
@@ -35,8 +37,9 @@ from .profiling.flops_profiler.step import StepProfile
 from .runner import cast_inputs, repeat_loader, run_micro_batches
 from .tensor_parallel import partition_spec
 from .topology import Topology
+from .zero.build import build_strategy
 from .zero.init import is_sharded
-from .zero.strategy import GradStats, ZeroStrategy, build_strategy
+from .zero.strategy import GradStats, ZeroStrategy
 
 log = logging.getLogger("zerostack")
 
@@ -60,7 +63,7 @@ class Engine(EngineAPI, nn.Module):
         tbs, micro, gas = config.resolve_batch(topology.data_parallel_size)
         self.config = ConfigView(config, batch=(tbs, micro, gas))
         self.topology = topology
-        self.comm = comm or topology.comm
+        self.comm = comm or comm_for(topology)
         self.precision = Precision.from_config(config)
         self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
 
@@ -394,14 +397,3 @@ class Engine(EngineAPI, nn.Module):
             places = self.memory_by_device()
             apart = f" by device: {places}" if len(places) > 1 else ""
             print_progress(f"memory (bytes): {self.memory_breakdown()}{apart}{cuda}")
-
-
-def print_progress(text: str) -> None:
-    """A progress line, seen once whatever the logging set-up: DeepSpeed prints its step line
-    to stdout on rank 0; zerostack sends it to the "zerostack" logger when logging shows that
-    logger's INFO (a handler, and INFO enabled), else prints it to stdout, unless the
-    "zerostack" logger's own level is set above INFO (which silences it)."""
-    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
-        log.info(text)
-    elif log.level <= logging.INFO:
-        print(text, flush=True)

@@ -310,6 +310,7 @@ class Topology:
     """Ulysses sequence-parallel ranks per batch: consecutive runs of the dp axis."""
     ep: int = 1
     """Expert-parallel ranks: a mesh axis between dp and tp (see the module doc)."""
+    # the grid's Comm, made by zerostack.comm.grid.comm_for (this module builds none)
     _comm: Any = field(default=None, init=False, repr=False, compare=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -391,16 +392,6 @@ class Topology:
                     mine = group
             self._subgroups[size] = mine
         return self._subgroups[size]
-
-    @property
-    def comm(self):
-        """The job's :class:`~zerostack.comm.Comm` on this grid, one per topology, so every
-        collective (tensor-parallel layers, ZeRO, the engine) lands in one ``CommLog``."""
-        if self._comm is None:
-            from .comm import Comm  # comm imports this module
-
-            self._comm = Comm(self)
-        return self._comm
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis`` ('pp', 'dp', 'tp', or 'sp' when

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..comm.grid import comm_for
 from ..tensor_parallel import get_rng_tracker
 from .configuration import _STATE, Settings
 from .placement import HOST, Where, _empty, _public, partition_size
@@ -96,7 +97,7 @@ class _Inputs:
                 t = _public().to_device(t, spec.device)
             if spec.partitioned:
                 full = t.new_empty(t.numel() * s.mpu.tp)
-                s.mpu.comm.all_gather(full, t.reshape(-1), axis="tp")
+                comm_for(s.mpu).all_gather(full, t.reshape(-1), axis="tp")
                 t = full[: spec.shape.numel()]
             if t.shape != spec.shape:
                 t = t.view(spec.shape)

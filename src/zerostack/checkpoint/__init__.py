@@ -5,8 +5,9 @@
 """
 
 from .consolidate import consolidate, full_state_dict, read_client_state
+from .errors import CheckpointError
 from .restore import load, read_manifest
-from .state import CheckpointError, save
+from .state import save
 
 __all__ = [
     "CheckpointError",

@@ -39,10 +39,10 @@ from safetensors import safe_open
 from ..watchdog import PREFIX as WATCHDOG_PREFIX
 from ..watchdog import default_store
 from .client_state import write as client_write
+from .errors import CheckpointError
 from .state import (
     LATEST,
     MANIFEST,
-    CheckpointError,
     _atomic_write,
     _barrier,
     _collect_shard,
@@ -52,6 +52,7 @@ from .state import (
     merge_records,
     split_client_state,
 )
+from .tags import prune
 
 log = logging.getLogger("zerostack")
 
@@ -257,6 +258,4 @@ def _complete(job: _Job, records: list[dict]) -> None:
     if job.save_latest:
         _atomic_write(os.path.join(job.save_dir, LATEST), job.tag)
     if job.keep_last and job.save_latest:
-        from .auto_resume import prune
-
         prune(job.save_dir, job.keep_last)

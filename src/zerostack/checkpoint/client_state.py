@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .errors import CheckpointError
 from .stream import sha256
 
 FILE = "client_state.safetensors"
@@ -122,8 +123,6 @@ def join(folder: str, tree, record: dict | None, pickled: bool = False):
     values only with ``pickled`` (the loading config's opt-in), else a one-line refusal."""
     if record is None:
         return tree
-    from .state import CheckpointError
-
     tensors: dict[str, torch.Tensor] = {}
     if "sha256" in record:
         path = os.path.join(folder, record["file"])

@@ -18,8 +18,8 @@ import os
 import torch
 
 from .client_state import from_manifest
+from .errors import CheckpointError
 from .restore import _Reader, read_manifest
-from .state import CheckpointError
 
 _DTYPES = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2)}
 

@@ -21,11 +21,11 @@ from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
+from .errors import CheckpointError
 from .state import (
     FORMAT,
     LATEST,
     MANIFEST,
-    CheckpointError,
     _full_shape,
     _gather_errors,
     _key,

@@ -37,6 +37,7 @@ import shutil
 import torch.distributed as dist
 
 from . import client_state as client
+from .errors import CheckpointError
 from .shard import (
     collect_shard,
     full_shape_of,
@@ -50,10 +51,6 @@ from .stream import sha256
 FORMAT = "zerostack-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
 _sha256 = sha256  # the per-tensor checksum the manifest records (restore checks it)

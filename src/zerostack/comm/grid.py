@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..clock import Clock
+from ..core import scratch
 from ..topology import Topology
 from .records import CommLog, CommRecord
 
@@ -69,8 +70,8 @@ class _SummedRows:
     The same bytes cross the wire as in a ring reduce-scatter ((N-1)/N of the input per rank);
     torch's gloo reduce-scatter of a 4M-element bucket took 1.6-2.3x as long at 2 ranks
     (``benchmarks/collectives.py``). The received rows (a whole bucket, in a mapping of its own
-    from :data:`~zerostack.zero.scratch.MIN_BYTES` up) live until the sum; taken from and
-    handed back to ``pool`` (a :class:`~zerostack.zero.scratch.Pool`) when one is given."""
+    from :data:`~zerostack.core.scratch.MIN_BYTES` up) live until the sum; taken from and
+    handed back to ``pool`` (a :class:`~zerostack.core.scratch.Pool`) when one is given."""
 
     def __init__(
         self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool, pool=None
@@ -81,7 +82,6 @@ class _SummedRows:
                 f"reduce_scatter: input of {input.numel()} elements for an output of "
                 f"{output.numel()} over {world} ranks (want {output.numel() * world})"
             )
-        from ..zero import scratch  # (imported here: zerostack.zero imports this module)
 
         self._out, self._pool = output, pool
         make = pool.take if pool is not None else scratch.empty
@@ -241,7 +241,7 @@ class Comm:
     ) -> Handle | None:
         """``output`` (1/N of ``input``) receives this rank's slice of the sum over the axis;
         over gloo the received rows come from and go back to ``pool`` (a
-        :class:`~zerostack.zero.scratch.Pool`), if given."""
+        :class:`~zerostack.core.scratch.Pool`), if given."""
         return self._run(
             "reduce_scatter",
             axis,
@@ -377,3 +377,11 @@ class Comm:
 
     def barrier(self, *, axis: str = "dp") -> None:
         self._run("barrier", axis, 0, lambda g, a: dist.barrier(group=g, async_op=a), False)
+
+
+def comm_for(topology: Topology) -> Comm:
+    """The job's :class:`Comm` on ``topology``'s grid, one per topology (kept on it), so every
+    collective (tensor-parallel layers, ZeRO, the engine) lands in one ``CommLog``."""
+    if topology._comm is None:
+        topology._comm = Comm(topology)
+    return topology._comm

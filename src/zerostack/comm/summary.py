@@ -27,6 +27,7 @@ from datetime import datetime
 import torch
 import torch.distributed as dist
 
+from ..core.progress import print_progress
 from ..topology import world_device_type
 from .records import CommLog, CommRecord
 
@@ -272,6 +273,4 @@ comms_logger = CommsLogger()  # the process's (DeepSpeed's deepspeed.comm.comms_
 
 def _print_rank_0(line: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        from ..engine import print_progress  # the engine's rule for lines seen once
-
         print_progress(line)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.grid import comm_for
 from ..sequence import DistributedAttention
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -272,7 +273,7 @@ class PositionShards(nn.Embedding):
     topology: Topology
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return F.embedding(pos, copy_to_tp(self.weight, self.topology.comm))
+        return F.embedding(pos, copy_to_tp(self.weight, comm_for(self.topology)))
 
 
 class GPT(nn.Module):
@@ -381,8 +382,8 @@ class GPT(nn.Module):
                 loss = loss + self.cfg.moe_aux_loss_coef * aux
             return loss
         if targets is None:
-            return gather_from_tp(logits, topo.comm)
-        return vocab_parallel_cross_entropy(logits, targets, topo.comm).mean()
+            return gather_from_tp(logits, comm_for(topo))
+        return vocab_parallel_cross_entropy(logits, targets, comm_for(topo)).mean()
 
 
 def tp_spec(name: str) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.grid import comm_for
 from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from ..tensor_parallel import (
     VocabParallelEmbedding,
@@ -58,8 +59,8 @@ def head_forward(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
     if topo is None:
         return F.linear(x, weight)
     if embedding.sequence_parallel and topo.tp > 1:
-        return gather_linear_from_sp(x, weight, None, topo.comm)
-    return F.linear(copy_to_tp(x, topo.comm), weight)
+        return gather_linear_from_sp(x, weight, None, comm_for(topo))
+    return F.linear(copy_to_tp(x, comm_for(topo)), weight)
 
 
 class AddPositions(nn.Module):
@@ -103,7 +104,7 @@ class GPTLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.topology is None or self.topology.tp == 1:
             return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
-        return vocab_parallel_cross_entropy(logits, targets, self.topology.comm).mean()
+        return vocab_parallel_cross_entropy(logits, targets, comm_for(self.topology)).mean()
 
 
 def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_parallel=False):

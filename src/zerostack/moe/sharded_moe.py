@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.grid import comm_for
+
 TOP2_EPS = torch.finfo(torch.float32).eps
 
 
@@ -183,7 +185,7 @@ class TopKGate(nn.Module):
 
     def _agree(self, capacity: int) -> int:
         t = torch.tensor([capacity], dtype=torch.int64, device=self.wg.weight.device)
-        self.topology.comm.all_reduce(t, axis="ep", op=torch.distributed.ReduceOp.MAX)
+        comm_for(self.topology).all_reduce(t, axis="ep", op=torch.distributed.ReduceOp.MAX)
         return int(t)
 
     def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None):
@@ -232,7 +234,7 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, topology) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    topology.comm.all_to_all(out, x, axis="ep")
+    comm_for(topology).all_to_all(out, x, axis="ep")
     return out
 
 

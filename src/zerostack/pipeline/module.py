@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..activation_checkpointing import checkpoint
+from ..comm.grid import comm_for
 from ..topology import Topology, hold_groups
 
 
@@ -291,7 +292,7 @@ class PipelineModule(nn.Module):
                     # the module is still in host memory (the engine moves it): NCCL broadcasts
                     # a device copy
                     data = p.data.to(self.topology.device)
-                    self.topology.comm.broadcast(data, src=0, axis="tied", group=tie.group)
+                    comm_for(self.topology).broadcast(data, src=0, axis="tied", group=tie.group)
                     if data is not p.data:
                         p.data.copy_(data)
         return ties

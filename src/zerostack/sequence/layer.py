@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import collectives
+from ..comm.grid import comm_for
 from ..topology import Topology
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], None]
@@ -29,9 +31,7 @@ def _exchange(group: Topology | dist.ProcessGroup) -> tuple[int, Exchange]:
     engine's CommLog), or a process group through DeepSpeed's module function (in the comms
     logger)."""
     if isinstance(group, Topology):
-        return group.sp, lambda out, inp: group.comm.all_to_all(out, inp, axis="sp")
-    from ..comm import collectives
-
+        return group.sp, lambda out, inp: comm_for(group).all_to_all(out, inp, axis="sp")
     return dist.get_world_size(group), lambda out, inp: collectives.all_to_all_single(
         out, inp, group=group
     )

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.grid import comm_for
 from ..topology import Topology
 from .layers import mark_split, split_tensor
 from .mappings import copy_to_tp, reduce_from_tp
@@ -121,7 +122,7 @@ class TPLinear(nn.Module):
             self.bias = _cut(self.bias, 0, tp, rank, chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        comm = self.topology.comm
+        comm = comm_for(self.topology)
         if self.mode == "column":
             x = copy_to_tp(x, comm)
             return self._matmul(x, self.bias)

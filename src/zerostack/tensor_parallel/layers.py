@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.grid import comm_for
 from ..topology import Topology
 from ..zero.linear import linear_saving_weight
 from .mappings import (
@@ -81,7 +82,7 @@ class _TPModule(nn.Module):
 
     @property
     def comm(self):
-        return self.topology.comm
+        return comm_for(self.topology)
 
     @classmethod
     def _blank(cls, topology: Topology):
@@ -320,7 +321,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return obj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        comm = self.topology.comm
+        comm = comm_for(self.topology)
         w = None if self.weight is None else copy_to_tp(self.weight, comm)
         b = None if self.bias is None else copy_to_tp(self.bias, comm)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)

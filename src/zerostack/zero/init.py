@@ -24,8 +24,11 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.grid import comm_for
+from ..core import scratch
 from ..topology import Topology
-from . import partition, quantize, scratch
+from . import partition, quantize
+from .hf_init import patch_init_weights
 
 
 class StorageMeter:
@@ -287,7 +290,7 @@ class Init:
     ``Init(module=model)`` shards an already built model's parameters at once, module by module
     (DeepSpeed's use; the context is then not needed). A Hugging Face model built inside the
     context (``AutoModelForCausalLM.from_config(cfg)``) gets its own weight initialisation, run on
-    gathered parameters (:mod:`zerostack.integrations.hf`).
+    gathered parameters (:mod:`zerostack.zero.hf_init`).
     """
 
     def __init__(
@@ -323,17 +326,15 @@ class Init:
 
     def _start(self) -> None:
         if self.comm is None:
-            self.comm = (self.topology or Topology.build()).comm
+            self.comm = comm_for(self.topology or Topology.build())
             if self.remote_device is not None:
                 self.swapper = self._make_swapper()
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        from ..integrations.hf import patch_init_weights
-
         self._start()
-        self._undo_hf = patch_init_weights()
+        self._undo_hf = patch_init_weights(_gathered_pieces)
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._wrap(cls)
@@ -463,3 +464,9 @@ def _comm_of(p: torch.Tensor) -> Comm:
     if comm is None:
         raise RuntimeError("a sharded parameter has lost its communicator")
     return comm
+
+
+def _gathered_pieces(params: list[nn.Parameter]) -> GatheredParameters:
+    """Those of ``params`` that are pieces, gathered; dp rank 0's values written back into every
+    rank's pieces on exit (how a Hugging Face model initialises under :class:`Init`)."""
+    return GatheredParameters([p for p in params if is_sharded(p)], modifier_rank=0)

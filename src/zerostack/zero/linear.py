@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core import scratch
 from ..precision import autocast_as, autocast_state
-from . import scratch
 
 
 class _LinearSavingWeight(torch.autograd.Function):

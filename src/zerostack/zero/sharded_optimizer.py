@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..core import scratch
 from ..pinned import host_empty, host_zeros
 from ..precision import Precision
-from . import scratch
 from .flat_reduce import FlatBackward
 from .flat_state import FlatState
 from .masters import master_store

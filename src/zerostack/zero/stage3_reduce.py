@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
-from . import quantize, scratch
+from ..core import scratch
+from . import quantize
 from .offload import Downloads
 from .partition import PieceBuckets
 from .reducer import GradReducer

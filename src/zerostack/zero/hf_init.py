@@ -28,12 +28,12 @@ def is_pretrained_model(module: nn.Module) -> bool:
     return hf is not None and isinstance(module, hf.PreTrainedModel)
 
 
-def init_weights_gathered(model: nn.Module) -> None:
-    """``PreTrainedModel.init_weights`` for a model whose parameters are stage-3 pieces."""
+def init_weights_gathered(model: nn.Module, gathered) -> None:
+    """``PreTrainedModel.init_weights`` for a model whose parameters are stage-3 pieces:
+    ``gathered(params)`` is the context (zero.Init's) that gathers those of ``params`` that are
+    pieces and writes dp rank 0's values back into every rank's pieces."""
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions
-
-    from ..zero.init import GatheredParameters, is_sharded
 
     custom = model.is_remote_code()
 
@@ -45,7 +45,7 @@ def init_weights_gathered(model: nn.Module) -> None:
         for child in module.children():
             if not isinstance(child, PreTrainedModel):
                 params += list(child.parameters(recurse=False))
-        with GatheredParameters([p for p in params if is_sharded(p)], modifier_rank=0):
+        with gathered(params):
             fn(module, custom)
 
     with torch.no_grad(), guard_torch_init_functions():
@@ -53,14 +53,19 @@ def init_weights_gathered(model: nn.Module) -> None:
     model.tie_weights(recompute_mapping=False)
 
 
-def patch_init_weights():
-    """Route ``PreTrainedModel.init_weights`` to :func:`init_weights_gathered`; returns the undo."""
+def patch_init_weights(gathered):
+    """Route ``PreTrainedModel.init_weights`` to :func:`init_weights_gathered` with
+    ``gathered``; returns the undo."""
     hf = transformers_loaded()
     if hf is None:
         return lambda: None
     cls = hf.PreTrainedModel
     original = cls.__dict__["init_weights"]
-    cls.init_weights = init_weights_gathered
+
+    def init_weights(model: nn.Module) -> None:
+        init_weights_gathered(model, gathered)
+
+    cls.init_weights = init_weights
 
     def undo() -> None:
         cls.init_weights = original

@@ -1,0 +1,45 @@
+"""The one place a ZeRO stage number chooses a strategy (stages 0-2: flat buffers, 3: pieces)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .sharded_optimizer import ShardedDataParallel
+from .stage3 import Stage3
+from .strategy import ZeroStrategy
+
+
+def build_strategy(
+    module: nn.Module, groups: list[dict], *, config, stage: int, comm, precision, prescale: float
+) -> ZeroStrategy:
+    """The strategy for ZeRO ``stage`` with the config's buckets, prefetch and offload."""
+    zcfg = config.zero_optimization
+    common = dict(comm=comm, precision=precision, prescale=prescale)
+    offload = zcfg.offload_optimizer
+    if offload is not None and offload.device != "none":
+        common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
+    if stage == 3:
+        if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
+            common.update(offload_param=zcfg.offload_param)
+        return Stage3(
+            module,
+            groups,
+            prefetch_numel=zcfg.effective_prefetch_bucket_size,
+            max_live_numel=zcfg.stage3_max_live_parameters,
+            max_reuse_numel=zcfg.effective_max_reuse_distance,
+            persistence_threshold=zcfg.stage3_param_persistence_threshold,
+            reduce_bucket_numel=zcfg.effective_reduce_bucket_size,
+            quantized_weights=zcfg.zero_quantized_weights,
+            quantized_gradients=zcfg.zero_quantized_gradients,
+            gradient_bits=zcfg.zero_quantized_gradients_bits,
+            hpz_partition_size=zcfg.zero_hpz_partition_size,
+            **common,
+        )
+    return ShardedDataParallel(
+        module,
+        groups,
+        stage=stage,
+        bucket_numel=zcfg.effective_reduce_bucket_size,
+        reduce_scatter=zcfg.reduce_scatter,
+        **common,
+    )
