@@ -367,6 +367,20 @@ MUTANTS = [
         (T_LAYERS,),
     ),
     Mutant(
+        "Megatron's f: the gradient of a tp region's input is not summed over tp",
+        "comm/functional.py",
+        "        return _all_reduce(grad, ctx.axis), None",
+        "        return grad, None",
+        (f"{P}[tp2]",),
+    ),
+    Mutant(
+        "sequence parallelism: partial gradients of a gathered input split, not summed",
+        "comm/functional.py",
+        "        if ctx.grad_is_partial:",
+        "        if False:",
+        ("tests/test_tp_layers.py::test_layers_match_unsplit_torch_layers[2]",),
+    ),
+    Mutant(
         "NaN guard removed (bf16 and fp32 apply non-finite steps)",
         "engine.py",
         "overflow = not math.isfinite(value)",
@@ -757,9 +771,9 @@ MUTANTS = [
     Mutant(
         "sequence parallelism: the column layer saves its gathered input",
         "tensor_parallel/mappings.py",
-        "        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, comm), weight, bias)",
-        "        x = _all_gather(x, SEQ_DIM, comm)\n        ctx.save_for_backward(x, weight)\n"
-        "        return torch.nn.functional.linear(x, weight, bias)",
+        "        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, ctx.axis), weight, b",
+        "        x = _all_gather(x, SEQ_DIM, ctx.axis)\n        ctx.save_for_backward(x, weight)\n"
+        "        return torch.nn.functional.linear(x, weight, b",
         (
             "tests/test_tensor_parallel.py::"
             "test_sequence_parallel_layer_keeps_one_tp_th_of_its_activations",
@@ -1729,16 +1743,16 @@ MUTANTS = [
     ),
     Mutant(
         "Ulysses all-to-all joins the shards in reverse rank order",
-        "sequence/layer.py",
+        "comm/functional.py",
         "return torch.cat(received.unbind(0), dim=gather)",
         "return torch.cat(received.unbind(0)[::-1], dim=gather)",
         (f"{U}::test_all_to_all_trades_sequence_shards_for_head_shards_and_back[2]",),
     ),
     Mutant(
         "Ulysses all-to-all backward repeats the forward exchange",
-        "sequence/layer.py",
-        "_all_to_all(grad.contiguous(), gather, scatter, size, exchange)",
-        "_all_to_all(grad.contiguous(), scatter, gather, size, exchange)",
+        "comm/functional.py",
+        "_all_to_all(grad.contiguous(), gather, scatter, axis)",
+        "_all_to_all(grad.contiguous(), scatter, gather, axis)",
         (f"{U}::test_distributed_attention_is_attention_over_the_whole_sequence[2-False]",),
     ),
     Mutant(
@@ -1858,9 +1872,9 @@ MUTANTS = [
     ),
     Mutant(
         "the ep ranks' tokens never reach the other ranks' experts",
-        "moe/sharded_moe.py",
-        '    comm_for(topology).all_to_all(out, x, axis="ep")',
-        "    out.copy_(x)",
+        "comm/functional.py",
+        "        axis.all_to_all(out, x)\n        return out",
+        "        out.copy_(x)\n        return out",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
     Mutant(

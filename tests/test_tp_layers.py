@@ -200,8 +200,14 @@ def _mappings(topo, failures):
         _close(f"{gather.__name__} value", whole.detach(), x, failures)
         whole.backward(g)
         _close(f"{scatter.__name__}/{gather.__name__} grad", xi.grad, g, failures)
-    # reduce-scatter of tp partial sums along the sequence: every rank holds x * (rank + 1)
     r = topo.rank("tp")
+    # a gathered sequence that feeds a tp-split layer: each rank's gradient is a partial sum
+    # (here g * (rank + 1)), and this rank's shard gets the sum of the parts for its slice
+    xi = _part(x, topo, SEQ_DIM).clone().requires_grad_()
+    gather_from_sp(xi, comm).backward(g * (r + 1))
+    total = sum(range(1, topo.tp + 1))
+    _close("gather_from_sp partial grad", xi.grad, _part(g * total, topo, SEQ_DIM), failures)
+    # reduce-scatter of tp partial sums along the sequence: every rank holds x * (rank + 1)
     xi = (x * (r + 1)).requires_grad_()
     out = reduce_scatter_to_sp(xi, comm)
     total = sum(range(1, topo.tp + 1))

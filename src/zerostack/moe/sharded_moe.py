@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import functional as cf
 from ..comm.grid import comm_for
 
 TOP2_EPS = torch.finfo(torch.float32).eps
@@ -216,26 +217,11 @@ class TopKGate(nn.Module):
         )
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows ``[j * n / ep, (j + 1) * n / ep)`` of ``x`` to ep rank ``j``; the result holds
-    rank ``i``'s rows for this rank at ``[i * n / ep, ...)``. Its own inverse, so backward is
-    the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, topology):
-        ctx.topology = topology
-        return _exchange(x, topology)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad.contiguous(), ctx.topology), None
-
-
-def _exchange(x: torch.Tensor, topology) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    comm_for(topology).all_to_all(out, x, axis="ep")
-    return out
+def _all_to_all(x: torch.Tensor, topology) -> torch.Tensor:
+    """Rows ``[j * n / ep, (j + 1) * n / ep)`` of ``x`` to ep rank ``j``; the result holds rank
+    ``i``'s rows for this rank at ``[i * n / ep, ...)``. Its own inverse, so backward is the same
+    exchange."""
+    return cf.all_to_all(x, cf.on_axis(comm_for(topology), "ep"), 0, 0)
 
 
 class MOELayer(nn.Module):
@@ -260,7 +246,7 @@ class MOELayer(nn.Module):
         if self.topology is None:
             expert_output = self.experts(dispatched)  # [E, C, d_model]
         else:  # each ep rank's slots for expert group j to ep rank j, and the outputs back
-            received = _AllToAll.apply(dispatched, self.topology)  # [ep * local, C, d_model]
-            expert_output = _AllToAll.apply(self.experts(received), self.topology)
+            received = _all_to_all(dispatched, self.topology)  # [ep * local, C, d_model]
+            expert_output = _all_to_all(self.experts(received), self.topology)
         combined = torch.einsum("sec,ecm->sm", combine_weights.type_as(hidden), expert_output)
         return combined.reshape(hidden.shape)

@@ -17,54 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import collectives
+from ..comm import functional as cf
 from ..comm.grid import comm_for
 from ..topology import Topology
 
-Exchange = Callable[[torch.Tensor, torch.Tensor], None]
-"""``exchange(output, input)``: row ``r`` of ``input`` to rank ``r``, ``output``'s row ``s``
-from rank ``s`` (``all_to_all_single`` over the sp group)."""
 
-
-def _exchange(group: Topology | dist.ProcessGroup) -> tuple[int, Exchange]:
-    """(sp size, the exchange) over ``group``: a Topology's sp axis through its ``Comm`` (in the
-    engine's CommLog), or a process group through DeepSpeed's module function (in the comms
-    logger)."""
+def _axis(group: Topology | dist.ProcessGroup) -> cf.Axis:
+    """The sp ranks of ``group``: a Topology's sp axis through its ``Comm`` (in the engine's
+    CommLog), or a process group through DeepSpeed's module functions (in the comms logger)."""
     if isinstance(group, Topology):
-        return group.sp, lambda out, inp: comm_for(group).all_to_all(out, inp, axis="sp")
-    return dist.get_world_size(group), lambda out, inp: collectives.all_to_all_single(
-        out, inp, group=group
-    )
-
-
-def _all_to_all(x: torch.Tensor, scatter: int, gather: int, size: int, exchange: Exchange):
-    if x.shape[scatter] % size:
-        raise ValueError(
-            f"sequence parallel all-to-all: dim {scatter} of shape {tuple(x.shape)} does not "
-            f"split into {size} ranks"
-        )
-    send = torch.stack(x.chunk(size, dim=scatter))  # row r: what rank r takes
-    received = torch.empty_like(send)
-    exchange(received, send)
-    return torch.cat(received.unbind(0), dim=gather)  # row s came from rank s: in order
-
-
-class _SeqAllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter, gather, size, exchange):
-        ctx.args = (scatter, gather, size, exchange)
-        return _all_to_all(x, scatter, gather, size, exchange)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter, gather, size, exchange = ctx.args
-        return (
-            _all_to_all(grad.contiguous(), gather, scatter, size, exchange),
-            None,
-            None,
-            None,
-            None,
-        )
+        return cf.on_axis(comm_for(group), "sp")
+    return cf.on_group(group, "sp")
 
 
 def seq_all_to_all(
@@ -72,11 +35,7 @@ def seq_all_to_all(
 ) -> torch.Tensor:
     """Split ``x`` along ``scatter_idx`` over the sp ranks and join what they send along
     ``gather_idx``, in rank order; its backward is the reverse exchange."""
-    size, exchange = _exchange(group)
-    if size == 1:
-        return x
-    scatter, gather = scatter_idx % x.dim(), gather_idx % x.dim()
-    return _SeqAllToAll.apply(x, scatter, gather, size, exchange)
+    return cf.all_to_all(x, _axis(group), scatter_idx, gather_idx)
 
 
 class DistributedAttention(nn.Module):

@@ -1,9 +1,9 @@
 """The region boundaries of tensor and sequence parallelism, as named autograd Functions.
 
 Megatron-LM's ``f`` and ``g`` (Shoeybi et al., 2019) and their sequence-parallel forms
-(Korthikanti et al., 2022). Each is a pair (forward, backward) of collectives over the tp axis of
-a :class:`~zerostack.comm.Comm`, so the ``CommLog`` counts them; each returns its input unchanged
-when the tp size is 1.
+(Korthikanti et al., 2022). Each is one of :mod:`zerostack.comm.functional`'s differentiable
+collectives over the tp axis of a :class:`~zerostack.comm.Comm`, so the ``CommLog`` counts them;
+each returns its input unchanged when the tp size is 1.
 
 ====================  =============================  =============================
 function              forward                        backward
@@ -27,120 +27,11 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from ..comm import functional as cf
+from ..comm.functional import _all_gather, _reduce_scatter, on_axis
 from ..precision import autocast_as, autocast_state
 
 SEQ_DIM = 1
-
-
-def _split(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
-    tp, rank = comm.topo.tp, comm.topo.rank("tp")
-    size = x.shape[dim]
-    if size % tp:
-        raise ValueError(f"dimension {dim} of size {size} does not split into {tp} tp ranks")
-    return x.narrow(dim, rank * (size // tp), size // tp).contiguous()
-
-
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
-    tp = comm.topo.tp
-    x = x.contiguous()
-    out = x.new_empty((tp, *x.shape))
-    comm.all_gather(out.view(-1), x.view(-1), axis="tp")
-    return torch.cat(out.unbind(0), dim=dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
-    tp = comm.topo.tp
-    size = x.shape[dim]
-    if size % tp:
-        raise ValueError(f"dimension {dim} of size {size} does not split into {tp} tp ranks")
-    chunks = torch.stack(x.chunk(tp, dim=dim))  # [tp, ...chunk], contiguous
-    out = x.new_empty(chunks.shape[1:])
-    comm.reduce_scatter(out.view(-1), chunks.view(-1), axis="tp")
-    return out
-
-
-def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    x = x.contiguous().clone()
-    comm.all_reduce(x, axis="tp")
-    return x
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _split(x, -1, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.comm), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather(x, -1, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.comm), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _split(x, SEQ_DIM, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.comm), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, grad_is_partial):
-        ctx.comm, ctx.grad_is_partial = comm, grad_is_partial
-        return _all_gather(x, SEQ_DIM, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.grad_is_partial:  # the gathered tensor fed a tp-split layer: sum the parts
-            return _reduce_scatter(grad, SEQ_DIM, ctx.comm), None, None
-        return _split(grad, SEQ_DIM, ctx.comm), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter(x, SEQ_DIM, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.comm), None
 
 
 class _GatherLinearFromSP(torch.autograd.Function):
@@ -152,10 +43,10 @@ class _GatherLinearFromSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
-        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.axis, ctx.has_bias = on_axis(comm, "tp"), bias is not None
         ctx.save_for_backward(x, weight)
         ctx.autocast = autocast_state(x)
-        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, comm), weight, bias)
+        return torch.nn.functional.linear(_all_gather(x, SEQ_DIM, ctx.axis), weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -167,10 +58,10 @@ class _GatherLinearFromSP(torch.autograd.Function):
         shard, weight = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _reduce_scatter(gy.matmul(weight), SEQ_DIM, ctx.comm)
+            gx = _reduce_scatter(gy.matmul(weight), SEQ_DIM, ctx.axis)
         flat = gy.reshape(-1, gy.shape[-1])
         if ctx.needs_input_grad[1]:
-            x = _all_gather(shard, SEQ_DIM, ctx.comm)
+            x = _all_gather(shard, SEQ_DIM, ctx.axis)
             gw = flat.t().matmul(x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = flat.sum(0)
@@ -182,33 +73,33 @@ def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
     Also the way a replicated parameter used on sequence shards gets its whole gradient.
     """
-    return x if comm.topo.tp == 1 else _CopyToTP.apply(x, comm)
+    return cf.copy(x, on_axis(comm, "tp"))
 
 
 def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Leave a tp region (Megatron's g): all-reduce forward, identity backward."""
-    return x if comm.topo.tp == 1 else _ReduceFromTP.apply(x, comm)
+    return cf.reduce(x, on_axis(comm, "tp"))
 
 
 def scatter_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Keep this rank's part of the last dimension; the gradient is all-gathered back."""
-    return x if comm.topo.tp == 1 else _ScatterToTP.apply(x, comm)
+    return cf.scatter(x, -1, on_axis(comm, "tp"))
 
 
 def gather_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """All-gather the last dimension; the gradient keeps this rank's part."""
-    return x if comm.topo.tp == 1 else _GatherFromTP.apply(x, comm)
+    return cf.gather(x, -1, on_axis(comm, "tp"))
 
 
 def scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Keep this rank's part of the sequence; the gradient is all-gathered back."""
-    return x if comm.topo.tp == 1 else _ScatterToSP.apply(x, comm)
+    return cf.scatter(x, SEQ_DIM, on_axis(comm, "tp"))
 
 
 def gather_from_sp(x: torch.Tensor, comm: Comm, *, grad_is_partial: bool = True) -> torch.Tensor:
     """All-gather the sequence shards. Backward reduce-scatters the gradient when the gathered
     tensor feeds a tp-split layer (each rank holds a partial sum), else keeps this rank's part."""
-    return x if comm.topo.tp == 1 else _GatherFromSP.apply(x, comm, grad_is_partial)
+    return cf.gather(x, SEQ_DIM, on_axis(comm, "tp"), grad_is_partial)
 
 
 def gather_linear_from_sp(
@@ -223,4 +114,4 @@ def gather_linear_from_sp(
 def reduce_scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Sum the partial results of a tp region and keep this rank's sequence part (the
     sequence-parallel form of g); the gradient is all-gathered back."""
-    return x if comm.topo.tp == 1 else _ReduceScatterToSP.apply(x, comm)
+    return cf.reduce_scatter(x, SEQ_DIM, on_axis(comm, "tp"))
