@@ -2061,7 +2061,7 @@ MUTANTS = [
     ),
     Mutant(
         "offloaded pieces read from their files go up in a blocking copy",
-        "zero/offload.py",
+        "zero/param_swap.py",
         "                p._zs.piece = host.to(self.device, non_blocking=True)",
         "                p._zs.piece = host.to(self.device)",
         (T_OFFLOAD_WAITS,),
@@ -2075,7 +2075,7 @@ MUTANTS = [
     ),
     Mutant(
         "NVMe pieces are read on the training thread",
-        "zero/offload.py",
+        "zero/param_swap.py",
         "        self.reads_ahead = isinstance(store, NVMeStore)",
         "        self.reads_ahead = False",
         (T_READ_AHEAD,),
@@ -2110,7 +2110,7 @@ MUTANTS = [
     ),
     Mutant(
         "offloaded pieces go up on the compute stream (no overlap)",
-        "zero/offload.py",
+        "zero/param_swap.py",
         '        if self.device.type != "cuda":\n            return None\n        if self._stream',
         "        if True:\n            return None\n        if self._stream",
         (T_SIDE,),

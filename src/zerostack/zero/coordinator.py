@@ -25,7 +25,7 @@ collectives in the same order.
 With the pieces offloaded to NVMe (``offload_param``), the files of the units after the prefetched
 ones (up to ``prefetch_numel`` elements more) are read ahead on the swapper's thread, so that the
 disk works while the current unit computes and a gather only queues its copy; reads a pass did not
-use are dropped as it ends (:meth:`.offload.ParamSwapper.forget_reads`).
+use are dropped as it ends (:meth:`.param_swap.ParamSwapper.forget_reads`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm
 from .init import StorageMeter, Subgroup, gather_full, hold, is_sharded, release, secondary_piece
 from .linear import linear_saving_weight
-from .offload import ParamSwapper, ResidentPieces
+from .param_swap import ParamSwapper, ResidentPieces
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

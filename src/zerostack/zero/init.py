@@ -382,7 +382,8 @@ class Init:
 
     def _make_swapper(self):
         from ..config import ConfigError, load_config
-        from .offload import HostMeter, HostStore, NVMeStore, ParamSwapper
+        from .offload import HostMeter, HostStore, NVMeStore
+        from .param_swap import ParamSwapper
 
         if self.remote_device == "cpu":
             store = HostStore(self._pin)
