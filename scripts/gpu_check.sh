@@ -7,7 +7,7 @@
 #
 # The lent machine's image has torch but not pydantic: without it, the wheels in .whl/ (made
 # here by scripts/gpu_wheels.sh, carried along) are installed with pip --no-index into a
-# temporary folder first. See README "GPU".
+# temporary folder first. See docs/guides/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python3 ] && . .venv/bin/activate

@@ -4,7 +4,7 @@ record rank 0's results.
     # the golden figures, once, where DeepSpeed 0.19.8 is installed (../shared/PEERS.md):
     DS_ACCELERATOR=cpu .peers/bin/python scripts/lightning_runs.py --engine deepspeed \
         --write tests/golden/lightning.json
-    # zerostack, against them (the table in docs/integrations.md):
+    # zerostack, against them (the table in docs/results/lightning_runs.md):
     python scripts/lightning_runs.py --engine zerostack --against tests/golden/lightning.json
 
 A case names Lightning's DeepSpeed strategy (``deepspeed_stage_3``): under ``--engine zerostack``

@@ -1675,11 +1675,11 @@ MUTANTS = [
         ("tests/test_api_surface.py::test_engine_methods_and_attributes_on_a_real_engine",),
     ),
     Mutant(
-        "api table: an entry edited without regenerating the README",
+        "api table: an entry edited without regenerating the reference page",
         "api_surface.py",
         '_no("no fused transformer kernels")',
         '_no("no fused kernels")',
-        ("tests/test_api_surface.py::test_the_readme_table_is_the_generated_one",),
+        ("tests/test_api_surface.py::test_the_reference_table_is_the_generated_one",),
     ),
     # stage 3's gather budget (tests/test_stage3_live.py)
     Mutant(

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[dev,docs]"
 # the optional monitors' packages (extras tensorboard, wandb), pinned: tests/test_monitor.py
 python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
 # Hugging Face models, Trainer and Accelerate (extra hf), Lightning (extra lightning), pinned:

@@ -11,6 +11,7 @@ export OMP_NUM_THREADS=1
 t0=$SECONDS
 ruff check src tests benchmarks examples scripts
 lint-imports --no-cache  # pyproject.toml's layers: imports only point down
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q --site-dir "$(mktemp -d)"  # docs: pages, links
 echo "lint: $((SECONDS - t0)) s"
 # Two workers, a test file each at a time: the multi-process tests wait on process starts and
 # timeouts often enough that a second file overlaps them (6.6 min on 2 cores, 8.5 on one worker).

@@ -1,7 +1,7 @@
 """DeepSpeed's public Python API against zerostack (zerostack.api_surface): every name the table
 says works, or has under another name, resolves in zerostack; every name it says is not
-supported does not; the README's table is the generated one. That every DeepSpeed name in the
-table exists in DeepSpeed 0.19.8 is checked where DeepSpeed is installed (not in CI):
+supported does not; the reference page's table is the generated one. That every DeepSpeed name
+in the table exists in DeepSpeed 0.19.8 is checked where DeepSpeed is installed (not in CI):
 ``python scripts/api_table.py --deepspeed`` in DeepSpeed's environment."""
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def test_engine_methods_and_attributes_on_a_real_engine():
     assert [n for n in ENGINE_NAMES if n not in present and found[attrs[n]]] == []
 
 
-def test_the_readme_table_is_the_generated_one():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert readme.count(api_table.BEGIN) == 1 and readme.count(api_table.END) == 1
-    shown = readme.split(api_table.BEGIN)[1].split(api_table.END)[0]
+def test_the_reference_table_is_the_generated_one():
+    page = open(api_table.PAGE, encoding="utf-8").read()
+    assert page.count(api_table.BEGIN) == 1 and page.count(api_table.END) == 1
+    shown = page.split(api_table.BEGIN)[1].split(api_table.END)[0]
     assert shown == api_table.table(), "run: python scripts/api_table.py --write"

@@ -1,5 +1,6 @@
 """zerostack's config defaults are DeepSpeed 0.19.8's, key by key, but for the differences
-``zerostack.config_keys.DEFAULT_DIFFERENCES`` names with their reasons (the README lists them).
+``zerostack.config_keys.DEFAULT_DIFFERENCES`` names with their reasons
+(docs/reference/config-keys.md lists them).
 
 DeepSpeed's defaults are recorded from its own objects in tests/golden/deepspeed_defaults.json
 (``scripts/deepspeed_defaults.py``, run once where DeepSpeed is installed; the command is in the

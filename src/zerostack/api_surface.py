@@ -17,8 +17,8 @@ Each DeepSpeed name
 The names are those a training script, Transformers' and Accelerate's DeepSpeed integrations
 (``engine.backward``, ``deepspeed.zero.GatheredParameters``, ``deepspeed.utils.safe_get_full_*``,
 ...) and DeepSpeed's tutorials call; DeepSpeed's internal helpers are left out.
-``scripts/api_table.py`` prints the README's table from it, and tests/test_api_surface.py holds
-both the table and the code to it.
+``scripts/api_table.py`` writes the docs' table from it (``docs/reference/deepspeed-api.md``),
+and tests/test_api_surface.py holds both the table and the code to it.
 """
 
 from __future__ import annotations

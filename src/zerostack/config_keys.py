@@ -11,8 +11,8 @@
   ``"enabled": false``).
 
 :data:`NESTED_NO_EFFECT` lists the keys inside zerostack's own blocks that are accepted with no
-effect; they are warned about in the same message. ``scripts/config_table.py`` prints the
-README's table from both, and a test holds the README to it.
+effect; they are warned about in the same message. ``scripts/config_table.py`` writes the
+docs' table from both (``docs/reference/config-keys.md``), and a test holds the page to it.
 """
 
 from __future__ import annotations
