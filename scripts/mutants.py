@@ -202,7 +202,7 @@ MUTANTS = [
     ),
     Mutant(
         "gradient_clipping defaults to 0 (DeepSpeed clips at 1.0)",
-        "config.py",
+        "config/top.py",
         "    gradient_clipping: NonNegFloat = 1.0",
         "    gradient_clipping: NonNegFloat = 0.0",
         ("tests/test_deepspeed_defaults.py::test_defaults_equal_deepspeeds_but_the_named_differences",),
@@ -927,7 +927,7 @@ MUTANTS = [
     ),
     Mutant(
         "qwZ: accepted below stage 3, where it would do nothing",
-        "config.py",
+        "config/zero.py",
         "        if self.zero_quantized_weights and self.stage != 3:",
         "        if False:",
         (T_QWZ_REFUSED,),
@@ -955,7 +955,7 @@ MUTANTS = [
     ),
     Mutant(
         "qgZ: accepted below stage 3, where it would do nothing",
-        "config.py",
+        "config/zero.py",
         "        if self.zero_quantized_gradients and self.stage != 3:",
         "        if False:",
         (T_QWZ_REFUSED,),
@@ -1089,7 +1089,7 @@ MUTANTS = [
     ),
     Mutant(
         "grad_accum_dtype other than the model's accepted at stage 0",
-        "config.py",
+        "config/zero.py",
         "    if stage == 0 and accum != model:  # DeepSpeed",
         "    if False:  # DeepSpeed",
         (f"{CD}::test_bad_values_and_combinations_fail_in_one_line",),
@@ -1154,14 +1154,14 @@ MUTANTS = [
     ),
     Mutant(
         "an unsupported DeepSpeed key loads silently",
-        "config.py",
+        "config/top.py",
         "elif entry.status == UNSUPPORTED and entry.asks(value):",
         "elif False:",
         ("tests/test_config_keys.py::test_unsupported_messages",),
     ),
     Mutant(
         "an unsupported DeepSpeed key is refused at its default too",
-        "config.py",
+        "config/top.py",
         "elif entry.status == UNSUPPORTED and entry.asks(value):",
         "elif entry.status == UNSUPPORTED:",
         ("tests/test_config_keys.py::test_an_unsupported_key_is_refused_naming_it_and_why",),
@@ -1691,7 +1691,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage-3 default prefetch is DeepSpeed's 5e7 (a small model gathered whole)",
-        "config.py",
+        "config/zero.py",
         "return self.stage3_prefetch_bucket_size if given else None",
         "return self.stage3_prefetch_bucket_size",
         (LIVE,),
@@ -2441,7 +2441,7 @@ MUTANTS = [
     ),
     Mutant(
         "offload pins nothing by default (each pageable copy stops the host on a GPU)",
-        "config.py",
+        "config/zero.py",
         "    pin_memory: bool = True",
         "    pin_memory: bool = False",
         ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),

@@ -1,0 +1,180 @@
+"""The ``optimizer`` and ``scheduler`` blocks, with DeepSpeed's types and parameters."""
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BeforeValidator,
+    Field,
+    SkipValidation,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from .base import (
+    Beta,
+    Int,
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    Ratio,
+    WarmupType,
+    _fail,
+    _list_to_tuple,
+    _Model,
+)
+
+# --- optimizer and scheduler ----------------------------------------------------------------
+
+
+class AdamParams(_Model):
+    """``optimizer.params`` for Adam and AdamW (DeepSpeed's FusedAdam arguments)."""
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: PositiveFloat = 1e-8
+    """Term added to the denominator for numerical stability."""
+    weight_decay: NonNegFloat = 0.0
+    """Weight decay coefficient."""
+    adam_w_mode: bool = True
+    """As in DeepSpeed: with type "Adam", true (the default) means decoupled weight decay
+    (AdamW) and false means L2 regularisation (classic Adam). Type "AdamW" is always decoupled."""
+    torch_adam: bool = False
+    """Use torch.optim's plain (not fused) Adam / AdamW, also with the optimizer offloaded (where
+    CPUAdam is the default), as DeepSpeed does."""
+    amsgrad: bool = False
+    """Use the AMSGrad variant."""
+
+
+class SGDParams(_Model):
+    """``optimizer.params`` for SGD (torch.optim.SGD arguments)."""
+
+    lr: NonNegFloat = 0.001
+    """Learning rate (torch's default, which DeepSpeed passes on)."""
+    momentum: NonNegFloat = 0.0
+    """Momentum factor."""
+    dampening: float = 0.0
+    """Dampening for momentum."""
+    weight_decay: NonNegFloat = 0.0
+    """Weight decay (L2 penalty)."""
+    nesterov: bool = False
+    """Nesterov momentum; needs momentum > 0 and dampening 0."""
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> "SGDParams":
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            _fail("requires momentum > 0 and dampening 0", "nesterov")
+        return self
+
+
+class WarmupLRParams(_Model):
+    """``scheduler.params`` for WarmupLR."""
+
+    warmup_min_lr: NonNegFloat = 0.0
+    """Learning rate at the start of the warmup."""
+    warmup_max_lr: NonNegFloat | None = None
+    """Learning rate at the end of the warmup; None: each param group's own lr, as DeepSpeed's
+    WarmupLR."""
+    warmup_num_steps: NonNegInt = 1000
+    """Number of warmup steps (the scheduler uses at least 2, as DeepSpeed does)."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup: "log" or "linear"."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """``scheduler.params`` for WarmupDecayLR: WarmupLR, then linear decay to 0."""
+
+    total_num_steps: PositiveInt
+    """Step at which the learning rate reaches 0 (required, >= warmup_num_steps)."""
+    warmup_max_lr: NonNegFloat = 0.001
+    """Learning rate at the end of the warmup (DeepSpeed's WarmupDecayLR default)."""
+
+    @model_validator(mode="after")
+    def _total_after_warmup(self) -> "WarmupDecayLRParams":
+        if self.total_num_steps < self.warmup_num_steps:
+            msg = f"{self.total_num_steps} is less than warmup_num_steps ({self.warmup_num_steps})"
+            _fail(msg, "total_num_steps")
+        return self
+
+
+class WarmupCosineLRParams(_Model):
+    """``scheduler.params`` for WarmupCosineLR (ratios of each param group's own lr)."""
+
+    total_num_steps: PositiveInt
+    """Total number of training steps (required)."""
+    warmup_min_ratio: Ratio = 0.0
+    """Ratio of the optimizer's lr at the start of the warmup."""
+    warmup_num_steps: NonNegInt = 1000
+    """Number of warmup steps."""
+    cos_min_ratio: Ratio = 0.0001
+    """Ratio of the optimizer's lr at the end of the cosine decay."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup: "log" or "linear"."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
+class _TypedBlock(_Model):
+    """A ``{"type": ..., "params": {...}}`` block whose params model depends on the type."""
+
+    _PARAMS: ClassVar[dict[str, type[_Model]]]
+    _CASE_INSENSITIVE: ClassVar[bool] = False
+
+    @field_validator("type", mode="before", check_fields=False)
+    @classmethod
+    def _known_type(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            for name in cls._PARAMS:
+                if v == name or (cls._CASE_INSENSITIVE and v.lower() == name.lower()):
+                    return name
+        _fail(f"{v!r} is not supported (supported: {', '.join(cls._PARAMS)})")
+
+    @field_validator("params", mode="before", check_fields=False)
+    @classmethod
+    def _typed_params(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if kind is None:  # the bad type is reported; params can't be checked without it
+            return v
+        # A ValidationError raised here is merged into the outer one under "<block>.params".
+        return cls._PARAMS[kind].model_validate({} if v is None else v)
+
+
+class OptimizerConfig(_TypedBlock):
+    """The ``optimizer`` block."""
+
+    _PARAMS = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+    _CASE_INSENSITIVE = True  # DeepSpeed lower-cases optimizer names
+
+    type: Literal["Adam", "AdamW", "SGD"]
+    """Optimizer name, case-insensitive on input ("adamw" becomes "AdamW")."""
+    params: Annotated[AdamParams | SGDParams, SkipValidation] = Field(
+        default=None, validate_default=True
+    )
+    """Optimizer arguments, checked against the type's own keys (AdamParams or SGDParams)."""
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        """True when weight decay is AdamW-style (type AdamW, or Adam with adam_w_mode)."""
+        return self.type == "AdamW" or (self.type == "Adam" and self.params.adam_w_mode)
+
+
+class SchedulerConfig(_TypedBlock):
+    """The ``scheduler`` block."""
+
+    _PARAMS = {
+        "WarmupLR": WarmupLRParams,
+        "WarmupDecayLR": WarmupDecayLRParams,
+        "WarmupCosineLR": WarmupCosineLRParams,
+    }
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    """Scheduler name (case-sensitive, as in DeepSpeed)."""
+    params: Annotated[
+        WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams, SkipValidation
+    ] = Field(default=None, validate_default=True)
+    """Scheduler arguments, checked against the type's own keys."""
