@@ -333,7 +333,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage 3 pieces padded to whole elements only",
-        "zero/init.py",
+        "zero/params.py",
         "    piece_numel = partition.piece_numel(n, world)",
         "    piece_numel = max(1, -(-n // world))",
         (f"{T_ALIGN}[3]",),
@@ -535,7 +535,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage-3 gathered copies from the heap",
-        "zero/init.py",
+        "zero/params.py",
         "                full = scratch.empty(world * pn, out.dtype, out.device)",
         "                full = torch.empty(world * pn, dtype=out.dtype, device=out.device)",
         (T_SCRATCH,),
@@ -1246,7 +1246,7 @@ MUTANTS = [
     ),
     Mutant(
         "ds_status not AVAILABLE while gathered",
-        "zero/init.py",
+        "zero/params.py",
         "    p.ds_status = ZeroParamStatus.AVAILABLE\n",
         "",
         (f"{HF}::test_stage3_parameters_carry_deepspeeds_attributes",),
@@ -1402,7 +1402,7 @@ MUTANTS = [
     ),
     Mutant(
         "cuda: zero.Init broadcasts the host parameter",
-        "zero/init.py",
+        "zero/params.py",
         "full = p.data.to(comm.topo.device).contiguous()",
         "full = p.data.contiguous()",
         (f"{CUDA}[stage3-zero-init]",),
@@ -1918,7 +1918,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage 3 keeps each rank's own initial weights",
-        "zero/init.py",
+        "zero/params.py",
         '    if world > 1:\n        comm.broadcast(full, src=0, axis="dp")',
         '    if False:\n        comm.broadcast(full, src=0, axis="dp")',
         (T_ALIKE,),
@@ -2131,7 +2131,7 @@ MUTANTS = [
     ),
     Mutant(
         "the side stream's receive buffer is freed without record_stream",
-        "zero/init.py",
+        "zero/params.py",
         "        if record:\n            out.record_stream(torch.cuda.current_stream())\n"
         "        rows = out.view(world, width)",
         "        rows = out.view(world, width)",

@@ -146,7 +146,7 @@ DEEPSPEED_API: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.zero.GatheredParameters": _works("modifier_rank writes back; fwd_module"),
         "deepspeed.zero.ZeroParamStatus": _different(
-            "not re-exported by zerostack.zero", "zerostack.zero.init.ZeroParamStatus"
+            "not re-exported by zerostack.zero", "zerostack.zero.params.ZeroParamStatus"
         ),
         "deepspeed.zero.register_external_parameter": _no(
             "not needed: a parameter read as `module.weight` in another module's forward is "

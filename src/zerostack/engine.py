@@ -38,7 +38,7 @@ from .runner import cast_inputs, repeat_loader, run_micro_batches
 from .tensor_parallel import partition_spec
 from .topology import Topology
 from .zero.build import build_strategy
-from .zero.init import is_sharded
+from .zero.params import is_sharded
 from .zero.strategy import GradStats, ZeroStrategy
 
 log = logging.getLogger("zerostack")

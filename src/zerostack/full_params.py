@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .tensor_parallel import join_tensors, partition_spec, split_tensor
-from .zero.init import full_shape, gather_full
+from .zero.params import full_shape, gather_full
 
 
 class _EngineRef:

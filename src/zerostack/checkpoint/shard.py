@@ -20,7 +20,7 @@ import torch
 
 from ..moe.utils import global_names
 from ..tensor_parallel import partition_spec
-from ..zero.init import full_shape
+from ..zero.params import full_shape
 from ..zero.partition import piece_numel
 from .stream import Entry, ShardWriter
 

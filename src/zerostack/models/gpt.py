@@ -47,7 +47,7 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..topology import Topology
-from ..zero.init import is_sharded
+from ..zero.params import is_sharded
 
 
 @dataclass

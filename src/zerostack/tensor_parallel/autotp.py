@@ -147,7 +147,7 @@ def _cut(p: nn.Parameter, dim: int, tp: int, rank: int, chunks: int) -> nn.Param
 
 def parallelize(model: nn.Module, topology: Topology) -> nn.Module:
     """Split ``model``'s linear layers over ``topology``'s tp ranks by its architecture's policy."""
-    from ..zero.init import is_sharded
+    from ..zero.params import is_sharded
 
     tp = topology.tp
     policy = policy_for(model)

@@ -3,6 +3,7 @@
 ``zerostack.zero.Init`` and ``zerostack.zero.GatheredParameters`` have DeepSpeed's names and use.
 """
 
-from .init import GatheredParameters, Init, StorageMeter
+from .init import GatheredParameters, Init
+from .params import StorageMeter
 
 __all__ = ["GatheredParameters", "Init", "StorageMeter"]

@@ -37,9 +37,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
-from .init import StorageMeter, Subgroup, gather_full, hold, is_sharded, release, secondary_piece
 from .linear import linear_saving_weight
 from .param_swap import ParamSwapper, ResidentPieces
+from .params import StorageMeter, Subgroup, gather_full, hold, is_sharded, release, secondary_piece
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

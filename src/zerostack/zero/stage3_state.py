@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .init import gather_full
+from .params import gather_full
 from .strategy import tally
 
 

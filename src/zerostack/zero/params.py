@@ -1,0 +1,252 @@
+"""Stage-3 parameter shards: the per-parameter record (:class:`ShardState` as ``p._zs``), and
+gathering and releasing the whole parameter from the dp ranks' pieces.
+
+A sharded parameter keeps its full shape in ``p._zs`` and holds in ``p.data`` an empty tensor
+until gathered. Every rank stores piece ``r`` of the parameter, flattened and padded to ``dp``
+equal pieces of whole 16-byte blocks (:func:`.partition.piece_numel`). ``zero.Init`` and
+``GatheredParameters`` (:mod:`.init`), the coordinator and the stage build on these.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..core import scratch
+from . import partition, quantize
+
+
+class StorageMeter:
+    """Bytes of parameter storage held (shards and gathered copies), and the peak.
+
+    Counted where zerostack allocates and frees parameter storage, so the figure is what the
+    program holds, not an estimate from the allocator and not the process RSS.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` until its Python object is freed (for shards, which nothing else holds)."""
+        self.add(t.nbytes)
+        weakref.finalize(t, self.sub, t.nbytes)
+        return t
+
+
+@dataclass
+class ShardState:
+    """What a stage-3 parameter is when it is not gathered."""
+
+    shape: torch.Size
+    numel: int
+    piece: torch.Tensor  # this rank's piece of the flattened, padded parameter
+    persistent: bool = False  # small parameters stay gathered (stage3_param_persistence_threshold)
+    active: int = 0  # how many gathers hold it (a tied parameter can be held by two modules)
+    kept: bool = False  # released by its unit but kept whole for a reuse soon (max_reuse_distance)
+    held_bytes: int = 0  # bytes of the gathered copy, while there is one
+    master: torch.Tensor | None = None  # fp32 view into the group's master shard (engine)
+    grad: torch.Tensor | None = None  # fp32 view into the group's gradient shard (engine)
+    comm: Comm | None = None  # whose dp group holds the other pieces
+    meter: StorageMeter | None = None  # counts the piece and gathered copies
+    swapper: object | None = None  # zero.Init(remote_device=...): the store holding the piece
+    secondary: torch.Tensor | None = None  # hpZ: a forward's copy of this rank's subgroup piece
+
+    @property
+    def gathered(self) -> bool:
+        return self.active > 0 or self.persistent or self.kept
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` of a stage-3 parameter (same names and values)."""
+
+    AVAILABLE = 1  # gathered: ``p.data`` is the whole parameter
+    NOT_AVAILABLE = 2  # released: ``p.data`` is empty, only this rank's piece is held
+    INFLIGHT = 3  # DeepSpeed's state while a gather runs; zerostack's gathers complete in place
+
+
+_ds_ids = itertools.count()
+
+
+def _mark_ds(p: nn.Parameter, state: ShardState) -> None:
+    """DeepSpeed's attributes on a stage-3 parameter, which Transformers and PEFT read
+    (``ds_shape`` and ``ds_numel`` for the real size of a parameter whose ``shape`` is empty)."""
+    p.ds_id = next(_ds_ids)
+    p.ds_shape = state.shape
+    p.ds_numel = state.numel
+    p.ds_persist = False
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a stage-3 parameter (its value is this rank's piece, ``p._zs``)."""
+    return hasattr(p, "_zs")
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """``p``'s shape, the whole parameter's even when only a piece is held (stage 3)."""
+    return p._zs.shape if is_sharded(p) else p.shape
+
+
+def empty_like_released(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def hold(p: nn.Parameter, full: torch.Tensor, meter: StorageMeter | None, copied: bool) -> None:
+    """Point ``p`` at its gathered value (counted in ``meter`` when it is a fresh copy)."""
+    p.data = full
+    p.ds_status = ZeroParamStatus.AVAILABLE
+    if meter is not None and p._zs.held_bytes:
+        meter.sub(p._zs.held_bytes)
+        p._zs.held_bytes = 0
+    if copied and meter is not None:
+        p._zs.held_bytes = full.nbytes
+        meter.add(full.nbytes)
+
+
+def release(p: nn.Parameter, meter: StorageMeter | None) -> None:
+    """Drop ``p``'s gathered value, keeping only the shard."""
+    p.data = empty_like_released(p)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    if meter is not None:
+        meter.sub(p._zs.held_bytes)
+    p._zs.held_bytes = 0
+
+
+def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) -> ShardState:
+    """Replace ``p``'s data by this rank's piece (after broadcasting dp rank 0's values)."""
+    n, world, rank = p.numel(), comm.topo.dp, comm.topo.dp_rank
+    # on the device before anything else (a module builds its parameters in host memory, and
+    # NCCL broadcasts device tensors only); frozen ones too, even with nothing to broadcast
+    full = p.data.to(comm.topo.device).contiguous()
+    if world > 1:
+        comm.broadcast(full, src=0, axis="dp")
+    piece_numel = partition.piece_numel(n, world)
+    padded = torch.zeros(piece_numel * world, dtype=full.dtype, device=full.device)
+    padded[:n].copy_(full.reshape(-1))
+    piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
+    if meter is not None:
+        meter.track(piece)
+    state = ShardState(p.shape, n, piece, comm=comm, meter=meter)
+    p._zs = state
+    p.data = empty_like_released(p)
+    _mark_ds(p, state)
+    return state
+
+
+@dataclass
+class Subgroup:
+    """ZeRO++ hpZ: ``size`` consecutive dp ranks (``group``), this rank ``rank`` among them."""
+
+    size: int
+    rank: int
+    group: object
+
+
+def gather_full(
+    states: list[ShardState],
+    comm: Comm,
+    dtype=None,
+    async_op=False,
+    quantized: bool = False,
+    secondary: Subgroup | None = None,
+    record: bool = False,
+):
+    """All-gather several parameters in one collective; returns their full tensors.
+
+    With ``async_op`` returns a function that waits and returns them. ``quantized`` sends int8
+    blocks (ZeRO++ qwZ, :mod:`.quantize`) and returns the dequantized values, in the pieces'
+    dtype (or ``dtype``). ``secondary`` gathers the states' secondary pieces (ZeRO++ hpZ, see
+    :func:`secondary_piece`) within that subgroup instead of the pieces over dp. ``record``:
+    launched on a side stream, the receive buffer is marked used by the stream that waits
+    (``Tensor.record_stream``), which reads it and may free it.
+    """
+    if secondary is not None:
+        pieces = [s.secondary for s in states]
+        return _gather_rows(states, pieces, comm, secondary.size, async_op, "hpz", secondary.group)
+    world = comm.topo.dp
+    pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
+    if world == 1:
+        fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
+        return (lambda: fulls) if async_op else fulls
+    if quantized:
+        return _gather_quantized(states, pieces, comm, async_op, record)
+    return _gather_rows(states, pieces, comm, world, async_op, "dp", None, record)
+
+
+def _gather_rows(
+    states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group, record=False
+):
+    """One all-gather of the concatenated ``pieces`` (each rank's, equal widths) over ``axis``
+    (or ``group``, of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state."""
+    flat = pieces[0]  # one piece is sent as it is
+    if len(pieces) > 1:
+        flat = scratch.empty(sum(pc.numel() for pc in pieces), flat.dtype, flat.device)
+        torch.cat(pieces, out=flat)
+    width = flat.numel()
+    out = scratch.empty(world * width, flat.dtype, flat.device)
+    handle = comm.all_gather(out, flat, axis=axis, async_op=True, group=group)
+    del flat  # the collective keeps what it sends alive until it completes
+
+    def finish() -> list[torch.Tensor]:
+        handle.wait()
+        if record:
+            out.record_stream(torch.cuda.current_stream())
+        rows = out.view(world, width)
+        fulls, off = [], 0
+        for s, pc in zip(states, pieces, strict=True):
+            pn = pc.numel()
+            full = out  # a unit of one parameter: a view of the fresh ``out``
+            if len(states) > 1:  # one copy of the strided column block
+                full = scratch.empty(world * pn, out.dtype, out.device)
+                full.view(world, pn).copy_(rows[:, off : off + pn])
+            fulls.append(full[: s.numel].view(s.shape))
+            off += pn
+        return fulls
+
+    return finish if async_op else finish()
+
+
+def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
+    """This rank's piece of ``full`` cut ``sub.size`` ways (padded), a copy: ZeRO++ hpZ keeps it
+    from a forward's gather so that the backward gathers within the subgroup."""
+    flat = full.reshape(-1)
+    width = partition.piece_numel(flat.numel(), sub.size)
+    lo = min(sub.rank * width, flat.numel())
+    hi = min(lo + width, flat.numel())
+    piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+    piece[: hi - lo].copy_(flat[lo:hi])
+    return piece
+
+
+def _gather_quantized(states, pieces, comm: Comm, async_op: bool, record: bool = False):
+    """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
+    world = comm.topo.dp
+    payload = quantize.pack(pieces)
+    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
+    handle = comm.all_gather(out, payload, axis="dp", async_op=True)
+    del payload
+
+    def finish() -> list[torch.Tensor]:
+        handle.wait()
+        if record:
+            out.record_stream(torch.cuda.current_stream())
+        rows = out.view(world, -1)
+        numels = [pc.numel() for pc in pieces]
+        values = quantize.unpack(rows, numels, pieces[0].dtype)
+        return [v.reshape(-1)[: s.numel].view(s.shape) for v, s in zip(values, states, strict=True)]
+
+    return finish if async_op else finish()
