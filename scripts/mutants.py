@@ -885,7 +885,7 @@ MUTANTS = [
     ),
     Mutant(
         "shutdown: torch.distributed.nn.functional's defaults keep the world group",
-        "topology.py",
+        "world.py",
         "    _release_default_arguments()\n    dist.destroy_process_group()",
         "    dist.destroy_process_group()",
         (T_SHUTDOWN,),
@@ -1309,7 +1309,7 @@ MUTANTS = [
     ),
     Mutant(
         "init_distributed: discovered ranks not applied (a world of one each)",
-        "topology.py",
+        "world.py",
         "            os.environ.update(found.env())",
         "            pass",
         ("tests/test_launch.py::test_open_mpi_variables_alone_form_one_world",),
@@ -1444,14 +1444,14 @@ MUTANTS = [
     ),
     Mutant(
         "cuda: the NCCL group is not bound to LOCAL_RANK's device",
-        "topology.py",
+        "world.py",
         'bound = {"device_id": device}',
         "bound = {}",
         ("tests/test_cuda_path.py::test_nccl_init_binds_the_local_rank_device",),
     ),
     Mutant(
         "cuda: a group made elsewhere binds a device that is not visible",
-        "topology.py",
+        "world.py",
         "    index = local_device_index(int(local), torch.cuda.device_count())",
         "    index = int(local)",
         ("tests/test_cuda_path.py::test_a_group_made_elsewhere_gets_the_local_rank_device",),
@@ -2369,7 +2369,7 @@ MUTANTS = [
     ),
     Mutant(
         "the device is chosen by the backend's name (a gloo + NCCL group trains on the CPU)",
-        "topology.py",
+        "world.py",
         '    return "cuda" if devices.get("cuda", "gloo") != "gloo" else "cpu"',
         '    return "cuda" if backend == "nccl" else "cpu"',
         ("tests/test_topology.py::test_the_device_follows_what_the_group_does_on_cuda_not_its_name",),
@@ -2383,7 +2383,7 @@ MUTANTS = [
     ),
     Mutant(
         "LOCAL_RANK beyond the visible GPUs is used as the device index",
-        "topology.py",
+        "world.py",
         "    index = 0 if visible == 1 else local % visible",
         "    index = local",
         ("tests/test_topology.py::test_a_local_rank_beyond_the_visible_gpus_takes_one_it_sees",),
@@ -2417,7 +2417,7 @@ MUTANTS = [
     ),
     Mutant(
         "NCCL's timeout is 30 minutes, not the watchdog's bound and a minute",
-        "topology.py",
+        "world.py",
         "    return timedelta(seconds=bound + NCCL_MARGIN)",
         "    return DEFAULT_TIMEOUT",
         (
@@ -2427,7 +2427,7 @@ MUTANTS = [
     ),
     Mutant(
         "NCCL's flight recorder is left off (a timeout names no collective)",
-        "topology.py",
+        "world.py",
         "            os.environ.setdefault(key, value)",
         "            pass",
         ("tests/test_cuda_path.py::test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on",),

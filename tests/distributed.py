@@ -73,9 +73,9 @@ def _worker(fn, rank, world, port, args, kwargs, results, collective_timeout):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            from zerostack.topology import shutdown
+            from zerostack.world import shutdown
 
-            try:  # after a success, tear down together (see zerostack.topology.shutdown)
+            try:  # after a success, tear down together (see zerostack.world.shutdown)
                 if results_ok:
                     shutdown()
                 else:

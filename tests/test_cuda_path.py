@@ -311,7 +311,7 @@ def test_nccl_init_binds_the_local_rank_device(monkeypatch):
     group as ``device_id`` (the communicators bind to it, no rank lands on cuda:0)."""
     import torch.distributed as dist
 
-    from zerostack import topology
+    from zerostack import world
 
     calls = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -324,7 +324,7 @@ def test_nccl_init_binds_the_local_rank_device(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init)
     monkeypatch.setenv("LOCAL_RANK", "3")
     with pytest.raises(_Stop):
-        topology.init_distributed(dist_backend="nccl", init_method="env://")
+        world.init_distributed(dist_backend="nccl", init_method="env://")
     assert calls == {"set": torch.device("cuda", 3), "init": ("nccl", torch.device("cuda", 3))}
 
 
@@ -370,11 +370,11 @@ def test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on(
 def test_initialize_gives_nccl_the_configs_watchdog_bound(monkeypatch):
     import torch.distributed as dist
 
-    from zerostack import topology
+    from zerostack import world
 
     got = {}
     monkeypatch.setattr(os, "environ", {})
-    monkeypatch.setattr(topology, "default_backend", lambda: "nccl")
+    monkeypatch.setattr(world, "default_backend", lambda: "nccl")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
 
     def init(backend, **kwargs):
@@ -397,7 +397,7 @@ def test_a_group_made_elsewhere_gets_the_local_rank_device(
 ):
     """A process group the user made without ``set_device``: Topology takes LOCAL_RANK's
     device, unless it is current already or not visible (one GPU per process)."""
-    from zerostack import topology
+    from zerostack import world
 
     seen = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
@@ -407,7 +407,7 @@ def test_a_group_made_elsewhere_gets_the_local_rank_device(
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local)
-    topology._bind_local_device()
+    world._bind_local_device()
     assert seen == ([] if bound is None else [bound])
 
 

@@ -312,13 +312,13 @@ def test_shutdown_ends_the_gloo_threads_while_the_engine_lives(pipeline):
     ],
 )
 def test_the_device_follows_what_the_group_does_on_cuda_not_its_name(backend, cuda, want):
-    from zerostack.topology import device_type_of
+    from zerostack.world import device_type_of
 
     assert device_type_of(backend, cuda) == want
 
 
 def test_a_local_rank_beyond_the_visible_gpus_takes_one_it_sees(caplog):
-    from zerostack.topology import local_device_index
+    from zerostack.world import local_device_index
 
     with caplog.at_level("WARNING", logger="zerostack"):
         assert local_device_index(3, 8) == 3

@@ -19,7 +19,8 @@ from .comm import Comm, CommLog
 from .compose import initialize
 from .config import ConfigError, ZeroStackConfig, load_config
 from .engine import Engine
-from .topology import Topology, init_distributed, shutdown
+from .topology import Topology
+from .world import init_distributed, shutdown
 
 __version__ = "0.1.0"
 __all__ = [

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tear_down() -> None:
-    from zerostack.topology import shutdown
+    from zerostack.world import shutdown
 
     shutdown()
 

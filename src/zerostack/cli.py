@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.nproc > 1:
                 return _relaunch(argv, args.nproc)
         from zerostack.demo.train import train
-        from zerostack.topology import shutdown
+        from zerostack.world import shutdown
 
         train(args, _build_config(args))
 

@@ -32,8 +32,9 @@ from .plan.auto import resolve as resolve_auto
 from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
-from .topology import Topology, default_timeout, init_distributed
+from .topology import Topology
 from .watchdog import start_watchdog
+from .world import default_timeout, init_distributed
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:

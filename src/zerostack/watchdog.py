@@ -355,7 +355,7 @@ def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
     process group's timeout (``init_distributed(timeout=...)``) when that is shorter."""
     import torch.distributed as dist
 
-    from .topology import WATCHDOG_BOUND, world_timeout
+    from .world import WATCHDOG_BOUND, world_timeout
 
     if not cfg.enabled or not dist.is_initialized() or dist.get_world_size() == 1:
         return None

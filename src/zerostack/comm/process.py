@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import torch.distributed as td
 
-from ..topology import default_timeout, world_device_type
-from ..topology import init_distributed as _init_torch
+from ..world import default_timeout, world_device_type
+from ..world import init_distributed as _init_torch
 from .collectives import barrier
 from .summary import comms_logger
 
@@ -37,9 +37,9 @@ def init_distributed(
     """DeepSpeed's ``init_distributed``: the config's ``comms_logger`` block, then torch's
     process group from torchrun's environment, else (``auto_mpi_discovery``) from Open MPI's,
     MPICH's or Slurm's, with ``distributed_port`` when ``MASTER_PORT`` is unset; a world of one
-    without a launcher (see :func:`zerostack.topology.init_distributed`). ``timeout`` defaults
+    without a launcher (see :func:`zerostack.world.init_distributed`). ``timeout`` defaults
     to 30 minutes (DeepSpeed's) on gloo and, on NCCL, to the config's watchdog bound plus a
-    minute (:func:`zerostack.topology.default_timeout`)."""
+    minute (:func:`zerostack.world.default_timeout`)."""
     configure(deepspeed_config=config)
     if timeout is None:
         timeout = default_timeout(dist_backend, _watchdog_block(config))

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.progress import print_progress
-from ..topology import world_device_type
+from ..world import world_device_type
 from .records import CommLog, CommRecord
 
 _ALL_REDUCES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce")

@@ -70,7 +70,7 @@ import zerostack
 
 from ..comm.process import init_distributed
 from ..config import read_config
-from ..topology import shutdown
+from ..world import shutdown
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 

@@ -37,7 +37,8 @@ from torch import nn
 
 from ..activation_checkpointing import checkpoint
 from ..comm.grid import comm_for
-from ..topology import Topology, hold_groups
+from ..topology import Topology
+from ..world import hold_groups
 
 
 class LayerSpec:

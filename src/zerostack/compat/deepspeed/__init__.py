@@ -28,7 +28,7 @@ from zerostack import activation_checkpointing, checkpointing, comm, zero
 from zerostack.compose import initialize
 from zerostack.config import ConfigError as DeepSpeedConfigError
 from zerostack.engine import Engine as DeepSpeedEngine
-from zerostack.topology import init_distributed
+from zerostack.world import init_distributed
 
 from ..serve import ServedName, serve
 from . import accelerator, checkpoint, ops, runtime, utils
