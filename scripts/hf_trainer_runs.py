@@ -93,9 +93,10 @@ def _torchrun(engine: str, script: str, args: list[str], timeout: float, ranks: 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT {")]
     # DeepSpeed itself sometimes aborts at exit, after the script's end ("terminate called
-    # without an active exception": a gloo group destroyed while a peer still runs), and so does
-    # Lightning's DDP ("peer"); their results stand. zerostack must exit 0.
-    peer = engine in ("deepspeed", "peer")
+    # without an active exception": a gloo group destroyed while a peer still runs), and so do
+    # torch's DDP under Lightning ("peer") and under the plain Trainer ("single"); their results
+    # stand. zerostack must exit 0.
+    peer = engine != "zerostack"
     aborted_after = peer and lines and "terminate called" in done.stderr
     if (done.returncode != 0 and not aborted_after) or not lines:
         raise RuntimeError(
