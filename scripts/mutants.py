@@ -811,6 +811,13 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "watchdog: a peer that missed its beats does not hold back the rival verdict",
+        "watchdog.py",
+        "now - pending.started > self.timeout and not quiet:",
+        "now - pending.started > self.timeout:",
+        ("tests/test_watchdog.py::test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped",),
+    ),
+    Mutant(
         "watchdog: a posted verdict is not read by the other ranks",
         "watchdog.py",
         "        if self.store.check([key]):\n            return self.store.get(key).decode()\n",

@@ -91,6 +91,31 @@ def test_waiting_too_long_in_a_collective_lists_every_rank():
     assert dog.check() is None
 
 
+def test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped():
+    """Seen on CI: rank 1 froze just as rank 0 entered a barrier, and rank 0 heard rank 1's last
+    beat up to an interval late, so rank 0's wait crossed the timeout before rank 1's silence
+    did. A peer that has missed two beats holds the rival verdict back until its silence is the
+    timeout; a peer that beats again releases it."""
+    for beats_again in (False, True):
+        store = dist.HashStore()
+        dog, _ = _dog(store, interval=0.05)  # timeout 0.3 s
+        dog._seen = {1: (-1, time.monotonic())}
+        _beat(store, 1, 1, step=0, calls=15)
+        assert dog.check() is None  # heard now
+        rec = dog.log.begin("barrier", "world", 0)
+        rec.started -= 1.0  # this rank has waited past the timeout
+        time.sleep(0.15)  # three intervals: rank 1 missed two beats, not yet the timeout
+        if beats_again:
+            _beat(store, 1, 2, step=3, calls=24, waiting=["all_gather", 23, "dp", 0.1])
+            assert dog.check().startswith("rank 0 waited more than 0.3 s in barrier #0 on world")
+            continue
+        assert dog.check() is None
+        time.sleep(0.2)
+        verdict = dog.check()
+        assert verdict.startswith("rank 1 stopped answering (no heartbeat for more than 0.3 s")
+        assert "at step 0, after 15 collectives, in no collective" in verdict
+
+
 class _NcclWork:
     """An NCCL collective's Work as the host sees it: ``wait()`` returns at once (the stream
     waits, not the host)."""

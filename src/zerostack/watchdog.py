@@ -13,7 +13,9 @@ training thread, so a rank that computes for a long time still beats; a rank tha
   answering; its last heartbeat says at which step and in which collective;
 * this rank has waited ``timeout`` seconds in one collective while every peer still beats: the
   ranks are in different collectives (a skipped forward, a rank-dependent branch), or one is
-  computing for too long; every rank's position is listed, so a mismatch shows. On NCCL the
+  computing for too long; every rank's position is listed, so a mismatch shows. A peer that has
+  missed two beats holds this verdict back until its own silence reaches ``timeout``: a rank
+  that froze as this one began waiting is named as stopped, not as being elsewhere. On NCCL the
   host does not wait in the collective itself: its record stays in flight "on the device" until
   the collective completes (:mod:`zerostack.comm.records`), so the verdict names it too when the
   host blocks later in an unrelated read (the norm's, a user's ``.item()``).
@@ -189,8 +191,17 @@ class Watchdog:
                 f"{self.timeout:g} s, seen by rank {self.rank}): {names}; rank {self.rank} is "
                 f"{self._own_position()}"
             )
+        # a peer that has missed two beats may be the one that stopped: its silence crosses the
+        # timeout within ``timeout`` of this rank's wait (it froze as this rank began waiting, and
+        # this rank heard its last beat up to an interval late), so the stale verdict names it
+        # then; the rival verdict waits for that, or for the peer's next beat
+        quiet = [
+            r
+            for r, (_, when) in self._seen.items()
+            if now - when > 2 * self.interval and not self._peers.get(r, {}).get("left")
+        ]
         pending = self.log.oldest_in_flight()
-        if pending is not None and now - pending.started > self.timeout:
+        if pending is not None and now - pending.started > self.timeout and not quiet:
             others = "; ".join(f"rank {r} {self._position(r)}" for r in sorted(self._peers))
             what = f"{pending.op} #{pending.seq} on {pending.axis} at step {pending.step}"
             if pending.on_device:  # NCCL: the host went on, the collective never completed
