@@ -818,6 +818,37 @@ MUTANTS = [
         ("tests/test_watchdog.py::test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped",),
     ),
     Mutant(
+        "watchdog: its exit skips the removal of the rank's swap files",
+        "watchdog.py",
+        "exit: Callable[[int], None] = hard_exit,",
+        "exit: Callable[[int], None] = os._exit,",
+        ("tests/test_disk_faults.py::test_the_watchdogs_exit_removes_the_ranks_swap_files",),
+    ),
+    Mutant(
+        "an NVMe store is not removed when the watchdog ends the rank",
+        "zero/nvme.py",
+        "        before_hard_exit(self._remove_on_hard_exit)  # the watchdog's exit skips atexit\n",
+        "",
+        ("tests/test_disk_faults.py::test_the_watchdogs_exit_removes_the_ranks_swap_files",),
+    ),
+    Mutant(
+        "hard_exit runs no removal",
+        "core/exit.py",
+        "        try:\n            cleanup()\n",
+        "        try:\n            pass\n",
+        ("tests/test_disk_faults.py::test_the_watchdogs_exit_removes_the_ranks_swap_files",),
+    ),
+    Mutant(
+        "watchdog: an error raised as the job ends prints its traceback as if it were the cause",
+        "watchdog.py",
+        "        if self._ending.is_set():\n            # raised",
+        "        if False:\n            # raised",
+        (
+            "tests/test_watchdog.py::"
+            "test_an_error_raised_as_the_job_ends_is_not_printed_as_its_cause",
+        ),
+    ),
+    Mutant(
         "watchdog: a posted verdict is not read by the other ranks",
         "watchdog.py",
         "        if self.store.check([key]):\n            return self.store.get(key).decode()\n",

@@ -258,6 +258,28 @@ def test_sigusr1_prints_the_report_and_the_job_goes_on():
         dog.stop()
 
 
+def test_an_error_raised_as_the_job_ends_is_not_printed_as_its_cause(monkeypatch):
+    """The watchdog ends a rank while its training goes on (a peer posted the verdict) and
+    removes its swap files first: a read of a removed file raises in the training thread. That
+    error is a consequence: one line says so, no traceback races the exit, the verdict stands."""
+    out, events = io.StringIO(), []
+    monkeypatch.setattr(sys, "excepthook", lambda *_: events.append("traceback"))
+    store = dist.HashStore()
+    store.set(f"{PREFIX}verdict", "rank 1 raised OSError: disk full (at step 2)")
+    dog = Watchdog(CommLog(), store, rank=0, world=2, timeout=60, interval=0.05,
+                   exit=events.append, out=out)  # fmt: skip
+    dog.start()
+    try:
+        dog._thread.join(timeout=10)  # it read the posted verdict and ended the rank
+        sys.excepthook(FileNotFoundError, FileNotFoundError("param0.bin"), None)
+    finally:
+        dog.stop()
+    assert events == [EXIT_CODE]  # no traceback
+    assert "ending the job: rank 1 raised OSError: disk full" in out.getvalue()
+    assert "the training thread raised FileNotFoundError as the job was ending" in out.getvalue()
+    assert store.get(f"{PREFIX}verdict") == b"rank 1 raised OSError: disk full (at step 2)"
+
+
 def test_config_block():
     cfg = load_config({"watchdog": {"timeout": 30}})
     assert cfg.watchdog.enabled and cfg.watchdog.timeout == 30

@@ -21,8 +21,9 @@ training thread, so a rank that computes for a long time still beats; a rank tha
   host blocks later in an unrelated read (the norm's, a user's ``.item()``).
 
 The rank that reaches a verdict posts it in the store, prints it with its last collectives and
-exits non-zero; every other rank sees the posted verdict within ``interval``, prints its own
-position and last collectives and exits too. A stopped peer on the same host (its heartbeat
+exits non-zero (``os._exit``, after removing the files this rank wrote for itself alone:
+:mod:`zerostack.core.exit`); every other rank sees the posted verdict within ``interval``, prints
+its own position and last collectives and exits too. A stopped peer on the same host (its heartbeat
 carries its host, pid and process start time) is sent ``SIGKILL`` by the rank that named it: a
 stopped process cannot act on the launcher's ``SIGTERM``, and torchrun would wait 30 s before
 killing it itself. ``SIGUSR1`` prints the same report without ending
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable
 
 from .comm import CommLog
+from .core.exit import hard_exit
 
 PREFIX = "zerostack/watchdog/"
 EXIT_CODE = 75  # not 1: a watchdog exit is told apart from an exception in the logs
@@ -61,7 +63,7 @@ class Watchdog:
         timeout: float,
         interval: float | None = None,
         history: int = 16,
-        exit: Callable[[int], None] = os._exit,
+        exit: Callable[[int], None] = hard_exit,
         out=None,
     ) -> None:
         if timeout <= 0:
@@ -87,6 +89,7 @@ class Watchdog:
         self._process = {"host": socket.gethostname(), "pid": os.getpid(), "start": _started()}
         self._stale: list[int] = []
         self._tracing, self._traced = threading.Event(), threading.Event()
+        self._ending, self._ended = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Watchdog:
@@ -275,7 +278,9 @@ class Watchdog:
             self._end_stopped_peers()
             if self._tracing.is_set():  # this rank's traceback is being printed: let it finish
                 self._traced.wait(timeout=5)
-            self._exit(EXIT_CODE)
+            self._ending.set()
+            self._exit(EXIT_CODE)  # removes this rank's swap files, then ends the process
+            self._ended.set()
             return
 
     def _end_stopped_peers(self) -> None:
@@ -313,6 +318,16 @@ class Watchdog:
         sys.excepthook = self._excepthook
 
     def _excepthook(self, kind, value, tb) -> None:
+        if self._ending.is_set():
+            # raised as this thread removes the swap files the training still reads: the
+            # verdict printed above is the cause; let the exit finish, not race it with a
+            # traceback about a missing file
+            self._say(
+                f"[zerostack watchdog] rank {self.rank}: the training thread raised "
+                f"{kind.__name__} as the job was ending (a consequence, not the cause)"
+            )
+            self._ended.wait(timeout=30)
+            return
         verdict = f"rank {self.rank} raised {kind.__name__}: {value} (at step {self.log.step})"
         try:
             self.store.compare_set(f"{PREFIX}verdict", "", verdict)

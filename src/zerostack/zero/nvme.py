@@ -10,6 +10,7 @@ and the file, on whichever thread swapped; the swapper re-raises it on the train
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import socket
@@ -20,6 +21,7 @@ import weakref
 import torch
 
 from ..config import ConfigError
+from ..core.exit import before_hard_exit, forget
 
 _MMAP_SET = False
 
@@ -80,6 +82,28 @@ def _sweep(root: str) -> int:
     return held
 
 
+_REMOVING = threading.Lock()  # the watchdog's exit waits for a removal atexit has begun
+
+
+def _remove(folder: str) -> None:
+    """Remove a store's folder, also while its swap threads still write (the watchdog ends a rank
+    whose training goes on meanwhile): renamed first, so no new file can be made under its
+    name, then removed; a file whose open had passed the folder already is taken by the next
+    round. The new name keeps the prefix: what is left is a dead process's, swept later. Under
+    a lock: the interpreter's exit (``atexit``) and the watchdog's (``os._exit``) may remove at
+    once, and the second must not end the process halfway through the first."""
+    gone = f"{folder}-ending"
+    with _REMOVING:
+        try:
+            os.rename(folder, gone)
+        except OSError:  # renamed or removed already
+            pass
+        for _ in range(3):
+            shutil.rmtree(gone, ignore_errors=True)
+            if not os.path.exists(gone):
+                return
+
+
 def _local_world() -> int:
     """Ranks on this host (torchrun's LOCAL_WORLD_SIZE): they share ``nvme_path``'s disk."""
     try:
@@ -89,7 +113,8 @@ def _local_world() -> int:
 
 
 class NVMeStore:
-    """One rank's files under ``root``; removed on :meth:`close` or at interpreter exit."""
+    """One rank's files under ``root``; removed on :meth:`close`, at interpreter exit, or when the
+    watchdog ends the rank (:func:`~zerostack.core.exit.hard_exit`)."""
 
     def __init__(self, root: str, rank: int, need_bytes: int, what: str) -> None:
         if not root:
@@ -112,8 +137,10 @@ class NVMeStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self._counting = threading.Lock()  # the swappers' threads read and write at once
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self._cleanup = weakref.finalize(self, _remove, self.dir)
         atexit.register(self._cleanup)
+        self._remove_on_hard_exit = functools.partial(_remove, self.dir)  # not once, as finalize
+        before_hard_exit(self._remove_on_hard_exit)  # the watchdog's exit skips atexit
 
     def _check_space(self, root: str, rank: int, what: str) -> None:
         """The disk must hold what every rank on this host will write there: this store's
@@ -179,3 +206,4 @@ class NVMeStore:
     def close(self) -> None:
         _LIVE.discard(self)
         self._cleanup()
+        forget(self._remove_on_hard_exit)
