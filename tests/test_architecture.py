@@ -130,3 +130,91 @@ def test_the_layers_contract_is_kept():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 kept, 0 broken" in done.stdout
+
+
+# ------------------------------------------------------------------ the strategy's interface
+def _is_strategy(node: ast.AST, bound: set[str]) -> bool:
+    """``<expr>.zero`` (an engine's strategy; not the package, ``zerostack.zero``), or a name
+    bound to one in the same function."""
+    if isinstance(node, ast.Attribute) and node.attr == "zero":
+        return not (isinstance(node.value, ast.Name) and node.value.id == "zerostack")
+    return isinstance(node, ast.Name) and node.id in bound
+
+
+def strategy_members_used(tree: ast.AST) -> dict[str, int]:
+    """Member -> the first line that uses it, for every use of a strategy in ``tree``:
+    ``engine.zero.x``, ``zero = engine.zero; zero.x`` (tuple assignments too) and
+    ``getattr(engine.zero, "x", ...)``."""
+    used: dict[str, int] = {}
+    scopes = [n for n in ast.walk(tree) if isinstance(n, ast.Module | ast.FunctionDef)]
+    for scope in scopes:
+        bound: set[str] = set()
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+                pairs = [(target, value)]
+                if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                    pairs = list(zip(target.elts, value.elts, strict=False))
+                bound |= {
+                    t.id
+                    for t, v in pairs
+                    if isinstance(t, ast.Name) and _is_strategy(v, set())
+                    and isinstance(v, ast.Attribute)
+                }  # fmt: skip
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and _is_strategy(node.value, bound):
+                used.setdefault(node.attr, node.lineno)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and _is_strategy(node.args[0], bound)
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                used.setdefault(node.args[1].value, node.lineno)
+    return used
+
+
+def _declared() -> set[str]:
+    """Every member the strategy's interfaces declare (zero/strategy.py's Protocols)."""
+    from zerostack.zero import strategy
+
+    parts = (strategy.ZeroStrategy, strategy.FlatBuffers, strategy.Pieces)
+    names = set()
+    for proto in parts:
+        for cls in proto.__mro__:
+            if cls.__module__ == strategy.__name__:
+                names |= set(getattr(cls, "__annotations__", {}))
+                names |= {k for k, v in vars(cls).items() if callable(v) and not k.startswith("_")}
+    return names
+
+
+def test_every_strategy_member_used_outside_zero_is_declared():
+    """Code outside ``zero/`` talks to a strategy only through its declared interfaces (the
+    training step, the checkpoint view, one parameter's access, and each family's extras)."""
+    undeclared, seen = [], set()
+    for name, path in _modules().items():
+        if name == "zerostack.zero" or name.startswith("zerostack.zero."):
+            continue
+        for member, line in strategy_members_used(ast.parse(open(path).read())).items():
+            seen.add(member)
+            if member not in _declared():
+                undeclared.append(f"{os.path.relpath(path, SRC)}:{line}: {member}")
+    assert {"reduce_grads", "owned_slices", "window_grad", "release_gathered"} <= seen
+    assert undeclared == []
+
+
+def test_the_member_scan_finds_an_undeclared_use():
+    """The scan's own check, on planted code: each way of reaching the strategy is seen."""
+    code = (
+        "def f(engine):\n"
+        "    engine.zero.buckets\n"
+        "    topo, zero = engine.topology, engine.zero\n"
+        "    zero._where\n"
+        "    getattr(self.engine.zero, 'coord', None)\n"
+        "    zerostack.zero.Init\n"
+    )
+    used = strategy_members_used(ast.parse(code))
+    assert set(used) == {"buckets", "_where", "coord"}
+    assert not {"buckets", "_where", "coord"} & _declared()

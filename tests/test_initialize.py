@@ -233,21 +233,23 @@ def test_missing_model_is_an_error():
 
 
 def _strategies(rank, world):
-    from zerostack.zero.strategy import ZeroStrategy
+    from zerostack.zero.strategy import FlatBuffers, Pieces, ZeroStrategy
 
     out = {}
     for stage in range(4):
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": OPT}
         cfg["zero_optimization"] = {"stage": stage}
         engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
-        out[stage] = (isinstance(engine.zero, ZeroStrategy), engine.zero.stage)
+        kinds = [isinstance(engine.zero, k) for k in (ZeroStrategy, FlatBuffers, Pieces)]
+        out[stage] = (*kinds, engine.zero.stage)
     return out
 
 
 def test_every_stage_is_a_declared_strategy():
-    """The engine holds each stage through the one interface zero/strategy.py declares."""
+    """The engine holds each stage through the one interface zero/strategy.py declares, with
+    its family's extras: flat buffers at stages 0-2, pieces at stage 3."""
     got = run_distributed(_strategies, 1)[0]
-    assert got == {s: (True, s) for s in range(4)}
+    assert got == {s: (True, s < 3, s == 3, s) for s in range(4)}
 
 
 def _start_alike(rank, world, precision):

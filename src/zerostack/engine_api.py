@@ -18,7 +18,7 @@ import time
 import torch
 
 from .pinned import pinned_bytes
-from .zero.strategy import tally
+from .zero.strategy import Pieces, tally
 
 log = logging.getLogger("zerostack")
 
@@ -297,9 +297,8 @@ class EngineAPI:
         """DeepSpeed's: at stage 3, release every gathered parameter the engine keeps between
         uses (kept for a reuse under ``stage3_max_reuse_distance``, or prefetched); a no-op at
         stages 0-2. Call it outside forward and backward, e.g. before evaluation."""
-        release = getattr(self.zero, "release_gathered", None)
-        if release is not None:
-            release()
+        if isinstance(self.zero, Pieces):
+            self.zero.release_gathered()
 
     def destroy(self) -> None:
         """Finish a pending background save (raising its error), release what the engine holds

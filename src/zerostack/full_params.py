@@ -30,6 +30,7 @@ from torch import nn
 
 from .tensor_parallel import join_tensors, partition_spec, split_tensor
 from .zero.params import full_shape, gather_full
+from .zero.strategy import FlatBuffers, Pieces
 
 
 class _EngineRef:
@@ -166,7 +167,8 @@ class FullParams:
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
         grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself (dp 1)
-        if p in getattr(zero, "ep_shared", ()):  # MoE: summed over the ep ranks at the step
+        # MoE: summed over the ep ranks at the step (stages 0-2: ep refuses stage 3)
+        if isinstance(zero, FlatBuffers) and p in zero.ep_shared:
             topo = self.engine.topology
             self.engine.comm.all_reduce(grad, axis="ep")
             grad.div_(topo.ep)
@@ -182,42 +184,11 @@ class FullParams:
         if not zero.is_trained(p):
             return
         flat = self.split_tp(p, value, what)
-        if zero.stage == 3:
-            self._hold_piece_grad(p, self._piece_of(p, flat))
-        else:
-            self._hold_flat_grad(p, flat)
+        zero.hold_grad(p, self._held(flat))
 
     def _held(self, mean: torch.Tensor) -> torch.Tensor:
         """A mean, unscaled gradient as the strategy holds it: summed over dp and scaled."""
         return mean / self.engine.zero.grad_post(self.engine.loss_scaler.loss_scale)
-
-    # The two writers below belong beside ``window_grad`` in zero/flat_state.py and
-    # zero/stage3_state.py: they use the same parts of the strategy (its buffers as
-    # ``window_grad`` reads them).
-    def _hold_flat_grad(self, p: nn.Parameter, flat: torch.Tensor) -> None:
-        """Stages 0-2: write ``p``'s gradient where the step will read it."""
-        zero = self.engine.zero
-        b, rng = zero._where[p]
-        st = zero.buckets[b]
-        # stage 2 holds reduced pieces; stages 0-1 reduce on the boundary's backward
-        reduced = zero.stage == 2 or (zero.dp > 1 and zero.reducer.settle())
-        if zero.dp > 1 and not reduced:
-            # each rank's own gradient, summed over dp (and prescaled) at the boundary: every
-            # rank holds an equal share, so the sum is the value
-            share = self._held(flat) / (zero.prescale * zero.dp)
-            zero.groups[st.group].grads_flat[rng].copy_(share)
-            return
-        held = zero._grad_piece(st)  # this rank's piece of the bucket, aligned with its master
-        value = self._held(flat)
-        for lo, hi, _master, a, b_ in self._slices_of(p):
-            held[a:b_].copy_(value[lo:hi])
-
-    def _hold_piece_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
-        """Stage 3: write this rank's piece of ``p``'s gradient (mean, unscaled, padding
-        included) into its shard or its file."""
-        held = self._held(piece.to(torch.float32))
-        held[self._local_extent(p) :] = 0.0  # the padding is no part of the gradient
-        self.engine.zero.grads.replace(p, held)  # a shard in memory, or a file and its norm
 
     # ------------------------------------------------------------------ this rank's piece
     def _local_extent(self, p: nn.Parameter) -> int:
@@ -225,15 +196,6 @@ class FullParams:
         pn, n = p._zs.piece.numel(), p._zs.numel
         lo = min(self.engine.zero.rank * pn, n)
         return min(lo + pn, n) - lo
-
-    def _piece_of(self, p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's stage-3 piece (padded) of ``flat``, this tp rank's whole parameter."""
-        pn = p._zs.piece.numel()
-        lo = min(self.engine.zero.rank * pn, p._zs.numel)
-        n = self._local_extent(p)
-        out = torch.zeros(pn, dtype=torch.float32, device=flat.device)
-        out[:n] = flat[lo : lo + n]
-        return out
 
     def _check_piece(self, p: nn.Parameter, value: torch.Tensor, what: str) -> torch.Tensor:
         """``value`` as this rank's piece of ``p``: flat fp32 on the engine's device."""
@@ -247,7 +209,7 @@ class FullParams:
         return flat.to(device=self.engine.device, dtype=torch.float32, copy=True)
 
     def _require_stage3(self, what: str) -> None:
-        if self.engine.zero.stage != 3:
+        if not isinstance(self.engine.zero, Pieces):
             raise ValueError(
                 f"{what}: only defined for ZeRO stage 3 partitioned parameters "
                 f"(this engine runs stage {self.engine.zero.stage})"
@@ -301,4 +263,4 @@ class FullParams:
         :meth:`local_grad` gives it). No communication."""
         self._require_stage3(what)
         if self.engine.zero.is_trained(p):
-            self._hold_piece_grad(p, self._check_piece(p, value, what))
+            self.engine.zero.hold_local_grad(p, self._held(self._check_piece(p, value, what)))

@@ -1,9 +1,13 @@
-"""The one place a ZeRO stage number chooses a strategy (stages 0-2: flat buffers, 3: pieces)."""
+"""The one place a ZeRO stage number chooses a strategy: stages 0-2 are one strategy (flat
+buffers) composed of two choices, whether the masters and optimizer state are sharded over dp
+(stages 1-2) and which gradient buffer it holds (full, stages 0-1; sharded, stage 2); stage 3
+holds per-parameter pieces."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from .grad_buffers import FullGrads, ShardedGrads
 from .sharded_optimizer import ShardedDataParallel
 from .stage3 import Stage3
 from .strategy import ZeroStrategy
@@ -13,6 +17,8 @@ def build_strategy(
     module: nn.Module, groups: list[dict], *, config, stage: int, comm, precision, prescale: float
 ) -> ZeroStrategy:
     """The strategy for ZeRO ``stage`` with the config's buckets, prefetch and offload."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage!r}: zerostack builds stages 0, 1, 2 and 3")
     zcfg = config.zero_optimization
     common = dict(comm=comm, precision=precision, prescale=prescale)
     offload = zcfg.offload_optimizer
@@ -39,6 +45,8 @@ def build_strategy(
         module,
         groups,
         stage=stage,
+        sharded_state=stage > 0,
+        grads=ShardedGrads if stage == 2 else FullGrads,
         bucket_numel=zcfg.effective_reduce_bucket_size,
         reduce_scatter=zcfg.reduce_scatter,
         **common,

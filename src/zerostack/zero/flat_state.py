@@ -30,7 +30,7 @@ class FlatState:
                 st = self.buckets[b]
                 region = full[st.bucket.start : st.bucket.end]
                 master = self.master_value(st.master).to(full.device)
-                if self.stage == 0 or self.dp == 1:
+                if self.shard_world == 1:
                     region.copy_(master)
                 else:
                     self.comm.all_gather(region, master.clone(), axis="dp")
@@ -40,16 +40,16 @@ class FlatState:
 
     @property
     def owns_replica(self) -> bool:
-        """Whether this rank writes the (replicated) state at stage 0: dp rank 0 does."""
-        return self.stage > 0 or self.rank == 0
+        """Whether this rank writes the state it holds: its own part, or dp rank 0 the whole
+        (replicated, stage 0)."""
+        return self.shard_world > 1 or self.rank == 0
 
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
-        shard_rank = 0 if self.stage == 0 else self.rank
         for st in self.buckets:
             fg = self.groups[st.group]
-            piece_lo, _ = fg.layout.piece(st.bucket, shard_rank)
+            piece_lo, _ = fg.layout.piece(st.bucket, self.shard_rank)
             for a, b, p in st.segments:
                 start = self._where[p][1].start
                 yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
@@ -86,30 +86,13 @@ class FlatState:
         mean). A collective over dp: at stages 0-1 it waits for the boundary's reduction if
         backward launched it, or sums a copy of the local gradients mid-window."""
         b, rng = self._where[p]
-        st = self.buckets[b]
-        fg = self.groups[st.group]
-        lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
-        if self.stage == 2:
-            self.downloads.settle()
-            off = st.bucket.shard_offset
-            return self._whole_bucket(fg.grad_shard[off : off + st.bucket.piece_numel])[lo:hi]
-        reduced = self.dp > 1 and self.reducer.settle()
-        if reduced and self.stage == 1:
-            return self._whole_bucket(st.piece)[lo:hi]
-        grad = fg.grads_flat[rng].to(torch.float32, copy=True)
-        if self.dp > 1 and not reduced:
-            grad.mul_(self.prescale)
-            self.comm.all_reduce(grad, axis="dp")
-        return grad
+        return self.grads.window_grad(p, self.buckets[b], rng)
 
-    def _whole_bucket(self, piece: torch.Tensor) -> torch.Tensor:
-        """A bucket, fp32, from every rank's piece of it (all-gathered over dp)."""
-        piece = piece.to(device=self.comm.topo.device, dtype=torch.float32)
-        if self.dp == 1:
-            return piece
-        out = piece.new_empty(piece.numel() * self.dp)
-        self.comm.all_gather(out, piece, axis="dp")
-        return out
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
+        it) ``p``'s gradient in this window, where the step reads it."""
+        b, rng = self._where[p]
+        self.grads.hold_grad(self.buckets[b], rng, value)
 
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):

@@ -15,9 +15,11 @@ stage     gradients held              reduction                        fp32 mast
 2         this rank's pieces, fp32    reduce-scatter, every micro-step this rank's pieces
 ========  ==========================  ===============================  =========================
 
-The gradients held are in ``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0
-only takes the compute dtype), and reduced in ``communication_data_type`` (see
-:mod:`.flat_reduce`).
+Stage 0 is the state replicated (``shard_world`` 1), stages 1-2 sharded over dp; the gradients
+are held in a :class:`~.grad_buffers.GradBuffer`, full (stages 0-1) or sharded (stage 2): the
+builder (:mod:`.build`) makes both choices. The gradients held are in
+``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0 only takes the compute
+dtype), and reduced in ``communication_data_type`` (see :mod:`.grad_buffers`).
 
 The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (with the default
 bucket size that is one tensor per group). In fp32 training at stages 0-2 those tensors are views of
@@ -30,8 +32,6 @@ as its master is stepped, so the gathers overlap the rest of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -39,11 +39,12 @@ from ..comm import Comm
 from ..core import scratch
 from ..pinned import host_empty, host_zeros
 from ..precision import Precision
-from .flat_reduce import FlatBackward
+from .flat_params import BucketState, FlatGroup, sync_from_rank0
 from .flat_state import FlatState
+from .grad_buffers import GradBuffer
 from .masters import master_store
 from .offload import Downloads, HostMeter, Uploads, host_device
-from .partition import Bucket, FlatLayout
+from .partition import FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
 
@@ -52,129 +53,10 @@ from .strategy import StepSequence
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
-    """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
-    so every rank starts alike, and cast the floating-point ones to the compute dtype."""
-    for t in tensors:
-        if comm.topo.dp > 1:
-            comm.broadcast(t.data, src=0, axis="dp")
-        if t.is_floating_point() and t.dtype != dtype:
-            t.data = t.data.to(dtype)
-
-
-@dataclass
-class _BucketState:
-    group: int
-    bucket: Bucket
-    master: nn.Parameter
-    staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
-    piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
-    shard_clean: bool = True  # stage 2: its part of the gradient shard is zero since the step
-    # (start, end, param) of each parameter's elements inside ``master``
-    segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
-    host_grad: torch.Tensor | None = None  # offload: the fp32 gradient piece, in host memory
-    updated: torch.Tensor | None = None  # nvme: the stepped piece in the compute dtype
-    # (param, its range in the group's flat buffer) of each parameter in the bucket
-    ranges: list[tuple[nn.Parameter, slice]] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, g: int, bucket: Bucket, master: nn.Parameter, lo: int, hi: int, fg):
-        """Bucket ``bucket`` of group ``g``, whose master holds ``[lo, hi)`` of the flat buffer."""
-        st = cls(g, bucket, master)
-        for pos in bucket.slots:
-            slot = fg.layout.slots[pos]
-            p = fg.params[slot.index]
-            st.ranges.append((p, slice(slot.offset, slot.end)))
-            a, b = max(slot.offset, lo), min(slot.end, hi)
-            if a < b:
-                st.segments.append((a - lo, b - lo, p))
-        return st
-
-
-@dataclass
-class FlatGroup:
-    """One optimizer group: its parameters and buffers."""
-
-    params: list[nn.Parameter]
-    options: dict
-    layout: FlatLayout
-    params_flat: torch.Tensor
-    grads_flat: torch.Tensor | None  # stages 0-1
-    grad_shard: torch.Tensor | None  # stage 2, in the accumulation dtype (fp32 by default)
-    buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
-
-    @classmethod
-    def build(
-        cls,
-        params: list[nn.Parameter],
-        options: dict,
-        layout: FlatLayout,
-        *,
-        comm: Comm,
-        dtype: torch.dtype,
-        device: torch.device,
-        grad_shard_device: torch.device | None,
-        grad_dtype: torch.dtype,
-        pieces: list[tuple[int, int]],
-        master_for,
-    ) -> tuple[FlatGroup, list[torch.Tensor]]:
-        """The group's buffers, its parameters made views of them, and the fp32 masters of
-        ``pieces`` (this rank's ``[lo, hi)`` of each bucket, dp rank 0's values).
-
-        Parameter by parameter, so the start costs little more than the steady state (not a
-        whole fp32 copy of the model beside the model and its 16-bit buffer): each value is
-        broadcast from dp rank 0 in fp32, written into the masters it overlaps and, cast, into
-        the parameter buffer, whose view then replaces the parameter (its own storage goes).
-        ``master_for(numel)`` makes a zeroed master (where it lives: the device, or pinned host
-        memory when offloaded); in fp32 without offload the master is a view of the parameter
-        buffer itself (None). Gradients, in ``grad_dtype``: a full flat buffer (whose views are
-        the parameters' ``.grad`` when it is in ``dtype``), or, given ``grad_shard_device``, a
-        shard there (stage 2), made once the parameters' own storage is gone."""
-        params_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        masters = [master_for(hi - lo) for lo, hi in pieces]
-        bucket_of = {pos: b for b, bucket in enumerate(layout.buckets) for pos in bucket.slots}
-        for pos, slot in enumerate(layout.slots):
-            p = params[slot.index]
-            dst = params_flat[slot.offset : slot.end]
-            # In fp32, broadcast in the buffer itself: a collective's worker thread may hold its
-            # tensor a while after the wait returns (gloo does), and the buffer stays anyway.
-            # Otherwise the value goes in fp32 too (an fp32 parameter already on the device
-            # as it is, its own storage going next).
-            if dtype == torch.float32:
-                value = dst.copy_(p.detach().reshape(-1))
-            else:
-                value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
-            if comm.topo.dp > 1:
-                comm.broadcast(value, src=0, axis="dp")
-            if value is not dst:
-                dst.copy_(value)
-            lo, hi = pieces[bucket_of[pos]]
-            a, b = max(slot.offset, lo), min(slot.end, hi)
-            master = masters[bucket_of[pos]]
-            if a < b and master is not None:
-                master[a - lo : b - lo].copy_(value[a - slot.offset : b - slot.offset])
-            p.data = params_flat[slot.offset : slot.end].view(slot.shape)
-            del value
-        masters = [
-            params_flat[lo:hi] if m is None else m
-            for m, (lo, hi) in zip(masters, pieces, strict=True)
-        ]
-        grads_flat = grad_shard = None
-        if grad_shard_device is None:
-            grads_flat = torch.zeros(layout.padded_numel, dtype=grad_dtype, device=device)
-        else:
-            shard = layout.shard_numel
-            grad_shard = torch.zeros(shard, dtype=grad_dtype, device=grad_shard_device)
-        for slot in layout.slots:
-            p = params[slot.index]
-            # autograd sums into the buffer itself when it is in the parameters' dtype
-            as_grad = grads_flat is not None and grad_dtype == dtype
-            p.grad = grads_flat[slot.offset : slot.end].view(slot.shape) if as_grad else None
-        return cls(params, options, layout, params_flat, grads_flat, grad_shard), masters
-
-
-class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
-    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2."""
+class ShardedDataParallel(FlatState, StepSequence):
+    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2: the state shared
+    by ``shard_world`` ranks (1: replicated, stage 0), the gradients held in ``grads`` (a
+    :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or sharded, stage 2)."""
 
     def __init__(
         self,
@@ -184,14 +66,14 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         comm: Comm,
         precision: Precision,
         stage: int,
+        sharded_state: bool,
+        grads: type[GradBuffer],
         bucket_numel: int,
         prescale: float = 1.0,
         offload=None,
         sub_group_numel: int | None = None,
         reduce_scatter: bool = True,
     ) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ShardedDataParallel handles ZeRO stages 0-2, not {stage}")
         # offload_optimizer: fp32 masters and optimizer state in host memory ("cpu") or files
         # ("nvme"); the optimizer steps on the host either way.
         self.offload = offload.device if offload is not None else "none"
@@ -202,28 +84,30 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
         self.host_meter = HostMeter()
-        self.module, self.comm, self.precision, self.stage = module, comm, precision, stage
+        self.module, self.comm, self.precision = module, comm, precision
+        self.stage = stage  # a label (the Protocol's): the choices are the two below
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
+        # the ranks sharing the masters and optimizer state, and this rank's place among them
+        self.shard_world, self.shard_rank = (self.dp, self.rank) if sharded_state else (1, 0)
+        self.grads = grads(self)
         self.prescale = prescale
-        self.reduce_scatter = reduce_scatter  # stages 1-2; else all-reduce and keep the piece
+        self.reduce_scatter = reduce_scatter  # sharded state; else all-reduce, keep the piece
         self.reduce_dtype = precision.reduce_dtype
         self.accum_dtype = precision.accum_dtype(stage)
         self.groups: list[FlatGroup] = []
-        self.buckets: list[_BucketState] = []
+        self.buckets: list[BucketState] = []
         # param -> (bucket state index, its range in the group's flat buffer)
         self._where: dict[nn.Parameter, tuple[int, slice]] = {}
-        self._ready: set[nn.Parameter] = set()
         self.boundary = True
         device = next(module.parameters()).device
         dtype = precision.compute_dtype
-        shard_world = 1 if stage == 0 else self.dp
-        shard_rank = 0 if stage == 0 else self.rank
+        shard_world, shard_rank = self.shard_world, self.shard_rank
         if self.offload == "nvme" and sub_group_numel:
             # a rank's piece of a bucket is one sub-group: the unit swapped to and from the disk
             bucket_numel = min(bucket_numel, sub_group_numel * shard_world)
-        # stage 2 keeps gradient pieces (on the host when offloaded), stages 0-1 full ones
+        # a sharded buffer keeps gradient pieces (on the host when offloaded), else full ones
         shard_device = host_device() if self.offload != "none" else device
-        shard_device = shard_device if stage == 2 else None
+        shard_device = shard_device if self.grads.shard_held else None
 
         def master_for(numel: int) -> torch.Tensor | None:
             """A zeroed fp32 master: in host memory when offloaded (pinned if asked and a GPU
@@ -256,7 +140,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             )
             for bucket, (lo, hi), master in zip(layout.buckets, pieces, masters, strict=True):
                 fg.buckets.append(len(self.buckets))
-                st = _BucketState.build(g, bucket, nn.Parameter(master), lo, hi, fg)
+                st = BucketState.build(g, bucket, nn.Parameter(master), lo, hi, fg)
                 self._where.update({p: (len(self.buckets), rng) for p, rng in st.ranges})
                 self.buckets.append(st)
             self.groups.append(fg)
@@ -269,13 +153,13 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         for st in self.buckets:
             self.store.add(st.master)
         self._sync_untracked(dtype)
-        # stages 1-2: each bucket is waited for (and, at stage 2, added into the shard and its
-        # buffers freed) while backward goes on, at most two in flight
-        done = self._reduced if stage > 0 else None
+        # a sharded state: each bucket is waited for (and, sharded gradients, added into the
+        # shard and its buffers freed) while backward goes on, at most two in flight
+        done = self.grads.done()
         sizes = [len(st.bucket.slots) for st in self.buckets]
-        self.reducer = GradReducer(sizes, self._launch, done)
+        self.reducer = GradReducer(sizes, self.grads.launch, done)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
+            p.register_post_accumulate_grad_hook(self.grads.on_grad_ready) for p in self._where
         ]
 
     def _sync_untracked(self, dtype) -> None:
@@ -289,20 +173,16 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
             for fg in self.groups
         ]
 
-    def _grad_piece(self, st: _BucketState) -> torch.Tensor:
-        """This rank's summed gradient for the bucket (fp32 where the master can take it as is)."""
-        fg = self.groups[st.group]
-        if self.stage == 2:
-            off = st.bucket.shard_offset
-            return fg.grad_shard[off : off + st.bucket.piece_numel]
-        if self.stage == 1 and self.dp > 1:
-            return st.piece
-        return fg.grads_flat[st.bucket.start : st.bucket.end]
-
     @property
     def grads_sharded(self) -> bool:
         """Whether each rank holds a different part of the gradient (the norm needs a reduce)."""
-        return self.stage > 0 and self.dp > 1
+        return self.shard_world > 1
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        return self.grads.accumulated_grad(p)
 
     def masters(self) -> list[nn.Parameter]:
         return [st.master for st in self.buckets]
@@ -326,13 +206,13 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
     def _prepare_step(self, loss_scale: float) -> float:
         """Wait for the reduction and hand each master its fp32 gradient, still summed over dp
         and scaled; return the factor that averages and unscales it."""
-        if self.stage < 2:
-            self._flush()
+        self.grads.before_step()
         self.downloads.settle()
-        down = self.downloads.gpu and self.offload != "none" and self.stage < 2
+        on_device = not self.grads.shard_held  # a shard is where the optimizer steps already
+        down = self.downloads.gpu and self.offload != "none" and on_device
         for st in self.buckets:
-            grad = self._grad_piece(st)
-            if self.offload != "none" and self.stage < 2:  # stage 2's shard is on the host
+            grad = self.grads.grad_piece(st)
+            if self.offload != "none" and on_device:
                 if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
                     st.host_grad = host_empty(grad.numel(), torch.float32, self._pin)
                 # queued one after another (pinned: without stopping the host), waited for
@@ -387,8 +267,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         that updates each parameter from its own gradient and state alone, masters in memory,
         and gathers to overlap."""
         return (
-            self.stage > 0
-            and self.dp > 1
+            self.shard_world > 1
             and self.offload == "none"
             and len(self.buckets) > 1
             and type(optimizer) in _ELEMENTWISE
@@ -433,7 +312,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         if handles is None:
             handles = []
             for st in self.buckets:
-                if self.stage == 0 or self.dp == 1:
+                if self.shard_world == 1:
                     fg = self.groups[st.group]
                     full = fg.params_flat[st.bucket.start : st.bucket.end]
                     master = st.updated if st.updated is not None else st.master.detach()
@@ -445,7 +324,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         for h, src in handles:
             self._gathered(h, src)
 
-    def _gather(self, st: _BucketState, handles: list[tuple]) -> None:
+    def _gather(self, st: BucketState, handles: list[tuple]) -> None:
         """Launch the all-gather of bucket ``st``'s updated master into every rank's parameter
         buffer, appended to ``handles`` as ``(handle, input copy or None)``; at most two stay in
         flight (their inputs are buckets' pieces)."""
@@ -466,7 +345,7 @@ class ShardedDataParallel(FlatBackward, FlatState, StepSequence):
         handle.wait()
         self.buffers.give(src)
 
-    def _on_device(self, st: _BucketState, value: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, st: BucketState, value: torch.Tensor) -> torch.Tensor:
         """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
         memory when offloaded: through the bucket's staging buffer, without blocking)."""
         dtype = self.groups[st.group].params_flat.dtype

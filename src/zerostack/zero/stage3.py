@@ -23,11 +23,11 @@ from ..comm import Comm
 from ..config import ConfigError
 from ..precision import Precision
 from .coordinator import ParamCoordinator, gather_now
+from .flat_params import sync_from_rank0
 from .masters import GradFiles, GradShards, master_store
 from .offload import Downloads, HostMeter, Uploads, host_device, to_host
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from .params import StorageMeter, Subgroup, is_sharded, shard_param
-from .sharded_optimizer import sync_from_rank0
 from .stage3_reduce import PieceReducer
 from .stage3_state import Stage3State
 from .strategy import StepSequence

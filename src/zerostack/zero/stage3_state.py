@@ -123,21 +123,41 @@ class Stage3State:
         self.downloads.settle()
         return self.grads.piece(p).to(torch.float32, copy=True)
 
-    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
-        this rank's piece (in memory or its file), and the gathered copy a persistent one
-        keeps."""
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
+        it) ``p``'s gradient in this window: this rank's piece of it."""
+        self.hold_local_grad(p, self._own_piece(p, value))
+
+    def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
+        """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
+        gives it) ``p``'s gradient piece, in its shard or its file."""
+        n, pn = p._zs.numel, piece.numel()
+        lo = min(self.rank * pn, n)
+        piece = piece.to(torch.float32, copy=True)
+        piece[min(lo + pn, n) - lo :] = 0.0  # the padding is no part of the gradient
+        self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
+
+    def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
         st = p._zs
         pn, n = st.piece.numel(), st.numel
         lo = min(self.rank * pn, n)
         hi = min(lo + pn, n)
         piece = torch.zeros(pn, dtype=torch.float32, device=value.device)
         piece[: hi - lo] = value[lo:hi]
+        return piece
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
+        this rank's piece (in memory or its file), and the gathered copy a persistent one
+        keeps."""
+        st = p._zs
+        piece = self._own_piece(p, value)
         if self.param_swapper.holds(p):  # its file (offload_param)
             self.param_swapper.update(p, piece)
         if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
             st.piece.copy_(piece)
-        if st.gathered and p.numel() == n:
+        if st.gathered and p.numel() == st.numel:
             p.data.copy_(value.view_as(p))
 
     def close(self) -> None:

@@ -53,14 +53,16 @@ class GradStats:
     post: float
 
 
+# The interface is split by client; :class:`ZeroStrategy` is every part all stages offer. Every
+# member code outside ``zero/`` uses is declared on one of these (tests/test_architecture.py).
+
+
 @runtime_checkable
-class ZeroStrategy(Protocol):
-    """A ZeRO stage, as the engine and the checkpointer see it."""
+class TrainStep(Protocol):
+    """What the engine drives each step."""
 
-    stage: int
-    owns_replica: bool  # whether this rank writes the state it holds in a checkpoint
+    stage: int  # a label, for messages and reports: the behaviour is in the strategy's parts
 
-    # ------------------------------------------------------------------ a training step
     def optimizer_groups(self) -> list[dict]:
         """The groups the optimizer steps: fp32 master tensors, with the user's options."""
 
@@ -82,7 +84,13 @@ class ZeroStrategy(Protocol):
     def zero_grad(self) -> None:
         """Forget the gradients of this window."""
 
-    # ------------------------------------------------------------------ state
+
+@runtime_checkable
+class CheckpointView(Protocol):
+    """What a checkpoint reads and writes (``zerostack.checkpoint``)."""
+
+    owns_replica: bool  # whether this rank writes the state it holds in a checkpoint
+
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
         """Every parameter's full fp32 value (a collective over dp)."""
 
@@ -93,8 +101,14 @@ class ZeroStrategy(Protocol):
         """``(param, lo, hi, master, a, b)``: elements ``[lo, hi)`` of the flattened parameter
         are ``master[a:b]`` on this rank."""
 
+    def frozen_extents(self) -> Iterator[tuple]:
+        """``(param, lo, hi)`` of :meth:`frozen_slices`, without touching the values."""
+
     def frozen_slices(self) -> Iterator[tuple]:
         """``(param, lo, hi, held)`` for the parameters no optimizer steps."""
+
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        """``(kind, dtype)`` of what :meth:`read_master` gives, nothing read."""
 
     def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """A master's value and optimizer state (from its file when on NVMe)."""
@@ -105,8 +119,12 @@ class ZeroStrategy(Protocol):
     def after_load(self) -> None:
         """Loaded masters into the compute-dtype parameters (a collective)."""
 
-    # ------------------------------------------------------------------ one parameter
-    # (``zerostack.utils``' safe_get_full_* / safe_set_full_*, through :mod:`zerostack.full_params`)
+
+@runtime_checkable
+class ParamAccess(Protocol):
+    """One parameter's value and gradient (``zerostack.utils``' safe_get_full_* /
+    safe_set_full_*, through :mod:`zerostack.full_params`)."""
+
     grads_sharded: bool  # whether each dp rank holds a different part of masters and gradients
 
     def is_trained(self, p: nn.Parameter) -> bool:
@@ -119,8 +137,16 @@ class ZeroStrategy(Protocol):
         """``p``'s whole gradient so far in the window, fp32, flat, summed over dp and scaled
         (a collective over dp)."""
 
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (as :meth:`window_grad` gives it) ``p``'s gradient in this window."""
+
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Set ``p``'s compute-dtype value (its master is written through ``write_master``)."""
+
+
+@runtime_checkable
+class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
+    """A ZeRO stage: every part above, and what it holds."""
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held: params, grads, master."""
@@ -130,6 +156,33 @@ class ZeroStrategy(Protocol):
 
     def close(self) -> None:
         """Release what lives outside the process (NVMe files)."""
+
+
+@runtime_checkable
+class FlatBuffers(Protocol):
+    """What stages 0-2 offer besides: the features that refuse stage 3 use it (MoE's expert
+    parallelism, a pipeline's tied weights)."""
+
+    ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients summed over the ep ranks
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The tensor ``p``'s gradient is summed in over the window, if it is a full one."""
+
+
+@runtime_checkable
+class Pieces(Protocol):
+    """What stage 3 offers besides: each parameter is cut into pieces, one per dp rank."""
+
+    rank: int  # this rank's piece of each parameter
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
+
+    def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
+        """Make ``piece`` (as :meth:`local_grad` gives it) this rank's gradient piece."""
+
+    def release_gathered(self) -> None:
+        """Release the parameters gathered ahead of use or kept for a reuse."""
 
 
 class StepSequence:

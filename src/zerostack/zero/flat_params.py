@@ -1,0 +1,137 @@
+"""The flat parameters of ZeRO stages 0-2: each optimizer group's buffers (:class:`FlatGroup`:
+the parameters as views of one compute-dtype buffer, the gradients as a full buffer or this
+rank's shard) and each bucket's part of them (:class:`BucketState`: its master, the pieces and
+staging of its reduction, which parameter elements its master holds). The layout itself is
+:mod:`.partition`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .partition import Bucket, FlatLayout
+
+
+def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
+    """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
+    so every rank starts alike, and cast the floating-point ones to the compute dtype."""
+    for t in tensors:
+        if comm.topo.dp > 1:
+            comm.broadcast(t.data, src=0, axis="dp")
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+
+
+@dataclass
+class BucketState:
+    group: int
+    bucket: Bucket
+    master: nn.Parameter
+    staging: torch.Tensor | None = None  # stage 2: the bucket's full gradients, until reduced
+    piece: torch.Tensor | None = None  # stages 1-2: this rank's reduced piece, until consumed
+    shard_clean: bool = True  # stage 2: its part of the gradient shard is zero since the step
+    # (start, end, param) of each parameter's elements inside ``master``
+    segments: list[tuple[int, int, nn.Parameter]] = field(default_factory=list)
+    host_grad: torch.Tensor | None = None  # offload: the fp32 gradient piece, in host memory
+    updated: torch.Tensor | None = None  # nvme: the stepped piece in the compute dtype
+    # (param, its range in the group's flat buffer) of each parameter in the bucket
+    ranges: list[tuple[nn.Parameter, slice]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, g: int, bucket: Bucket, master: nn.Parameter, lo: int, hi: int, fg):
+        """Bucket ``bucket`` of group ``g``, whose master holds ``[lo, hi)`` of the flat buffer."""
+        st = cls(g, bucket, master)
+        for pos in bucket.slots:
+            slot = fg.layout.slots[pos]
+            p = fg.params[slot.index]
+            st.ranges.append((p, slice(slot.offset, slot.end)))
+            a, b = max(slot.offset, lo), min(slot.end, hi)
+            if a < b:
+                st.segments.append((a - lo, b - lo, p))
+        return st
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer group: its parameters and buffers."""
+
+    params: list[nn.Parameter]
+    options: dict
+    layout: FlatLayout
+    params_flat: torch.Tensor
+    grads_flat: torch.Tensor | None  # stages 0-1
+    grad_shard: torch.Tensor | None  # stage 2, in the accumulation dtype (fp32 by default)
+    buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
+
+    @classmethod
+    def build(
+        cls,
+        params: list[nn.Parameter],
+        options: dict,
+        layout: FlatLayout,
+        *,
+        comm: Comm,
+        dtype: torch.dtype,
+        device: torch.device,
+        grad_shard_device: torch.device | None,
+        grad_dtype: torch.dtype,
+        pieces: list[tuple[int, int]],
+        master_for,
+    ) -> tuple[FlatGroup, list[torch.Tensor]]:
+        """The group's buffers, its parameters made views of them, and the fp32 masters of
+        ``pieces`` (this rank's ``[lo, hi)`` of each bucket, dp rank 0's values).
+
+        Parameter by parameter, so the start costs little more than the steady state (not a
+        whole fp32 copy of the model beside the model and its 16-bit buffer): each value is
+        broadcast from dp rank 0 in fp32, written into the masters it overlaps and, cast, into
+        the parameter buffer, whose view then replaces the parameter (its own storage goes).
+        ``master_for(numel)`` makes a zeroed master (where it lives: the device, or pinned host
+        memory when offloaded); in fp32 without offload the master is a view of the parameter
+        buffer itself (None). Gradients, in ``grad_dtype``: a full flat buffer (whose views are
+        the parameters' ``.grad`` when it is in ``dtype``), or, given ``grad_shard_device``, a
+        shard there (stage 2), made once the parameters' own storage is gone."""
+        params_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        masters = [master_for(hi - lo) for lo, hi in pieces]
+        bucket_of = {pos: b for b, bucket in enumerate(layout.buckets) for pos in bucket.slots}
+        for pos, slot in enumerate(layout.slots):
+            p = params[slot.index]
+            dst = params_flat[slot.offset : slot.end]
+            # In fp32, broadcast in the buffer itself: a collective's worker thread may hold its
+            # tensor a while after the wait returns (gloo does), and the buffer stays anyway.
+            # Otherwise the value goes in fp32 too (an fp32 parameter already on the device
+            # as it is, its own storage going next).
+            if dtype == torch.float32:
+                value = dst.copy_(p.detach().reshape(-1))
+            else:
+                value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
+            if comm.topo.dp > 1:
+                comm.broadcast(value, src=0, axis="dp")
+            if value is not dst:
+                dst.copy_(value)
+            lo, hi = pieces[bucket_of[pos]]
+            a, b = max(slot.offset, lo), min(slot.end, hi)
+            master = masters[bucket_of[pos]]
+            if a < b and master is not None:
+                master[a - lo : b - lo].copy_(value[a - slot.offset : b - slot.offset])
+            p.data = params_flat[slot.offset : slot.end].view(slot.shape)
+            del value
+        masters = [
+            params_flat[lo:hi] if m is None else m
+            for m, (lo, hi) in zip(masters, pieces, strict=True)
+        ]
+        grads_flat = grad_shard = None
+        if grad_shard_device is None:
+            grads_flat = torch.zeros(layout.padded_numel, dtype=grad_dtype, device=device)
+        else:
+            shard = layout.shard_numel
+            grad_shard = torch.zeros(shard, dtype=grad_dtype, device=grad_shard_device)
+        for slot in layout.slots:
+            p = params[slot.index]
+            # autograd sums into the buffer itself when it is in the parameters' dtype
+            as_grad = grads_flat is not None and grad_dtype == dtype
+            p.grad = grads_flat[slot.offset : slot.end].view(slot.shape) if as_grad else None
+        return cls(params, options, layout, params_flat, grads_flat, grad_shard), masters

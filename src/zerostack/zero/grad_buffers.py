@@ -1,0 +1,336 @@
+"""The gradient buffers of ZeRO stages 0-2: the one policy that tells the stages apart in backward.
+
+Stages 0-2 are one strategy (:class:`~.sharded_optimizer.ShardedDataParallel`: flat parameter
+buffers and the fp32 masters of this rank's pieces, ``shard_world`` ranks sharing the state)
+composed with one of two gradient buffers. As backward accumulates each gradient, the buffer
+takes it into its bucket, and the :class:`~.reducer.GradReducer` launches the bucket's
+collective once the bucket is complete, in bucket order on every rank.
+
+============  ====================================  ==========================================
+buffer        held over the accumulation window     reduced
+============  ====================================  ==========================================
+FullGrads     the full flat buffer                  on the boundary: all-reduced in place when
+                                                    every rank holds the whole state (stage 0,
+                                                    or dp 1), else reduce-scattered into this
+                                                    rank's piece for the step (stage 1)
+ShardedGrads  this rank's pieces (the shard)        every micro-step: the bucket's gradients
+                                                    copied out (staging), the full-size ones
+                                                    dropped, reduce-scattered, and the piece
+                                                    added into the shard (stage 2)
+============  ====================================  ==========================================
+
+With :class:`ShardedGrads` the buffers a bucket needs for one micro-step (its staging, the
+reduce-scatter's received rows, a piece) come from and go back to the strategy's ``buffers``
+(:class:`~.scratch.Pool`), so the same few bucket-sized buffers serve every bucket and step. A
+bucket whose part of the shard is still zero since the last step (``st.shard_clean``; the first
+micro-step of a window) is reduce-scattered straight into the shard when it is in the reduce
+dtype: no piece, no add.
+
+With ``reduce_scatter: false`` a bucket of a sharded state is all-reduced in place instead
+(twice the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
+
+Two dtypes (``precision.py``): the buffer holds the window's sum in the strategy's
+``accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the parameters' dtype, each
+micro-step's ``.grad`` is added into the buffer and dropped. A bucket is reduced in
+``reduce_dtype`` (``communication_data_type``), cast when the gradients are held in another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Handle
+from .reducer import CastBack, in_dtype
+
+
+class KeepPiece:
+    """A bucket all-reduced (``reduce_scatter: false``): :meth:`wait` waits, then sets the
+    bucket's ``piece`` to this rank's slice of the sum; a copy when the bucket was sent as a
+    cast copy (so the rest of it goes), else a view."""
+
+    def __init__(self, handle: Handle, sent: torch.Tensor, st, rank: int, *, copy: bool) -> None:
+        self._handle, self._sent, self._st, self._rank, self._copy = handle, sent, st, rank, copy
+
+    def wait(self) -> None:
+        self._handle.wait()
+        if self._sent is not None:
+            n = self._st.bucket.piece_numel
+            piece = self._sent[self._rank * n : (self._rank + 1) * n]
+            self._st.piece = piece.clone() if self._copy else piece
+            self._sent = None
+
+
+class GradBuffer:
+    """What both buffers share: the hook's bookkeeping, the reduction of a bucket, the flush.
+    ``flat`` is the strategy whose parts it uses: ``groups``, ``buckets``, ``_where``,
+    ``reducer``, ``boundary``, ``comm``, ``buffers``, ``downloads``."""
+
+    every_micro_step = False  # whether each micro-step reduces (only pieces are kept)
+    shard_held = False  # whether the window's sum is held as this rank's shard
+
+    def __init__(self, flat) -> None:
+        self.flat = flat
+        self._ready: set[nn.Parameter] = set()
+
+    @property
+    def communicates_now(self) -> bool:
+        """Whether this micro-step's backward launches collectives (at dp 1, none)."""
+        return self.flat.dp > 1 and (self.every_micro_step or self.flat.boundary)
+
+    def done(self) -> Callable[[int], None] | None:
+        """What the reducer calls as each bucket completes; given one, it waits for buckets in
+        backward (at most two in flight). None: waited for at the flush."""
+        return None
+
+    def _mark(self, p: nn.Parameter) -> None:
+        if p in self._ready:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} got its gradient twice in one backward "
+                "(reentrant activation checkpointing?); use use_reentrant=False"
+            )
+        self._ready.add(p)
+
+    def _reduce(self, st, chunk: torch.Tensor) -> Handle | KeepPiece:
+        """Reduce bucket ``st``'s gradients ``chunk`` so that this rank gets its piece."""
+        f = self.flat
+        sent = in_dtype(chunk, f.reduce_dtype, f.prescale)
+        if not f.reduce_scatter:
+            handle = f.comm.all_reduce(sent, axis="dp", async_op=True)
+            return KeepPiece(handle, sent, st, f.rank, copy=sent is not chunk)
+        out = self._piece_out(st, sent)
+        return f.comm.reduce_scatter(out, sent, axis="dp", async_op=True, pool=f.buffers)
+
+    def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _whole_bucket(self, piece: torch.Tensor) -> torch.Tensor:
+        """A bucket, fp32, from every rank's piece of it (all-gathered over dp)."""
+        f = self.flat
+        piece = piece.to(device=f.comm.topo.device, dtype=torch.float32)
+        if f.dp == 1:
+            return piece
+        out = piece.new_empty(piece.numel() * f.dp)
+        f.comm.all_gather(out, piece, axis="dp")
+        return out
+
+    def _write_piece(self, st, rng: slice, value: torch.Tensor) -> None:
+        """Write the elements of ``value`` (a parameter's whole flat gradient, at ``rng`` of
+        the group's buffer) that fall in this rank's piece of bucket ``st``."""
+        f = self.flat
+        lo, hi = f.groups[st.group].layout.piece(st.bucket, f.shard_rank)
+        a, b = max(rng.start, lo), min(rng.stop, hi)
+        if a < b:
+            self.grad_piece(st)[a - lo : b - lo].copy_(value[a - rng.start : b - rng.start])
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The tensor ``p``'s gradient is summed in over the window: its view of the full flat
+        buffer (in the accumulation dtype), which a sum over another axis (a pipeline's tied
+        copies) may reduce in place; ``p.grad`` for a parameter the optimizer does not train,
+        None with a sharded buffer (only reduced pieces are kept)."""
+        f = self.flat
+        if p not in f._where:
+            return p.grad
+        b, rng = f._where[p]
+        grads_flat = f.groups[f.buckets[b].group].grads_flat
+        return None if grads_flat is None else grads_flat[rng].view_as(p)
+
+    def flush(self) -> None:
+        """Launch buckets whose parameters got no gradient, then wait for every collective
+        (at dp = 1 there is nothing to reduce)."""
+        if self.flat.dp > 1:
+            self.flat.reducer.flush()
+        else:
+            self.flat.reducer.reset()
+        self._ready.clear()
+
+
+class FullGrads(GradBuffer):
+    """Stages 0-1: the full flat buffer, whose views are the parameters' ``.grad``; reduced on
+    the boundary."""
+
+    def done(self) -> Callable[[int], None] | None:
+        # a sharded state (stage 1) waits in backward; nothing is left to do per bucket
+        return (lambda b: None) if self.flat.shard_world > 1 else None
+
+    def on_grad_ready(self, p: nn.Parameter) -> None:
+        f = self.flat
+        b, rng = f._where[p]
+        view = f.groups[f.buckets[b].group].grads_flat[rng].view_as(p)
+        if p.grad.data_ptr() != view.data_ptr():
+            # A .grad of its own (the buffer is in another dtype, or someone replaced .grad):
+            # fold it into the flat buffer.
+            view.add_(p.grad)
+            p.grad = view if view.dtype == p.grad.dtype else None
+        if self.communicates_now:
+            self._mark(p)
+            f.reducer.arrived(b)
+
+    def launch(self, b: int) -> Handle | CastBack | KeepPiece:
+        f = self.flat
+        st = f.buckets[b]
+        chunk = f.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
+        if f.shard_world > 1:
+            return self._reduce(st, chunk)
+        # every rank holds the whole state: the sum is kept in place
+        sent = in_dtype(chunk, f.reduce_dtype, f.prescale)
+        handle = f.comm.all_reduce(sent, axis="dp", async_op=True)
+        return handle if sent is chunk else CastBack(handle, sent, chunk)
+
+    def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
+        st.piece = out = sent.new_empty(st.bucket.piece_numel)  # kept for the step
+        return out
+
+    def end_backward(self) -> None:
+        """A sharded state waits for the boundary's reduction, so no collective's buffers
+        outlive backward (as DeepSpeed's engine does)."""
+        if self.flat.shard_world > 1 and self.communicates_now:
+            self.flat.reducer.settle()
+
+    def before_step(self) -> None:
+        self.flush()
+
+    def grad_piece(self, st) -> torch.Tensor:
+        """This rank's summed gradient for the bucket."""
+        if self.flat.shard_world > 1:
+            return st.piece
+        return self.flat.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
+
+    def window_grad(self, p: nn.Parameter, st, rng: slice) -> torch.Tensor:
+        """It waits for the boundary's reduction if backward launched it, or sums a copy of the
+        local gradients mid-window."""
+        f = self.flat
+        reduced = f.dp > 1 and f.reducer.settle()
+        if reduced and f.shard_world > 1:
+            lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
+            return self._whole_bucket(st.piece)[lo:hi]
+        grad = f.groups[st.group].grads_flat[rng].to(torch.float32, copy=True)
+        if f.dp > 1 and not reduced:
+            grad.mul_(f.prescale)
+            f.comm.all_reduce(grad, axis="dp")
+        return grad
+
+    def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
+        """The inverse of :meth:`window_grad`: before the boundary's reduction each rank's
+        own gradient, which the reduction sums over dp (prescaled) into ``value``."""
+        f = self.flat
+        reduced = f.dp > 1 and f.reducer.settle()
+        if f.dp > 1 and not reduced:  # every rank holds an equal share: the sum is the value
+            f.groups[st.group].grads_flat[rng].copy_(value / (f.prescale * f.dp))
+            return
+        self._write_piece(st, rng, value)
+
+
+class ShardedGrads(GradBuffer):
+    """Stage 2: this rank's pieces only, in the accumulation dtype (fp32 by default; in host
+    memory when the optimizer is offloaded); reduced every micro-step."""
+
+    every_micro_step = True
+    shard_held = True
+
+    def done(self) -> Callable[[int], None] | None:
+        return self._add_piece_of
+
+    def on_grad_ready(self, p: nn.Parameter) -> None:
+        f = self.flat
+        b, rng = f._where[p]
+        st = f.buckets[b]
+        self._mark(p)
+        if st.staging is None:  # in the dtype it is reduced in
+            st.staging = self._staging_for(st, p.device)
+        st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
+            p.grad.view(-1)
+        )
+        p.grad = None  # the full-size gradient does not outlive its bucket
+        f.reducer.arrived(b, launch=self.communicates_now)
+
+    def launch(self, b: int) -> Handle | KeepPiece:
+        f = self.flat
+        st = f.buckets[b]
+        if st.staging is None:  # no parameter of this bucket got a gradient
+            st.staging = self._staging_for(st, f.groups[st.group].params_flat.device)
+        self._zero_missing(st)
+        return self._reduce(st, st.staging)
+
+    def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
+        if st.shard_clean and _same_kind(shard := self._shard_of(st), sent):
+            st.piece = None  # the sum is the shard's value: no piece to add
+            st.shard_clean = False
+            return shard
+        st.piece = out = self.flat.buffers.take(st.bucket.piece_numel, sent.dtype, sent.device)
+        return out
+
+    def _staging_for(self, st, device: torch.device) -> torch.Tensor:
+        """A buffer (from the pool: old contents) to stage bucket ``st`` in, its padding zero;
+        each parameter's range is written when its gradient arrives (:meth:`_zero_missing`
+        zeroes those that did not)."""
+        staging = self.flat.buffers.take(st.bucket.numel, self.flat.reduce_dtype, device)
+        staging[max(rng.stop for _, rng in st.ranges) - st.bucket.start :].zero_()
+        return staging
+
+    def _zero_missing(self, st) -> None:
+        """Zero the staged ranges of bucket ``st``'s parameters that got no gradient."""
+        for p, rng in st.ranges:
+            if p not in self._ready:
+                st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].zero_()
+
+    def _shard_of(self, st) -> torch.Tensor:
+        """This rank's part of the group's gradient shard for bucket ``st``."""
+        off = st.bucket.shard_offset
+        return self.flat.groups[st.group].grad_shard[off : off + st.bucket.piece_numel]
+
+    def _add_piece_of(self, b: int) -> None:
+        self._add_piece(self.flat.buckets[b])
+
+    def _add_piece(self, st) -> None:
+        """Add a bucket's reduced piece (if it was not reduced into the shard) into the group's
+        gradient shard; its buffers go back to the pool. A shard in host memory (offloaded)
+        gets it from a copy that does not stop the host (:class:`~.offload.Downloads`): added
+        once the copy is settled; the pool's next use of the piece's buffer is in stream order
+        after the copy."""
+        f = self.flat
+        if st.piece is not None:
+            shard = self._shard_of(st)
+            if shard.device == st.piece.device:
+                shard.add_(st.piece)
+            else:
+                f.downloads.settle_sealed()  # the last micro-step's: done long ago
+                f.downloads.fetch(st.piece, shard.add_)
+        f.buffers.give(st.piece, st.staging)
+        st.piece = st.staging = None
+
+    def end_backward(self) -> None:
+        """Finish this micro-step's reduction: each bucket's piece is added into the shard as
+        its collective completes."""
+        f = self.flat
+        if f.dp == 1:  # nothing is reduced: the staged bucket is the whole piece
+            for st in f.buckets:
+                if st.staging is not None:
+                    self._zero_missing(st)
+        self.flush()
+        if f.dp == 1:
+            for st in f.buckets:
+                st.piece, st.staging = st.staging, None
+                self._add_piece(st)
+        f.downloads.seal()
+
+    def before_step(self) -> None:
+        pass  # every micro-step's reduction finished in its backward
+
+    def grad_piece(self, st) -> torch.Tensor:
+        return self._shard_of(st)
+
+    def window_grad(self, p: nn.Parameter, st, rng: slice) -> torch.Tensor:
+        self.flat.downloads.settle()
+        lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
+        return self._whole_bucket(self._shard_of(st))[lo:hi]
+
+    def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
+        self.flat.downloads.settle()  # no late add over what is written
+        self._write_piece(st, rng, value)
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device
