@@ -3,6 +3,7 @@
     python benchmarks/zero.py                          # reference ~19M GPT, 2 ranks on CPU
     python benchmarks/zero.py --d-model 128 --n-layer 2 --steps 4 --sides ddp,zerostack_stage1
     . .peers/bin/activate && python benchmarks/zero.py --repeats 3 --out zero.json  # + DeepSpeed
+    git worktree add /tmp/base HEAD~3 && python benchmarks/zero.py --baseline /tmp/base  # a change
 
 Peak RSS is per process, so every side runs in its own torchrun launch: this (parent) process
 loops over the sides, re-launching itself with ``--side NAME``, and reads one JSON line from
@@ -10,6 +11,11 @@ rank 0. Rounds visit the sides in alternating order so machine noise hits all al
 round with the lowest median is kept. DeepSpeed sides run when ``import deepspeed`` works in this
 interpreter (see shared/PEERS.md). Prints one JSON object: per side the median seconds per step
 (slowest rank per step), peak RSS (MiB, max over ranks) and for zerostack engine.memory_breakdown().
+
+``--baseline DIR`` (another checkout of zerostack, e.g. a ``git worktree`` of the commit before a
+refactor) adds a ``base_`` side for each zerostack side, run with ``DIR/src`` first on the path,
+in the same rounds: the ratios then say whether the change made a stage slower, and
+``memory_breakdown_identical`` whether it changed what a rank holds.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def _args(argv=None):
         help="extra zero_optimization keys (JSON) for the zerostack and DeepSpeed sides, e.g. "
         "'{\"reduce_bucket_size\": 4000000}'",
     )
+    p.add_argument("--baseline", help="a zerostack checkout to compare with, side by side")
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
     args = p.parse_args(argv)
     args.zero_extra = json.loads(args.zero)
@@ -196,15 +203,31 @@ def main(args) -> dict:
             ds_skip = f"not importable: {type(e).__name__}: {e}".splitlines()[0]
     runnable = [s for s in wanted if not (s in DS and ds_skip)]
     results.update({s: {"side": s, "skipped": ds_skip} for s in wanted if s not in runnable})
+    envs = {s: env for s in runnable}
+    if args.baseline:  # the same zerostack sides, from the other checkout's source
+        src = os.path.join(os.path.abspath(args.baseline), "src")
+        if not os.path.isdir(os.path.join(src, "zerostack")):
+            sys.exit(f"--baseline: {args.baseline!r} has no src/zerostack")
+        path = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+        base = {f"base_{s}": dict(env, PYTHONPATH=path) for s in runnable if s in ZS}
+        envs.update(base)
+        runnable += list(base)
+        wanted += list(base)
     for r in range(args.repeats):
         for side in runnable if r % 2 == 0 else runnable[::-1]:
-            res = _launch(args, side, env)
+            res = _launch(args, side.removeprefix("base_"), envs[side])
+            res["side"] = side
             print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
             best = results.get(side)
             if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
                 results[side] = res
-    ratios = {}
-    for a, b in RATIOS:
+    ratios, same_memory = {}, {}
+    pairs = RATIOS + [(s.removeprefix("base_"), s) for s in results if s.startswith("base_")]
+    for s in results:
+        if s.startswith("base_") and "memory_breakdown" in results[s]:
+            now = results.get(s.removeprefix("base_"), {}).get("memory_breakdown")
+            same_memory[s.removeprefix("base_")] = now == results[s]["memory_breakdown"]
+    for a, b in pairs:
         ra, rb = results.get(a, {}), results.get(b, {})
         if "median_s" in ra and "median_s" in rb:
             ratios[f"{a}/{b}"] = {
@@ -228,6 +251,9 @@ def main(args) -> dict:
         "sides": {s: {k: v for k, v in results[s].items() if k != "side"} for s in wanted},
         "ratios": ratios,
     }
+    if args.baseline:
+        out["baseline"] = os.path.abspath(args.baseline)
+        out["memory_breakdown_identical"] = same_memory
     return emit(out, args.out)
 
 

@@ -16,6 +16,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
+from _pages import write_between  # noqa: E402
+
 from zerostack.config_keys import (  # noqa: E402
     DEEPSPEED_KEYS,
     DEFAULT_DIFFERENCES,
@@ -57,11 +59,7 @@ def table() -> str:
 
 def write_page(path: str = PAGE) -> None:
     """Replace the table between the reference page's markers with :func:`table`."""
-    text = open(path, encoding="utf-8").read()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + table() + END + tail)
+    write_between(path, BEGIN, END, table())
 
 
 if __name__ == "__main__":

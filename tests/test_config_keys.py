@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import config_table  # noqa: E402
+from _pages import between  # noqa: E402
 
 # DeepSpeed 0.19.8's top-level config keys, read from its source (deepspeed/runtime/config.py:
 # DeepSpeedConfig._initialize_params and the get_* helpers it calls, with the key names in
@@ -289,10 +290,7 @@ def test_torch_adam_is_torch_optims_plain_adam_also_offloaded():
 
 
 def test_the_reference_table_is_the_generated_one():
-    page = open(config_table.PAGE, encoding="utf-8").read()
-    begin, end = config_table.BEGIN, config_table.END
-    assert page.count(begin) == 1 and page.count(end) == 1
-    shown = page.split(begin)[1].split(end)[0]
+    shown = between(config_table.PAGE, config_table.BEGIN, config_table.END)
     assert shown == config_table.table(), "run: python scripts/config_table.py --write"
 
 
