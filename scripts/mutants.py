@@ -802,7 +802,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a silent peer is given ten times the bound",
-        "watchdog.py",
+        "heartbeats.py",
         "if now - when > self.timeout and not",
         "if now - when > 10 * self.timeout and not",
         (
@@ -812,7 +812,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a peer that missed its beats does not hold back the rival verdict",
-        "watchdog.py",
+        "heartbeats.py",
         "now - pending.started > self.timeout and not quiet:",
         "now - pending.started > self.timeout:",
         ("tests/test_watchdog.py::test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped",),
@@ -850,7 +850,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a posted verdict is not read by the other ranks",
-        "watchdog.py",
+        "heartbeats.py",
         "        if self.store.check([key]):\n            return self.store.get(key).decode()\n",
         "",
         (

@@ -44,12 +44,12 @@ def _beat(store, rank, beat, step=0, calls=0, waiting=None, left=False):
 def test_a_silent_peer_is_named_with_its_last_position():
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog._publish()
-    dog._seen = {1: (-1, time.monotonic())}
+    dog.beats.publish()
+    dog.beats.seen = {1: (-1, time.monotonic())}
     _beat(store, 1, 1, step=7, calls=152, waiting=["all_gather", 151, "dp", 0.5])
-    assert dog.check() is None  # it just beat
+    assert dog.beats.check() is None  # it just beat
     time.sleep(0.4)
-    verdict = dog.check()
+    verdict = dog.beats.check()
     assert verdict.startswith("rank 1 stopped answering (no heartbeat for more than 0.3 s")
     assert "rank 1, last heard 0.4 s ago, at step 7, after 152 collectives, in all_gather #151" in (
         verdict
@@ -60,35 +60,35 @@ def test_a_silent_peer_is_named_with_its_last_position():
 def test_a_peer_that_keeps_beating_is_not_stale():
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog._seen = {1: (-1, time.monotonic())}
+    dog.beats.seen = {1: (-1, time.monotonic())}
     for beat in range(6):
         _beat(store, 1, beat)
-        assert dog.check() is None
+        assert dog.beats.check() is None
         time.sleep(0.1)
 
 
 def test_a_peer_that_left_on_purpose_is_not_stale():
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog._seen = {1: (-1, time.monotonic())}
+    dog.beats.seen = {1: (-1, time.monotonic())}
     _beat(store, 1, 3, left=True)
-    dog.check()
+    dog.beats.check()
     time.sleep(0.4)
-    assert dog.check() is None
+    assert dog.beats.check() is None
 
 
 def test_waiting_too_long_in_a_collective_lists_every_rank():
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog._seen = {1: (-1, time.monotonic())}
+    dog.beats.seen = {1: (-1, time.monotonic())}
     rec = dog.log.begin("reduce_scatter", "dp", 1024)
     rec.started -= 1.0  # posted a second ago
     _beat(store, 1, 1, step=3, calls=9, waiting=["all_gather", 8, "dp", 1.0])
-    verdict = dog.check()
+    verdict = dog.beats.check()
     assert verdict.startswith("rank 0 waited more than 0.3 s in reduce_scatter #0 on dp at step 0")
     assert "rank 1 at step 3, after 9 collectives, in all_gather #8 on dp" in verdict
     dog.log.end(rec)
-    assert dog.check() is None
+    assert dog.beats.check() is None
 
 
 def test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped():
@@ -99,19 +99,20 @@ def test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped():
     for beats_again in (False, True):
         store = dist.HashStore()
         dog, _ = _dog(store, interval=0.05)  # timeout 0.3 s
-        dog._seen = {1: (-1, time.monotonic())}
+        dog.beats.seen = {1: (-1, time.monotonic())}
         _beat(store, 1, 1, step=0, calls=15)
-        assert dog.check() is None  # heard now
+        assert dog.beats.check() is None  # heard now
         rec = dog.log.begin("barrier", "world", 0)
         rec.started -= 1.0  # this rank has waited past the timeout
         time.sleep(0.15)  # three intervals: rank 1 missed two beats, not yet the timeout
         if beats_again:
             _beat(store, 1, 2, step=3, calls=24, waiting=["all_gather", 23, "dp", 0.1])
-            assert dog.check().startswith("rank 0 waited more than 0.3 s in barrier #0 on world")
+            verdict = dog.beats.check()
+            assert verdict.startswith("rank 0 waited more than 0.3 s in barrier #0 on world")
             continue
-        assert dog.check() is None
+        assert dog.beats.check() is None
         time.sleep(0.2)
-        verdict = dog.check()
+        verdict = dog.beats.check()
         assert verdict.startswith("rank 1 stopped answering (no heartbeat for more than 0.3 s")
         assert "at step 0, after 15 collectives, in no collective" in verdict
 
@@ -153,14 +154,14 @@ def test_a_collective_the_device_never_completes_is_named(events):
     device, and the verdict and both ranks' positions name it."""
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog._seen = {1: (-1, time.monotonic())}
+    dog.beats.seen = {1: (-1, time.monotonic())}
     rec = dog.log.begin("all_reduce", "dp", 4)
     Handle(_NcclWork(), rec, dog.log, Clock(), on_device=True).wait()
     assert dog.log.in_flight == {0: rec} and rec.on_device  # the host went on
-    assert dog.state()["waiting"][4] is True
+    assert dog.beats.state()["waiting"][4] is True
     rec.started -= 1.0
     _beat(store, 1, 1, step=0, calls=2, waiting=["all_reduce", 1, "dp", 1.0, True])
-    verdict = dog.check()
+    verdict = dog.beats.check()
     assert verdict.startswith(
         "rank 0's all_reduce #0 on dp at step 0 has not completed on the device after 0.3 s "
         "while its peers answer"
@@ -171,7 +172,7 @@ def test_a_collective_the_device_never_completes_is_named(events):
     ) in verdict
     assert "queued on the device" in rec.describe()
     events[0].reached = True  # the device ran it: out of flight at the next look
-    assert dog.check() is None and dog.log.in_flight == {} and rec.event is None
+    assert dog.beats.check() is None and dog.log.in_flight == {} and rec.event is None
 
 
 def test_a_collective_done_when_waited_for_leaves_at_once(events):
@@ -431,7 +432,7 @@ def test_a_failed_collective_carries_the_posted_verdict():
     verdict, so its log names the cause too; without a verdict the error is gloo's own."""
     store = dist.HashStore()
     dog, _ = _dog(store)
-    dog.log.explain = dog.posted_verdict
+    dog.log.explain = dog.beats.posted_verdict
     rec = dog.log.begin("all_gather", "dp", 64)
     plain = RuntimeError("Connection reset by peer")
     assert dog.log.failed(rec, plain) is plain

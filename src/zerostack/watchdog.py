@@ -4,21 +4,10 @@ job within a bound, and every rank says who stopped where.
 Each rank runs a daemon thread (:class:`Watchdog`) that every ``interval`` seconds publishes a
 heartbeat in the job's key-value store (the one ``torch.distributed`` was initialised with:
 torchrun's TCPStore, served by the node agent, so it answers even when a worker does not) and
-reads its peers' heartbeats. A heartbeat carries a counter, the step and the collective the rank
-is waiting in (from its :class:`~zerostack.comm.CommLog`). The thread is independent of the
-training thread, so a rank that computes for a long time still beats; a rank that is stopped
-(``SIGSTOP``, a stuck driver, a debugger) does not. Two verdicts end the job:
-
-* a peer's counter has not moved for ``timeout`` seconds (on this rank's clock): it stopped
-  answering; its last heartbeat says at which step and in which collective;
-* this rank has waited ``timeout`` seconds in one collective while every peer still beats: the
-  ranks are in different collectives (a skipped forward, a rank-dependent branch), or one is
-  computing for too long; every rank's position is listed, so a mismatch shows. A peer that has
-  missed two beats holds this verdict back until its own silence reaches ``timeout``: a rank
-  that froze as this one began waiting is named as stopped, not as being elsewhere. On NCCL the
-  host does not wait in the collective itself: its record stays in flight "on the device" until
-  the collective completes (:mod:`zerostack.comm.records`), so the verdict names it too when the
-  host blocks later in an unrelated read (the norm's, a user's ``.item()``).
+reads its peers' (:mod:`zerostack.heartbeats`: the heartbeat and the two verdicts, a peer that
+stopped answering or ranks in different collectives). The thread is independent of the training
+thread, so a rank that computes for a long time still beats; a rank that is stopped
+(``SIGSTOP``, a stuck driver, a debugger) does not.
 
 The rank that reaches a verdict posts it in the store, prints it with its last collectives and
 exits non-zero (``os._exit``, after removing the files this rank wrote for itself alone:
@@ -33,20 +22,19 @@ while the training thread is blocked inside a collective).
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from .comm import CommLog
 from .core.exit import hard_exit
+from .heartbeats import PREFIX, Heartbeats, started
 
-PREFIX = "zerostack/watchdog/"
+__all__ = ["EXIT_CODE", "PREFIX", "Watchdog", "default_store", "start_watchdog"]
 EXIT_CODE = 75  # not 1: a watchdog exit is told apart from an exception in the logs
 
 
@@ -76,9 +64,9 @@ class Watchdog:
         # formats a traceback, and a verdict printed into that and followed by ``os._exit`` would
         # leave the rank's log empty (seen on CI: exit code 75, no output)
         self._exit, self._out = exit, out if out is not None else sys.stderr
-        self._beat = 0
-        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its counter, when it changed)
-        self._peers: dict[int, dict] = {}
+        self.beats = Heartbeats(
+            log, store, rank=rank, world=world, timeout=self.timeout, interval=self.interval
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r: socket.socket | None = None
@@ -86,19 +74,15 @@ class Watchdog:
         self._old_wakeup: int | None = None
         self._old_handler = None
         self._old_excepthook = sys.excepthook
-        self._process = {"host": socket.gethostname(), "pid": os.getpid(), "start": _started()}
-        self._stale: list[int] = []
         self._tracing, self._traced = threading.Event(), threading.Event()
         self._ending, self._ended = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Watchdog:
         self._listen_for_sigusr1()
-        self.log.explain = self.posted_verdict
+        self.log.explain = self.beats.posted_verdict
         self._chain_excepthook()
-        self._publish()
-        now = time.monotonic()
-        self._seen = {r: (-1, now) for r in range(self.world) if r != self.rank}
+        self.beats.start()
         self._thread = threading.Thread(target=self._run, name="zerostack-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -108,7 +92,7 @@ class Watchdog:
         if self._thread is None:
             return
         self._stop.set()
-        if self.log.explain == self.posted_verdict:
+        if self.log.explain == self.beats.posted_verdict:
             self.log.explain = None
         if getattr(sys.excepthook, "__self__", None) is self:
             sys.excepthook = self._old_excepthook
@@ -123,130 +107,9 @@ class Watchdog:
         self._thread.join(timeout=self.interval + 5)
         self._thread = None
         try:
-            self._publish(left=True)
+            self.beats.publish(left=True)
         except Exception:  # the store may be gone at shutdown
             pass
-
-    # ------------------------------------------------------------------ heartbeat
-    def state(self) -> dict:
-        """This rank's position: step, collectives so far, the one it waits in."""
-        pending = self.log.oldest_in_flight()
-        waiting = None
-        if pending is not None:
-            waited = time.monotonic() - pending.started
-            waiting = [pending.op, pending.seq, pending.axis, waited, pending.on_device]
-        return {"beat": self._beat, "step": self.log.step, "calls": self.log.count,
-                "waiting": waiting}  # fmt: skip
-
-    def _publish(self, left: bool = False) -> None:
-        self._beat += 1
-        body = self.state()
-        body["left"] = left
-        body.update(self._process)
-        self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps(body))
-
-    def _read_peers(self) -> None:
-        """Every peer's last heartbeat: one round trip to the store once all have beaten (a
-        ``multi_get``), not one or two per peer; until then, those that have."""
-        now = time.monotonic()
-        ranks = list(self._seen)
-        keys = [f"{PREFIX}hb/{r}" for r in ranks]
-        if self.store.check(keys):
-            got = dict(zip(ranks, self.store.multi_get(keys), strict=True))
-        else:  # some have not started yet: stale from this rank's start on
-            pairs = zip(ranks, keys, strict=True)
-            got = {r: self.store.get(k) for r, k in pairs if self.store.check([k])}
-        for r, raw in got.items():
-            body = json.loads(raw)
-            self._peers[r] = body
-            if body["beat"] != self._seen[r][0]:
-                self._seen[r] = (body["beat"], now)
-
-    # ------------------------------------------------------------------ verdicts
-    def posted_verdict(self) -> str | None:
-        """The verdict some rank posted, if any (for a collective that failed meanwhile)."""
-        key = f"{PREFIX}verdict"
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
-            return None
-
-    def check(self) -> str | None:
-        """A verdict if the job must end now, else None (reads the store; one round)."""
-        key = f"{PREFIX}verdict"
-        if self.store.check([key]):
-            return self.store.get(key).decode()
-        self._read_peers()
-        now = time.monotonic()
-        stale = [
-            r
-            for r, (_, when) in self._seen.items()
-            if now - when > self.timeout and not self._peers.get(r, {}).get("left")
-        ]
-        self._stale = stale
-        if stale:
-            names = "; ".join(
-                f"rank {r}, last heard {now - self._seen[r][1]:.1f} s ago, {self._position(r)}"
-                for r in stale
-            )
-            return (
-                f"rank {stale[0]} stopped answering (no heartbeat for more than "
-                f"{self.timeout:g} s, seen by rank {self.rank}): {names}; rank {self.rank} is "
-                f"{self._own_position()}"
-            )
-        # a peer that has missed two beats may be the one that stopped: its silence crosses the
-        # timeout within ``timeout`` of this rank's wait (it froze as this rank began waiting, and
-        # this rank heard its last beat up to an interval late), so the stale verdict names it
-        # then; the rival verdict waits for that, or for the peer's next beat
-        quiet = [
-            r
-            for r, (_, when) in self._seen.items()
-            if now - when > 2 * self.interval and not self._peers.get(r, {}).get("left")
-        ]
-        pending = self.log.oldest_in_flight()
-        if pending is not None and now - pending.started > self.timeout and not quiet:
-            others = "; ".join(f"rank {r} {self._position(r)}" for r in sorted(self._peers))
-            what = f"{pending.op} #{pending.seq} on {pending.axis} at step {pending.step}"
-            if pending.on_device:  # NCCL: the host went on, the collective never completed
-                head = (
-                    f"rank {self.rank}'s {what} has not completed on the device after "
-                    f"{self.timeout:g} s"
-                )
-            else:
-                head = f"rank {self.rank} waited more than {self.timeout:g} s in {what}"
-            return (
-                f"{head} while its peers answer (ranks in different collectives, or one "
-                f"computing too long): {others}"
-            )
-        return None
-
-    def _own_position(self) -> str:
-        pending = self.log.oldest_in_flight()
-        where = f"at step {self.log.step}, after {self.log.count} collectives"
-        if pending is None:
-            return where + ", in no collective"
-        waited = time.monotonic() - pending.started
-        return where + _pending(pending.op, pending.seq, pending.axis, pending.on_device, waited)
-
-    def _position(self, r: int) -> str:
-        body = self._peers.get(r)
-        if body is None:
-            return "(never beat)"
-        where = f"at step {body['step']}, after {body['calls']} collectives"
-        if body["waiting"]:
-            op, seq, axis, waited, *device = body["waiting"]
-            where += _pending(op, seq, axis, bool(device and device[0]), waited)
-            where += " when last seen"
-        else:
-            where += ", in no collective"
-        return where
-
-    def report(self) -> str:
-        """This rank's position and its last ``history`` collectives, one per line."""
-        lines = [f"[zerostack watchdog] rank {self.rank}: step {self.log.step}"]
-        recent = self.log.records[-self.history :]
-        lines += [f"[zerostack watchdog] rank {self.rank}:   {r.describe()}" for r in recent]
-        return "\n".join(lines)
 
     def _say(self, text: str) -> None:
         print(text, file=self._out, flush=True)
@@ -255,13 +118,13 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._sleep():
-                self._say(self.report())
+                self._say(self.beats.report(self.history))
                 continue
             if self._stop.is_set():
                 return
             try:
-                self._publish()
-                verdict = self.check()
+                self.beats.publish()
+                verdict = self.beats.check()
             except Exception as exc:  # the store itself is gone: the agent ended the job
                 if self._stop.is_set():
                     return
@@ -274,7 +137,7 @@ class Watchdog:
             except Exception:
                 pass
             self._say(f"[zerostack watchdog] rank {self.rank}: ending the job: {verdict}")
-            self._say(self.report())
+            self._say(self.beats.report(self.history))
             self._end_stopped_peers()
             if self._tracing.is_set():  # this rank's traceback is being printed: let it finish
                 self._traced.wait(timeout=5)
@@ -286,12 +149,12 @@ class Watchdog:
     def _end_stopped_peers(self) -> None:
         """``SIGKILL`` the stale peers that run on this host (checked by pid and start time, so
         a pid reused since is left alone)."""
-        for r in self._stale:
-            body = self._peers.get(r, {})
+        for r in self.beats.stale:
+            body = self.beats.peers.get(r, {})
             pid = body.get("pid")
-            if body.get("host") != self._process["host"] or not pid or pid == os.getpid():
+            if body.get("host") != self.beats.process["host"] or not pid or pid == os.getpid():
                 continue
-            if body.get("start") is None or _started(pid) != body["start"]:
+            if body.get("start") is None or started(pid) != body["start"]:
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -355,24 +218,6 @@ class Watchdog:
             return
         self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: None)
         self._wake_r, self._wake_w, self._old_wakeup = r, w, None
-
-
-def _pending(op: str, seq: int, axis: str, on_device: bool, waited: float) -> str:
-    """A position's pending collective: the one the host waits in, or one the host went on
-    from that the device (NCCL) has not completed."""
-    if on_device:
-        return f", with {op} #{seq} on {axis} unfinished on the device ({waited:.1f} s)"
-    return f", in {op} #{seq} on {axis} (waiting {waited:.1f} s)"
-
-
-def _started(pid: int | str = "self") -> int | None:
-    """A process's start time in clock ticks since boot (Linux), to tell it from a later process
-    given the same pid; None where /proc is not there."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
