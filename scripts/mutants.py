@@ -2304,14 +2304,14 @@ MUTANTS = [
     ),
     Mutant(
         "stages 1-2 by bucket: every bucket stepped at every bucket's turn",
-        "zero/sharded_optimizer.py",
+        "zero/write_back.py",
         "            st.master.grad = None\n        handles: list[tuple] = []",
         "        handles: list[tuple] = []",
         (T_ODD,),
     ),
     Mutant(
         "stages 1-2 by bucket: a bucket gathered before it is stepped",
-        "zero/sharded_optimizer.py",
+        "zero/write_back.py",
         "                optimizer.step()\n                st.master.grad = None\n"
         "                self._gather(st, handles)",
         "                self._gather(st, handles)\n                optimizer.step()\n"
@@ -2320,14 +2320,14 @@ MUTANTS = [
     ),
     Mutant(
         "stages 1-2: never stepped by bucket",
-        "zero/sharded_optimizer.py",
+        "zero/write_back.py",
         "and type(optimizer) in _ELEMENTWISE",
         "and False",
         (T_BY_BUCKET,),
     ),
     Mutant(
         "stages 1-2: a client's optimizer stepped by bucket",
-        "zero/sharded_optimizer.py",
+        "zero/write_back.py",
         "and type(optimizer) in _ELEMENTWISE",
         "and isinstance(optimizer, _ELEMENTWISE)",
         (T_BY_BUCKET,),
@@ -2349,7 +2349,7 @@ MUTANTS = [
     ),
     Mutant(
         "stages 1-2 with nvme: the stepped piece not what is gathered",
-        "zero/sharded_optimizer.py",
+        "zero/write_back.py",
         "src, st.updated = st.updated, None  # (nvme",
         "src, st.updated = None, None  # (nvme",
         (f"{P}[offload-nvme]",),

@@ -25,9 +25,8 @@ The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (wi
 bucket size that is one tensor per group). In fp32 training at stages 0-2 those tensors are views of
 the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate fp32 masters
 made from the original fp32 weights. After a step at stages 1-2 the updated pieces are all-gathered
-into every rank's parameter buffer. With torch's Adam, AdamW or SGD (each parameter updated on its
-own) the optimizer steps one bucket's master at a time and each bucket's all-gather starts as soon
-as its master is stepped, so the gathers overlap the rest of the step.
+into every rank's parameter buffer, overlapping the step where the optimizer allows it
+(:mod:`.write_back`).
 """
 
 from __future__ import annotations
@@ -47,10 +46,7 @@ from .offload import Downloads, HostMeter, Uploads, host_device
 from .partition import FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
-
-# Optimizers whose step updates each parameter from its own gradient and state alone: stepping
-# the masters one bucket at a time gives what one step of all of them gives.
-_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+from .write_back import WriteBack
 
 
 class ShardedDataParallel(FlatState, StepSequence):
@@ -82,7 +78,6 @@ class ShardedDataParallel(FlatState, StepSequence):
         self.downloads = Downloads(comm.topo.device)  # stage 2's pieces to an offloaded shard
         self.ep_shared: set[nn.Parameter] = set()  # MoE: averaged over ep at the step
         self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
-        self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
         self.host_meter = HostMeter()
         self.module, self.comm, self.precision = module, comm, precision
         self.stage = stage  # a label (the Protocol's): the choices are the two below
@@ -152,6 +147,10 @@ class ShardedDataParallel(FlatState, StepSequence):
         )
         for st in self.buckets:
             self.store.add(st.master)
+        self.write_back = WriteBack(
+            self.groups, self.buckets, comm=comm, shard_world=self.shard_world,
+            uploads=self.uploads, buffers=self.buffers,
+        )  # fmt: skip
         self._sync_untracked(dtype)
         # a sharded state: each bucket is waited for (and, sharded gradients, added into the
         # shard and its buffers freed) while backward goes on, at most two in flight
@@ -262,96 +261,24 @@ class ShardedDataParallel(FlatState, StepSequence):
         for st in self.buckets:
             st.master.grad.mul_(factor)
 
-    def _steps_by_bucket(self, optimizer) -> bool:
-        """Whether the optimizer may step one bucket's master at a time: an optimizer of torch
-        that updates each parameter from its own gradient and state alone, masters in memory,
-        and gathers to overlap."""
-        return (
-            self.shard_world > 1
-            and self.offload == "none"
-            and len(self.buckets) > 1
-            and type(optimizer) in _ELEMENTWISE
-        )
-
     def step_optimizer(self, optimizer) -> None:
         """``optimizer.step()`` on the masters (sub-group by sub-group when they are in files,
         each new value kept for :meth:`after_step`; bucket by bucket, each gathered once
-        stepped, when :meth:`_steps_by_bucket`)."""
-        if self._steps_by_bucket(optimizer):
-            self._gathering = self._step_and_gather(optimizer)
+        stepped, when the write-back can overlap them)."""
+        if self.write_back.steps_by_bucket(optimizer, self.offload):
+            self.write_back.step_and_gather(optimizer)
             return
         bucket_of = {st.master: st for st in self.buckets}
 
         def keep(master: nn.Parameter, value: torch.Tensor) -> None:
             st = bucket_of[master]
-            st.updated = self._on_device(st, value)
+            st.updated = self.write_back.on_device(st, value)
 
         self.store.step(optimizer, keep)
 
-    def _step_and_gather(self, optimizer) -> list[tuple]:
-        """Step each bucket's master alone (the others' gradients hidden for the call) and
-        launch its all-gather; the gathers still in flight."""
-        grads = [st.master.grad for st in self.buckets]
-        for st in self.buckets:
-            st.master.grad = None
-        handles: list[tuple] = []
-        try:
-            for st, grad in zip(self.buckets, grads, strict=True):
-                st.master.grad = grad
-                optimizer.step()
-                st.master.grad = None
-                self._gather(st, handles)
-        finally:
-            for st, grad in zip(self.buckets, grads, strict=True):
-                st.master.grad = grad
-        return handles
-
     def after_step(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""
-        handles, self._gathering = self._gathering, None
-        if handles is None:
-            handles = []
-            for st in self.buckets:
-                if self.shard_world == 1:
-                    fg = self.groups[st.group]
-                    full = fg.params_flat[st.bucket.start : st.bucket.end]
-                    master = st.updated if st.updated is not None else st.master.detach()
-                    st.updated = None
-                    if master.data_ptr() != full.data_ptr():  # offloaded: without blocking
-                        self.uploads.copy(st.master, full, master)
-                else:
-                    self._gather(st, handles)
-        for h, src in handles:
-            self._gathered(h, src)
-
-    def _gather(self, st: BucketState, handles: list[tuple]) -> None:
-        """Launch the all-gather of bucket ``st``'s updated master into every rank's parameter
-        buffer, appended to ``handles`` as ``(handle, input copy or None)``; at most two stay in
-        flight (their inputs are buckets' pieces)."""
-        full = self.groups[st.group].params_flat[st.bucket.start : st.bucket.end]
-        src, st.updated = st.updated, None  # (nvme: the stepped piece, already a copy)
-        in_place = False
-        if src is None:
-            # In fp32 the master is this rank's row of ``full``: gathered in place
-            master, own = st.master.detach(), full[self.rank * st.bucket.piece_numel :]
-            in_place = master.data_ptr() == own.data_ptr() and master.dtype == own.dtype
-            src = master if in_place else self._on_device(st, master)
-        handle = self.comm.all_gather(full, src, axis="dp", async_op=True)
-        handles.append((handle, None if in_place else src))
-        if len(handles) > 2:
-            self._gathered(*handles.pop(0))
-
-    def _gathered(self, handle, src: torch.Tensor) -> None:
-        handle.wait()
-        self.buffers.give(src)
-
-    def _on_device(self, st: BucketState, value: torch.Tensor) -> torch.Tensor:
-        """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
-        memory when offloaded: through the bucket's staging buffer, without blocking)."""
-        dtype = self.groups[st.group].params_flat.dtype
-        out = self.buffers.take(value.numel(), dtype, self.comm.topo.device).view(value.shape)
-        self.uploads.copy(st.master, out, value)
-        return out
+        self.write_back.after_step()
 
     def zero_grad(self) -> None:
         self.downloads.settle()  # no late add after the zeros

@@ -1,0 +1,121 @@
+"""The stepped masters of ZeRO stages 0-2 back into every rank's compute-dtype parameters.
+
+Where every rank holds the whole state (stage 0, or dp 1) each bucket's master is copied into
+the parameter buffer (up from host memory when offloaded, without blocking); where each rank
+holds a piece (stages 1-2) the pieces are all-gathered, at most two gathers in flight. With
+torch's Adam, AdamW or SGD (each parameter updated on its own) and masters in memory, the
+optimizer steps one bucket's master at a time and each bucket's all-gather starts as soon as
+it is stepped, so the gathers overlap the rest of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..core import scratch
+from .flat_params import BucketState, FlatGroup
+from .offload import Uploads
+
+# Optimizers whose step updates each parameter from its own gradient and state alone: stepping
+# the masters one bucket at a time gives what one step of all of them gives.
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class WriteBack:
+    """The write-back of ``buckets`` (of ``groups``) over ``comm``'s dp axis, for a state
+    shared by ``shard_world`` ranks; ``uploads`` brings offloaded masters up, ``buffers`` lends
+    the gathers' inputs."""
+
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        buckets: list[BucketState],
+        *,
+        comm: Comm,
+        shard_world: int,
+        uploads: Uploads,
+        buffers: scratch.Pool,
+    ) -> None:
+        self.groups, self.buckets, self.comm = groups, buckets, comm
+        self.shard_world, self.rank = shard_world, comm.topo.dp_rank
+        self.uploads, self.buffers = uploads, buffers
+        self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
+
+    def steps_by_bucket(self, optimizer, offload: str) -> bool:
+        """Whether the optimizer may step one bucket's master at a time: an optimizer of torch
+        that updates each parameter from its own gradient and state alone, masters in memory,
+        and gathers to overlap."""
+        return (
+            self.shard_world > 1
+            and offload == "none"
+            and len(self.buckets) > 1
+            and type(optimizer) in _ELEMENTWISE
+        )
+
+    def step_and_gather(self, optimizer) -> None:
+        """Step each bucket's master alone (the others' gradients hidden for the call) and
+        launch its all-gather; :meth:`after_step` waits for those still in flight."""
+        grads = [st.master.grad for st in self.buckets]
+        for st in self.buckets:
+            st.master.grad = None
+        handles: list[tuple] = []
+        try:
+            for st, grad in zip(self.buckets, grads, strict=True):
+                st.master.grad = grad
+                optimizer.step()
+                st.master.grad = None
+                self._gather(st, handles)
+        finally:
+            for st, grad in zip(self.buckets, grads, strict=True):
+                st.master.grad = grad
+        self._gathering = handles
+
+    def after_step(self) -> None:
+        """Bring the updated masters into every rank's compute-dtype parameter buffer: copied
+        where every rank holds the whole state, else all-gathered (those launched as buckets
+        were stepped only waited for)."""
+        handles, self._gathering = self._gathering, None
+        if handles is None:
+            handles = []
+            for st in self.buckets:
+                if self.shard_world == 1:
+                    fg = self.groups[st.group]
+                    full = fg.params_flat[st.bucket.start : st.bucket.end]
+                    master = st.updated if st.updated is not None else st.master.detach()
+                    st.updated = None
+                    if master.data_ptr() != full.data_ptr():  # offloaded: without blocking
+                        self.uploads.copy(st.master, full, master)
+                else:
+                    self._gather(st, handles)
+        for h, src in handles:
+            self._gathered(h, src)
+
+    def _gather(self, st: BucketState, handles: list[tuple]) -> None:
+        """Launch the all-gather of bucket ``st``'s updated master into every rank's parameter
+        buffer, appended to ``handles`` as ``(handle, input copy or None)``; at most two stay in
+        flight (their inputs are buckets' pieces)."""
+        full = self.groups[st.group].params_flat[st.bucket.start : st.bucket.end]
+        src, st.updated = st.updated, None  # (nvme: the stepped piece, already a copy)
+        in_place = False
+        if src is None:
+            # In fp32 the master is this rank's row of ``full``: gathered in place
+            master, own = st.master.detach(), full[self.rank * st.bucket.piece_numel :]
+            in_place = master.data_ptr() == own.data_ptr() and master.dtype == own.dtype
+            src = master if in_place else self.on_device(st, master)
+        handle = self.comm.all_gather(full, src, axis="dp", async_op=True)
+        handles.append((handle, None if in_place else src))
+        if len(handles) > 2:
+            self._gathered(*handles.pop(0))
+
+    def _gathered(self, handle, src: torch.Tensor) -> None:
+        handle.wait()
+        self.buffers.give(src)
+
+    def on_device(self, st: BucketState, value: torch.Tensor) -> torch.Tensor:
+        """A copy of a bucket's fp32 master piece in the compute dtype on the device (from host
+        memory when offloaded: through the bucket's staging buffer, without blocking)."""
+        dtype = self.groups[st.group].params_flat.dtype
+        out = self.buffers.take(value.numel(), dtype, self.comm.topo.device).view(value.shape)
+        self.uploads.copy(st.master, out, value)
+        return out
