@@ -584,7 +584,7 @@ MUTANTS = [
     ),
     Mutant(
         "initialize skips the pipeline simulator's check",
-        "pipeline/engine.py",
+        "validate.py",
         "check_schedule(pcfg.schedule, module.num_stages, gas, module.virtual_stages)",
         "pcfg.schedule",
         (
@@ -1831,9 +1831,9 @@ MUTANTS = [
     ),
     Mutant(
         "the engine's batch counts sp ranks as replicas",
-        "engine.py",
-        "config.resolve_batch(topology.data_parallel_size)",
-        "config.resolve_batch(topology.dp)",
+        "validate.py",
+        "cfg.resolve_batch(topo.data_parallel_size)",
+        "cfg.resolve_batch(topo.dp)",
         (f"{U}::test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples",),
     ),
     Mutant(
@@ -2209,7 +2209,7 @@ MUTANTS = [
         "zero/grad_buffers.py",
         "        if f.shard_world > 1:\n            return self._reduce(st, chunk)\n",
         "",
-        ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-None]",),
+        ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-1-None]",),
     ),
     Mutant(
         "a checkpoint of stage 1 written by dp rank 0 alone",
@@ -2231,6 +2231,20 @@ MUTANTS = [
         "        if isinstance(self.zero, Pieces):\n            self.zero.release_gathered()",
         "        if isinstance(self.zero, Pieces):\n            pass",
         ("tests/test_stage3_live.py::test_gather_budget_follows_deepspeeds_keys",),
+    ),
+    Mutant(
+        "validate: expert parallelism's rules not run (stage 3 with ep accepted)",
+        "validate.py",
+        "    _check_experts(model, topo, stage)\n",
+        "",
+        ("tests/test_moe.py::test_expert_parallel_bytes_memory_and_refusals",),
+    ),
+    Mutant(
+        "auto: stage 3 chosen with expert parallelism",
+        "plan/auto.py",
+        "            stages = [s for s in stages if s < 3]\n",
+        "            pass\n",
+        ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
     ),
     Mutant(
         "stage 1: the boundary's reduction not waited for at the end of backward",

@@ -17,7 +17,7 @@ from zerostack.config import ConfigError, load_config
 from zerostack.estimate import Layout, count_parameters, model_states
 from zerostack.plan.auto import _bytes, describe_module, resolve
 
-TOPO = SimpleNamespace(dp=4, tp=1, pp=1, world_size=4, device=torch.device("cpu"))
+TOPO = SimpleNamespace(dp=4, tp=1, pp=1, ep=1, world_size=4, device=torch.device("cpu"))
 
 
 def _cfg(**extra):
@@ -39,6 +39,10 @@ def test_the_lowest_stage_that_fits():
     assert resolve(_cfg(), model, TOPO, memory_bytes=budget).zero_optimization.stage == 3
     with pytest.raises(ConfigError, match="zero_optimization.stage: auto finds no stage"):
         resolve(_cfg(), model, TOPO, memory_bytes=1000)
+    # with expert parallelism stage 3 is no choice (zerostack.validate refuses it): the same
+    # budget fits none, and the error names stage 2
+    with pytest.raises(ConfigError, match="auto finds no stage that fits: stage 2 needs"):
+        resolve(_cfg(), model, SimpleNamespace(**{**vars(TOPO), "ep": 2}), memory_bytes=budget)
 
 
 def test_offload_narrows_the_stages():

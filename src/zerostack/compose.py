@@ -19,7 +19,7 @@ from . import activation_checkpointing
 from .comm import comms_logger
 from .comm import configure as configure_comms
 from .comm.grid import comm_for
-from .config import ConfigError, ZeroStackConfig, grad_accum_refusal, load_config
+from .config import ConfigError, ZeroStackConfig, load_config
 from .config_keys import warn_no_effect, warn_pageable_offload
 from .data.sampler import ResumableSampler
 from .engine import Engine
@@ -28,11 +28,11 @@ from .moe.sync import average_over_ep
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pinned import can_pin
 from .pipeline import PipelineEngine, PipelineModule
-from .plan.auto import resolve as resolve_auto
 from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
+from .validate import validate
 from .watchdog import start_watchdog
 from .world import default_timeout, init_distributed
 
@@ -178,19 +178,8 @@ def _bind_experts(model: nn.Module, topo: Topology, cfg: ZeroStackConfig) -> Non
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for m in layers:
         m.set_topology(topo)
-    if topo.ep == 1:
-        return
-    if isinstance(model, PipelineModule) or topo.tp > 1:
-        raise ConfigError(
-            "MoE ep_size: expert parallelism does not combine with a pipeline or tensor "
-            "parallelism yet"
-        )
-    if cfg.zero_optimization.stage == 3:
-        raise ConfigError(
-            f"zero_optimization.stage: 3 with MoE ep_size {topo.ep} is not supported yet "
-            "(stages 0-2 shard over the expert-data-parallel ranks)"
-        )
-    average_over_ep(model, topo)
+    if topo.ep > 1:  # what combines with it is checked by zerostack.validate
+        average_over_ep(model, topo)
 
 
 def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> bool:
@@ -255,8 +244,6 @@ def _host_threads_for_offload(cfg: ZeroStackConfig, topo: Topology) -> None:
 
 def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
     """A function from flat fp32 groups to the optimizer that steps them."""
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("optimizer: given both as an argument and in the config; pass only one")
     if isinstance(optimizer, torch.optim.Optimizer):
 
         def rebind(flat_groups):  # keep the user's object (and any scheduler built on it)
@@ -285,8 +272,6 @@ def _no_optimizer(flat_groups):
 
 
 def _scheduler_factory(lr_scheduler, cfg: ZeroStackConfig):
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("scheduler: given both as an argument and in the config; pass only one")
     if lr_scheduler is not None:
         return lr_scheduler
     if cfg.scheduler is not None:
@@ -369,22 +354,12 @@ def initialize(
         logging.getLogger("zerostack").setLevel(cfg.log_level.upper())
     warn_no_effect(cfg, topo.global_rank)
     warn_pageable_offload(cfg, topo.device, topo.global_rank)
-    cfg = resolve_auto(cfg, model, topo)  # "auto" stage / micro-batch, chosen and logged
-    refusal = grad_accum_refusal(cfg, cfg.zero_optimization.stage)  # the stage "auto" chose
-    if refusal is not None:
-        raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
-    # no optimizer anywhere: DeepSpeed's forward-only engine (Lightning's and Transformers'
-    # evaluation without training): every parameter is held as a frozen one, no masters
-    forward_only = optimizer is None and cfg.optimizer is None
-    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
-        raise ConfigError(
-            "scheduler: given without an optimizer (none passed, no optimizer block): "
-            "a forward-only engine has no learning rate to schedule"
-        )
+    # "auto" chosen, then every cross-feature rule on the result (before any work)
+    resolved = validate(cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    cfg, forward_only = resolved.config, resolved.forward_only
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
     opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
-    cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
         activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
     # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
@@ -399,6 +374,8 @@ def initialize(
         module=model,
         config=cfg,
         topology=topo,
+        batch=resolved.batch,
+        stage=resolved.stage,
         param_groups=groups,
         optimizer_factory=opt_factory,
         lr_scheduler=sched,

@@ -53,6 +53,8 @@ class Engine(EngineAPI, nn.Module):
         module: nn.Module,
         config: ZeroStackConfig,
         topology: Topology,
+        batch: tuple[int, int, int],
+        stage: int,
         param_groups: list[dict],
         optimizer_factory,
         lr_scheduler=None,
@@ -60,7 +62,7 @@ class Engine(EngineAPI, nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        tbs, micro, gas = config.resolve_batch(topology.data_parallel_size)
+        tbs, micro, gas = batch  # as zerostack.validate resolved them
         self.config = ConfigView(config, batch=(tbs, micro, gas))
         self.topology = topology
         self.comm = comm or comm_for(topology)
@@ -86,7 +88,6 @@ class Engine(EngineAPI, nn.Module):
         )
         if topology.tp > 1:
             self._sync_tp_replicas(replicas)
-        zcfg = config.zero_optimization
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
         # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
@@ -94,7 +95,7 @@ class Engine(EngineAPI, nn.Module):
             module,
             param_groups,
             config=config,
-            stage=self._zero_stage(zcfg.stage),
+            stage=stage,
             comm=self.comm,
             precision=self.precision,
             prescale=prescale,
@@ -137,10 +138,6 @@ class Engine(EngineAPI, nn.Module):
             self.monitor.collect_loss = True
         if config.flops_profiler.enabled:
             self.flops_profile = StepProfile(self, config.flops_profiler)
-
-    def _zero_stage(self, stage: int) -> int:
-        """The ZeRO stage the strategy runs (the pipeline engine narrows it)."""
-        return stage
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):

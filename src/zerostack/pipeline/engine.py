@@ -17,52 +17,14 @@ import logging
 import torch
 from torch import nn
 
-from ..config import ConfigError, ZeroStackConfig
+from ..config import ZeroStackConfig
 from ..engine import Engine
 from ..topology import Topology
 from .executor import PipelineExecutor, forward_only
 from .module import PipelineModule
-from .schedule import DeadlockError, ScheduleError, build_schedule
-from .simulate import check_schedule
+from .schedule import build_schedule
 
 log = logging.getLogger("zerostack")
-
-
-def _check_config(module: PipelineModule, cfg: ZeroStackConfig, gas: int) -> None:
-    pcfg, fields = cfg.pipeline, cfg.pipeline.model_fields_set
-    if cfg.zero_optimization.stage == 3:
-        raise ConfigError("zero_optimization.stage: pipeline parallelism runs with stages 0-2")
-    if pcfg.stages != "auto" and pcfg.stages != module.num_stages:
-        raise ConfigError(
-            f"pipeline.stages: {pcfg.stages} but the PipelineModule has {module.num_stages} stages"
-        )
-    if pcfg.virtual_stages != module.virtual_stages:
-        raise ConfigError(
-            f"pipeline.virtual_stages: {pcfg.virtual_stages} but the "
-            f"PipelineModule has {module.virtual_stages}"
-        )
-    if "partition" in fields and pcfg.partition != module.partition_method:
-        raise ConfigError(
-            f"pipeline.partition: {pcfg.partition!r} but the PipelineModule was "
-            f"partitioned by {module.partition_method!r}"
-        )
-    interval = module.activation_checkpoint_interval
-    if (
-        "activation_checkpoint_interval" in fields
-        and pcfg.activation_checkpoint_interval != interval
-    ):
-        raise ConfigError(
-            f"pipeline.activation_checkpoint_interval: "
-            f"{pcfg.activation_checkpoint_interval} but the PipelineModule has "
-            f"{interval}"
-        )
-    try:  # the simulator runs the executor's communication model: what it refuses would hang
-        check_schedule(pcfg.schedule, module.num_stages, gas, module.virtual_stages)
-    except (ValueError, ScheduleError, DeadlockError) as exc:
-        raise ConfigError(
-            f"pipeline.schedule: {pcfg.schedule!r} cannot run {module.num_stages} stages x "
-            f"{module.virtual_stages} chunks with gradient_accumulation_steps={gas}: {exc}"
-        ) from None
 
 
 class PipelineEngine(Engine):
@@ -71,20 +33,11 @@ class PipelineEngine(Engine):
     def __init__(
         self, *, module: PipelineModule, config: ZeroStackConfig, topology: Topology, **kwargs
     ) -> None:
-        _check_config(module, config, config.resolve_batch(topology.data_parallel_size)[2])
         super().__init__(module=module, config=config, topology=topology, **kwargs)
         self.schedule = config.pipeline.schedule
         self.executor = PipelineExecutor(module, self.comm, config.fp16.auto_cast)
         self.executor.clock = self.clock
         self._tied_copies = module.tied_copies()
-
-    def _zero_stage(self, stage: int) -> int:
-        if stage == 2 and self.topology.global_rank == 0:
-            log.warning(
-                "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients are "
-                "reduced over dp once per batch, so full gradients are held until then)"
-            )
-        return min(stage, 1)
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         return super().replicated_elsewhere() | self._tied_copies

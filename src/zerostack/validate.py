@@ -1,0 +1,134 @@
+"""The one validate step of ``initialize``: the rules that span features, run once on the
+resolved config, before any work.
+
+The grid is built first (its sizes are checked as it is: :func:`zerostack.compose`), then
+:func:`validate` chooses what ``"auto"`` leaves open (:mod:`zerostack.plan.auto`) and runs every
+rule on the result, so a stage that "auto" picks meets the same rules as one asked for. A
+combination of settings either passes or is refused with one ``ConfigError`` naming the
+settings that conflict and why. What comes back (:class:`Resolved`: the config as resolved, the
+grid, the batch, the ZeRO stage the strategy runs) is what the engine is built from; nothing
+below resolves it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
+from .pipeline.module import PipelineModule
+from .pipeline.schedule import DeadlockError, ScheduleError
+from .pipeline.simulate import check_schedule
+from .plan.auto import resolve as resolve_auto
+from .topology import Topology
+
+log = logging.getLogger("zerostack")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`validate` resolved: the config with "auto" chosen, the grid, the batch
+    ``(train_batch_size, micro-batch per rank, gradient_accumulation_steps)`` and the ZeRO stage
+    the strategy runs (a pipeline runs stage 2 as 1)."""
+
+    config: ZeroStackConfig
+    topology: Topology
+    batch: tuple[int, int, int]
+    stage: int
+    forward_only: bool
+
+
+def validate(
+    cfg: ZeroStackConfig, model: nn.Module, topo: Topology, *, optimizer, lr_scheduler
+) -> Resolved:
+    """``cfg`` resolved for ``model`` on ``topo`` and checked against every cross-feature rule;
+    ``optimizer`` / ``lr_scheduler``: what ``initialize`` was given (None: none)."""
+    cfg = resolve_auto(cfg, model, topo)  # "auto" stage / micro-batch, chosen and logged
+    stage = cfg.zero_optimization.stage
+    refusal = grad_accum_refusal(cfg, stage)
+    if refusal is not None:
+        raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
+    _check_optimizer(cfg, optimizer, lr_scheduler)
+    _check_experts(model, topo, stage)
+    batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
+    if isinstance(model, PipelineModule):
+        _check_pipeline(model, cfg, stage, batch[2])
+        if stage == 2 and topo.global_rank == 0:
+            log.warning(
+                "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients are "
+                "reduced over dp once per batch, so full gradients are held until then)"
+            )
+        stage = min(stage, 1)
+    forward_only = optimizer is None and cfg.optimizer is None
+    return Resolved(cfg, topo, batch, stage, forward_only)
+
+
+def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler) -> None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both as an argument and in the config; pass only one")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both as an argument and in the config; pass only one")
+    # no optimizer anywhere: DeepSpeed's forward-only engine (Lightning's and Transformers'
+    # evaluation without training): every parameter is held as a frozen one, no masters
+    forward_only = optimizer is None and cfg.optimizer is None
+    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
+        raise ConfigError(
+            "scheduler: given without an optimizer (none passed, no optimizer block): "
+            "a forward-only engine has no learning rate to schedule"
+        )
+
+
+def _check_experts(model: nn.Module, topo: Topology, stage: int) -> None:
+    """Expert parallelism: stages 0-2 on a grid of dp and ep alone."""
+    if topo.ep == 1:
+        return
+    if isinstance(model, PipelineModule) or topo.tp > 1:
+        raise ConfigError(
+            "MoE ep_size: expert parallelism does not combine with a pipeline or tensor "
+            "parallelism yet"
+        )
+    if stage == 3:
+        raise ConfigError(
+            f"zero_optimization.stage: 3 with MoE ep_size {topo.ep} is not supported yet "
+            "(stages 0-2 shard over the expert-data-parallel ranks)"
+        )
+
+
+def _check_pipeline(module: PipelineModule, cfg: ZeroStackConfig, stage: int, gas: int) -> None:
+    """The config's ``pipeline`` block against the module, and the schedule against the batch."""
+    pcfg, fields = cfg.pipeline, cfg.pipeline.model_fields_set
+    if stage == 3:
+        raise ConfigError("zero_optimization.stage: pipeline parallelism runs with stages 0-2")
+    if pcfg.stages != "auto" and pcfg.stages != module.num_stages:
+        raise ConfigError(
+            f"pipeline.stages: {pcfg.stages} but the PipelineModule has {module.num_stages} stages"
+        )
+    if pcfg.virtual_stages != module.virtual_stages:
+        raise ConfigError(
+            f"pipeline.virtual_stages: {pcfg.virtual_stages} but the "
+            f"PipelineModule has {module.virtual_stages}"
+        )
+    if "partition" in fields and pcfg.partition != module.partition_method:
+        raise ConfigError(
+            f"pipeline.partition: {pcfg.partition!r} but the PipelineModule was "
+            f"partitioned by {module.partition_method!r}"
+        )
+    interval = module.activation_checkpoint_interval
+    if (
+        "activation_checkpoint_interval" in fields
+        and pcfg.activation_checkpoint_interval != interval
+    ):
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval: "
+            f"{pcfg.activation_checkpoint_interval} but the PipelineModule has "
+            f"{interval}"
+        )
+    try:  # the simulator runs the executor's communication model: what it refuses would hang
+        check_schedule(pcfg.schedule, module.num_stages, gas, module.virtual_stages)
+    except (ValueError, ScheduleError, DeadlockError) as exc:
+        raise ConfigError(
+            f"pipeline.schedule: {pcfg.schedule!r} cannot run {module.num_stages} stages x "
+            f"{module.virtual_stages} chunks with gradient_accumulation_steps={gas}: {exc}"
+        ) from None
