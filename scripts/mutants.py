@@ -2247,6 +2247,13 @@ MUTANTS = [
         ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
     ),
     Mutant(
+        "a class over the size bound grows",
+        "engine.py",
+        '    """Wraps a model for data-parallel training with DeepSpeed\'s engine API."""\n',
+        '    """Wraps a model for data-parallel training with DeepSpeed\'s engine API."""\n\n',
+        ("tests/test_architecture.py::test_no_file_or_class_grows_past_its_bound",),
+    ),
+    Mutant(
         "stage 1: the boundary's reduction not waited for at the end of backward",
         "zero/grad_buffers.py",
         "if self.flat.shard_world > 1 and self.communicates_now:",
