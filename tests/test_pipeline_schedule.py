@@ -18,10 +18,10 @@ from distributed import run_distributed
 from torch import nn
 
 import zerostack
+import zerostack.validate as init_checks  # initialize's validate step
 from zerostack import ConfigError, Topology
 from zerostack.config import load_config
 from zerostack.pipeline import LayerSpec, PipelineModule
-from zerostack.pipeline import engine as pipeline_engine
 from zerostack.pipeline.schedule import (
     SCHEDULES,
     STEP_TAIL,
@@ -496,8 +496,8 @@ def test_a_schedule_the_simulator_refuses_is_a_config_error_at_initialize(monkey
     def deadlocks(name, stages, micro_batches, chunks):
         raise DeadlockError("deadlock: ranks 0, 1 are stuck")
 
-    monkeypatch.setattr(pipeline_engine, "check_schedule", deadlocks)
-    # what _check_config reads of a PipelineModule on a rank of two (no process group here)
+    monkeypatch.setattr(init_checks, "check_schedule", deadlocks)
+    # what _check_pipeline reads of a PipelineModule on a rank of two (no process group here)
     module = SimpleNamespace(
         num_stages=2,
         virtual_stages=2,
@@ -513,7 +513,7 @@ def test_a_schedule_the_simulator_refuses_is_a_config_error_at_initialize(monkey
         }
     )
     with pytest.raises(ConfigError) as err:
-        pipeline_engine._check_config(module, cfg, 3)
+        init_checks._check_pipeline(module, cfg, 1, 3)
     assert str(err.value) == (
         "pipeline.schedule: 'interleaved' cannot run 2 stages x 2 chunks with "
         "gradient_accumulation_steps=3: deadlock: ranks 0, 1 are stuck"
