@@ -632,7 +632,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage-3 gathered copy kept on the parameter (a leak)",
-        "zero/coordinator.py",
+        "zero/unit_gather.py",
         "hold(p, full, self.meter, self.copies)",
         "hold(p, full, self.meter, self.copies); p._zs_stale = full",
         (f"{T}[2]",),
@@ -1744,7 +1744,7 @@ MUTANTS = [
     ),
     Mutant(
         "a resolved gather keeps its receive buffer alive",
-        "zero/coordinator.py",
+        "zero/unit_gather.py",
         "        self._finish = None  # the receive buffer: the parameters hold their own copies",
         "",
         (LIVE,),
@@ -2156,14 +2156,14 @@ MUTANTS = [
     ),
     Mutant(
         "the gathered pieces are read without waiting for the side stream",
-        "zero/coordinator.py",
+        "zero/unit_gather.py",
         "            torch.cuda.current_stream().wait_event(self._ready)",
         "            pass",
         (T_SIDE,),
     ),
     Mutant(
         "a gathered parameter made on the side stream is freed without record_stream",
-        "zero/coordinator.py",
+        "zero/unit_gather.py",
         "                full.record_stream(torch.cuda.current_stream())",
         "                pass",
         (T_SIDE,),

@@ -230,7 +230,6 @@ OVER = {
     "zerostack/engine_api.py:EngineAPI": 368,
     "zerostack/engine.py:Engine": 350,
     "zerostack/zero/stage3.py:Stage3": 294,
-    "zerostack/zero/coordinator.py": 409,
     "zerostack/zero/coordinator.py:ParamCoordinator": 274,
     "zerostack/models/gpt.py": 423,
     "zerostack/integrations/lightning.py": 427,

@@ -39,70 +39,12 @@ from torch.utils._pytree import tree_flatten
 from ..comm import Comm
 from .linear import linear_saving_weight
 from .param_swap import ParamSwapper, ResidentPieces
-from .params import StorageMeter, Subgroup, gather_full, hold, is_sharded, release, secondary_piece
+from .params import StorageMeter, Subgroup, is_sharded, release
+from .unit_gather import UnitGather
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear_saving_weight(x, module.weight, module.bias)
-
-
-class _Gather:
-    """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
-    when the parameters are offloaded). ZeRO++ hpZ: ``from_secondary`` gathers the parameters'
-    secondary pieces within the subgroup ``hpz`` instead; otherwise, with ``hpz``, each
-    parameter keeps its secondary piece of what was gathered."""
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        comm: Comm,
-        meter: StorageMeter,
-        swapper: ParamSwapper | ResidentPieces,
-        quantized: bool = False,
-        hpz: Subgroup | None = None,
-        from_secondary: bool = False,
-    ) -> None:
-        self.params = params
-        self.meter = meter
-        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
-        self.keep = hpz if not from_secondary else None
-        states = [p._zs for p in params]
-        self._ready = None  # the side stream's event behind the gather (offloaded, on a GPU)
-        side = swapper.stream if swapper.offloads and not from_secondary else None
-        if from_secondary:  # the pieces are not needed (nor read from NVMe)
-            self._finish = gather_full(states, comm, async_op=True, secondary=hpz)
-        elif side is None:
-            swapper.fetch(params)
-            self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
-            swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
-        else:
-            # Offloaded pieces go up on a side stream, after what is queued so far (the pieces'
-            # last writes, the memory freed before), and are gathered from there: the copies
-            # overlap the compute queued next; resolve() waits for them where it runs.
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                swapper.fetch(params)
-                self._finish = gather_full(
-                    states, comm, async_op=True, quantized=quantized, record=True
-                )
-                swapper.drop(params)
-            self._ready = side.record_event()
-        self.done = False
-
-    def resolve(self) -> None:
-        if self.done:
-            return
-        if self._ready is not None:
-            torch.cuda.current_stream().wait_event(self._ready)
-        for p, full in zip(self.params, self._finish(), strict=True):
-            if self._ready is not None:  # made on the side stream, used (and freed) on this one
-                full.record_stream(torch.cuda.current_stream())
-            hold(p, full, self.meter, self.copies)
-            if self.keep is not None and p._zs.secondary is None:
-                p._zs.secondary = secondary_piece(full, self.keep)
-                self.meter.add(p._zs.secondary.nbytes)
-        self.done = True
-        self._finish = None  # the receive buffer: the parameters hold their own copies
 
 
 class _GatherOnRead(dict):
@@ -125,12 +67,6 @@ class _GatherOnRead(dict):
 
 def _numel(params: list[nn.Parameter]) -> int:
     return sum(p._zs.numel for p in params if not p._zs.persistent)
-
-
-def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
-    """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
-    if params:
-        _Gather(params, comm, meter, ResidentPieces()).resolve()
 
 
 class ParamCoordinator:
@@ -190,7 +126,7 @@ class ParamCoordinator:
         self._training_pass = False
         self._ptr = self._read_from = 0
         self._prefetching = False
-        self._inflight: dict[nn.Parameter, _Gather] = {}
+        self._inflight: dict[nn.Parameter, UnitGather] = {}
         self._kept: set[nn.Parameter] = set()  # released by their units, kept for a reuse
         self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
         self.live_numel = self.peak_live_numel = 0  # elements gathered (not persistent) now, peak
@@ -252,15 +188,15 @@ class ParamCoordinator:
                 self._kept.discard(p)
             p._zs.active += 1
 
-    def _launch(self, params: list[nn.Parameter]) -> _Gather:
+    def _launch(self, params: list[nn.Parameter]) -> UnitGather:
         """The gather of ``params``: within the hpZ subgroup when every one has its secondary
         piece; over dp otherwise, leaving them their secondary pieces in a training pass."""
         hpz = self.hpz if self._training_pass else None
         if hpz is None:
-            return _Gather(params, self.comm, self.meter, self.param_swapper, self.quantized)
+            return UnitGather(params, self.comm, self.meter, self.param_swapper, self.quantized)
         from_secondary = all(p._zs.secondary is not None for p in params)
         self._secondaries.update(params)
-        return _Gather(
+        return UnitGather(
             params,
             self.comm,
             self.meter,
@@ -386,7 +322,7 @@ class ParamCoordinator:
             self._bwd_need[u] += p in self._trainable
         pending = self._inflight.pop(p, None)
         if pending is None:
-            pending = _Gather([p], self.comm, self.meter, self.param_swapper, self.quantized)
+            pending = UnitGather([p], self.comm, self.meter, self.param_swapper, self.quantized)
             self._count([p], +1)
         pending.resolve()
         p._zs.active += 1

@@ -22,7 +22,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import ConfigError
 from ..precision import Precision
-from .coordinator import ParamCoordinator, gather_now
+from .coordinator import ParamCoordinator
 from .flat_params import sync_from_rank0
 from .masters import GradFiles, GradShards, master_store
 from .offload import Downloads, HostMeter, Uploads, host_device, to_host
@@ -31,6 +31,7 @@ from .params import StorageMeter, Subgroup, is_sharded, shard_param
 from .stage3_reduce import PieceReducer
 from .stage3_state import Stage3State
 from .strategy import StepSequence
+from .unit_gather import gather_now
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""One coalesced gather of some stage-3 parameters, in flight until :meth:`UnitGather.resolve`.
+
+The pieces are read from NVMe first when the parameters are offloaded (``offload_param``): on a
+GPU they go up on the swapper's side stream and are gathered from there, so the copies overlap
+the compute queued next. ZeRO++'s hpZ gathers from the secondary pieces within a subgroup, and
+a gather of primary pieces leaves each parameter its secondary piece. The coordinator
+(:mod:`.coordinator`) decides which parameters are gathered when; this is how.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .param_swap import ParamSwapper, ResidentPieces
+from .params import StorageMeter, Subgroup, gather_full, hold, secondary_piece
+
+
+class UnitGather:
+    """An in-flight coalesced all-gather of some parameters (their pieces read from NVMe first
+    when the parameters are offloaded). ZeRO++ hpZ: ``from_secondary`` gathers the parameters'
+    secondary pieces within the subgroup ``hpz`` instead; otherwise, with ``hpz``, each
+    parameter keeps its secondary piece of what was gathered."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        comm: Comm,
+        meter: StorageMeter,
+        swapper: ParamSwapper | ResidentPieces,
+        quantized: bool = False,
+        hpz: Subgroup | None = None,
+        from_secondary: bool = False,
+    ) -> None:
+        self.params = params
+        self.meter = meter
+        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
+        self.keep = hpz if not from_secondary else None
+        states = [p._zs for p in params]
+        self._ready = None  # the side stream's event behind the gather (offloaded, on a GPU)
+        side = swapper.stream if swapper.offloads and not from_secondary else None
+        if from_secondary:  # the pieces are not needed (nor read from NVMe)
+            self._finish = gather_full(states, comm, async_op=True, secondary=hpz)
+        elif side is None:
+            swapper.fetch(params)
+            self._finish = gather_full(states, comm, async_op=True, quantized=quantized)
+            swapper.drop(params)  # the collective has its own copy (or, at dp = 1, the views)
+        else:
+            # Offloaded pieces go up on a side stream, after what is queued so far (the pieces'
+            # last writes, the memory freed before), and are gathered from there: the copies
+            # overlap the compute queued next; resolve() waits for them where it runs.
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                swapper.fetch(params)
+                self._finish = gather_full(
+                    states, comm, async_op=True, quantized=quantized, record=True
+                )
+                swapper.drop(params)
+            self._ready = side.record_event()
+        self.done = False
+
+    def resolve(self) -> None:
+        if self.done:
+            return
+        if self._ready is not None:
+            torch.cuda.current_stream().wait_event(self._ready)
+        for p, full in zip(self.params, self._finish(), strict=True):
+            if self._ready is not None:  # made on the side stream, used (and freed) on this one
+                full.record_stream(torch.cuda.current_stream())
+            hold(p, full, self.meter, self.copies)
+            if self.keep is not None and p._zs.secondary is None:
+                p._zs.secondary = secondary_piece(full, self.keep)
+                self.meter.add(p._zs.secondary.nbytes)
+        self.done = True
+        self._finish = None  # the receive buffer: the parameters hold their own copies
+
+
+def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> None:
+    """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
+    if params:
+        UnitGather(params, comm, meter, ResidentPieces()).resolve()
