@@ -145,7 +145,7 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
             f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
             f"tp={topo.tp}"
         )
-    _bind_experts(model, topo, cfg)
+    _bind_experts(model, topo)
     wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)
     if built is None and (topo.tp > 1 or wire_ulysses):
         if callable(getattr(model, "parallelize", None)):
@@ -172,7 +172,7 @@ def _expert_parallel_size(model: nn.Module) -> int:
     return sizes.pop() if sizes else 1
 
 
-def _bind_experts(model: nn.Module, topo: Topology, cfg: ZeroStackConfig) -> None:
+def _bind_experts(model: nn.Module, topo: Topology) -> None:
     """MoE layers exchange tokens over the grid's ep axis; at ep > 1 the gradients of what the
     ep ranks share are averaged over them (:func:`zerostack.moe.sync.average_over_ep`)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]

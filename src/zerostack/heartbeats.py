@@ -101,11 +101,13 @@ class Heartbeats:
             return self.store.get(key).decode()
         self.read_peers()
         now = time.monotonic()
-        stale = [
-            r
+        # how long each peer has been silent (one that left on purpose is not)
+        silent = {
+            r: now - when
             for r, (_, when) in self.seen.items()
-            if now - when > self.timeout and not self.peers.get(r, {}).get("left")
-        ]
+            if not self.peers.get(r, {}).get("left")
+        }
+        stale = [r for r, quiet_for in silent.items() if quiet_for > self.timeout]
         self.stale = stale
         if stale:
             names = "; ".join(
@@ -121,11 +123,7 @@ class Heartbeats:
         # timeout within ``timeout`` of this rank's wait (it froze as this rank began waiting, and
         # this rank heard its last beat up to an interval late), so the stale verdict names it
         # then; the rival verdict waits for that, or for the peer's next beat
-        quiet = [
-            r
-            for r, (_, when) in self.seen.items()
-            if now - when > 2 * self.interval and not self.peers.get(r, {}).get("left")
-        ]
+        quiet = any(quiet_for > 2 * self.interval for quiet_for in silent.values())
         pending = self.log.oldest_in_flight()
         if pending is not None and now - pending.started > self.timeout and not quiet:
             others = "; ".join(f"rank {r} {self.position(r)}" for r in sorted(self.peers))

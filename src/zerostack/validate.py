@@ -50,7 +50,8 @@ def validate(
     refusal = grad_accum_refusal(cfg, stage)
     if refusal is not None:
         raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
-    _check_optimizer(cfg, optimizer, lr_scheduler)
+    forward_only = optimizer is None and cfg.optimizer is None
+    _check_optimizer(cfg, optimizer, lr_scheduler, forward_only)
     _check_experts(model, topo, stage)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
@@ -61,18 +62,16 @@ def validate(
                 "reduced over dp once per batch, so full gradients are held until then)"
             )
         stage = min(stage, 1)
-    forward_only = optimizer is None and cfg.optimizer is None
     return Resolved(cfg, topo, batch, stage, forward_only)
 
 
-def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler) -> None:
+def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler, forward_only: bool) -> None:
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both as an argument and in the config; pass only one")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler: given both as an argument and in the config; pass only one")
     # no optimizer anywhere: DeepSpeed's forward-only engine (Lightning's and Transformers'
     # evaluation without training): every parameter is held as a frozen one, no masters
-    forward_only = optimizer is None and cfg.optimizer is None
     if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
         raise ConfigError(
             "scheduler: given without an optimizer (none passed, no optimizer block): "

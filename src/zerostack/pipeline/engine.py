@@ -12,8 +12,6 @@ owning stages first. The gradient norm counts every stage's parameters once.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -23,8 +21,6 @@ from ..topology import Topology
 from .executor import PipelineExecutor, forward_only
 from .module import PipelineModule
 from .schedule import build_schedule
-
-log = logging.getLogger("zerostack")
 
 
 class PipelineEngine(Engine):
