@@ -186,7 +186,7 @@ def run_stall(args) -> None:
         "sync": (lambda: engine.save_checkpoint(os.path.join(args.dir, "sync"), tag="s"), None),
         "async": (
             lambda: engine.save_checkpoint(os.path.join(args.dir, "async"), async_save=True),
-            lambda _: not engine.auto_checkpoint._saver.pending,
+            lambda _: not engine.checkpoints._saver.pending,
         ),
         "dcp_async": (
             lambda: dcp.async_save(

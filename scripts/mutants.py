@@ -133,7 +133,7 @@ MUTANTS = [
     Mutant(
         "the deepspeed distribution is not found (the libraries think DeepSpeed is absent)",
         "compat/serve.py",
-        "        if wanted is None or wanted.lower().replace(\"-\", \"_\") == self.name:",
+        '        if wanted is None or wanted.lower().replace("-", "_") == self.name:',
         "        if wanted is None:",
         (T_SERVED,),
     ),
@@ -175,7 +175,7 @@ MUTANTS = [
     Mutant(
         "zero_to_fp32 keeps frozen parameters when asked to leave them out",
         "checkpoint/consolidate.py",
-        "skip = set(manifest.get(\"frozen\", [])) if exclude_frozen else set()",
+        'skip = set(manifest.get("frozen", [])) if exclude_frozen else set()',
         "skip = set()",
         (T_ZERO_TO_FP32,),
     ),
@@ -205,14 +205,18 @@ MUTANTS = [
         "config/top.py",
         "    gradient_clipping: NonNegFloat = 1.0",
         "    gradient_clipping: NonNegFloat = 0.0",
-        ("tests/test_deepspeed_defaults.py::test_defaults_equal_deepspeeds_but_the_named_differences",),
+        (
+            "tests/test_deepspeed_defaults.py::test_defaults_equal_deepspeeds_but_the_named_differences",
+        ),
     ),
     Mutant(
         "WarmupLR without warmup_max_lr warms up to 0.001, not the optimizer's lr",
         "optim/lr_schedules.py",
         'warmup_max_lr = [group["lr"] for group in optimizer.param_groups]',
         "warmup_max_lr = 0.001",
-        ("tests/test_lr_schedules.py::test_warmup_lr_without_a_max_warms_up_to_each_groups_own_lr",),
+        (
+            "tests/test_lr_schedules.py::test_warmup_lr_without_a_max_warms_up_to_each_groups_own_lr",
+        ),
     ),
     Mutant(
         "stage 1-2 grad norm over whole buckets (another sum order than DeepSpeed's)",
@@ -270,9 +274,9 @@ MUTANTS = [
     ),
     Mutant(
         "steps_per_print inf prints at every step",
-        "engine.py",
-        "if self.global_rank != 0 or every is None or self.global_steps % every:",
-        "if self.global_rank != 0 or (every is not None and self.global_steps % every):",
+        "monitor/progress.py",
+        "if self.rank != 0 or self.every is None or report.step % self.every:",
+        "if self.rank != 0 or (self.every is not None and report.step % self.every):",
         (T_SCALE_WRT_GAS,),
     ),
     Mutant(
@@ -305,7 +309,7 @@ MUTANTS = [
     ),
     Mutant(
         "tp replica counted on every tp rank in the gradient norm",
-        "engine.py",
+        "replicas.py",
         'held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()',
         "held = set()",
         (f"{P}[tp2]",),
@@ -382,15 +386,15 @@ MUTANTS = [
     ),
     Mutant(
         "NaN guard removed (bf16 and fp32 apply non-finite steps)",
-        "engine.py",
+        "update.py",
         "overflow = not math.isfinite(value)",
         'overflow = self.precision.name == "fp16" and not math.isfinite(value)',
         ("tests/test_nonfinite.py",),
     ),
     Mutant(
         "loss scaler not restored on load",
-        "checkpoint/restore.py",
-        'engine.loss_scaler.load_state_dict(manifest["loss_scaler"])',
+        "core/train_state.py",
+        'self.loss_scaler.load_state_dict(state["loss_scaler"])',
         "pass",
         (f"{C}::test_exact_resume_whole",),
     ),
@@ -403,8 +407,8 @@ MUTANTS = [
     ),
     Mutant(
         "sampler position not restored on load",
-        "checkpoint/restore.py",
-        'sampler.load_state_dict(manifest["data_sampler"])',
+        "core/train_state.py",
+        'sampler.load_state_dict(state["data_sampler"])',
         "pass",
         (f"{C}::test_exact_resume_whole",),
     ),
@@ -417,9 +421,9 @@ MUTANTS = [
     ),
     Mutant(
         "pipeline data iterator not reset on load",
-        "checkpoint/restore.py",
-        "engine.set_dataloader(engine.training_dataloader)",
-        "pass",
+        "core/train_state.py",
+        "            self.data_iter = None\n",
+        "",
         (f"{C}::test_exact_resume_whole",),
     ),
     Mutant(
@@ -725,9 +729,9 @@ MUTANTS = [
     ),
     Mutant(
         "flops_profiler block: the profiled step is never printed",
-        "engine.py",
-        "                self.flops_profile.step_ends()",
-        "                pass",
+        "profiling/flops_profiler/step.py",
+        "        if self.active:\n            self._end()",
+        "        if False:\n            self._end()",
         ("tests/test_flops_profiler.py::test_the_engine_profiles_the_configured_step",),
     ),
     Mutant(
@@ -815,7 +819,9 @@ MUTANTS = [
         "heartbeats.py",
         "now - pending.started > self.timeout and not quiet:",
         "now - pending.started > self.timeout:",
-        ("tests/test_watchdog.py::test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped",),
+        (
+            "tests/test_watchdog.py::test_a_peer_that_froze_as_this_rank_began_waiting_is_named_stopped",
+        ),
     ),
     Mutant(
         "watchdog: its exit skips the removal of the rank's swap files",
@@ -1030,15 +1036,15 @@ MUTANTS = [
     Mutant(
         "monitor: the train loss not averaged over the accumulation window",
         "monitor/training.py",
-        "mean = self._loss_sum / self._losses",
-        "mean = self._loss_sum",
+        "mean = self._sum / self._count",
+        "mean = self._sum",
         ("tests/test_monitor.py::test_tensorboard_and_csv_hold_what_the_loop_saw",),
     ),
     Mutant(
         "monitor: events at x = optimizer steps, not DeepSpeed's global_samples",
         "monitor/training.py",
-        "x = engine.global_samples",
-        "x = engine.global_steps",
+        "x = report.samples",
+        "x = report.step",
         ("tests/test_monitor.py::test_tensorboard_and_csv_hold_what_the_loop_saw",),
     ),
     Mutant(
@@ -1072,7 +1078,7 @@ MUTANTS = [
     Mutant(
         "save_checkpoint ignores exclude_frozen_parameters",
         "checkpoint/shard.py",
-        "excluded = _frozen_names(engine) if exclude_frozen else set()",
+        "excluded = _frozen_names(run) if exclude_frozen else set()",
         "excluded = set()",
         ("tests/test_engine_surface.py::test_load_checkpoint_keywords_and_excluded_frozen[1]",),
     ),
@@ -1227,8 +1233,8 @@ MUTANTS = [
     ),
     Mutant(
         "memory_breakdown: no memory line",
-        "engine.py",
-        "        if self.config.memory_breakdown:\n",
+        "monitor/progress.py",
+        "        if self.memory:\n",
         "        if False:\n",
         ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
     ),
@@ -1382,8 +1388,8 @@ MUTANTS = [
     Mutant(
         "a failed checkpoint write is not shared with the other ranks",
         "checkpoint/state.py",
-        "    errors = _gather_errors(engine.comm, error)\n    if not errors:\n        return\n",
-        "    errors = [(engine.global_rank, error)] if error else []\n"
+        "    errors = _gather_errors(run.comm, error)\n    if not errors:\n        return\n",
+        "    errors = [(run.global_rank, error)] if error else []\n"
         "    if not errors:\n        return\n",
         ("tests/test_disk_faults.py::test_a_failed_checkpoint_write_fails_every_rank",),
     ),
@@ -1469,7 +1475,7 @@ MUTANTS = [
     Mutant(
         "cuda: checkpoints leave the device generator out",
         "checkpoint/shard.py",
-        'if engine.device.type == "cuda":  # the device\'s generator draws its dropout masks',
+        'if run.device.type == "cuda":  # the device\'s generator draws its dropout masks',
         "if False:",
         (f"{CUDA_RNG}[resume-dropout]",),
     ),
@@ -1541,7 +1547,7 @@ MUTANTS = [
     Mutant(
         "cuda: the monitors leave the allocator's figures out",
         "monitor/training.py",
-        "for kind, nbytes in engine.device_memory().items():",
+        "for kind, nbytes in report.device_memory().items():",
         "for kind, nbytes in {}.items():",
         (
             "tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",
@@ -1565,15 +1571,15 @@ MUTANTS = [
     Mutant(
         "loss spike rollback starts the engine loader over",
         "checkpoint/loss_spike.py",
-        "        engine._data_iter = data_iter\n",
+        "        run.state.data_iter = data_iter\n",
         "",
         (SPIKE,),
     ),
     Mutant(
         "loss spike does not hold the automatic save back",
-        "engine.py",
-        "save = self.loss_spike is None or self.loss_spike.after_step(self, loss)",
-        "save = self.loss_spike is None or self.loss_spike.after_step(self, loss) or True",
+        "checkpoint/loss_spike.py",
+        "report.hold_save = report.hold_save or not self._judge(report)",
+        "report.hold_save = report.hold_save or not (self._judge(report) or True)",
         (SPIKE,),
     ),
     Mutant(
@@ -1625,8 +1631,8 @@ MUTANTS = [
     Mutant(
         "async save snapshot aliases the live masters",
         "checkpoint/shard.py",
-        'tensors = {k: t.detach().to("cpu", copy=True) for k, t in produce(engine, shard)}',
-        'tensors = {k: t.detach().to("cpu") for k, t in produce(engine, shard)}',
+        'tensors = {k: t.detach().to("cpu", copy=True) for k, t in produce(run, shard)}',
+        'tensors = {k: t.detach().to("cpu") for k, t in produce(run, shard)}',
         ("tests/test_async_save.py::test_async_save_is_a_snapshot_and_resumes_exactly[2]",),
     ),
     Mutant(
@@ -1638,7 +1644,7 @@ MUTANTS = [
     ),
     Mutant(
         "a failed background write is not raised by step()",
-        "checkpoint/auto_resume.py",
+        "checkpoint/checkpointer.py",
         "        self.poll()\n        every = self.cfg.save_interval",
         "        every = self.cfg.save_interval",
         (
@@ -1918,7 +1924,7 @@ MUTANTS = [
     ),
     Mutant(
         "the norm counts the shared parameters on every ep rank",
-        "engine.py",
+        "replicas.py",
         "            held = held | self._ep_replicas",
         "            held = held",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
@@ -1939,7 +1945,7 @@ MUTANTS = [
     ),
     Mutant(
         "expert gradients reduced over all data-parallel ranks, like the shared ones",
-        "engine.py",
+        "replicas.py",
         "            {p for p in module.parameters() if not is_moe_param(p)} if topology.ep > 1",
         "            set(module.parameters()) if topology.ep > 1",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
@@ -2030,14 +2036,14 @@ MUTANTS = [
     ),
     Mutant(
         "found_inf never set: a non-finite step updates the weights on the device",
-        "engine.py",
-        "self.optimizer.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)",
-        "self.optimizer.found_inf = torch.zeros((), device=norm.device)",
+        "update.py",
+        "opt.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)",
+        "opt.found_inf = torch.zeros((), device=norm.device)",
         ("tests/test_nonfinite.py",),
     ),
     Mutant(
         "the host reads the norm before the step is queued (the GPU idles meanwhile)",
-        "engine.py",
+        "update.py",
         "        self._norm_reader.start(norm)\n",
         "        self._norm_reader.start(norm)\n        self._norm_reader.value()\n",
         (T_WAITS,),
@@ -2051,21 +2057,21 @@ MUTANTS = [
     ),
     Mutant(
         "a fused optimizer still waits for the norm before its step",
-        "engine.py",
+        "update.py",
         "self._skips_on_device = fused and self._masters_on_device",
         "self._skips_on_device = False",
         (T_WAITS,),
     ),
     Mutant(
         "the clipping factor is not capped at 1 (a small norm scales gradients up)",
-        "engine.py",
+        "update.py",
         "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
         "return (clip / (norm + 1e-6)) * post",
         (T_SGD_CLIP,),
     ),
     Mutant(
         "the clipping factor leaves out the mean over dp",
-        "engine.py",
+        "update.py",
         "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
         "return (clip / (norm + 1e-6)).clamp(max=1.0)",
         (T_SGD_CLIP,),
@@ -2474,14 +2480,18 @@ MUTANTS = [
         "world.py",
         '    return "cuda" if devices.get("cuda", "gloo") != "gloo" else "cpu"',
         '    return "cuda" if backend == "nccl" else "cpu"',
-        ("tests/test_topology.py::test_the_device_follows_what_the_group_does_on_cuda_not_its_name",),
+        (
+            "tests/test_topology.py::test_the_device_follows_what_the_group_does_on_cuda_not_its_name",
+        ),
     ),
     Mutant(
         "the grid's device is read from get_backend() again",
         "topology.py",
         "        device_type = world_device_type()",
         '        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"',
-        ("tests/test_topology.py::test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu",),
+        (
+            "tests/test_topology.py::test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu",
+        ),
     ),
     Mutant(
         "LOCAL_RANK beyond the visible GPUs is used as the device index",
@@ -2532,7 +2542,9 @@ MUTANTS = [
         "world.py",
         "            os.environ.setdefault(key, value)",
         "            pass",
-        ("tests/test_cuda_path.py::test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on",),
+        (
+            "tests/test_cuda_path.py::test_nccl_times_out_a_minute_after_the_watchdog_with_its_flight_recorder_on",
+        ),
     ),
     Mutant(
         "initialize gives NCCL the default bound, not the config's watchdog.timeout",
@@ -2546,49 +2558,61 @@ MUTANTS = [
         "config/zero.py",
         "    pin_memory: bool = True",
         "    pin_memory: bool = False",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "the write-back's staging buffers are pageable",
         "zero/offload.py",
         "            buf = host_empty(dst.shape, dst.dtype, self.pin)",
         "            buf = torch.empty(dst.shape, dtype=dst.dtype)",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "an offloaded norm goes up to the device from pageable memory",
-        "engine.py",
-        "            sq = self._sq_host.copy_(sq).to(self.device, non_blocking=True)",
-        "            sq = sq.to(self.device, non_blocking=True)",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        "update.py",
+        "            sq = self._sq_host.copy_(sq).to(run.device, non_blocking=True)",
+        "            sq = sq.to(run.device, non_blocking=True)",
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "pinning is never asked for, whatever the flag says",
         "pinned.py",
-        "    return torch.empty(shape, dtype=dtype, device=\"cpu\", pin_memory=pin and can_pin())",
-        "    return torch.empty(shape, dtype=dtype, device=\"cpu\")",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        '    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and can_pin())',
+        '    return torch.empty(shape, dtype=dtype, device="cpu")',
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "pin_memory=false on a GPU is not warned about",
         "config_keys.py",
-        "        if block is not None and block.device != \"none\" and not block.pin_memory:",
+        '        if block is not None and block.device != "none" and not block.pin_memory:',
         "        if False:",
         ("tests/test_cuda_path.py::test_pageable_offload_stops_the_host_and_is_warned_about",),
     ),
     Mutant(
         "the pinned bytes the host allocator holds are not reported",
         "engine_api.py",
-        "            out[\"pinned\"] = pinned",
+        '            out["pinned"] = pinned',
         "            pass",
-        ("tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",),
+        (
+            "tests/test_cuda_path.py::test_the_cuda_allocator_figures_are_reported_beside_the_census",
+        ),
     ),
     Mutant(
         "stage 2's offloaded pieces come down in a blocking copy inside backward again",
         "zero/grad_buffers.py",
         "                f.downloads.fetch(st.piece, shard.add_)",
         "                shard.add_(st.piece.to(shard.device))",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "a mid-window gradient read misses the pieces still coming down",
@@ -2602,21 +2626,27 @@ MUTANTS = [
         "zero/sharded_optimizer.py",
         "        self.downloads.settle()\n        on_device = ",
         "        on_device = ",
-        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage2-offload]",),
+        (
+            "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage2-offload]",
+        ),
     ),
     Mutant(
         "stage 3's offloaded rows come down in a blocking copy inside backward again",
         "zero/stage3_reduce.py",
         "        self.downloads.fetch(out, lambda host: self._hand(b, host, final))",
         "        self._hand(b, out.to(self.to), final)",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "stage 3's step reads the offloaded gradients before the last rows are added",
         "zero/stage3.py",
         "        self.downloads.settle()\n        self.grads.hand_to(self.groups)",
         "        self.grads.hand_to(self.groups)",
-        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage3-offload-param-cpu]",),
+        (
+            "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage3-offload-param-cpu]",
+        ),
     ),
     Mutant(
         "a stage-3 mid-window gradient read misses the rows still coming down",
@@ -2641,7 +2671,9 @@ MUTANTS = [
         "checkpoint/async_save.py",
         "        pause = min(2 * pause, longest)",
         "        pass",
-        ("tests/test_async_save.py::test_waiting_for_the_other_ranks_asks_the_store_ever_less_often",),
+        (
+            "tests/test_async_save.py::test_waiting_for_the_other_ranks_asks_the_store_ever_less_often",
+        ),
     ),
     Mutant(
         "the pipeline's shape handshake sends header and payload in one batch (the peer takes two)",
@@ -2678,7 +2710,9 @@ MUTANTS = [
         "zero/sharded_optimizer.py",
         "            flat.div_(ep)",
         "            pass",
-        ("tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
+        (
+            "tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",
+        ),
     ),
     Mutant(
         "MoE: one all-reduce over ep per parameter",
@@ -2706,14 +2740,18 @@ MUTANTS = [
         "zero/sharded_optimizer.py",
         "                grad = st.host_grad.copy_(grad, non_blocking=down)",
         "                grad = st.host_grad.copy_(grad)",
-        ("tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",),
+        (
+            "tests/test_cuda_path.py::test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
     Mutant(
         "stage 1's host optimizer steps on gradients still coming down",
         "zero/sharded_optimizer.py",
         "            copied.synchronize()",
         "            pass",
-        ("tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage1-offload-pinned]",),
+        (
+            "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage1-offload-pinned]",
+        ),
     ),
 ]
 

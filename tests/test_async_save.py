@@ -69,7 +69,7 @@ def _snapshot_and_resume(rank, world, root, stage):
     want = _state(engine)
     gate = _gated_writes()
     path = engine.save_checkpoint(root, tag="snap", async_save=True)
-    returned_pending = engine.auto_checkpoint._saver.pending
+    returned_pending = engine.checkpoints._saver.pending
     _train(engine, rank, range(2, 4))  # masters and moments change while the write is held
     changed = not torch.equal(_state(engine)["param/wte.weight"], want["param/wte.weight"])
     latest_before = os.path.exists(os.path.join(root, "latest"))
@@ -128,7 +128,7 @@ def _failing_rank(rank, world, root):
             if how == "wait":
                 engine.wait_for_checkpoint()
             else:  # the verdict is in: the next optimizer step raises it
-                while engine.auto_checkpoint._saver.pending:
+                while engine.checkpoints._saver.pending:
                     time.sleep(0.01)
                 _train(engine, rank, range(1, 2))
             out[how] = None
@@ -164,7 +164,7 @@ def _second_waits(rank, world, root):
 
     async_save._write_file = slow
     engine.save_checkpoint(root, tag="first")  # the config's async_save
-    first_pending = engine.auto_checkpoint._saver.pending
+    first_pending = engine.checkpoints._saver.pending
     engine.save_checkpoint(root, tag="second")
     first_done = os.path.exists(os.path.join(root, "first", "manifest.json"))
     engine.wait_for_checkpoint()
@@ -203,7 +203,7 @@ engine, *_ = zerostack.initialize(model=tiny_gpt(), config={config!r})
 x, y = batch(0, 2)
 engine.backward(engine(x, y)); engine.step()
 engine.save_checkpoint({root!r}, tag="at_exit", async_save=True)
-print("pending", engine.auto_checkpoint._saver.pending, flush=True)
+print("pending", engine.checkpoints._saver.pending, flush=True)
 """
 
 

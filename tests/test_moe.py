@@ -512,7 +512,7 @@ def _ep_reductions(rank, world, stage):
         for r in log.since(first)
         if r.op == "all_reduce" and r.axis == "ep" and r.seq not in reading
     )
-    shared = len(engine._ep_replicas)
+    shared = len(engine.replicas.ep_shared)
     buckets = len(engine.zero.buckets)
     engine.destroy()
     return calls, shared, buckets, grad

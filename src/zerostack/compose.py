@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import activation_checkpointing
+from .callbacks import register_step_callbacks
 from .comm import comms_logger
 from .comm import configure as configure_comms
 from .comm.grid import comm_for
@@ -382,6 +383,7 @@ def initialize(
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position
+    register_step_callbacks(engine, cfg)  # profile, monitors, log, loss spike, saves
     engine.watchdog = start_watchdog(engine.comm.log, cfg.watchdog, topo)
-    engine.auto_checkpoint.resume(engine)  # checkpoint.auto_resume: latest, if there is one
+    engine.checkpoints.resume()  # checkpoint.auto_resume: latest, if there is one
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -13,39 +13,47 @@ accumulated gradient is the mean over the global batch, as DeepSpeed computes it
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 
 import torch
 from torch import nn
 
-from .checkpoint.auto_resume import AutoCheckpoint
-from .checkpoint.loss_spike import LossSpikeGuard
-from .clock import HostScalar, device_clock
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.view import TrainingView
+from .clock import device_clock
 from .comm import Comm
 from .comm.grid import comm_for
 from .config import ZeroStackConfig
 from .config_view import ConfigView
-from .core.progress import print_progress
+from .core.steps import StepCallback, StepReport
+from .core.train_state import PartField, TrainState
 from .engine_api import EngineAPI
 from .full_params import FullParams, attach
-from .moe.utils import is_moe_param
-from .monitor import StepMonitor
-from .pinned import host_empty
+from .monitor.training import LossWindow
 from .precision import Precision, make_loss_scaler
-from .profiling.flops_profiler.step import StepProfile
-from .runner import cast_inputs, repeat_loader, run_micro_batches
-from .tensor_parallel import partition_spec
+from .replicas import Replicas
+from .runner import cast_inputs, run_micro_batches
 from .topology import Topology
+from .update import BoundaryUpdate
 from .zero.build import build_strategy
-from .zero.params import is_sharded
-from .zero.strategy import GradStats, ZeroStrategy
+from .zero.strategy import ZeroStrategy
 
 log = logging.getLogger("zerostack")
 
 
 class Engine(EngineAPI, nn.Module):
     """Wraps a model for data-parallel training with DeepSpeed's engine API."""
+
+    # what the run has done so far lives in self.state (a TrainState), under DeepSpeed's names
+    micro_steps = PartField("state")
+    global_steps = PartField("state")
+    global_samples = PartField("state")
+    skipped_steps = PartField("state")
+    loss_scaler = PartField("state")
+    training_dataloader = PartField("state", "loader")  # initialize(training_data=...)'s
+    # the optimizer and LR schedule live in self.run, what checkpoints are given of the engine
+    optimizer = PartField("run")
+    lr_scheduler = PartField("run")
 
     def __init__(
         self,
@@ -77,17 +85,9 @@ class Engine(EngineAPI, nn.Module):
             device, config.wall_clock_breakdown or config.comms_logger.enabled
         )
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
-        # the monitor blocks: files opened on rank 0 (a bad path or missing package fails here)
-        self.monitor = StepMonitor(config, topology, self.comm)
-        # Parameters not split by tensor parallelism are replicas on the tp ranks: start them
-        # alike, and count them once in the gradient norm (tp rank 0 counts them).
-        replicas = [p for p in module.parameters() if partition_spec(p) is None]
-        self._tp_replicas = set(replicas)
-        self._ep_replicas = (  # what every ep rank holds: counted on ep rank 0 only
-            {p for p in module.parameters() if not is_moe_param(p)} if topology.ep > 1 else set()
-        )
-        if topology.tp > 1:
-            self._sync_tp_replicas(replicas)
+        self.losses = LossWindow(topology, self.comm)  # each window's, for the step callbacks
+        self.callbacks: list[StepCallback] = []  # initialize registers them (zerostack.callbacks)
+        self.replicas = Replicas(module, topology, self.comm)  # tp and ep replicas, in sync
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
         # The ZeRO strategy owns parameters, gradients and masters (stage 0 is plain DP).
@@ -100,59 +100,37 @@ class Engine(EngineAPI, nn.Module):
             precision=self.precision,
             prescale=prescale,
         )
-        if self._ep_replicas:  # stages 0-2 (ep refuses 3): summed over ep at each step
-            self.zero.ep_shared = self._ep_replicas
+        if self.replicas.ep_shared:  # stages 0-2 (ep refuses 3): summed over ep at each step
+            self.zero.ep_shared = self.replicas.ep_shared
         self.comm.log.step = 0
         self.full_params = FullParams(self)  # one parameter's full values (zerostack.utils)
         attach(self, module)
-        self.optimizer = optimizer_factory(self.zero.optimizer_groups())
-        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) else lr_scheduler
-        self.loss_scaler = make_loss_scaler(config)
-        # the norm's host read, and whether the optimizer can skip a step without it
-        self._norm_reader = HostScalar(device)
-        self._sq_host: torch.Tensor | None = None  # an offloaded norm's way up to the device
-        self._masters_on_device = all(m.device == device for m in self.zero.masters())
-        fused = getattr(self.optimizer, "_step_supports_amp_scaling", False)
-        self._skips_on_device = fused and self._masters_on_device
-
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        self._step_applied = False  # whether the last step() updated the weights
+        self.state = TrainState(make_loss_scaler(config))  # counters, scaler, loader
+        optimizer = optimizer_factory(self.zero.optimizer_groups())
+        self.run = TrainingView(  # what a checkpoint reads and writes: these parts, no engine
+            module=module,
+            zero=self.zero,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler,
+            state=self.state,
+            topology=topology,
+            comm=self.comm,
+            config=self.config,
+            precision=self.precision,
+            full_params=self.full_params,
+            replicated_elsewhere=self.replicated_elsewhere,
+        )
+        self.checkpoints = Checkpointer(self.run, config.checkpoint)
+        self.update = BoundaryUpdate(self.run)  # reduce, norm, clip, step at a window's end
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._inside_no_sync = False
         self.timers: dict[str, float] = defaultdict(float)
-        # initialize(training_data=...)'s loader: train_batch() repeats it; checkpoints keep its
-        # sampler's position
-        self.training_dataloader = None
-        self._data_iter = None
-        self.flops_profile = None  # the flops_profiler block: one step's forwards profiled
-        # the checkpoint block: resume at initialize, saves every save_interval steps, async
-        self.auto_checkpoint = AutoCheckpoint(config.checkpoint)
-        # the loss_spike block: roll back to the last checkpoint when the loss spikes
-        self.loss_spike = None
-        if config.loss_spike.factor:
-            self.loss_spike = LossSpikeGuard(config.loss_spike, config.checkpoint.save_dir)
-            self.monitor.collect_loss = True
-        if config.flops_profiler.enabled:
-            self.flops_profile = StepProfile(self, config.flops_profiler)
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):
         tp replicas off tp rank 0, all but the experts off ep rank 0 (and, under a pipeline,
         tied copies off their first stage)."""
-        topo = self.topology
-        held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
-        if topo.ep > 1 and topo.rank("ep") != 0:
-            held = held | self._ep_replicas
-        return held
-
-    def _sync_tp_replicas(self, replicas: list[nn.Parameter]) -> None:
-        for t in [*replicas, *self.module.buffers()]:  # in model order: same on every rank
-            if not is_sharded(t):  # zero.Init shards are broadcast when they are made
-                self.comm.broadcast(t.data, src=0, axis="tp")
+        return self.replicas.elsewhere()
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -182,8 +160,6 @@ class Engine(EngineAPI, nn.Module):
         without ``auto_cast`` nothing is (in bf16 or fp16, a model that takes floating-point
         inputs gets them as given and casts them itself)."""
         t0 = self.clock.now()
-        if self.flops_profile is not None:
-            self.flops_profile.forward_begins()
         args = cast_inputs(args, self.config.fp16.auto_cast)
         out = self.module(*args, **kwargs)
         self.timers["forward"] += self.clock.now() - t0
@@ -199,7 +175,7 @@ class Engine(EngineAPI, nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = self.clock.now()
-        self.monitor.add_loss(loss)
+        self.losses.add(loss)
         # inside no_sync() gradients accumulate locally, reduced by the next backward outside it
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         self.zero.begin_backward(boundary)
@@ -216,12 +192,10 @@ class Engine(EngineAPI, nn.Module):
         if self._inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = self.clock.now()
-        self._step_applied = False
+        self.update.applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self.apply_step()
-            if self.flops_profile is not None:
-                self.flops_profile.step_ends()
         self.micro_steps += 1  # before the count: an automatic save keeps whole windows
         if boundary:
             self._count_global_step()
@@ -230,14 +204,11 @@ class Engine(EngineAPI, nn.Module):
     # ------------------------------------------------------------------ whole batches
     def set_dataloader(self, loader) -> None:
         """The loader ``train_batch()`` and ``eval_batch()`` read when given no iterator."""
-        self.training_dataloader = loader
-        self._data_iter = None
+        self.state.set_loader(loader)
 
     def _default_iter(self):
         """The engine loader, repeated (None without one)."""
-        if self._data_iter is None and self.training_dataloader is not None:
-            self._data_iter = repeat_loader(self.training_dataloader)
-        return self._data_iter
+        return self.state.batches()
 
     def _batch_iter(self, data_iter):
         it = data_iter if data_iter is not None else self._default_iter()
@@ -268,129 +239,48 @@ class Engine(EngineAPI, nn.Module):
             total /= self.topology.dp
         return total
 
+    def add_callback(self, callback: StepCallback) -> StepCallback:
+        """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step, after
+        the callbacks added before it; one with ``wants_loss`` set gets the step's mean loss in
+        the report (the engine keeps each window's losses for it)."""
+        self.callbacks.append(callback)
+        self.losses.collect |= bool(getattr(callback, "wants_loss", False))
+        return callback
+
     def _count_global_step(self, loss: torch.Tensor | None = None) -> None:
-        """After a step: count it, write its metrics (``loss``: the step's mean loss when the
-        caller has it), print every ``steps_per_print``."""
+        """After a step: count it and hand its report to the step callbacks (``loss``: the
+        step's mean loss when the caller has it)."""
         self.global_steps += 1
         self.global_samples += self._train_batch_size
-        if loss is None and self.monitor.collect_loss:
-            loss = self.monitor.window_loss()  # a collective over dp: every rank, every step
-        self.monitor.write_step(self, loss)
+        if loss is None and self.losses.collect:
+            loss = self.losses.mean()  # a collective over dp: every rank, every step
+        report = StepReport(
+            step=self.global_steps,
+            samples=self.global_samples,
+            batch_size=self._train_batch_size,
+            world_size=self.world_size,
+            skipped_steps=self.skipped_steps,
+            applied=self.update.applied,
+            loss=loss,
+            grad_norm=self.update.grad_norm,
+            lrs=self.get_lr(),
+            loss_scale=self.loss_scaler.loss_scale,
+            precision=self.precision.name,
+            timers=self.timers,
+            memory=self.memory_breakdown,
+            memory_by_device=self.memory_by_device,
+            device_memory=self.device_memory,
+        )
         self.comm.log.next_step()
-        self._maybe_print()
-        # a spiking loss holds the automatic save back (latest must predate it) or rolls back
-        save = self.loss_spike is None or self.loss_spike.after_step(self, loss)
-        self.auto_checkpoint.after_step(self, save)  # checkpoint.save_interval; async errors
+        for callback in self.callbacks:
+            callback.after_step(report)
 
     def apply_step(self) -> None:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner
-        calls once a batch's gradients are in): reduce, norm, clip, step, write back."""
-        # The masters get their gradients summed over dp and loss-scaled; the norm is taken on
-        # those, and averaging, unscaling and clipping are then one coefficient.
-        stats = self.zero.reduce_grads(self.loss_scaler.loss_scale, self.replicated_elsewhere())
-        norm = self._global_norm(stats)  # a 0-dim tensor on the device: nothing has waited yet
-        self._norm_reader.start(norm)
-        if self._skips_on_device:
-            # torch's fused optimizers skip their update where ``found_inf`` is 1 (GradScaler's
-            # protocol): the step and the write-back are queued before the host reads the norm,
-            # so the GPU has them to run while the host waits for the norm alone.
-            self.optimizer.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
-            try:
-                self.zero.step(self.optimizer, self._coef(norm, stats.post))
-            finally:
-                del self.optimizer.found_inf
-        value = self._norm_reader.value()
-        self._global_grad_norm = value
-        # Every rank sees the same norm (its square is summed over every axis), so a NaN or inf
-        # gradient on any rank skips the step on all of them, in every precision.
-        overflow = not math.isfinite(value)
-        if overflow:
-            self._skip_step(value)
-        else:
-            if not self._skips_on_device:  # the step waits for the norm
-                if self._masters_on_device:
-                    coef = self._coef(norm, stats.post)
-                else:  # a float, from the norm's host copy (the device's fp32 arithmetic)
-                    coef = float(self._coef(self._norm_reader.host, stats.post))
-                self.zero.step(self.optimizer, coef)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self._step_applied = not overflow
-        self.loss_scaler.update(overflow)
-        self.zero.zero_grad()
-
-    def _coef(self, norm: torch.Tensor, post: float) -> torch.Tensor | float:
-        """What the masters' gradients are multiplied by: ``post`` (the mean over the global
-        batch, unscaled) times the clipping factor ``min(clip / (norm + 1e-6), 1)``, computed
-        on the device (a tensor) when clipping is on."""
-        clip = self.config.gradient_clipping
-        if clip <= 0:
-            return post
-        return (clip / (norm + 1e-6)).clamp(max=1.0) * post
-
-    def _global_norm(self, stats: GradStats) -> torch.Tensor:
-        """The gradient norm over the whole model, averaged and unscaled, as a 0-dim fp32 tensor
-        on the device. Each tp-split parameter is counted by every tp rank (its own slice), each
-        replica once, each pipeline stage its own layers."""
-        sq = stats.sq
-        if sq.device != self.device:  # offloaded: summed on the host, up through pinned memory
-            # (from pageable memory the copy would wait for the stream); written again only
-            # after this step's norm read, which waits for the copy
-            if self._sq_host is None or self._sq_host.dtype != sq.dtype:
-                self._sq_host = host_empty((), sq.dtype)
-            sq = self._sq_host.copy_(sq).to(self.device, non_blocking=True)
-        if stats.sharded:
-            self.comm.all_reduce(sq, axis="dp")
-        for axis in ("tp", "pp", "ep"):
-            if self.topology.size(axis) > 1:
-                self.comm.all_reduce(sq, axis=axis)
-        return sq.sqrt() * stats.post
-
-    def _skip_step(self, norm: float) -> None:
-        """A non-finite gradient norm: leave weights, optimizer state and LR schedule as they
-        are. In fp16 that is the dynamic loss scaler's overflow; in bf16 and fp32 it is a bad batch
-        or a diverging run, skipped (or raised, with ``on_nonfinite_grads: "error"``)."""
-        self.skipped_steps += 1
-        step = self.global_steps + 1
-        if self.precision.name == "fp16":
-            if self.global_rank == 0:
-                log.info(
-                    "step %d: fp16 gradient overflow, step skipped (loss scale %g)",
-                    step,
-                    self.loss_scale,
-                )
-            return
-        if self.config.on_nonfinite_grads == "error":
-            raise FloatingPointError(
-                f"step {step}: the global gradient norm is {norm} (on_nonfinite_grads: error)"
-            )
-        if self.global_rank == 0:
-            log.warning(
-                "step %d: non-finite gradient norm (%s), step skipped (%d skipped so far)",
-                step,
-                norm,
-                self.skipped_steps,
-            )
+        calls once a batch's gradients are in): reduce, norm, clip, step, write back
+        (:mod:`zerostack.update`)."""
+        self.update()
 
     def zero_grad(self) -> None:
         """Gradients are zeroed after every optimizer step; this exists for API compatibility."""
         self.zero.zero_grad()
-
-    def _maybe_print(self) -> None:
-        every = self.config.steps_per_print
-        if self.global_rank != 0 or every is None or self.global_steps % every:
-            return
-        lrs = [f"{lr:.3g}" for lr in self.get_lr()]
-        print_progress(
-            f"step={self.global_steps} skipped={self.skipped_steps} lr={lrs} "
-            f"loss_scale={self.loss_scale:g} grad_norm={self._global_grad_norm} "
-            f"{self.throughput_since_print()}".rstrip()
-        )
-        if self.config.wall_clock_breakdown:
-            print_progress(f"time (s): { {k: round(v, 4) for k, v in self.timers.items()} }")
-        if self.config.memory_breakdown:
-            device = self.device_memory()  # the CUDA allocator's figures, on a GPU
-            cuda = f" cuda allocator: {device}" if device else ""
-            places = self.memory_by_device()
-            apart = f" by device: {places}" if len(places) > 1 else ""
-            print_progress(f"memory (bytes): {self.memory_breakdown()}{apart}{cuda}")

@@ -3,9 +3,9 @@
 
 Read-only figures (ranks, batch sizes, precision, learning rates, the last gradient norm),
 DeepSpeed's accumulation controls (``set_gradient_accumulation_boundary``, ``no_sync``),
-checkpoints (``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, given
-the engine's counters through ``training_state``), the full fp32 weights and DeepSpeed's 16-bit
-model file, memory figures and ``destroy``.
+checkpoints (``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, the
+engine's counters, loss scaler and loader position in ``engine.state``), the full fp32
+weights and DeepSpeed's 16-bit model file, memory figures and ``destroy``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 
 import torch
 
@@ -39,36 +38,6 @@ class LossScale(float):
 
 
 class EngineAPI:
-    def throughput_since_print(self) -> str:
-        """Samples per second since the last step log (and, once the flops profiler has measured
-        a step, model TFLOP/s per rank), for the step log; resets the clock."""
-        now, samples = time.perf_counter(), self.global_samples
-        last = getattr(self, "_print_clock", None)
-        self._print_clock = (now, samples, self.global_steps)
-        if last is None or now <= last[0]:
-            return ""
-        seconds = now - last[0]
-        out = f"samples/s={(samples - last[1]) / seconds:.3g}"
-        flops = getattr(self.flops_profile, "last_step_flops", None)
-        if flops:
-            per_rank = flops * (self.global_steps - last[2]) / seconds / self.world_size
-            out += f" TFLOP/s per rank={per_rank / 1e12:.3g}"
-        return out
-
-    def training_state(self) -> dict[str, int]:
-        """The engine's counters, as checkpoints keep them."""
-        return {
-            "global_steps": self.global_steps,
-            "global_samples": self.global_samples,
-            "micro_steps": self.micro_steps,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_training_state(self, state: dict) -> None:
-        self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
-        self.micro_steps, self.skipped_steps = state["micro_steps"], state["skipped_steps"]
-        self.comm.log.step = self.global_steps  # CommLog steps continue from here
-
     @property
     def device(self) -> torch.device:
         return self.topology.device
@@ -141,7 +110,7 @@ class EngineAPI:
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False between accumulation
         boundaries and when a non-finite gradient skipped the step)."""
-        return self._step_applied
+        return self.update.applied
 
     # ------------------------------------------------------------------ accumulation control
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -182,7 +151,7 @@ class EngineAPI:
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step, before clipping (None before any)."""
-        return self._global_grad_norm
+        return self.update.grad_norm
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
@@ -243,8 +212,7 @@ class EngineAPI:
         ``async_save`` (None: the config's ``checkpoint.async_save``): copy the state to host
         memory and write it in the background (:mod:`zerostack.checkpoint.async_save`);
         :meth:`wait_for_checkpoint` waits for it. Any save first waits for a pending one."""
-        return self.auto_checkpoint.save(
-            self,
+        return self.checkpoints.save(
             save_dir,
             tag,
             client_state,
@@ -256,7 +224,7 @@ class EngineAPI:
     def wait_for_checkpoint(self) -> None:
         """Wait until the pending background save is written and ``latest`` moved; raise
         :class:`~.checkpoint.CheckpointError` (on every rank) if it failed on any rank."""
-        self.auto_checkpoint.wait()
+        self.checkpoints.wait()
 
     def load_checkpoint(
         self,
@@ -279,11 +247,7 @@ class EngineAPI:
         ``state_dict`` is the checkpoint's, shaped as this rank's module holds them (its
         tensor-parallel slices; at stage 3 the module's parameters are gathered while it runs),
         and what it leaves in the module becomes the fp32 masters."""
-        from .checkpoint import load
-
-        self.auto_checkpoint.wait()  # a pending background save completes first
-        return load(
-            self,
+        return self.checkpoints.load(  # once a pending background save has completed
             load_dir,
             tag,
             load_module_strict=load_module_strict,
@@ -307,9 +271,11 @@ class EngineAPI:
         if watchdog is not None:
             watchdog.stop()
             self.watchdog = None
-        self.monitor.close()  # flush and close the monitors' files
+        for callback in self.callbacks:  # the monitors flush and close their files
+            if callable(getattr(callback, "close", None)):
+                callback.close()
         self.zero.close()
-        self.auto_checkpoint.wait()  # a pending background save is written (or its error raised)
+        self.checkpoints.wait()  # a pending background save is written (or its error raised)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:

@@ -12,20 +12,9 @@ every micro-batch and every dp rank, and without an iterator the batch comes fro
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import torch
-
-
-def repeat_loader(loader) -> Iterator:
-    """``loader`` forever, epoch after epoch, from its sampler's epoch (a loaded checkpoint's,
-    whose position the sampler keeps)."""
-    sampler = getattr(loader, "sampler", None)
-    for epoch in itertools.count(getattr(sampler, "epoch", 0)):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        yield from loader
 
 
 def map_tensors(obj, fn):

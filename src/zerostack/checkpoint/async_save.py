@@ -97,7 +97,7 @@ class AsyncSaver:
 
     def save(
         self,
-        engine,
+        run,
         save_dir: str,
         tag=None,
         client_state=None,
@@ -105,25 +105,25 @@ class AsyncSaver:
         exclude_frozen: bool = False,
         keep_last: int = 0,
     ) -> str:
-        """Snapshot ``engine`` to host memory and write it in the background (a collective:
+        """Snapshot ``run`` to host memory and write it in the background (a collective:
         every rank calls it); returns the tag's path, complete once :meth:`wait` returns."""
         self.wait()  # one save at a time; the previous one's error is raised here
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        client_state, client_payload = split_client_state(engine, client_state)  # copies
-        rank, world = engine.global_rank, engine.world_size
+        tag = str(tag) if tag is not None else f"global_step{run.global_steps}"
+        client_state, client_payload = split_client_state(run, client_state)  # copies
+        rank, world = run.global_rank, run.world_size
         store = default_store() if world > 1 else None
         if world > 1 and store is None:
             raise CheckpointError("async_save: torch.distributed has no store to agree through")
         folder = os.path.join(save_dir, f".{tag}.incomplete")
-        tensors, meta = _collect_shard(engine, exclude_frozen)
+        tensors, meta = _collect_shard(run, exclude_frozen)
         base = None
         if rank == 0:  # counters, scaler, schedule, sampler: as they are now
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
             record = client_write(folder, client_payload)  # small: written now, not queued
-            base = json.loads(json.dumps(_manifest(engine, tag, [], client_state, record)))
-        _barrier(engine.comm)  # the folder exists before any rank writes into it
+            base = json.loads(json.dumps(_manifest(run, tag, [], client_state, record)))
+        _barrier(run.comm)  # the folder exists before any rank writes into it
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the store outlives restarts
         job = _Job(
             save_dir=save_dir,

@@ -33,7 +33,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from .state import LATEST, _gather_errors, _sampler
+from ..core.steps import StepReport
+from .checkpointer import Checkpointer
+from .state import LATEST, _gather_errors
 
 log = logging.getLogger("zerostack")
 
@@ -57,19 +59,28 @@ class Rollback:
 class LossSpikeGuard:
     """Watches each step's loss; rolls the engine back when it spikes (see the module)."""
 
-    def __init__(self, cfg, save_dir: str) -> None:
+    wants_loss = True  # the engine keeps each window's loss for the report
+
+    def __init__(self, cfg, checkpoints: Checkpointer) -> None:
         self.cfg = cfg
-        self.save_dir = save_dir
+        self.checkpoints = checkpoints  # rolls back through it
+        self.save_dir = checkpoints.cfg.save_dir
         self.history: deque[float] = deque(maxlen=cfg.window)
         self.suspects = 0  # steps in a row above the bound
         self.rollbacks: list[Rollback] = []
 
-    def after_step(self, engine, loss) -> bool:
-        """The step's loss (None when nobody computed it: nothing to judge). Returns whether the
-        automatic save may go ahead (not while a suspect run lasts, nor after a rollback)."""
-        if loss is None:
+    def after_step(self, report: StepReport) -> None:
+        """Judge the step's loss (None when nobody computed it: nothing to judge); hold the
+        automatic save back while a suspect run lasts and after a rollback
+        (``report.hold_save``)."""
+        report.hold_save = report.hold_save or not self._judge(report)
+
+    def _judge(self, report: StepReport) -> bool:
+        """Whether the step's loss is fine (False while a suspect run lasts and when it rolls
+        back)."""
+        if report.loss is None:
             return True
-        value = float(loss)
+        value = float(report.loss)
         if len(self.history) < self.cfg.window and math.isfinite(value):
             self.history.append(value)
             return True
@@ -79,10 +90,10 @@ class LossSpikeGuard:
             self.history.append(value)
             return True
         self.suspects += 1
-        if engine.global_rank == 0:
+        if self.checkpoints.run.global_rank == 0:
             log.warning(
                 "loss_spike: step %d's loss %.4g is above %g x the median %.4g (%d of %d)",
-                engine.global_steps,
+                report.step,
                 value,
                 self.cfg.factor,
                 median,
@@ -90,11 +101,11 @@ class LossSpikeGuard:
                 self.cfg.patience,
             )
         if self.suspects >= self.cfg.patience:
-            self._roll_back(engine, value, median)
+            self._roll_back(report.step, value, median)
         return False
 
-    def _roll_back(self, engine, value: float, median: float) -> None:
-        step = engine.global_steps
+    def _roll_back(self, step: int, value: float, median: float) -> None:
+        run = self.checkpoints.run
         what = (
             f"loss_spike: step {step}'s loss {value:.4g} is above {self.cfg.factor:g} x the "
             f"median {median:.4g}"
@@ -103,22 +114,22 @@ class LossSpikeGuard:
             raise LossSpikeError(
                 f"{what} after {len(self.rollbacks)} rollbacks (loss_spike.max_rollbacks)"
             )
-        engine.wait_for_checkpoint()  # a background save still being written
+        self.checkpoints.wait()  # a background save still being written
         have = os.path.isfile(os.path.join(self.save_dir, LATEST))
-        if not _gather_errors(engine.comm, "latest" if have else None):
+        if not _gather_errors(run.comm, "latest" if have else None):
             raise LossSpikeError(f"{what}, and {self.save_dir} has no checkpoint to roll back to")
         # the data goes on where it is: keep the loader's position and iterator through the load
-        sampler = _sampler(engine)
+        sampler = run.state.sampler()
         position = dict(vars(sampler)) if sampler is not None else None
-        data_iter = engine._data_iter
-        path, _ = engine.load_checkpoint(self.save_dir)
+        data_iter = run.state.data_iter
+        path, _ = self.checkpoints.load(self.save_dir)
         if sampler is not None:
             vars(sampler).update(position)
-        engine._data_iter = data_iter
+        run.state.data_iter = data_iter
         self.suspects = 0
-        done = Rollback(step, value, median, os.path.basename(path), engine.global_steps)
+        done = Rollback(step, value, median, os.path.basename(path), run.global_steps)
         self.rollbacks.append(done)
-        if engine.global_rank == 0:
+        if run.global_rank == 0:
             log.warning(
                 "%s for %d steps: rolled back to %s (step %d); the data of steps %d-%d is "
                 "skipped (rollback %d of at most %d)",

@@ -29,7 +29,6 @@ from .state import (
     _full_shape,
     _gather_errors,
     _key,
-    _sampler,
     _sha256,
 )
 
@@ -125,8 +124,8 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
-def load(engine, load_dir: str, tag=None, custom_load_fn=None, **options):
-    """Load a checkpoint into ``engine`` (any ZeRO stage, dp size); returns (path, client_state),
+def load(run, load_dir: str, tag=None, custom_load_fn=None, **options):
+    """Load a checkpoint into ``run`` (any ZeRO stage, dp size); returns (path, client_state),
     or (None, None) when ``tag`` is None and ``load_dir`` has no ``latest`` file (as DeepSpeed).
 
     ``options``: ``load_module_strict``, ``load_optimizer_states``, ``load_lr_scheduler_states``,
@@ -136,9 +135,9 @@ def load(engine, load_dir: str, tag=None, custom_load_fn=None, **options):
     """
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
-        missing = _gather_errors(engine.comm, None if os.path.isfile(latest) else "missing")
-        if len(missing) == engine.world_size:
-            if engine.global_rank == 0:
+        missing = _gather_errors(run.comm, None if os.path.isfile(latest) else "missing")
+        if len(missing) == run.world_size:
+            if run.global_rank == 0:
                 log.warning(
                     "Unable to find latest file at %s, if trying to load latest checkpoint please "
                     "ensure this file exists or pass an explicit checkpoint tag when loading a "
@@ -149,24 +148,24 @@ def load(engine, load_dir: str, tag=None, custom_load_fn=None, **options):
         if missing:
             raise CheckpointError(f"{latest}: missing on ranks {[r for r, _ in missing]} only")
     try:
-        (folder, client_state, reader), error = _load(engine, load_dir, tag, **options), None
+        (folder, client_state, reader), error = _load(run, load_dir, tag, **options), None
     except CheckpointError as exc:
         error = str(exc)
-    errors = _gather_errors(engine.comm, error)
+    errors = _gather_errors(run.comm, error)
     if errors:
         raise CheckpointError(errors[0][1])
     if custom_load_fn is not None:
-        _custom_load(engine, reader, custom_load_fn)
-    engine.zero.after_load()  # the masters into the compute-dtype parameters (a collective)
+        _custom_load(run, reader, custom_load_fn)
+    run.zero.after_load()  # the masters into the compute-dtype parameters (a collective)
     return folder, client_state
 
 
-def _module_state(engine, reader: _Reader) -> dict[str, torch.Tensor]:
+def _module_state(run, reader: _Reader) -> dict[str, torch.Tensor]:
     """The checkpoint's weights and buffers as this rank's module holds them (its tp slices,
     whole over dp), fp32 for parameters, under every name ``module.state_dict()`` uses."""
-    tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
+    tp, tp_rank = run.topology.tp, run.topology.rank("tp")
     saved, aliases = reader.manifest["params"], reader.manifest["aliases"]
-    ours = dict(engine.module.named_parameters())
+    ours = dict(run.module.named_parameters())
     out: dict[str, torch.Tensor] = {}
     for name in saved:
         t = reader.full(name)
@@ -182,26 +181,26 @@ def _module_state(engine, reader: _Reader) -> dict[str, torch.Tensor]:
     return out
 
 
-def _custom_load(engine, reader: _Reader, fn) -> None:
+def _custom_load(run, reader: _Reader, fn) -> None:
     """DeepSpeed's ``custom_load_fn(src=state_dict, dst=module)`` in place of loading the
     weights: run with the module's parameters whole (gathered at stage 3), then what it left in
     them becomes the masters (trained parameters) and the held values (frozen ones)."""
-    if engine.topology.ep > 1:
+    if run.topology.ep > 1:
         raise CheckpointError("custom_load_fn: not supported with expert parallelism (ep > 1)")
-    src = _module_state(engine, reader)
-    params = list(engine.module.parameters())
-    trained = [p for p in params if engine.zero.is_trained(p)]
+    src = _module_state(run, reader)
+    params = list(run.module.parameters())
+    trained = [p for p in params if run.zero.is_trained(p)]
     with GatheredParameters(params):  # stage 3 (a collective); nothing to do at stages 0-2
-        fn(src=src, dst=engine.module)
+        fn(src=src, dst=run.module)
         for p in trained:
-            engine.full_params.set_local(p, p.detach().reshape(-1).float())
-        for p, lo, hi, held in engine.zero.frozen_slices():
+            run.full_params.set_local(p, p.detach().reshape(-1).float())
+        for p, lo, hi, held in run.zero.frozen_slices():
             if hi > lo:
                 held.copy_(p.detach().reshape(-1)[lo:hi])
 
 
 def _load(
-    engine,
+    run,
     load_dir: str,
     tag,
     load_module_strict: bool = True,
@@ -215,8 +214,8 @@ def _load(
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
     # model's values; with load_module_strict=False so do those it simply lacks.
     kept = set(manifest.get("excluded", []))
-    every = global_names(engine.module, engine.topology.rank("ep"))  # experts: global index
-    tp, tp_rank = engine.topology.tp, engine.topology.rank("tp")
+    every = global_names(run.module, run.topology.rank("ep"))  # experts: global index
+    tp, tp_rank = run.topology.tp, run.topology.rank("tp")
     for name in every.values():
         if name in saved or name in kept:
             continue
@@ -230,15 +229,15 @@ def _load(
                 f"{folder}: {name} has shape {saved[name]} in the checkpoint, "
                 f"{_full_shape(p, tp)} in the model"
             )
-    if engine.topology.pp == 1 and load_module_strict:  # with a pipeline, others hold the rest
+    if run.topology.pp == 1 and load_module_strict:  # with a pipeline, others hold the rest
         ours = set(every.values())
         for name in saved:
-            if engine.topology.ep > 1 and EXPERTS in name:
+            if run.topology.ep > 1 and EXPERTS in name:
                 continue  # the other ep ranks' experts
             if name not in ours:
                 raise CheckpointError(f"{folder}: the checkpoint has {name!r}, the model does not")
     saved_tp = reader.saved_tp
-    opt = engine.optimizer
+    opt = run.optimizer
     with_state = load_optimizer_states and not load_module_only and opt is not None
     keys = sorted(
         {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
@@ -267,16 +266,16 @@ def _load(
 
     kinds = keys if with_state else []
     owned = defaultdict(list)
-    for p, lo, hi, master, a, _ in engine.zero.owned_slices():
+    for p, lo, hi, master, a, _ in run.zero.owned_slices():
         if hi > lo and p in names:
             owned[master].append((p, lo, hi, a))
-    for master in engine.zero.masters():  # one at a time: on NVMe, read, filled, written back
-        values = engine.zero.read_master(master, opt, kinds)
+    for master in run.zero.masters():  # one at a time: on NVMe, read, filled, written back
+        values = run.zero.read_master(master, opt, kinds)
         for p, lo, hi, a in owned[master]:
             for kind in ["master", *kinds]:
                 read(values[kind], p, kind, lo, hi, a)
-        engine.zero.write_master(master, opt, values)
-    for p, lo, hi, held in engine.zero.frozen_slices():  # frozen: into what they hold, in place
+        run.zero.write_master(master, opt, values)
+    for p, lo, hi, held in run.zero.frozen_slices():  # frozen: into what they hold, in place
         if hi > lo and p in names:
             read(held, p, "master", lo, hi, 0)
     if with_state:
@@ -290,26 +289,21 @@ def _load(
                 for m in g["params"]:
                     if m in opt.state:
                         opt.state[m]["step"] = _step_tensor(saved_g["step"], opt.state[m], g, m)
-    for name, buf in engine.module.named_buffers():
+    for name, buf in run.module.named_buffers():
         if name not in reader.buffers:
             if not load_module_strict:
                 continue
             raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
         buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
     if not load_module_only:
-        c = manifest["counters"]
-        engine.load_training_state(c)
-        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
-        sampler = _sampler(engine)
-        if sampler is not None and manifest.get("data_sampler") is not None:
-            sampler.load_state_dict(manifest["data_sampler"])  # the next iter() continues there
-            engine.set_dataloader(engine.training_dataloader)  # train_batch's iterator too
-        if load_lr_scheduler_states and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
-        if manifest["layout"]["world_size"] == engine.world_size:  # the same ranks: their RNG
-            mine = f"rank{engine.global_rank:05d}.safetensors"
+        run.state.load_state_dict(manifest)  # counters, loss scaler, the loader's place
+        run.comm.log.step = run.global_steps  # CommLog steps continue from here
+        if load_lr_scheduler_states and run.lr_scheduler is not None:
+            run.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+        if manifest["layout"]["world_size"] == run.world_size:  # the same ranks: their RNG
+            mine = f"rank{run.global_rank:05d}.safetensors"
             torch.set_rng_state(reader.get(mine, "rng/cpu"))
-            if engine.device.type == "cuda" and "rng/cuda" in reader.sha[mine]:
+            if run.device.type == "cuda" and "rng/cuda" in reader.sha[mine]:
                 torch.cuda.set_rng_state(reader.get(mine, "rng/cuda"))
             from ..tensor_parallel import get_rng_tracker
 
@@ -320,7 +314,7 @@ def _load(
             }
             if tracker:
                 get_rng_tracker().set_states(tracker)
-    pickled = engine.config.checkpoint.pickled_client_state
+    pickled = run.config.checkpoint.pickled_client_state
     client_state = client_state_of(folder, manifest, pickled)
     return folder, client_state, reader
 

@@ -45,9 +45,9 @@ def tracker_states() -> dict[str, torch.Tensor]:
     return get_rng_tracker().get_states()
 
 
-def _frozen_names(engine) -> set[str]:
+def _frozen_names(run) -> set[str]:
     """Names of the parameters with ``requires_grad=False`` (``exclude_frozen_parameters``)."""
-    return {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {n for n, p in run.module.named_parameters() if not p.requires_grad}
 
 
 @dataclass
@@ -63,16 +63,16 @@ class Plan:
     meta: dict = field(default_factory=dict)
 
 
-def plan(engine, exclude_frozen: bool = False) -> Plan:
+def plan(run, exclude_frozen: bool = False) -> Plan:
     """The tensors this rank writes (``exclude_frozen``: parameters with ``requires_grad=False``
     are left out, and listed)."""
-    excluded = _frozen_names(engine) if exclude_frozen else set()
-    topo, zero, opt = engine.topology, engine.zero, engine.optimizer
-    every = global_names(engine.module, topo.rank("ep"))  # experts by their global index
+    excluded = _frozen_names(run) if exclude_frozen else set()
+    topo, zero, opt = run.topology, run.zero, run.optimizer
+    every = global_names(run.module, topo.rank("ep"))  # experts by their global index
     names = {p: n for p, n in every.items() if n not in excluded}
     # Copies held elsewhere too are written once: tp replicas by tp rank 0, a tied weight by the
     # first pipeline stage that holds it (the parameters the gradient norm skips).
-    elsewhere = engine.replicated_elsewhere()
+    elsewhere = run.replicated_elsewhere()
 
     def tp_rank(p):
         return topo.rank("tp") if partition_spec(p) is not None else None
@@ -102,10 +102,10 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
         out.entries.append(Entry(f"master/{out.frozen[p][0]}", torch.float32, (y - x,)))
         slices.append([names[p], tp_rank(p), x, y])
     if topo.rank("dp") == 0 and topo.rank("tp") == 0:  # each stage's buffers, once
-        for name, buf in engine.module.named_buffers():
+        for name, buf in run.module.named_buffers():
             out.small[f"buffer/{name}"] = buf.detach().cpu().clone()
     out.small["rng/cpu"] = torch.get_rng_state()
-    if engine.device.type == "cuda":  # the device's generator draws its dropout masks
+    if run.device.type == "cuda":  # the device's generator draws its dropout masks
         out.small["rng/cuda"] = torch.cuda.get_rng_state()
     for k, v in tracker_states().items():
         out.small[f"rng/tracker/{k}"] = v
@@ -122,10 +122,10 @@ def plan(engine, exclude_frozen: bool = False) -> Plan:
     return out
 
 
-def produce(engine, shard: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+def produce(run, shard: Plan) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` in the plan's order; one master's values are alive at a time (a view
     of the live tensors in memory, or what was read from its NVMe file)."""
-    zero, opt = engine.zero, engine.optimizer
+    zero, opt = run.zero, run.optimizer
     for m, cuts in shard.owned.items():
         values = zero.read_master(m, opt)
         for key, a, b in cuts:
@@ -156,19 +156,19 @@ def _write(path: str, entries: list[Entry], tensors) -> dict[str, str]:
     return out.hashes
 
 
-def write_shard(engine, folder: str, exclude_frozen: bool = False) -> dict:
+def write_shard(run, folder: str, exclude_frozen: bool = False) -> dict:
     """This rank's file, streamed; returns what the manifest records about it."""
-    shard = plan(engine, exclude_frozen)
-    file, path = _file(folder, engine.global_rank)
-    hashes = _write(path, shard.entries, produce(engine, shard))
+    shard = plan(run, exclude_frozen)
+    file, path = _file(folder, run.global_rank)
+    hashes = _write(path, shard.entries, produce(run, shard))
     return {"file": file, "bytes": os.path.getsize(path), "sha256": hashes, **shard.meta}
 
 
-def collect_shard(engine, exclude_frozen: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+def collect_shard(run, exclude_frozen: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """Host copies of every tensor this rank writes (a snapshot training may run on from), and
     the manifest's record of them (``meta``)."""
-    shard = plan(engine, exclude_frozen)
-    tensors = {k: t.detach().to("cpu", copy=True) for k, t in produce(engine, shard)}
+    shard = plan(run, exclude_frozen)
+    tensors = {k: t.detach().to("cpu", copy=True) for k, t in produce(run, shard)}
     return tensors, shard.meta
 
 

@@ -98,70 +98,64 @@ _key, _full_shape, _tracker_states = key_of, full_shape_of, tracker_states
 _write_shard, _collect_shard, _write_file = write_shard, collect_shard, write_file
 
 
-def _sampler(engine):
-    """The sampler of the engine's own data loader (initialize's), if it keeps a position."""
-    sampler = getattr(engine.training_dataloader, "sampler", None)
-    return sampler if callable(getattr(sampler, "load_state_dict", None)) else None
-
-
 def save(
-    engine,
+    run,
     save_dir: str,
     tag=None,
     client_state=None,
     save_latest: bool = True,
     exclude_frozen: bool = False,
 ) -> str:
-    """Write a checkpoint of ``engine`` (a collective: every rank calls it); returns its path.
+    """Write a checkpoint of ``run`` (a collective: every rank calls it); returns its path.
     ``exclude_frozen``: leave out the parameters with ``requires_grad=False`` (the manifest
     lists them under ``excluded``; a load keeps the model's values for them)."""
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    client_state, client_payload = split_client_state(engine, client_state)
+    tag = str(tag) if tag is not None else f"global_step{run.global_steps}"
+    client_state, client_payload = split_client_state(run, client_state)
     final = os.path.join(save_dir, tag)
     folder = os.path.join(save_dir, f".{tag}.incomplete")
-    rank = engine.global_rank
+    rank = run.global_rank
     client_record = None
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         client_record = client.write(folder, client_payload)
-    _barrier(engine.comm)
+    _barrier(run.comm)
     try:
-        record, error = _write_shard(engine, folder, exclude_frozen), None
+        record, error = _write_shard(run, folder, exclude_frozen), None
         _atomic_write(os.path.join(folder, f"rank{rank:05d}.json"), json.dumps(record))
     except Exception as exc:  # every rank learns of it below, then all raise
         error = f"{type(exc).__name__}: {exc}"
-    _fail_together(engine, error, folder, final)
+    _fail_together(run, error, folder, final)
     error = None
     if rank == 0:  # the manifest, then the rename, then latest: each step atomic
         try:
             latest_dir = save_dir if save_latest else None
-            _publish(engine, folder, final, tag, client_state, latest_dir, client_record)
+            _publish(run, folder, final, tag, client_state, latest_dir, client_record)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-    _fail_together(engine, error, folder, final)  # rank 0's failure ends every rank, no barrier
+    _fail_together(run, error, folder, final)  # rank 0's failure ends every rank, no barrier
     return final
 
 
-def _fail_together(engine, error: str | None, folder: str, final: str) -> None:
+def _fail_together(run, error: str | None, folder: str, final: str) -> None:
     """Every rank raises if any rank failed (an all-gather of the errors: no rank is left in a
     collective the failing one never reaches); rank 0 removes the incomplete folder first, so a
     full disk gets its space back. ``latest`` still names the previous checkpoint."""
-    errors = _gather_errors(engine.comm, error)
+    errors = _gather_errors(run.comm, error)
     if not errors:
         return
-    if engine.global_rank == 0:
+    if run.global_rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     listed = "; ".join(f"rank {r}: {e}" for r, e in errors)
     raise CheckpointError(f"{final}: not saved ({listed}); latest is unchanged")
 
 
-def split_client_state(engine, client_state) -> tuple[object, client.Payload]:
+def split_client_state(run, client_state) -> tuple[object, client.Payload]:
     """``client_state`` as JSON with markers, and its tensors (and, where the config opts in,
     pickled values: :mod:`.client_state`); every rank checks it, so a bad value raises
     everywhere before anything is written."""
-    pickled = engine.config.checkpoint.pickled_client_state
+    pickled = run.config.checkpoint.pickled_client_state
     try:
         return client.split({} if client_state is None else client_state, pickled)
     except client.ClientStateError as exc:
@@ -169,17 +163,17 @@ def split_client_state(engine, client_state) -> tuple[object, client.Payload]:
 
 
 def _publish(
-    engine, folder: str, final: str, tag: str, client_state, latest_dir, client_record=None
+    run, folder: str, final: str, tag: str, client_state, latest_dir, client_record=None
 ) -> None:
     """Rank 0, once every shard is written: the manifest, the folder renamed into place, and
     ``latest`` (in ``latest_dir``; None leaves it) replaced."""
     records = [
         json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
-        for r in range(engine.world_size)
+        for r in range(run.world_size)
     ]
-    manifest = _manifest(engine, tag, records, client_state, client_record)
+    manifest = _manifest(run, tag, records, client_state, client_record)
     _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
-    for r in range(engine.world_size):
+    for r in range(run.world_size):
         os.remove(os.path.join(folder, f"rank{r:05d}.json"))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -210,13 +204,13 @@ def merge_records(records: list[dict]) -> dict:
     }
 
 
-def _manifest(engine, tag: str, records: list[dict], client_state, client_record=None) -> dict:
-    topo, zero_cfg = engine.topology, engine.config.zero_optimization
+def _manifest(run, tag: str, records: list[dict], client_state, client_record=None) -> dict:
+    topo, zero_cfg = run.topology, run.config.zero_optimization
     groups = []
-    for g in engine._optimizer_groups():  # none for a forward-only engine
+    for g in run.optimizer_groups():  # none for a forward-only engine
         step = None
         for m in g["params"]:
-            s = engine.optimizer.state.get(m, {}).get("step")
+            s = run.optimizer.state.get(m, {}).get("step")
             if s is not None:
                 step = float(s)
                 break
@@ -224,10 +218,10 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
         groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
     merged = merge_records(records)
     excluded = set(merged["excluded"])
-    canonical = {id(p): n for n, p in engine.module.named_parameters()}
+    canonical = {id(p): n for n, p in run.module.named_parameters()}
     aliases = {  # a tied weight under its other names, for a plain load_state_dict
         n: canonical[id(t)]
-        for n, t in engine.module.state_dict(keep_vars=True).items()
+        for n, t in run.module.state_dict(keep_vars=True).items()
         if id(t) in canonical and canonical[id(t)] != n and canonical[id(t)] not in excluded
     }
     return {
@@ -235,24 +229,21 @@ def _manifest(engine, tag: str, records: list[dict], client_state, client_record
         "tag": tag,
         "aliases": aliases,
         "layout": {
-            "world_size": engine.world_size,
+            "world_size": run.world_size,
             "dp": topo.dp,
             "sp": topo.sp,
             "ep": topo.ep,
             "tp": topo.tp,
             "pp": topo.pp,
             "zero_stage": zero_cfg.stage,
-            "precision": engine.precision.name,
+            "precision": run.precision.name,
         },
         **merged,
-        "counters": engine.training_state(),
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "lr_scheduler": (
-            engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        ),
+        # counters, loss scaler, and where the engine's data loader is: epoch and samples handed
+        # out in it (rank 0's)
+        **run.state.state_dict(),
+        "lr_scheduler": (run.lr_scheduler.state_dict() if run.lr_scheduler is not None else None),
         "optimizer_groups": groups,
-        # where the engine's data loader is: epoch and samples handed out in it (rank 0's)
-        "data_sampler": sampler.state_dict() if (sampler := _sampler(engine)) else None,
         "files": records,
         "client_state": client_state,
         "client_tensors": client_record,

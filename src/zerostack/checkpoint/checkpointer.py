@@ -1,4 +1,4 @@
-"""Automatic checkpoints: the config's ``checkpoint`` block, run by the engine.
+"""The engine's checkpoints, and the automatic ones: the config's ``checkpoint`` block.
 
     "checkpoint": {"save_dir": "ckpt", "auto_resume": true, "save_interval": 50,
                    "keep_last": 3, "async_save": false}
@@ -27,23 +27,27 @@ import logging
 import os
 import shutil
 
+from ..core.steps import StepReport
 from .state import LATEST, MANIFEST, _gather_errors
 from .tags import prune
+from .view import TrainingView
 
 log = logging.getLogger("zerostack")
 
-class AutoCheckpoint:
-    """The engine's checkpoint policy (``engine.auto_checkpoint``): resume at ``initialize``,
-    save every ``save_interval`` steps, prune, and the pending background save."""
 
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
+class Checkpointer:
+    """The engine's checkpoints (``engine.checkpoints``), given the run's parts (a
+    :class:`~.view.TrainingView`, not the engine): saves now or in the background, loads, and
+    the config's ``checkpoint`` block: resume at ``initialize``, save every ``save_interval``
+    steps (:meth:`after_step`, a step callback), prune."""
+
+    def __init__(self, run: TrainingView, cfg) -> None:
+        self.run, self.cfg = run, cfg
         self._saver = None  # an AsyncSaver, made at the first background save
 
     # ------------------------------------------------------------------ saving
     def save(
         self,
-        engine,
         save_dir: str,
         tag=None,
         client_state=None,
@@ -62,11 +66,11 @@ class AutoCheckpoint:
 
                 self._saver = AsyncSaver()
             return self._saver.save(
-                engine, save_dir, tag, client_state, save_latest, exclude_frozen, keep
+                self.run, save_dir, tag, client_state, save_latest, exclude_frozen, keep
             )
         self.wait()
-        path = save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
-        if keep and save_latest and engine.global_rank == 0:
+        path = save(self.run, save_dir, tag, client_state, save_latest, exclude_frozen)
+        if keep and save_latest and self.run.global_rank == 0:
             prune(save_dir, keep)
         return path
 
@@ -84,42 +88,50 @@ class AutoCheckpoint:
         if self._saver is not None:
             self._saver.poll()
 
-    def after_step(self, engine, save: bool = True) -> None:
+    def after_step(self, report: StepReport) -> None:
         """After each optimizer step (counters updated): a finished background save's error,
-        and the save every ``save_interval`` steps (unless ``save`` is False: the loss_spike
-        guard holds it back)."""
+        and the save every ``save_interval`` steps (unless the loss-spike guard holds it back:
+        ``report.hold_save``)."""
         self.poll()
         every = self.cfg.save_interval
-        if save and every and engine.global_steps % every == 0:
-            engine.save_checkpoint(self.cfg.save_dir)
+        if not report.hold_save and every and report.step % every == 0:
+            self.save(self.cfg.save_dir)
 
-    # ------------------------------------------------------------------ resuming
-    def resume(self, engine) -> str | None:
+    # ------------------------------------------------------------------ loading
+    def load(self, load_dir: str, tag=None, **options):
+        """``engine.load_checkpoint`` (:func:`.restore.load`), once a pending background save
+        has completed."""
+        from .restore import load
+
+        self.wait()
+        return load(self.run, load_dir, tag, **options)
+
+    def resume(self) -> str | None:
         """At ``initialize`` with ``auto_resume``: load ``save_dir``'s ``latest`` if the
         directory has one (a collective); returns the loaded path, or None for a fresh start."""
         if not self.cfg.auto_resume:
             return None
-        save_dir = self.cfg.save_dir
-        if engine.global_rank == 0:  # what a killed save or prune left: never a checkpoint
+        save_dir, run = self.cfg.save_dir, self.run
+        if run.global_rank == 0:  # what a killed save or prune left: never a checkpoint
             for stale in glob.glob(
                 os.path.join(glob.escape(save_dir), ".*.incomplete")
             ) + glob.glob(os.path.join(glob.escape(save_dir), ".*.deleting")):
                 shutil.rmtree(stale, ignore_errors=True)
         have = os.path.isfile(os.path.join(save_dir, LATEST))
-        if not _gather_errors(engine.comm, "latest" if have else None):
+        if not _gather_errors(run.comm, "latest" if have else None):
             return None  # no rank sees one: a fresh start
         saved = _saved_batch(save_dir)
-        path, _ = engine.load_checkpoint(save_dir)
-        if engine.global_rank == 0:
+        path, _ = self.load(save_dir)
+        if run.global_rank == 0:
             log.warning(
                 "checkpoint.auto_resume: resumed from %s at step %d (saved on dp=%s with a "
                 "global batch of %s; now dp=%d, global batch %d)",
                 path,
-                engine.global_steps,
+                run.global_steps,
                 saved[0],
                 saved[1],
-                engine.dp_world_size,
-                engine.train_batch_size(),
+                run.topology.data_parallel_size,
+                run.config["train_batch_size"],
             )
         return path
 

@@ -1,0 +1,55 @@
+"""What a checkpoint reads and writes of a training run: :class:`TrainingView`, the engine's
+parts a checkpoint needs and nothing else (the engine builds it once; the checkpoint code never
+sees the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TrainingView:
+    """The parts of one engine a checkpoint touches: the module and the ZeRO strategy holding
+    its parameters (``zero``, a :class:`~zerostack.zero.strategy.CheckpointView`), the
+    optimizer and LR schedule (None when forward only, or without a schedule), the train state
+    (counters, loss scaler, loader position), the grid (``topology``, ``comm``), the config, the
+    precision, the per-parameter full values (``full_params``: tp slices joined) and which
+    parameters another rank also holds (``replicated_elsewhere()``)."""
+
+    module: nn.Module
+    zero: Any
+    optimizer: Any
+    lr_scheduler: Any
+    state: Any  # zerostack.core.train_state.TrainState
+    topology: Any  # zerostack.topology.Topology
+    comm: Any  # zerostack.comm.Comm
+    config: Any  # zerostack.config_view.ConfigView
+    precision: Any  # zerostack.precision.Precision
+    full_params: Any  # zerostack.full_params.FullParams
+    replicated_elsewhere: Callable[[], set[nn.Parameter]]
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def global_steps(self) -> int:
+        return self.state.global_steps
+
+    def optimizer_groups(self) -> list[dict]:
+        """The optimizer's parameter groups (none for a forward-only engine)."""
+        return self.optimizer.param_groups if self.optimizer is not None else []
