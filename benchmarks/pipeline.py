@@ -94,7 +94,7 @@ def run_one(args) -> None:
         engine.train_batch(data(i))
         wall = time.perf_counter() - t0
         if i >= args.warmup:
-            rows.append({**engine.executor.stats, "wall_s": wall})
+            rows.append({**engine.runner.executor.stats, "wall_s": wall})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     mine = torch.tensor(
         [med["compute_s"], med["comm_s"], med["step_s"], med["total_s"]], dtype=torch.float64

@@ -1126,8 +1126,8 @@ MUTANTS = [
     ),
     Mutant(
         "grad_accum_dtype under a pipeline: tied copies summed in .grad, not the fp32 buffer",
-        "pipeline/engine.py",
-        "grad = self.zero.accumulated_grad(p)",
+        "pipeline/runner.py",
+        "grad = zero.accumulated_grad(p)",
         "grad = p.grad",
         (f"{CD}::test_training_matches_mixed_precision_reference",),
     ),
@@ -1297,7 +1297,7 @@ MUTANTS = [
     ),
     Mutant(
         "save_16bit_model writes safetensors under a .bin name",
-        "engine_api.py",
+        "checkpoint/model_files.py",
         'if save_filename.endswith(".safetensors"):',
         "if True:",
         (f"{HF}::test_16bit_model_files_load_in_torch_and_transformers[1]",),
@@ -2752,6 +2752,63 @@ MUTANTS = [
         (
             "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage1-offload-pinned]",
         ),
+    ),
+    # --- the engine's parts (issue 33, item 3)
+    Mutant(
+        "a user's step callback that wants the loss gets none",
+        "engine.py",
+        'self.losses.collect |= bool(getattr(callback, "wants_loss", False))',
+        "pass",
+        ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
+    ),
+    Mutant(
+        "the step report calls a skipped step applied",
+        "engine.py",
+        "applied=self.update.applied,",
+        "applied=True,",
+        ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
+    ),
+    Mutant(
+        "every engine is a PipelineEngine",
+        "pipeline/runner.py",
+        'return isinstance(obj, Engine) and getattr(obj.runner, "pipelined", False)',
+        "return isinstance(obj, Engine)",
+        ("tests/test_pipeline.py::test_only_an_engine_with_a_pipeline_is_a_pipeline_engine",),
+    ),
+    Mutant(
+        "a pipeline engine runs a micro-batch's forward",
+        "engine.py",
+        "        self._refuse_under_a_pipeline()\n        t0 = self.clock.now()\n        args",
+        "        t0 = self.clock.now()\n        args",
+        ("tests/test_pipeline.py::test_pipeline_engine_errors_and_eval",),
+    ),
+    Mutant(
+        "tied copies counted on every stage in the gradient norm",
+        "engine.py",
+        "return self.replicas.elsewhere() | self.runner.replicated()",
+        "return self.replicas.elsewhere()",
+        ("tests/test_pipeline.py::test_gpt_pipeline_matches_single_process",),
+    ),
+    Mutant(
+        "a load leaves the step counters as they were",
+        "core/train_state.py",
+        '            setattr(self, k, state["counters"][k])',
+        "            pass",
+        (f"{C}::test_exact_resume_whole",),
+    ),
+    Mutant(
+        "the monitors never learn the profiled flops",
+        "profiling/flops_profiler/step.py",
+        "        report.flops = self.last_step_flops",
+        "        report.flops = None",
+        ("tests/test_monitor.py",),
+    ),
+    Mutant(
+        "the monitors count the next step's collectives",
+        "monitor/training.py",
+        "self._comm_bytes(report.step - 1)",
+        "self._comm_bytes(report.step)",
+        ("tests/test_monitor.py",),
     ),
 ]
 

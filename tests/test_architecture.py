@@ -226,7 +226,7 @@ FILE_LINES, CLASS_LINES = 400, 250
 # split takes it off the list. Nothing else may cross a bound.
 OVER = {
     "zerostack/api_surface.py": 434,
-    "zerostack/engine_api.py:EngineAPI": 335,
+    "zerostack/engine_api.py:EngineAPI": 291,
     "zerostack/zero/stage3.py:Stage3": 294,
     "zerostack/zero/coordinator.py:ParamCoordinator": 274,
     "zerostack/models/gpt.py": 423,

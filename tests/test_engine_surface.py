@@ -582,7 +582,6 @@ def test_no_sync_and_manual_boundary_accumulate_like_one_batch():
     assert run_distributed(_controls, 2) == [True, True]
 
 
-
 def _trained_with(rank, world) -> dict[str, dict]:
     """Per way of dividing the loss: weights after 2 SGD steps (no clipping) of 2 micro-batches
     at stages 0, 2 and 3, and what rank 0 printed. The loss goes to ``backward`` whole ("engine":
@@ -660,3 +659,51 @@ def _config_as_deepspeed_reads_it(rank, world):
 
 def test_engine_config_reads_as_deepspeeds_dict_and_as_the_typed_config():
     assert run_distributed(_config_as_deepspeed_reads_it, 1) == [True]
+
+
+class _Seen:
+    """A user's step callback: what each report said."""
+
+    wants_loss = True
+
+    def __init__(self):
+        self.reports = []
+
+    def after_step(self, report):
+        loss = None if report.loss is None else float(report.loss)
+        loss = "nan" if loss is not None and math.isnan(loss) else loss  # comparable
+        self.reports.append(
+            (report.step, report.samples, loss, report.applied, report.skipped_steps, report.lrs)
+        )
+
+
+def _reports(rank, world):
+    engine = _net_engine(world, 1, seed=0, config={"gas": GAS})
+    seen = engine.add_callback(_Seen())
+    per = B // world // GAS
+    losses = []
+    for step in range(3):
+        x, y = _data(step)
+        if step == 1 and rank == world - 1:
+            x[-1, 0] = float("nan")  # one rank's NaN skips the step on every rank
+        mine = [
+            (x[(rank * GAS + m) * per :][:per], y[(rank * GAS + m) * per :][:per])
+            for m in range(GAS)
+        ]
+        losses.append(float(engine.train_batch(iter(mine))))
+    engine.destroy()
+    return losses, seen.reports
+
+
+def test_a_step_callback_gets_each_steps_report():
+    """``engine.add_callback``: after each optimizer step a callback gets the step's report: the
+    counters after it, the window's mean loss over micro-batches and dp ranks (what
+    ``train_batch`` returns), whether it was applied, and the learning rates."""
+    out = run_distributed(_reports, 2)
+    (losses, reports), (losses1, reports1) = out
+    assert reports == reports1  # every rank the same report
+    assert [r[:2] for r in reports] == [(1, B), (2, 2 * B), (3, 3 * B)]
+    assert [r[3:5] for r in reports] == [(True, 0), (False, 1), (True, 1)]
+    assert all(r[5] == [0.1] for r in reports)
+    assert reports[1][2] == "nan" and math.isnan(losses[1])
+    assert [reports[0][2], reports[2][2]] == [losses[0], losses[2]] == [losses1[0], losses1[2]]

@@ -18,7 +18,7 @@ import zerostack
 from zerostack import ConfigError, Topology
 from zerostack.models import GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state, plain_name
-from zerostack.pipeline import LayerSpec, PipelineModule, partition_layers
+from zerostack.pipeline import LayerSpec, PipelineEngine, PipelineModule, partition_layers
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=32, bias=False)
 STEPS, B, GAS, CLIP = 5, 8, 4, 0.5
@@ -201,10 +201,20 @@ def _errors(rank, world):
         except ConfigError as exc:
             out[name] = str(exc)
     engine, *_ = zerostack.initialize(model=model, config=_config(1, 0))
-    try:
-        engine(torch.zeros(1, 4, dtype=torch.long))
-    except RuntimeError as exc:
-        out["forward"] = str(exc)
+    for name, call in {
+        "forward": lambda: engine(torch.zeros(1, 4, dtype=torch.long)),
+        "backward": lambda: engine.backward(torch.zeros(())),
+        "step": engine.step,
+    }.items():
+        try:
+            call()
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    out["kind"] = (
+        isinstance(engine, PipelineEngine),
+        engine.is_first_stage(),
+        engine.is_last_stage(),
+    )
     out["eval"] = engine.eval_batch(_micro_batches(0, topo, 2)).item()
     return out
 
@@ -214,7 +224,9 @@ def test_pipeline_engine_errors_and_eval():
     assert out[0]["stage 3"] == "zero_optimization.stage: pipeline parallelism runs with stages 0-2"
     assert out[0]["stages"] == "pipeline.stages: 4 but the PipelineModule has 2 stages"
     assert out[0]["chunks"] == "pipeline.virtual_stages: 2 but the PipelineModule has 1"
-    assert "use engine.train_batch()" in out[0]["forward"]
+    for call in ("forward", "backward", "step"):
+        assert out[0][call] == "pipeline engine: use engine.train_batch() / engine.eval_batch()"
+    assert [o["kind"] for o in out] == [(True, True, False), (True, False, True)]
     assert out[0]["eval"] == out[1]["eval"] and 5.0 < out[0]["eval"] < 6.0  # ~ln(256), untrained
 
 
@@ -243,3 +255,22 @@ def test_each_p2p_batch_is_mirrored_by_its_peer():
     (_, first), (_, second) = sorted(run_distributed(_shape_batches, world=2))
     mirror = {"send": "recv", "recv": "send"}
     assert first and [sorted(mirror[k] for k in b) for b in first] == [sorted(b) for b in second]
+
+
+def _plain_engine(rank, world):
+    engine, *_ = zerostack.initialize(
+        model=tiny_gpt(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
+    return isinstance(engine, PipelineEngine), engine.is_first_stage(), engine.is_last_stage()
+
+
+def test_only_an_engine_with_a_pipeline_is_a_pipeline_engine():
+    """``PipelineEngine`` is DeepSpeed's name: ``isinstance`` holds for an engine whose runner is
+    a pipeline's; a plain engine is one stage, first and last; nothing builds one directly."""
+    assert run_distributed(_plain_engine, 1) == [(False, True, True)]
+    with pytest.raises(TypeError, match="builds it for a PipelineModule"):
+        PipelineEngine()

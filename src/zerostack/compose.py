@@ -28,7 +28,7 @@ from .moe import MoE
 from .moe.sync import average_over_ep
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pinned import can_pin
-from .pipeline import PipelineEngine, PipelineModule
+from .pipeline import PipelineModule, PipelineRunner
 from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
@@ -368,10 +368,10 @@ def initialize(
     configure_comms(deepspeed_config=cfg)
     comms_logger.follow(comm_for(topo).log)
     _host_threads_for_offload(cfg, topo)
-    engine_cls = Engine
+    runner = None  # micro-batch by micro-batch, or a pipeline's schedule
     if isinstance(model, PipelineModule):
-        engine_cls = PipelineEngine
-    engine = engine_cls(
+        runner = PipelineRunner(model, cfg, comm_for(topo))
+    engine = Engine(
         module=model,
         config=cfg,
         topology=topo,
@@ -380,6 +380,7 @@ def initialize(
         param_groups=groups,
         optimizer_factory=opt_factory,
         lr_scheduler=sched,
+        runner=runner,
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position

@@ -32,7 +32,7 @@ from .full_params import FullParams, attach
 from .monitor.training import LossWindow
 from .precision import Precision, make_loss_scaler
 from .replicas import Replicas
-from .runner import cast_inputs, run_micro_batches
+from .runner import MicroBatches, cast_inputs
 from .topology import Topology
 from .update import BoundaryUpdate
 from .zero.build import build_strategy
@@ -67,6 +67,7 @@ class Engine(EngineAPI, nn.Module):
         optimizer_factory,
         lr_scheduler=None,
         comm: Comm | None = None,
+        runner=None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -125,19 +126,26 @@ class Engine(EngineAPI, nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._inside_no_sync = False
         self.timers: dict[str, float] = defaultdict(float)
+        # how train_batch() runs a batch: micro-batch by micro-batch, or a pipeline's schedule
+        self.runner = runner if runner is not None else MicroBatches()
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):
         tp replicas off tp rank 0, all but the experts off ep rank 0 (and, under a pipeline,
         tied copies off their first stage)."""
-        return self.replicas.elsewhere()
+        return self.replicas.elsewhere() | self.runner.replicated()
 
     def _require_optimizer(self, what: str) -> None:
+        self._refuse_under_a_pipeline()
         if self.optimizer is None:
             raise RuntimeError(
                 f"engine.{what}(): this engine runs forward only (initialize was given no "
                 f"optimizer and the config has no optimizer block)"
             )
+
+    def _refuse_under_a_pipeline(self) -> None:
+        if self.runner.pipelined:  # its schedule runs forward, backward and step itself
+            raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step closes an accumulation window: every
@@ -159,6 +167,7 @@ class Engine(EngineAPI, nn.Module):
         and dicts) become fp16; integer tensors and keyword arguments are never cast, and
         without ``auto_cast`` nothing is (in bf16 or fp16, a model that takes floating-point
         inputs gets them as given and casts them itself)."""
+        self._refuse_under_a_pipeline()
         t0 = self.clock.now()
         args = cast_inputs(args, self.config.fp16.auto_cast)
         out = self.module(*args, **kwargs)
@@ -221,23 +230,20 @@ class Engine(EngineAPI, nn.Module):
         step) from ``data_iter`` or the engine's loader; the mean loss over the batch, every dp
         rank alike (see :mod:`zerostack.runner`)."""
         self.module.train()
-        it = self._batch_iter(data_iter)
-        return self._batch_mean(run_micro_batches(self, it, train=True))
+        return self.runner.run(self, self._batch_iter(data_iter), train=True)
 
     def eval_batch(self, data_iter=None) -> torch.Tensor:
         """The mean loss over ``gradient_accumulation_steps`` micro-batches, no update."""
         self.module.eval()
-        it = self._batch_iter(data_iter)
-        loss = self._batch_mean(run_micro_batches(self, it, train=False))
+        loss = self.runner.run(self, self._batch_iter(data_iter), train=False)
         self.module.train()
         return loss
 
-    def _batch_mean(self, total: torch.Tensor) -> torch.Tensor:
-        total = total / self._gas
-        if self.topology.dp > 1:
-            self.comm.all_reduce(total, axis="dp")
-            total /= self.topology.dp
-        return total
+    def end_window(self, micro_batches: int, loss: torch.Tensor) -> None:
+        """A runner that ran a window's micro-batches and update itself (a pipeline's
+        schedule) counts them here, with the window's mean loss."""
+        self.micro_steps += micro_batches
+        self._count_global_step(loss)
 
     def add_callback(self, callback: StepCallback) -> StepCallback:
         """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step, after

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from .checkpoint.model_files import consolidated_16bit, full_weights, save_16bit_model
 from .pinned import pinned_bytes
 from .zero.strategy import Pieces, tally
 
@@ -106,6 +107,14 @@ class EngineAPI:
     def get_batch_info(self) -> tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
         return self._train_batch_size, self._micro_batch, self._gas
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first pipeline stage (without a pipeline: True)."""
+        return self.runner.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage (without a pipeline: True)."""
+        return self.runner.is_last_stage
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False between accumulation
@@ -280,13 +289,7 @@ class EngineAPI:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
         call it on every rank)."""
-        master = self.zero.full_master()
-        out = {}
-        for name, p in self.module.named_parameters():
-            src = master.get(p)
-            t = (src if src is not None else p.detach()).float()
-            out[name] = self.full_params.join_tp(p, t).cpu().clone()
-        return out
+        return full_weights(self.run)
 
     # ------------------------------------------------------------------ DeepSpeed's model files
     def module_state_dict(
@@ -302,34 +305,12 @@ class EngineAPI:
                     sd.pop(prefix + name, None)
         return sd
 
-    def _consolidated_16bit(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-        """Every entry of ``module.state_dict()`` whole (dp pieces and tp slices joined), the
-        parameters in the 16-bit dtype (the compute dtype; fp32 without fp16/bf16), the buffers
-        as held; tied names are copies (a collective)."""
-        if self.topology.pp > 1:
-            raise NotImplementedError(
-                "the 16-bit model of a pipeline: each stage holds its own layers; save a "
-                "checkpoint and run `zerostack consolidate` on it"
-            )
-        full = self.full_state_dict()
-        dtype = self.precision.compute_dtype
-        canonical = {id(p): (n, p) for n, p in self.module.named_parameters()}
-        out = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) not in canonical:  # a buffer
-                out[key] = t.detach().cpu().clone()
-                continue
-            name, p = canonical[id(t)]
-            if not (exclude_frozen and not p.requires_grad):
-                out[key] = full[name].to(dtype, copy=True)
-        return out
-
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
         """DeepSpeed's: at ZeRO stage 3, the whole model state dict in the 16-bit dtype, on the
         CPU, on global rank 0 (None on the others). A collective: every rank calls it."""
         if self.zero_optimization_stage() != 3:
             raise ValueError("this function requires ZeRO-3 mode")
-        out = self._consolidated_16bit(exclude_frozen_parameters)
+        out = consolidated_16bit(self.run, exclude_frozen_parameters)
         return out if self.global_rank == 0 else None
 
     def save_16bit_model(
@@ -347,28 +328,4 @@ class EngineAPI:
         weights_only=True)`` and ``from_pretrained`` read without unpickling code. Unlike
         DeepSpeed at stages 0-2, the weights are whole (tensor-parallel slices joined), and tied
         names are separate copies. The file is written to a temporary name and renamed."""
-        from .checkpoint.state import _atomic_replace, _barrier
-
-        path = os.path.join(save_dir, save_filename)
-        gather = self.zero_gather_16bit_weights_on_model_save()
-        if self.zero_optimization_stage() == 3 and not gather:
-            if self.global_rank == 0:
-                log.info(
-                    "Did not save the model %s because "
-                    "stage3_gather_16bit_weights_on_model_save is False",
-                    path,
-                )
-            return False
-        state = self._consolidated_16bit(exclude_frozen_parameters)
-        if self.global_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            tensors = {k: v.contiguous() for k, v in state.items()}
-            if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
-
-                write = lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})
-            else:
-                write = lambda tmp: torch.save(tensors, tmp)
-            _atomic_replace(path, write)
-        _barrier(self.comm)
-        return True
+        return save_16bit_model(self.run, save_dir, save_filename, exclude_frozen_parameters)

@@ -1,13 +1,14 @@
 """Whole batches on any engine: ``engine.train_batch()`` and ``engine.eval_batch()``.
 
 DeepSpeed offers them on its pipeline engine; zerostack offers them on every engine, as Megatron
-chooses a forward-backward function: with no pipeline (:func:`run_micro_batches`) a batch is
+chooses a forward-backward function: with no pipeline (:class:`MicroBatches`) a batch is
 ``gradient_accumulation_steps`` micro-batches, each ``loss = engine(*micro_batch)`` (the module
-returns the loss), ``engine.backward(loss)``, ``engine.step()``; the pipeline engine runs the
-same batch through its schedule instead. Either way the result is the batch's mean loss over
-every micro-batch and every dp rank, and without an iterator the batch comes from the loader
-``initialize(training_data=...)`` built, repeated epoch after epoch (DeepSpeed's
-``RepeatingLoader``).
+returns the loss), ``engine.backward(loss)``, ``engine.step()``; with a ``PipelineModule`` the
+engine's runner is :class:`zerostack.pipeline.runner.PipelineRunner`, which runs the same batch
+through its schedule instead. Either way ``runner.run(engine, data_iter, train=...)`` returns the
+batch's mean loss over every micro-batch and every dp rank, and without an iterator the batch
+comes from the loader ``initialize(training_data=...)`` built, repeated epoch after epoch
+(DeepSpeed's ``RepeatingLoader``).
 """
 
 from __future__ import annotations
@@ -54,15 +55,31 @@ def _call(engine, batch):
     return engine(batch)
 
 
-def run_micro_batches(engine, data_iter: Iterator, *, train: bool) -> torch.Tensor:
-    """No pipeline: ``gradient_accumulation_steps`` micro-batches from ``data_iter`` through the
-    engine (with backward and step when ``train``); the sum of their losses."""
-    total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    with torch.set_grad_enabled(train):
-        for _ in range(engine.gradient_accumulation_steps()):
-            loss = _call(engine, to_device(next(data_iter), engine.device))
-            if train:
-                engine.backward(loss)
-                engine.step()
-            total += loss.detach().float()
-    return total
+class MicroBatches:
+    """The runner without a pipeline: a batch is ``gradient_accumulation_steps`` micro-batches,
+    each ``loss = engine(*micro_batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    pipelined = False  # the engine's forward, backward and step are the user's to call too
+    is_first_stage = is_last_stage = True  # one stage, both
+
+    def replicated(self) -> set:
+        """Parameters this runner knows another rank also holds (none)."""
+        return set()
+
+    def run(self, engine, data_iter: Iterator, *, train: bool) -> torch.Tensor:
+        """The micro-batches of one batch from ``data_iter`` through the engine (with backward
+        and step when ``train``); the mean of their losses over the batch and the dp ranks."""
+        gas = engine.gradient_accumulation_steps()
+        total = torch.zeros((), dtype=torch.float32, device=engine.device)
+        with torch.set_grad_enabled(train):
+            for _ in range(gas):
+                loss = _call(engine, to_device(next(data_iter), engine.device))
+                if train:
+                    engine.backward(loss)
+                    engine.step()
+                total += loss.detach().float()
+        total = total / gas
+        if engine.topology.dp > 1:
+            engine.comm.all_reduce(total, axis="dp")
+            total /= engine.topology.dp
+        return total

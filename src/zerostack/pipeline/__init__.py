@@ -4,10 +4,18 @@
 * :mod:`.schedule`: GPipe, 1F1B and interleaved 1F1B as per-stage instruction streams.
 * :mod:`.simulate`: runs them together without processes: deadlock check, bubble, memory.
 * :mod:`.executor`: runs a stream with batched point-to-point ops.
-* :mod:`.engine`: ``PipelineEngine.train_batch`` / ``eval_batch``.
+* :mod:`.runner`: the engine's runner for a pipeline (``train_batch`` / ``eval_batch``), and
+  DeepSpeed's name ``PipelineEngine`` for an engine that has one.
 """
 
-from .engine import PipelineEngine
 from .module import LayerSpec, PipelineModule, TiedLayerSpec, partition_layers
+from .runner import PipelineEngine, PipelineRunner
 
-__all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "TiedLayerSpec", "partition_layers"]
+__all__ = [
+    "LayerSpec",
+    "PipelineEngine",
+    "PipelineModule",
+    "PipelineRunner",
+    "TiedLayerSpec",
+    "partition_layers",
+]
