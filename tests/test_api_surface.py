@@ -1,5 +1,5 @@
-"""DeepSpeed's public Python API against zerostack (zerostack.api_surface): every name the table
-says works, or has under another name, resolves in zerostack; every name it says is not
+"""DeepSpeed's public Python API against zerostack (zerostack.compat.deepspeed._api): every name
+the table says works, or has under another name, resolves in zerostack; every name it says is not
 supported does not; the reference page's table is the generated one. That every DeepSpeed name
 in the table exists in DeepSpeed 0.19.8 is checked where DeepSpeed is installed (not in CI):
 ``python scripts/api_table.py --deepspeed`` in DeepSpeed's environment."""
@@ -16,7 +16,7 @@ from common import tiny_gpt
 from distributed import run_distributed
 
 import zerostack
-from zerostack.api_surface import (
+from zerostack.compat.deepspeed._api import (
     DEEPSPEED_API,
     DIFFERENT,
     ENGINE,
