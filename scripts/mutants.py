@@ -1809,7 +1809,7 @@ MUTANTS = [
     ),
     Mutant(
         "the GPT's attention is left unwired under sp",
-        "models/gpt.py",
+        "models/gpt_tp.py",
         "    if topology.sp > 1:  # Ulysses",
         "    if False:  # Ulysses",
         (f"{U}::test_gpt_matches_single_process[2-2-1-0-False]",),

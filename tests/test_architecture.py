@@ -228,7 +228,6 @@ OVER = {
     "zerostack/engine_api.py:EngineAPI": 291,
     "zerostack/zero/stage3.py:Stage3": 294,
     "zerostack/zero/coordinator.py:ParamCoordinator": 274,
-    "zerostack/models/gpt.py": 423,
     "zerostack/integrations/lightning.py": 427,
     "zerostack/integrations/lightning.py:ZeroStackStrategy": 282,
 }

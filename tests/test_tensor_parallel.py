@@ -19,7 +19,7 @@ from zerostack import ConfigError, Topology
 from zerostack.checkpointing import checkpoint
 from zerostack.comm.grid import comm_for
 from zerostack.models import GPT, GPTConfig
-from zerostack.models.gpt import join_state_dicts, split_state_dict, tp_spec
+from zerostack.models.gpt_tp import join_state_dicts, split_state_dict, tp_spec
 from zerostack.plan.cost import tp_collectives
 from zerostack.tensor_parallel import (
     ColumnParallelLinear,

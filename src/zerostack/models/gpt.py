@@ -17,8 +17,8 @@ shard of the sequence and attention exchanges sequence shards for head shards
 (:class:`~zerostack.sequence.DistributedAttention`); heads must divide by tp * sp.
 
 The model is built whole and each rank keeps its slices, so with the same seed the shards are
-exactly the slices of the plain model (:func:`split_state_dict` / :func:`join_state_dicts` convert
-between the two).
+exactly the slices of the plain model (``split_state_dict`` / ``join_state_dicts`` in
+:mod:`.gpt_tp` convert between the two).
 """
 
 from __future__ import annotations
@@ -35,19 +35,15 @@ from ..comm.grid import comm_for
 from ..sequence import DistributedAttention
 from ..tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
-    SequenceParallelLayerNorm,
     VocabParallelEmbedding,
-    copy_to_tp,
     ensure_seeded,
     gather_from_tp,
     get_rng_tracker,
-    join_tensors,
-    split_tensor,
     vocab_parallel_cross_entropy,
 )
 from ..topology import Topology
 from ..zero.params import is_sharded
+from .gpt_tp import PositionShards, check_tp_split, parallelize_block, sp_norm
 
 
 @dataclass
@@ -229,53 +225,6 @@ class Block(nn.Module):
         return x + y
 
 
-def check_tp_split(cfg: GPTConfig, topology: Topology) -> None:
-    tp, sp = topology.tp, topology.sp
-    if cfg.n_head % tp:
-        raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
-    if cfg.n_head % (tp * sp):
-        raise ValueError(
-            f"sequence_parallel_size: GPT's n_head {cfg.n_head} does not split into "
-            f"tp * sp = {tp} * {sp} head shards"
-        )
-    if cfg.vocab_size % tp:
-        raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
-
-
-def sp_norm(ln: nn.LayerNorm, topology: Topology, sequence_parallel: bool) -> nn.LayerNorm:
-    """The layer norm as it runs on sequence shards (itself without sequence parallelism)."""
-    if not sequence_parallel:
-        return ln
-    return SequenceParallelLayerNorm.from_layer_norm(ln, topology=topology)
-
-
-def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bool) -> None:
-    """Split a block's attention heads and MLP features across the tp ranks (in place)."""
-    sp = dict(topology=topology, sequence_parallel=sequence_parallel)
-    block.ln1 = sp_norm(block.ln1, topology, sequence_parallel)
-    block.ln2 = sp_norm(block.ln2, topology, sequence_parallel)
-    attn, mlp = block.attn, block.mlp
-    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, chunks=3, **sp)
-    attn.proj = RowParallelLinear.from_linear(attn.proj, **sp)
-    attn.n_head //= topology.tp
-    attn.heads_split = topology.tp > 1
-    mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
-    mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
-    attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
-    if topology.sp > 1:  # Ulysses: [b, t, heads, head_dim], heads scattered, sequence gathered
-        attn.ulysses = DistributedAttention(attn._attend, topology, scatter_idx=2, gather_idx=1)
-
-
-class PositionShards(nn.Embedding):
-    """The position table under sequence parallelism: replicated, looked up for this rank's
-    part of the sequence, so its gradient is all-reduced over tp."""
-
-    topology: Topology
-
-    def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        return F.embedding(pos, copy_to_tp(self.weight, comm_for(self.topology)))
-
-
 class GPT(nn.Module):
     def __init__(
         self, cfg: GPTConfig, *, topology: Topology | None = None, sequence_parallel: bool = False
@@ -384,40 +333,3 @@ class GPT(nn.Module):
         if targets is None:
             return gather_from_tp(logits, comm_for(topo))
         return vocab_parallel_cross_entropy(logits, targets, comm_for(topo)).mean()
-
-
-def tp_spec(name: str) -> tuple[int, int] | None:
-    """How parameter ``name`` of the GPT is split under tp: ``(dim, chunks)``, None if whole."""
-    if name in ("wte.weight", "head.weight") or name.endswith((".mlp.fc.weight", ".mlp.fc.bias")):
-        return 0, 1
-    if name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
-        return 0, 3
-    if name.endswith((".attn.proj.weight", ".mlp.proj.weight")):
-        return 1, 1
-    return None
-
-
-def split_state_dict(state: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
-    """A plain GPT's state dict as the ``tp`` state dicts of its tensor-parallel ranks."""
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for name, t in state.items():
-        spec = tp_spec(name)
-        for r in range(tp):
-            out[r][name] = (
-                t.clone()
-                if spec is None
-                else split_tensor(t, parts=tp, rank=r, dim=spec[0], chunks=spec[1])
-            )
-    return out
-
-
-def join_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The plain GPT's state dict from its tp ranks' state dicts (in tp-rank order)."""
-    out = {}
-    for name in shards[0]:
-        spec = tp_spec(name)
-        parts = [s[name] for s in shards]
-        out[name] = (
-            parts[0].clone() if spec is None else join_tensors(parts, dim=spec[0], chunks=spec[1])
-        )
-    return out

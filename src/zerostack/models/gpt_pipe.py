@@ -26,16 +26,8 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..topology import Topology
-from .gpt import (
-    Block,
-    GPTConfig,
-    InitEmbedding,
-    PositionShards,
-    check_tp_split,
-    parallelize_block,
-    sp_norm,
-    tp_spec,
-)
+from .gpt import Block, GPTConfig, InitEmbedding
+from .gpt_tp import PositionShards, check_tp_split, parallelize_block, sp_norm, tp_spec
 
 
 class TokenEmbedding(nn.Module):
