@@ -2233,7 +2233,7 @@ MUTANTS = [
     ),
     Mutant(
         "empty_partition_cache releases nothing at stage 3",
-        "engine_api.py",
+        "compat/deepspeed/runtime/engine.py",
         "        if isinstance(self.zero, Pieces):\n            self.zero.release_gathered()",
         "        if isinstance(self.zero, Pieces):\n            pass",
         ("tests/test_stage3_live.py::test_gather_budget_follows_deepspeeds_keys",),
@@ -2809,6 +2809,13 @@ MUTANTS = [
         "self._comm_bytes(report.step - 1)",
         "self._comm_bytes(report.step)",
         ("tests/test_monitor.py",),
+    ),
+    Mutant(
+        "initialize returns the native engine, without DeepSpeed's accessors",
+        "compat/deepspeed/__init__.py",
+        '    kwargs.setdefault("engine_type", DeepSpeedEngine)\n',
+        "",
+        ("tests/test_engine_surface.py::test_deepspeeds_own_accessors_live_on_its_engine_alone",),
     ),
 ]
 

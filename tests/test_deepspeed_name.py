@@ -69,7 +69,7 @@ SEEN_BY_THE_LIBRARIES = """
     from deepspeed.utils.logging import logger
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     out["same"] = [
-        DeepSpeedEngine is zerostack.Engine, Engine2 is zerostack.Engine,
+        Engine2 is DeepSpeedEngine, issubclass(DeepSpeedEngine, zerostack.Engine),
         deepspeed.zero is zerostack.zero, comm is zerostack.comm,
         MoE is zerostack.moe.layer.MoE, pp.Init is zerostack.zero.Init,
     ]

@@ -707,3 +707,35 @@ def test_a_step_callback_gets_each_steps_report():
     assert all(r[5] == [0.1] for r in reports)
     assert reports[1][2] == "nan" and math.isnan(losses[1])
     assert [reports[0][2], reports[2][2]] == [losses[0], losses[2]] == [losses1[0], losses1[2]]
+
+
+def _two_engines(rank, world):
+    from zerostack.compat.deepspeed.runtime.engine import DeepSpeedEngine
+    from zerostack.compose import initialize as native_initialize
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    own = [n for n in vars(DeepSpeedEngine) if not n.startswith("__")]
+    native, *_ = native_initialize(model=tiny_gpt(), config=config)
+    ds, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    out = (
+        type(native).__name__,
+        type(ds).__name__,
+        sorted(own),
+        [n for n in own if hasattr(native, n)],
+        [n for n in own if not hasattr(ds, n)],
+    )
+    native.destroy()
+    ds.destroy()
+    return out
+
+
+def test_deepspeeds_own_accessors_live_on_its_engine_alone():
+    """``zerostack.initialize`` is DeepSpeed's and returns a ``DeepSpeedEngine``: the native
+    engine plus the accessors DeepSpeed's callers alone use, which the native engine lacks."""
+    ((native, ds, own, on_native, missing),) = run_distributed(_two_engines, 1)
+    assert (native, ds) == ("Engine", "DeepSpeedEngine")
+    assert {"fp16_enabled", "zero_optimization_stage", "save_16bit_model", "loss_scale"} <= set(own)
+    assert on_native == [] and missing == []

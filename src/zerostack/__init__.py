@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from . import activation_checkpointing, checkpointing, utils, zero
 from .comm import Comm, CommLog
-from .compose import initialize
+from .compat.deepspeed import initialize  # DeepSpeed's: the engine has DeepSpeed's accessors
 from .config import ConfigError, ZeroStackConfig, load_config
+from .core.version import __version__ as __version__
 from .engine import Engine
 from .topology import Topology
 from .world import init_distributed, shutdown
 
-__version__ = "0.1.0"
 __all__ = [
     "Comm",
     "CommLog",

@@ -330,6 +330,7 @@ def initialize(
     config=None,
     config_params=None,
     topology: Topology | None = None,
+    engine_type: type[Engine] = Engine,
 ):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -339,7 +340,9 @@ def initialize(
     used. ``lr_scheduler`` likewise (an object or a callable taking the optimizer). With neither
     an optimizer nor an optimizer block, the engine runs forward only (DeepSpeed's inference
     engine): parameters sharded as the stage says, no fp32 masters, and ``backward``/``step``
-    refuse; ``load_checkpoint`` reads the weights of any checkpoint.
+    refuse; ``load_checkpoint`` reads the weights of any checkpoint. ``engine_type``: the
+    engine class built (``zerostack.initialize`` builds DeepSpeed's, with its own accessors:
+    :mod:`zerostack.compat.deepspeed.runtime.engine`).
     """
     if model is None:
         raise ValueError("model: initialize needs a model")
@@ -371,7 +374,7 @@ def initialize(
     runner = None  # micro-batch by micro-batch, or a pipeline's schedule
     if isinstance(model, PipelineModule):
         runner = PipelineRunner(model, cfg, comm_for(topo))
-    engine = Engine(
+    engine = engine_type(
         module=model,
         config=cfg,
         topology=topo,

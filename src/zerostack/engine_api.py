@@ -1,51 +1,33 @@
-"""DeepSpeed's engine accessors and the engine's state in and out (mixed into
+"""The engine's accessors and the engine's state in and out (mixed into
 :class:`~.engine.Engine`, which sequences the training step).
 
-Read-only figures (ranks, batch sizes, precision, learning rates, the last gradient norm),
-DeepSpeed's accumulation controls (``set_gradient_accumulation_boundary``, ``no_sync``),
-checkpoints (``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, the
-engine's counters, loss scaler and loader position in ``engine.state``), the full fp32
-weights and DeepSpeed's 16-bit model file, memory figures and ``destroy``.
+Read-only figures (ranks, batch sizes, learning rates, the last gradient norm, pipeline stage),
+the accumulation controls (``set_gradient_accumulation_boundary``, ``no_sync``), checkpoints
+(``save_checkpoint`` / ``load_checkpoint``: :mod:`.checkpoint` does the work, on the engine's
+:class:`~.checkpoint.view.TrainingView`), the full fp32 weights, memory figures and
+``destroy``. The accessors that exist for DeepSpeed's callers alone are on
+:class:`zerostack.compat.deepspeed.runtime.engine.DeepSpeedEngine`, the engine ``initialize``
+returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 
-from .checkpoint.model_files import consolidated_16bit, full_weights, save_16bit_model
+from .checkpoint.model_files import full_weights
 from .pinned import pinned_bytes
-from .zero.strategy import Pieces, tally
+from .zero.strategy import tally
 
 log = logging.getLogger("zerostack")
-
-
-class LossScale(float):
-    """``engine.loss_scale``: the current loss scale, a number (zerostack's spelling, also
-    DeepSpeed's ``engine.optimizer.loss_scale``). Called, ``engine.loss_scale()``, it is
-    DeepSpeed's engine method: the configured static scale, ``fp16.loss_scale`` (0 means dynamic
-    scaling; the current scale is then ``engine._get_optimizer_loss_scale()``)."""
-
-    def __new__(cls, value: float, static: float = 0.0) -> LossScale:
-        out = super().__new__(cls, value)
-        out.static = float(static)
-        return out
-
-    def __call__(self) -> float:
-        return self.static
 
 
 class EngineAPI:
     @property
     def device(self) -> torch.device:
         return self.topology.device
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
     def global_rank(self) -> int:
@@ -61,40 +43,6 @@ class EngineAPI:
         as DeepSpeed counts it."""
         return self.topology.data_parallel_size
 
-    @property
-    def loss_scale(self) -> LossScale:
-        """The current loss scale; ``engine.loss_scale()`` is DeepSpeed's ``fp16.loss_scale``."""
-        return LossScale(self.loss_scaler.loss_scale, self.config.fp16.loss_scale)
-
-    def _get_optimizer_loss_scale(self) -> float:
-        """The current loss scale (DeepSpeed's name)."""
-        return self.loss_scaler.loss_scale
-
-    def dynamic_loss_scale(self) -> bool:
-        return self.config.fp16.loss_scale == 0
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def zero_optimization_stage(self) -> int:
-        """The configured ZeRO stage (a pipeline runs stage 2 as 1; this still says 2)."""
-        return self.config.zero_optimization.stage
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
     def train_batch_size(self) -> int:
         return self._train_batch_size
 
@@ -103,10 +51,6 @@ class EngineAPI:
 
     def gradient_accumulation_steps(self) -> int:
         return self._gas
-
-    def get_batch_info(self) -> tuple[int, int, int]:
-        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
-        return self._train_batch_size, self._micro_batch, self._gas
 
     def is_first_stage(self) -> bool:
         """Whether this rank runs the first pipeline stage (without a pipeline: True)."""
@@ -134,7 +78,7 @@ class EngineAPI:
         first backward outside, on a boundary, reduces the sum. ``step()`` is refused inside. As
         in DeepSpeed, ZeRO stages 2 and 3 (which reduce gradients as they go, keeping only this
         rank's part) refuse it, and it does not nest."""
-        stage = self.zero_optimization_stage()
+        stage = self.config.zero_optimization.stage
         if stage >= 2:
             raise RuntimeError(
                 f"no_sync context manager is incompatible with gradient partitioning logic of "
@@ -266,13 +210,6 @@ class EngineAPI:
             custom_load_fn=custom_load_fn,
         )
 
-    def empty_partition_cache(self) -> None:
-        """DeepSpeed's: at stage 3, release every gathered parameter the engine keeps between
-        uses (kept for a reuse under ``stage3_max_reuse_distance``, or prefetched); a no-op at
-        stages 0-2. Call it outside forward and backward, e.g. before evaluation."""
-        if isinstance(self.zero, Pieces):
-            self.zero.release_gathered()
-
     def destroy(self) -> None:
         """Finish a pending background save (raising its error), release what the engine holds
         outside the process (NVMe offload files) and stop its watchdog."""
@@ -290,42 +227,3 @@ class EngineAPI:
         """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
         call it on every rank)."""
         return full_weights(self.run)
-
-    # ------------------------------------------------------------------ DeepSpeed's model files
-    def module_state_dict(
-        self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False
-    ):
-        """``module.state_dict()`` (this rank's tensor-parallel slices; at stage 3 the
-        parameters are empty between uses, as DeepSpeed's are), frozen parameters left out
-        with ``exclude_frozen_parameters``. For whole weights, :meth:`full_state_dict`."""
-        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if exclude_frozen_parameters:
-            for name, p in self.module.named_parameters():
-                if not p.requires_grad:
-                    sd.pop(prefix + name, None)
-        return sd
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
-        """DeepSpeed's: at ZeRO stage 3, the whole model state dict in the 16-bit dtype, on the
-        CPU, on global rank 0 (None on the others). A collective: every rank calls it."""
-        if self.zero_optimization_stage() != 3:
-            raise ValueError("this function requires ZeRO-3 mode")
-        out = consolidated_16bit(self.run, exclude_frozen_parameters)
-        return out if self.global_rank == 0 else None
-
-    def save_16bit_model(
-        self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False
-    ) -> bool:
-        """Write the whole model in the 16-bit dtype (the compute dtype; fp32 without fp16/bf16)
-        to ``save_dir/save_filename`` from global rank 0; returns True once written. A
-        collective: every rank calls it. At ZeRO stage 3 it needs
-        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed: without
-        it nothing is written and it returns False).
-
-        As DeepSpeed writes it: a ``.safetensors`` name gets the safetensors format (what
-        Hugging Face's ``from_pretrained`` prefers), any other name (``pytorch_model.bin``) a
-        plain state dict of tensors in ``torch.save``'s format, which ``torch.load(path,
-        weights_only=True)`` and ``from_pretrained`` read without unpickling code. Unlike
-        DeepSpeed at stages 0-2, the weights are whole (tensor-parallel slices joined), and tied
-        names are separate copies. The file is written to a temporary name and renamed."""
-        return save_16bit_model(self.run, save_dir, save_filename, exclude_frozen_parameters)

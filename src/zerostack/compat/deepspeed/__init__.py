@@ -21,18 +21,19 @@ libraries use. Anything else under ``deepspeed.`` is a ``ModuleNotFoundError`` o
 
 from __future__ import annotations
 
+import functools
 import importlib
 
-from zerostack import __version__ as _zerostack_version
 from zerostack import activation_checkpointing, checkpointing, comm, zero
-from zerostack.compose import initialize
+from zerostack import compose as _compose
 from zerostack.config import ConfigError as DeepSpeedConfigError
-from zerostack.engine import Engine as DeepSpeedEngine
+from zerostack.core.version import __version__ as _zerostack_version
 from zerostack.world import init_distributed
 
 from ..serve import ServedName, serve
 from . import accelerator, checkpoint, ops, runtime, utils
 from .accelerator import get_accelerator
+from .runtime.engine import DeepSpeedEngine
 from .utils.logging import log_dist, logger
 
 API_LEVEL = "0.19.8"
@@ -43,7 +44,13 @@ __version_major__, __version_minor__, __version_patch__ = (int(v) for v in API_L
 ALIASES = {
     f"deepspeed.{name}": f"zerostack.{name}"
     for name in (
-        "zero", "comm", "checkpointing", "activation_checkpointing", "moe", "pipe", "profiling",
+        "zero",
+        "comm",
+        "checkpointing",
+        "activation_checkpointing",
+        "moe",
+        "pipe",
+        "profiling",
         "sequence",
     )
 }
@@ -52,6 +59,12 @@ ALIASES = {
 _LATER = {"moe", "pipe", "profiling", "sequence"}  # imported on first use, as attributes too
 LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
 """Libraries that look DeepSpeed up when they are imported: install() must come before them."""
+
+
+@functools.wraps(_compose.initialize)
+def initialize(*args, **kwargs):
+    kwargs.setdefault("engine_type", DeepSpeedEngine)
+    return _compose.initialize(*args, **kwargs)
 
 
 def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):

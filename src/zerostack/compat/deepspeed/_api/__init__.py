@@ -5,7 +5,8 @@ zerostack has for each name.
 Each DeepSpeed name
 
 - **works**: the same name under ``zerostack`` (``deepspeed.zero.Init`` is ``zerostack.zero.Init``;
-  an engine method is on :class:`~zerostack.engine.Engine`), reachable the same way after
+  an engine method is on the engine ``initialize`` returns, a
+  :class:`~zerostack.compat.deepspeed.runtime.engine.DeepSpeedEngine`), reachable the same way after
   ``import zerostack as deepspeed``;
 - is **different**: zerostack has it under another name (``ours``), or under the same name with
   a difference a caller can see (``note`` says which); ``zerostack.compat.deepspeed.<path>`` is

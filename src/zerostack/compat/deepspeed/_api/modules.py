@@ -24,9 +24,12 @@ MODULES: dict[str, dict[str, Api]] = {
             "DeepSpeed's arguments but `dynamic_shape`", "zerostack.pipeline.PipelineModule"
         ),
         "deepspeed.DeepSpeedEngine": _different(
-            "the engine `initialize` returns; its methods below", "zerostack.Engine"
+            "the engine `initialize` returns (a `zerostack.Engine`); its methods below",
+            "zerostack.compat.deepspeed.DeepSpeedEngine",
         ),
-        "deepspeed.runtime.engine.DeepSpeedEngine": _served("zerostack.Engine"),
+        "deepspeed.runtime.engine.DeepSpeedEngine": _served(
+            "zerostack.Engine with DeepSpeed's own accessors"
+        ),
         "deepspeed.PipelineEngine": _different(
             "the engine `initialize` returns for a PipelineModule",
             "zerostack.pipeline.PipelineEngine",

@@ -9,7 +9,7 @@ WORKS = "works"
 DIFFERENT = "different"
 UNSUPPORTED = "not supported"
 
-ENGINE = "DeepSpeedEngine"  # deepspeed.runtime.engine.DeepSpeedEngine -> zerostack.Engine
+ENGINE = "DeepSpeedEngine"  # deepspeed.runtime.engine -> zerostack.compat.deepspeed.runtime.engine
 PIPE_ENGINE = "PipelineEngine"  # deepspeed.runtime.pipe.engine -> zerostack.pipeline
 
 

@@ -1,0 +1,3 @@
+"""zerostack's version (also in pyproject.toml)."""
+
+__version__ = "0.1.0"
