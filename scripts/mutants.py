@@ -2406,14 +2406,14 @@ MUTANTS = [
     ),
     Mutant(
         "the Lightning strategy clips at DeepSpeed's 1.0 when the Trainer does not clip",
-        "integrations/lightning.py",
-        '        config.setdefault("gradient_clipping", 0.0)',
-        "        pass",
+        "integrations/lightning_config.py",
+        '    config.setdefault("gradient_clipping", 0.0)',
+        "    pass",
         (f"{LT}::test_the_trainers_settings_fill_the_config",),
     ),
     Mutant(
         "a config's accumulation steps silently lose to the Trainer's",
-        "integrations/lightning.py",
+        "integrations/lightning_config.py",
         "    if key in config and config[key] != value:",
         "    if False:",
         (f"{LT}::test_contradicting_settings_are_refused_naming_both",),

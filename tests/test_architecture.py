@@ -227,8 +227,6 @@ FILE_LINES, CLASS_LINES = 400, 250
 OVER = {
     "zerostack/zero/stage3.py:Stage3": 294,
     "zerostack/zero/coordinator.py:ParamCoordinator": 274,
-    "zerostack/integrations/lightning.py": 427,
-    "zerostack/integrations/lightning.py:ZeroStackStrategy": 282,
 }
 
 

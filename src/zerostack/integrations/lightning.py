@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import os
 import sys
 from collections.abc import Mapping
@@ -69,8 +68,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 import zerostack
 
 from ..comm.process import init_distributed
-from ..config import read_config
 from ..world import shutdown
+from .lightning_config import engine_config, strategy_config
 
 __all__ = ["ZeroStackPrecision", "ZeroStackStrategy"]
 
@@ -125,9 +124,7 @@ class ZeroStackStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.config = _zero_block(
-            _read_config(config), stage, offload_optimizer, offload_parameters
-        )
+        self.config = strategy_config(config, stage, offload_optimizer, offload_parameters)
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine = None
 
@@ -249,40 +246,7 @@ class ZeroStackStrategy(DDPStrategy):
     def engine_config(self, trainer: pl.Trainer) -> dict:
         """The config ``initialize`` gets: this strategy's, with the Trainer's accumulation,
         clipping, micro-batch and precision filled in (a contradiction is refused)."""
-        config = copy.deepcopy(self.config)
-        _agree(
-            config,
-            "gradient_accumulation_steps",
-            trainer.accumulate_grad_batches,
-            "Trainer(accumulate_grad_batches=...)",
-        )
-        if trainer.gradient_clip_algorithm == "value" and trainer.gradient_clip_val:
-            raise ValueError(
-                "ZeroStackStrategy: gradient_clip_algorithm='value' is not supported; the "
-                "engine clips by global norm (gradient_clip_algorithm='norm')"
-            )
-        if trainer.gradient_clip_val is not None:
-            _agree(
-                config,
-                "gradient_clipping",
-                float(trainer.gradient_clip_val),
-                "Trainer(gradient_clip_val=...)",
-            )
-        config.setdefault("gradient_clipping", 0.0)  # Lightning's default: no clipping
-        config.setdefault("train_micro_batch_size_per_gpu", _loader_batch_size(trainer))
-        precision = self.precision_plugin.precision
-        for key, wanted in (("bf16", "bf16-"), ("fp16", "16-")):
-            on = precision.startswith(wanted)
-            given = config.get(key, {}).get("enabled", False) if key in config else None
-            if given is None:
-                if on:
-                    config[key] = {"enabled": True}
-            elif bool(given) != on:
-                raise ValueError(
-                    f"ZeroStackStrategy: the config's {key}.enabled={given} contradicts "
-                    f"Trainer(precision={precision!r})"
-                )
-        return config
+        return engine_config(self.config, trainer, self.precision_plugin.precision)
 
     @contextlib.contextmanager
     def model_sharded_context(self):
@@ -380,48 +344,6 @@ def _shut_down_at_exit() -> None:
     the runner does. Not after an uncaught exception: the peers may never arrive."""
     if getattr(sys, "last_value", None) is None:
         shutdown()
-
-
-def _read_config(config) -> dict:
-    return {} if config is None else copy.deepcopy(read_config(config))
-
-
-def _zero_block(config: dict, stage, offload_optimizer: bool, offload_parameters: bool) -> dict:
-    zero = config.setdefault("zero_optimization", {})
-    if stage is not None:
-        _agree(zero, "stage", stage, f"ZeroStackStrategy(stage={stage})", "zero_optimization.")
-    zero.setdefault("stage", 2)  # DeepSpeed's strategy's default
-    for flag, key in (
-        (offload_optimizer, "offload_optimizer"),
-        (offload_parameters, "offload_param"),
-    ):
-        if flag:
-            device = zero.setdefault(key, {"device": "cpu"}).get("device", "none")
-            if device == "none":
-                raise ValueError(
-                    f"ZeroStackStrategy: {key}=True contradicts the config's "
-                    f"zero_optimization.{key}.device='none'"
-                )
-    return config
-
-
-def _agree(config: dict, key: str, value, source: str, prefix: str = "") -> None:
-    if key in config and config[key] != value:
-        raise ValueError(
-            f"ZeroStackStrategy: the config's {prefix}{key}={config[key]!r} contradicts "
-            f"{source} = {value!r}; set it in one place"
-        )
-    config[key] = value
-
-
-def _loader_batch_size(trainer: pl.Trainer) -> int:
-    """The training loader's batch size (the engine counts samples with it), else 1."""
-    source = trainer.fit_loop._data_source
-    if source.is_defined():
-        sampler = getattr(source.dataloader(), "batch_sampler", None)
-        if getattr(sampler, "batch_size", None):
-            return sampler.batch_size
-    return 1
 
 
 ZeroStackStrategy.register_strategies(StrategyRegistry)
