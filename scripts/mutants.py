@@ -1006,9 +1006,9 @@ MUTANTS = [
     ),
     Mutant(
         "hpZ: the secondary piece cut at the dp rank, not the rank within the pair",
-        "zero/stage3.py",
-        "        return Subgroup(size, topo.dp_rank % size, topo.dp_subgroup(size))",
-        "        return Subgroup(size, topo.dp_rank // size, topo.dp_subgroup(size))",
+        "zero/params.py",
+        "        return cls(size, topo.dp_rank % size, topo.dp_subgroup(size))",
+        "        return cls(size, topo.dp_rank // size, topo.dp_subgroup(size))",
         (T_HPZ,),
     ),
     Mutant(
@@ -1028,8 +1028,8 @@ MUTANTS = [
     ),
     Mutant(
         "hpZ: a size that does not divide dp reaches the grid (no ConfigError naming the key)",
-        "zero/stage3.py",
-        "        if self.dp % size:\n            raise ConfigError(",
+        "zero/params.py",
+        "        if topo.dp % size:\n            raise ConfigError(",
         "        if False:\n            raise ConfigError(",
         (T_HPZ_REFUSED,),
     ),
@@ -2254,9 +2254,9 @@ MUTANTS = [
     ),
     Mutant(
         "a class over the size bound grows",
-        "zero/stage3.py",
-        'fp32 masters at ZeRO stage 3."""\n',
-        'fp32 masters at ZeRO stage 3."""\n\n',
+        "zero/coordinator.py",
+        'backward, prefetching in the recorded order."""\n',
+        'backward, prefetching in the recorded order."""\n\n',
         ("tests/test_architecture.py::test_no_file_or_class_grows_past_its_bound",),
     ),
     Mutant(

@@ -225,7 +225,6 @@ FILE_LINES, CLASS_LINES = 400, 250
 # What is still over the bounds (issue 33, item 7), at most this size: it may only shrink; a
 # split takes it off the list. Nothing else may cross a bound.
 OVER = {
-    "zerostack/zero/stage3.py:Stage3": 294,
     "zerostack/zero/coordinator.py:ParamCoordinator": 274,
 }
 

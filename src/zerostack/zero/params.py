@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..config import ConfigError
 from ..core import scratch
 from . import partition, quantize
 
@@ -154,6 +155,18 @@ class Subgroup:
     size: int
     rank: int
     group: object
+
+    @classmethod
+    def of(cls, size: int, topo) -> Subgroup | None:
+        """``size`` consecutive dp ranks of ``topo``'s grid (None for 1: no hpZ)."""
+        if size == 1:
+            return None
+        if topo.dp % size:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size: {size} does not divide the "
+                f"data-parallel size {topo.dp}"
+            )
+        return cls(size, topo.dp_rank % size, topo.dp_subgroup(size))
 
 
 def gather_full(

@@ -14,52 +14,22 @@ group's parameters (in fp32 training, the parameter pieces themselves).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..comm import Comm
-from ..config import ConfigError
 from ..precision import Precision
 from .coordinator import ParamCoordinator
 from .flat_params import sync_from_rank0
 from .masters import GradFiles, GradShards, master_store
-from .offload import Downloads, HostMeter, Uploads, host_device, to_host
+from .offload import Downloads, HostMeter, Uploads, host_device
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from .params import StorageMeter, Subgroup, is_sharded, shard_param
+from .stage3_groups import Group, make_group, sub_groups
 from .stage3_reduce import PieceReducer
 from .stage3_state import Stage3State
 from .strategy import StepSequence
 from .unit_gather import gather_now
-
-
-@dataclass
-class _Group:
-    """A sub-group of one optimizer group's parameters (the whole group unless on NVMe)."""
-
-    params: list[nn.Parameter]
-    options: dict
-    master: nn.Parameter  # fp32, this rank's pieces end to end
-    pieces: torch.Tensor  # compute dtype (the master itself in fp32 training)
-    grad_shard: torch.Tensor  # the accumulation dtype (fp32 by default)
-    index: int = 0  # the optimizer group it belongs to
-
-
-def _sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Parameter]]:
-    """Consecutive runs of parameters whose pieces add up to at most ``limit`` elements."""
-    if not limit:
-        return [params]
-    out: list[list[nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        n = p._zs.piece.numel()
-        if out[-1] and size + n > limit:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += n
-    return out
 
 
 class Stage3(Stage3State, StepSequence):
@@ -125,19 +95,21 @@ class Stage3(Stage3State, StepSequence):
         self.store, files = master_store(
             offload, rank=comm.topo.global_rank, need_bytes=need, meter=self.host_meter
         )
-        self._group_of: dict[nn.Parameter, _Group] = {}  # master -> its (sub-)group
+        self._group_of: dict[nn.Parameter, Group] = {}  # master -> its (sub-)group
         if files is not None:  # built sub-group by sub-group: never all in memory at once
             self.grads = GradFiles(files, trainable, self._group_of)
             self.store.swapper.grad_source = self.grads.load
         else:
             device = host_device() if self.offload != "none" else comm.topo.device
             self.grads = GradShards(device, precision.accum_dtype(3))
-        self.groups: list[_Group] = []
+        self.groups: list[Group] = []
         limit = sub_group_numel if self.offload == "nvme" else None
         for index, group in enumerate(groups):
             options = {k: v for k, v in group.items() if k != "params"}
-            for params in _sub_groups(list(group["params"]), limit):
-                self.groups.append(self._make_group(params, options, index, dtype, pin))
+            for params in sub_groups(list(group["params"]), limit):
+                self.groups.append(
+                    make_group(params, options, index, dtype=dtype, pin=pin, where=self)
+                )
         self._group_of.update({g.master: g for g in self.groups})
         for p in everything:
             if self.param_swapper.holds(p):
@@ -175,7 +147,7 @@ class Stage3(Stage3State, StepSequence):
             max_live_numel=max_live_numel,
             max_reuse_numel=max_reuse_numel,
             quantized_weights=quantized_weights,
-            hpz=self._hpz_subgroup(hpz_partition_size),
+            hpz=Subgroup.of(hpz_partition_size, comm.topo),
         )
         owner = self._owner = self.coord.owner
         self._owned = [
@@ -198,57 +170,6 @@ class Stage3(Stage3State, StepSequence):
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
-    def _hpz_subgroup(self, size: int) -> Subgroup | None:
-        """ZeRO++ hpZ's subgroup of ``size`` consecutive dp ranks (None for 1: no hpZ)."""
-        if size == 1:
-            return None
-        if self.dp % size:
-            raise ConfigError(
-                f"zero_optimization.zero_hpz_partition_size: {size} does not divide the "
-                f"data-parallel size {self.dp}"
-            )
-        topo = self.comm.topo
-        return Subgroup(size, topo.dp_rank % size, topo.dp_subgroup(size))
-
-    def _make_group(self, params, options, index, dtype, pin) -> _Group:
-        device = self.comm.topo.device
-        swapped = [p for p in params if self.param_swapper.holds(p)]
-        if swapped:
-            self.param_swapper.fetch(swapped)
-        swapped = set(swapped)
-        total = sum(p._zs.piece.numel() for p in params) or 1
-        master = torch.zeros(total, dtype=torch.float32, device=device)
-        off = 0
-        for p in params:
-            pn = p._zs.piece.numel()
-            master[off : off + pn].copy_(p._zs.piece)
-            off += pn
-        # The group's pieces, end to end; the per-parameter pieces they replace are freed.
-        pieces = master if dtype == torch.float32 else master.to(dtype)
-        if self.offload != "none":
-            master = to_host(master, pin)  # a host copy, separate even in fp32
-        grad_shard = self.grads.shard_for(master)
-        off = 0
-        for p in params:
-            st, pn = p._zs, p._zs.piece.numel()
-            if p in swapped:  # back to its file, in the compute dtype
-                self.param_swapper.rewrite(p, pieces[off : off + pn], dtype)
-                st.master = st.grad = None
-            else:
-                st.piece, st.master = pieces[off : off + pn], master[off : off + pn]
-                st.grad = None if grad_shard is None else grad_shard[off : off + pn]
-            off += pn
-        if swapped:
-            pieces = None
-        else:
-            self.meter.track(pieces)
-        group = _Group(params, options, nn.Parameter(master), pieces, grad_shard, index)
-        if not self.store.in_memory:
-            for p in params:
-                p._zs.master = None  # the master lives in a file now, not in views of it
-        self.store.add(group.master)
-        return group
-
     # ----------------------------------------------------------------------------- gathering
     def release_gathered(self) -> None:
         """Release the parameters gathered ahead of use or kept for a reuse."""
@@ -257,7 +178,7 @@ class Stage3(Stage3State, StepSequence):
     def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
         gather_now(params, self.comm, self.meter)
 
-    def _write_pieces(self, g: _Group, value: torch.Tensor) -> None:
+    def _write_pieces(self, g: Group, value: torch.Tensor) -> None:
         """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
         if g.pieces is not None:  # one flat buffer (no piece of the group is swapped out)
             self.uploads.copy(g.master, g.pieces, value)
