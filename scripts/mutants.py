@@ -485,8 +485,8 @@ MUTANTS = [
     Mutant(
         "stage-3 no_grad pass recorded as the prefetch order",
         "zero/coordinator.py",
-        "            if self._training_pass:\n                self._recording.append(u)",
-        "            if True:\n                self._recording.append(u)",
+        "            if training:\n                self.recording.append(u)",
+        "            if True:\n                self.recording.append(u)",
         ("tests/test_stage3_edges.py::test_prefetch_survives_eval_passes",),
     ),
     Mutant(
@@ -1015,13 +1015,13 @@ MUTANTS = [
         "hpZ: secondary pieces held past the backward (memory until the next forward)",
         "zero/coordinator.py",
         "        self._bwd_held = {}\n        self._drop_inflight()\n        self._drop_kept()\n"
-        "        self._drop_secondaries()\n",
+        "        self.gathers.drop_secondaries()\n",
         "        self._bwd_held = {}\n        self._drop_inflight()\n        self._drop_kept()\n",
         (T_HPZ,),
     ),
     Mutant(
         "hpZ: the backward gathers over dp as before (the secondaries unused)",
-        "zero/coordinator.py",
+        "zero/unit_gather.py",
         "        from_secondary = all(p._zs.secondary is not None for p in params)",
         "        from_secondary = False",
         (T_HPZ,),
@@ -1768,7 +1768,7 @@ MUTANTS = [
         "empty_partition_cache releases nothing",
         "zero/coordinator.py",
         "        self._drop_inflight()\n        self._drop_kept()\n"
-        "        self._drop_secondaries()\n\n    def _begin_pass",
+        "        self.gathers.drop_secondaries()\n\n    def _begin_pass",
         "        pass\n\n    def _begin_pass",
         (LIVE,),
     ),
@@ -2114,7 +2114,7 @@ MUTANTS = [
     Mutant(
         "NVMe pieces are read at their gather, not ahead of it",
         "zero/coordinator.py",
-        "        if not self.param_swapper.reads_ahead or not self._prefetching:",
+        "        if not self.param_swapper.reads_ahead or not self.order.following:",
         "        if True:",
         (T_READ_AHEAD,),
     ),
@@ -2253,10 +2253,10 @@ MUTANTS = [
         ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
     ),
     Mutant(
-        "a class over the size bound grows",
+        "a class grows past the size bound",
         "zero/coordinator.py",
         'backward, prefetching in the recorded order."""\n',
-        'backward, prefetching in the recorded order."""\n\n',
+        'backward, prefetching in the recorded order."""\n' + "\n" * 250,
         ("tests/test_architecture.py::test_no_file_or_class_grows_past_its_bound",),
     ),
     Mutant(

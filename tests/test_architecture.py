@@ -224,9 +224,7 @@ def test_the_member_scan_finds_an_undeclared_use():
 FILE_LINES, CLASS_LINES = 400, 250
 # What is still over the bounds (issue 33, item 7), at most this size: it may only shrink; a
 # split takes it off the list. Nothing else may cross a bound.
-OVER = {
-    "zerostack/zero/coordinator.py:ParamCoordinator": 274,
-}
+OVER: dict[str, int] = {}  # every file and class within the bounds (issue 33); keep it so
 
 
 def sizes() -> dict[str, int]:

@@ -40,7 +40,7 @@ from ..comm import Comm
 from .linear import linear_saving_weight
 from .param_swap import ParamSwapper, ResidentPieces
 from .params import StorageMeter, Subgroup, is_sharded, release
-from .unit_gather import UnitGather
+from .unit_gather import Gatherer, UnitGather
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,40 @@ def _numel(params: list[nn.Parameter]) -> int:
     return sum(p._zs.numel for p in params if not p._zs.persistent)
 
 
+class RecordedOrder:
+    """The order in which the first training pass gathered the units, and how far the pass now
+    running has followed it (a no_grad pass, which has no backward, neither records nor
+    follows): prefetch, reads ahead and reuse look ahead in it."""
+
+    def __init__(self) -> None:
+        self.trace: list[int] | None = None  # the recorded order, once a training pass ended
+        self.recording: list[int] = []
+        self.ptr = 0  # where this pass is in the trace
+        self.read_from = 0  # the first unit not yet prefetched
+        self.following = False  # whether this pass runs as recorded, so far
+
+    def begin_pass(self, training: bool) -> None:
+        if self.trace is None and self.recording:
+            self.trace = self.recording
+        self.ptr = 0
+        self.following = self.trace is not None and training
+
+    def arrive(self, u: int, training: bool) -> bool:
+        """Unit ``u`` is gathered: recorded in the first training pass; whether this pass still
+        runs as recorded (then the trace moves past ``u``)."""
+        if self.trace is None:
+            if training:
+                self.recording.append(u)
+            return False
+        if not self.following:
+            return False
+        if self.ptr >= len(self.trace) or self.trace[self.ptr] != u:
+            self.following = False  # this pass differs from the recorded one
+            return False
+        self.ptr += 1
+        return True
+
+
 class ParamCoordinator:
     """Gathers and releases a stage-3 model's parameters around each module's forward and
     backward, prefetching in the recorded order."""
@@ -87,12 +121,9 @@ class ParamCoordinator:
         quantized_weights: bool = False,
         hpz: Subgroup | None = None,
     ) -> None:
-        self.comm, self.meter = comm, meter
-        self.quantized = quantized_weights  # ZeRO++ qwZ: int8 gathers (.quantize)
-        # ZeRO++ hpZ: a training forward's gathers leave each parameter its piece of the
-        # subgroup's partition; the backward gathers those within the subgroup
-        self.hpz = hpz
-        self._secondaries: set[nn.Parameter] = set()
+        self.meter = meter
+        # the collectives: qwZ's int8 gathers, hpZ's secondary pieces (see .unit_gather)
+        self.gathers = Gatherer(comm, meter, swapper, quantized_weights, hpz)
         self.max_live_numel, self.max_reuse_numel = max_live_numel, max_reuse_numel
         self._trainable, self.param_swapper = trainable, swapper
         # Units, their owners (a tied parameter is reduced once, by the first module holding it).
@@ -121,11 +152,8 @@ class ParamCoordinator:
         self._bwd_need = [sum(p in trainable for p in ps) for ps in self.units]
         self._bwd_held: dict[int, int] = {}  # unit -> gradients it still waits for
         self._running: list[int] = []  # units whose forward is in progress, innermost last
-        self._trace: list[int] | None = None
-        self._recording: list[int] = []
+        self.order = RecordedOrder()  # the first training pass's, followed by later ones
         self._training_pass = False
-        self._ptr = self._read_from = 0
-        self._prefetching = False
         self._inflight: dict[nn.Parameter, UnitGather] = {}
         self._kept: set[nn.Parameter] = set()  # released by their units, kept for a reuse
         self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
@@ -148,24 +176,21 @@ class ParamCoordinator:
         self._bwd_held = {}
         self._drop_inflight()
         self._drop_kept()
-        self._drop_secondaries()
+        self.gathers.drop_secondaries()
 
     def release_gathered(self) -> None:
         """Release what is gathered without a module running: prefetched, or kept for reuse."""
         self._drop_inflight()
         self._drop_kept()
-        self._drop_secondaries()
+        self.gathers.drop_secondaries()
 
     def _begin_pass(self, module, args) -> None:
-        if self._trace is None and self._recording:
-            self._trace = self._recording
         self._drop_inflight()
         self._drop_kept()
-        self._drop_secondaries()
+        self.gathers.drop_secondaries()
         self._running.clear()
-        self._ptr = 0
         self._training_pass = torch.is_grad_enabled()
-        self._prefetching = self._trace is not None and self._training_pass
+        self.order.begin_pass(self._training_pass)
 
     def _gather(self, u: int) -> None:
         """Hold unit ``u`` gathered; launch its gather and the prefetch as one collective."""
@@ -175,7 +200,7 @@ class ParamCoordinator:
         ahead = self._plan_prefetch(u, exclude=set(need))
         self._count(ahead, +1)
         if need or ahead:
-            g = self._launch(need + ahead)
+            g = self.gathers.launch(need + ahead, self._training_pass)
             for p in need + ahead:
                 self._inflight[p] = g
         self._read_ahead()
@@ -188,52 +213,19 @@ class ParamCoordinator:
                 self._kept.discard(p)
             p._zs.active += 1
 
-    def _launch(self, params: list[nn.Parameter]) -> UnitGather:
-        """The gather of ``params``: within the hpZ subgroup when every one has its secondary
-        piece; over dp otherwise, leaving them their secondary pieces in a training pass."""
-        hpz = self.hpz if self._training_pass else None
-        if hpz is None:
-            return UnitGather(params, self.comm, self.meter, self.param_swapper, self.quantized)
-        from_secondary = all(p._zs.secondary is not None for p in params)
-        self._secondaries.update(params)
-        return UnitGather(
-            params,
-            self.comm,
-            self.meter,
-            self.param_swapper,
-            self.quantized,
-            hpz=hpz,
-            from_secondary=from_secondary,
-        )
-
-    def _drop_secondaries(self) -> None:
-        """hpZ: the secondary pieces last one forward and backward (the weights change next)."""
-        for p in self._secondaries:
-            if p._zs.secondary is not None:
-                self.meter.sub(p._zs.secondary.nbytes)
-                p._zs.secondary = None
-        self._secondaries.clear()
-
     def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
         """Parameters of the units that come next in the recorded order, within the budget."""
-        if self._trace is None:
-            if self._training_pass:
-                self._recording.append(u)
+        if not self.order.arrive(u, self._training_pass):
             return []
-        if not self._prefetching:
-            return []
-        if self._ptr >= len(self._trace) or self._trace[self._ptr] != u:
-            self._prefetching = False  # this pass differs from the recorded one
-            return []
-        self._ptr += 1
         inflight = sum(p._zs.numel for p in self._inflight)
         room = min(self.prefetch_numel - inflight, self.max_live_numel - self.live_numel)
         ahead: list[nn.Parameter] = []
-        self._read_from = self._ptr
-        for nxt in self._trace[self._ptr :]:
+        order = self.order
+        order.read_from = order.ptr
+        for nxt in order.trace[order.ptr :]:
             if room <= 0:
                 break
-            self._read_from += 1
+            order.read_from += 1
             new = [
                 p
                 for p in self.units[nxt]
@@ -250,10 +242,10 @@ class ParamCoordinator:
         """Offloaded to NVMe: submit the file reads of the units after the prefetched ones (up to
         ``prefetch_numel`` elements) to the swapper's thread, so that the disk works while this
         unit computes and their gather later finds the pieces in memory."""
-        if not self.param_swapper.reads_ahead or not self._prefetching:
+        if not self.param_swapper.reads_ahead or not self.order.following:
             return
         room, params = self.prefetch_numel, []
-        for nxt in self._trace[self._read_from :]:
+        for nxt in self.order.trace[self.order.read_from :]:
             if room <= 0:
                 break
             new = [p for p in self.units[nxt] if not p._zs.gathered and p not in self._inflight]
@@ -277,11 +269,11 @@ class ParamCoordinator:
     def _reused_soon(self) -> set[nn.Parameter]:
         """Parameters of the units the recorded order gathers next, within ``max_reuse_numel``
         elements (DeepSpeed's reuse distance: the units' sizes summed from here on)."""
-        if not self.max_reuse_numel or not self._prefetching:
+        if not self.max_reuse_numel or not self.order.following:
             return set()
         seen: set[nn.Parameter] = set()
         travelled = 0
-        for nxt in self._trace[self._ptr :]:
+        for nxt in self.order.trace[self.order.ptr :]:
             if travelled >= self.max_reuse_numel:
                 break
             seen.update(self.units[nxt])
@@ -322,7 +314,7 @@ class ParamCoordinator:
             self._bwd_need[u] += p in self._trainable
         pending = self._inflight.pop(p, None)
         if pending is None:
-            pending = UnitGather([p], self.comm, self.meter, self.param_swapper, self.quantized)
+            pending = self.gathers.launch([p], training=False)
             self._count([p], +1)
         pending.resolve()
         p._zs.active += 1

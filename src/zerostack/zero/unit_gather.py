@@ -80,3 +80,47 @@ def gather_now(params: list[nn.Parameter], comm: Comm, meter: StorageMeter) -> N
     """Gather ``params`` and hold them (persistent ones, after their pieces changed)."""
     if params:
         UnitGather(params, comm, meter, ResidentPieces()).resolve()
+
+
+class Gatherer:
+    """How the coordinator's gathers are made: ZeRO++ qwZ's int8 gathers (``quantized``), and
+    hpZ (``hpz``): a training pass's gathers over dp leave each parameter its secondary piece of
+    the subgroup's partition, and a gather of parameters that all have one stays within the
+    subgroup. The secondary pieces last one forward and backward (the weights change next)."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        meter: StorageMeter,
+        swapper: ParamSwapper | ResidentPieces,
+        quantized: bool = False,
+        hpz: Subgroup | None = None,
+    ) -> None:
+        self.comm, self.meter, self.param_swapper = comm, meter, swapper
+        self.quantized, self.hpz = quantized, hpz
+        self._secondaries: set[nn.Parameter] = set()
+
+    def launch(self, params: list[nn.Parameter], training: bool) -> UnitGather:
+        """The gather of ``params``: within the hpZ subgroup when every one has its secondary
+        piece; over dp otherwise, leaving them their secondary pieces in a training pass."""
+        hpz = self.hpz if training else None
+        if hpz is None:
+            return UnitGather(params, self.comm, self.meter, self.param_swapper, self.quantized)
+        from_secondary = all(p._zs.secondary is not None for p in params)
+        self._secondaries.update(params)
+        return UnitGather(
+            params,
+            self.comm,
+            self.meter,
+            self.param_swapper,
+            self.quantized,
+            hpz=hpz,
+            from_secondary=from_secondary,
+        )
+
+    def drop_secondaries(self) -> None:
+        for p in self._secondaries:
+            if p._zs.secondary is not None:
+                self.meter.sub(p._zs.secondary.nbytes)
+                p._zs.secondary = None
+        self._secondaries.clear()
