@@ -8,6 +8,13 @@ steps the optimizer on the fp32 masters, writes them back to the model and steps
 Loss normalisation for gradient accumulation happens in one place, :meth:`Engine.backward`: the
 loss is divided by ``gradient_accumulation_steps`` (and multiplied by the fp16 loss scale), so the
 accumulated gradient is the mean over the global batch, as DeepSpeed computes it.
+
+The engine is composed of parts, each with one job: ``state`` (counters, loss scaler, loader
+position: :mod:`.core.train_state`), ``zero`` (the ZeRO strategy), ``run`` (what checkpoints are
+given: :mod:`.checkpoint.view`), ``checkpoints`` (:mod:`.checkpoint.checkpointer`), ``update``
+(the boundary's update: :mod:`.update`), ``replicas`` (:mod:`.replicas`), ``runner`` (a batch
+micro-batch by micro-batch, or a pipeline's schedule: :mod:`.runner`) and ``callbacks`` (what
+runs after each optimizer step, given a :class:`~.core.steps.StepReport`: :mod:`.callbacks`).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ log = logging.getLogger("zerostack")
 
 
 class Engine(EngineAPI, nn.Module):
-    """Wraps a model for data-parallel training with DeepSpeed's engine API."""
+    """Wraps a model for data-parallel training; its parts are listed in the module's text."""
 
     # what the run has done so far lives in self.state (a TrainState), under DeepSpeed's names
     micro_steps = PartField("state")
