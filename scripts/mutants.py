@@ -2817,6 +2817,13 @@ MUTANTS = [
         "",
         ("tests/test_engine_surface.py::test_deepspeeds_own_accessors_live_on_its_engine_alone",),
     ),
+    Mutant(
+        "a stage-3 piece's extent runs past the end of a parameter it barely covers",
+        "zero/partition.py",
+        "    lo = min(rank * width, numel)\n    return lo, min(lo + width, numel)",
+        "    lo = min(rank * width, numel)\n    return lo, lo + width",
+        ("tests/test_partition.py::test_a_pieces_extent_stops_at_the_end_of_the_parameter",),
+    ),
 ]
 
 

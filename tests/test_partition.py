@@ -13,6 +13,7 @@ from zerostack.zero.partition import (
     FlatLayout,
     PieceBuckets,
     Slot,
+    piece_extent,
     piece_numel,
 )
 
@@ -411,3 +412,10 @@ def test_piece_buckets_keep_units_whole_and_rows_packed():
     assert b.items == [[0, 1], [2], [3]]  # 2 x 4 = 8 closes the first; 2 x 4 the second
     assert b.width == [4, 4, 2] and b.bucket == {0: 0, 1: 0, 2: 1, 3: 2}
     assert b.at == {0: 0, 1: 3, 2: 0, 3: 0}
+
+
+def test_a_pieces_extent_stops_at_the_end_of_the_parameter():
+    """Stage 3 cuts a flat parameter of 10 elements into pieces of 4 (padded): rank 2's piece
+    holds elements 8-9 and two pad, rank 3's is all padding."""
+    assert [piece_extent(10, 4, r) for r in range(4)] == [(0, 4), (4, 8), (8, 10), (10, 10)]
+    assert piece_extent(8, 4, 1) == (4, 8) and piece_extent(0, 4, 0) == (0, 0)

@@ -193,9 +193,8 @@ class FullParams:
     # ------------------------------------------------------------------ this rank's piece
     def _local_extent(self, p: nn.Parameter) -> int:
         """How many elements of this rank's stage-3 piece are the parameter's (the rest pad)."""
-        pn, n = p._zs.piece.numel(), p._zs.numel
-        lo = min(self.engine.zero.rank * pn, n)
-        return min(lo + pn, n) - lo
+        lo, hi = p._zs.extent(self.engine.zero.rank)
+        return hi - lo
 
     def _check_piece(self, p: nn.Parameter, value: torch.Tensor, what: str) -> torch.Tensor:
         """``value`` as this rank's piece of ``p``: flat fp32 on the engine's device."""
@@ -253,7 +252,7 @@ class FullParams:
             self.set_local(p, flat.reshape(-1), kind)
             return
         # only this rank's elements [lo, lo + n) are read from ``flat``: no communication
-        lo = min(self.engine.zero.rank * piece.numel(), st.numel)
+        lo, _ = st.extent(self.engine.zero.rank)
         flat = torch.zeros(st.numel, dtype=torch.float32, device=piece.device)
         flat[lo : lo + n] = piece[:n]
         self.set_local(p, flat, kind)

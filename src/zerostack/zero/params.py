@@ -70,6 +70,10 @@ class ShardState:
     def gathered(self) -> bool:
         return self.active > 0 or self.persistent or self.kept
 
+    def extent(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of the flattened parameter that dp rank ``rank``'s piece holds."""
+        return partition.piece_extent(self.numel, self.piece.numel(), rank)
+
 
 class ZeroParamStatus(enum.Enum):
     """DeepSpeed's ``ds_status`` of a stage-3 parameter (same names and values)."""
@@ -238,8 +242,7 @@ def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
     from a forward's gather so that the backward gathers within the subgroup."""
     flat = full.reshape(-1)
     width = partition.piece_numel(flat.numel(), sub.size)
-    lo = min(sub.rank * width, flat.numel())
-    hi = min(lo + width, flat.numel())
+    lo, hi = partition.piece_extent(flat.numel(), width, sub.rank)
     piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
     piece[: hi - lo].copy_(flat[lo:hi])
     return piece

@@ -191,3 +191,11 @@ class PieceBuckets:
                 items[-1].append(i)
                 width[-1] += piece[i]
         return cls(items, width, bucket, at)
+
+
+def piece_extent(numel: int, width: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)``: the elements of a flat tensor of ``numel`` that rank ``rank``'s piece of
+    ``width`` holds when it is cut into pieces of that width (``hi - lo < width`` where the
+    piece runs into the padding, 0 when it is all padding)."""
+    lo = min(rank * width, numel)
+    return lo, min(lo + width, numel)

@@ -68,19 +68,15 @@ class Stage3State:
         for g in self.groups:
             off = 0
             for p in g.params:
-                pn, n = p._zs.piece.numel(), p._zs.numel
-                lo = min(self.rank * pn, n)
-                hi = min(lo + pn, n)
+                lo, hi = p._zs.extent(self.rank)
                 yield p, lo, hi, g.master, off, off + (hi - lo)
-                off += pn
+                off += p._zs.piece.numel()
 
     def frozen_extents(self):
         """``(param, lo, hi)`` of :meth:`frozen_slices`, no piece read in."""
         for p in self._owner:
             if p not in self._trainable:
-                pn, n = p._zs.piece.numel(), p._zs.numel
-                lo = min(self.rank * pn, n)
-                yield p, lo, min(lo + pn, n)
+                yield p, *p._zs.extent(self.rank)
 
     def frozen_slices(self, write_back: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
@@ -131,19 +127,15 @@ class Stage3State:
     def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
         """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
         gives it) ``p``'s gradient piece, in its shard or its file."""
-        n, pn = p._zs.numel, piece.numel()
-        lo = min(self.rank * pn, n)
+        lo, hi = p._zs.extent(self.rank)
         piece = piece.to(torch.float32, copy=True)
-        piece[min(lo + pn, n) - lo :] = 0.0  # the padding is no part of the gradient
+        piece[hi - lo :] = 0.0  # the padding is no part of the gradient
         self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
 
     def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
         """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
-        st = p._zs
-        pn, n = st.piece.numel(), st.numel
-        lo = min(self.rank * pn, n)
-        hi = min(lo + pn, n)
-        piece = torch.zeros(pn, dtype=torch.float32, device=value.device)
+        lo, hi = p._zs.extent(self.rank)
+        piece = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=value.device)
         piece[: hi - lo] = value[lo:hi]
         return piece
 
