@@ -63,6 +63,9 @@ T_RAISED = (
 )
 
 T_APART = "tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart"
+T_CONTROLS = (
+    "tests/test_engine_surface.py::test_no_sync_and_manual_boundary_accumulate_like_one_batch"
+)
 
 T_QWZ_PARITY = (
     "tests/test_zeropp.py::test_qwz_trains_at_the_quantized_weights_and_keeps_exact_masters"
@@ -240,8 +243,8 @@ MUTANTS = [
     Mutant(
         "the Trainer's loss divided twice at accumulation 2 (scale_wrt_gas ignored)",
         "engine.py",
-        "gas = self._gas if scale_wrt_gas else 1",
-        "gas = self._gas",
+        "gas = self.window.gas if scale_wrt_gas else 1",
+        "gas = self.window.gas",
         (f"{T_HF_TRAINER}[zero3_gas2]",),
     ),
     Mutant(
@@ -261,15 +264,15 @@ MUTANTS = [
     Mutant(
         "loss not divided by gradient_accumulation_steps",
         "engine.py",
-        "gas = self._gas if scale_wrt_gas else 1",
+        "gas = self.window.gas if scale_wrt_gas else 1",
         "gas = 1",
         (f"{P}[dp2]",),
     ),
     Mutant(
         "backward's scale_wrt_gas=False ignored (the Trainer's loss divided twice)",
         "engine.py",
-        "gas = self._gas if scale_wrt_gas else 1",
-        "gas = self._gas",
+        "gas = self.window.gas if scale_wrt_gas else 1",
+        "gas = self.window.gas",
         (T_SCALE_WRT_GAS,),
     ),
     Mutant(
@@ -1611,9 +1614,9 @@ MUTANTS = [
         "engine.py",
         "        self.micro_steps += 1  # before the count: an automatic save keeps whole windows\n"
         "        if boundary:\n"
-        "            self._count_global_step()",
+        "            self.after_step.count()",
         "        if boundary:\n"
-        "            self._count_global_step()\n"
+        "            self.after_step.count()\n"
         "        self.micro_steps += 1",
         (
             "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
@@ -2598,7 +2601,7 @@ MUTANTS = [
     ),
     Mutant(
         "the pinned bytes the host allocator holds are not reported",
-        "engine_api.py",
+        "footprint.py",
         '            out["pinned"] = pinned',
         "            pass",
         (
@@ -2756,14 +2759,14 @@ MUTANTS = [
     # --- the engine's parts (issue 33, item 3)
     Mutant(
         "a user's step callback that wants the loss gets none",
-        "engine.py",
+        "after_step.py",
         'self.losses.collect |= bool(getattr(callback, "wants_loss", False))',
         "pass",
         ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
     ),
     Mutant(
         "the step report calls a skipped step applied",
-        "engine.py",
+        "after_step.py",
         "applied=self.update.applied,",
         "applied=True,",
         ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
@@ -2823,6 +2826,34 @@ MUTANTS = [
         "    lo = min(rank * width, numel)\n    return lo, min(lo + width, numel)",
         "    lo = min(rank * width, numel)\n    return lo, lo + width",
         ("tests/test_partition.py::test_a_pieces_extent_stops_at_the_end_of_the_parameter",),
+    ),
+    Mutant(
+        "set_gradient_accumulation_boundary is ignored",
+        "core/accumulation.py",
+        "        if self.override is not None:\n            return self.override\n",
+        "",
+        (T_CONTROLS,),
+    ),
+    Mutant(
+        "no_sync is allowed at ZeRO stage 2",
+        "core/accumulation.py",
+        "        if self.stage >= 2:",
+        "        if self.stage > 2:",
+        (T_CONTROLS,),
+    ),
+    Mutant(
+        "no_sync nests",
+        "core/accumulation.py",
+        "        if self.inside_no_sync:",
+        "        if False:",
+        (T_CONTROLS,),
+    ),
+    Mutant(
+        "the optimizer's step counters are counted as its state",
+        "footprint.py",
+        "                if torch.is_tensor(t) and t.dim() > 0:",
+        "                if torch.is_tensor(t):",
+        (f"{T_APART}[1-False]",),
     ),
 ]
 

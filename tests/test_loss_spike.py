@@ -90,7 +90,7 @@ def _rollback_and_skip(rank, world, root):
     )
     for _ in range(4):
         ref.train_batch()
-    it = ref._default_iter()
+    it = ref.state.batches()  # the engine loader, repeated
     for _ in range(3 * ref.gradient_accumulation_steps()):
         next(it)
     while ref.global_steps < STEPS:

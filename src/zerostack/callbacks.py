@@ -26,13 +26,14 @@ def register_step_callbacks(engine, config: ZeroStackConfig) -> None:
     """Add the configured step callbacks to ``engine`` (see the module), and name the ones a
     user reads: ``engine.flops_profile``, ``engine.monitor``, ``engine.loss_spike`` (None when
     their block is off; the monitors always)."""
+    rank = engine.topology.global_rank
     engine.flops_profile = None
     if config.flops_profiler.enabled:
-        profile = StepProfile(engine.state, engine.global_rank, config.flops_profiler, engine)
+        profile = StepProfile(engine.state, rank, config.flops_profiler, engine)
         engine.flops_profile = engine.add_callback(profile)
     # the monitors open their files on rank 0 now: a bad path or a missing package fails here
     engine.monitor = engine.add_callback(StepMonitor(config, engine.topology, engine.comm))
-    engine.add_callback(ProgressPrint(config, engine.global_rank))
+    engine.add_callback(ProgressPrint(config, rank))
     engine.loss_spike = None
     if config.loss_spike.factor:
         guard = LossSpikeGuard(config.loss_spike, engine.checkpoints)

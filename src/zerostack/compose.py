@@ -293,7 +293,7 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
     )
     return DataLoader(
         dataset,
-        batch_size=engine.train_micro_batch_size_per_gpu(),
+        batch_size=engine.batch[1],
         sampler=sampler,
         collate_fn=collate_fn if topo.sp == 1 else _sequence_shards(collate_fn, topo),
         drop_last=cfg.dataloader_drop_last,
@@ -302,7 +302,7 @@ def _dataloader(dataset: Dataset, engine: Engine, collate_fn) -> DataLoader:
         # out of step with the uninterrupted run.
         generator=torch.Generator().manual_seed(cfg.seed),
         # page-locked batches on a GPU, so the copy to the device need not wait (non_blocking)
-        pin_memory=engine.device.type == "cuda" and can_pin(),
+        pin_memory=engine.topology.device.type == "cuda" and can_pin(),
     )
 
 

@@ -10,11 +10,15 @@ loss is divided by ``gradient_accumulation_steps`` (and multiplied by the fp16 l
 accumulated gradient is the mean over the global batch, as DeepSpeed computes it.
 
 The engine is composed of parts, each with one job: ``state`` (counters, loss scaler, loader
-position: :mod:`.core.train_state`), ``zero`` (the ZeRO strategy), ``run`` (what checkpoints are
-given: :mod:`.checkpoint.view`), ``checkpoints`` (:mod:`.checkpoint.checkpointer`), ``update``
-(the boundary's update: :mod:`.update`), ``replicas`` (:mod:`.replicas`), ``runner`` (a batch
-micro-batch by micro-batch, or a pipeline's schedule: :mod:`.runner`) and ``callbacks`` (what
-runs after each optimizer step, given a :class:`~.core.steps.StepReport`: :mod:`.callbacks`).
+position: :mod:`.core.train_state`), ``window`` (which micro-step closes the accumulation window,
+``no_sync``: :mod:`.core.accumulation`), ``zero`` (the ZeRO strategy), ``run`` (what checkpoints
+are given: :mod:`.checkpoint.view`), ``checkpoints`` (:mod:`.checkpoint.checkpointer`),
+``update`` (the boundary's update: :mod:`.update`), ``replicas`` (:mod:`.replicas`),
+``footprint`` (memory figures: :mod:`.footprint`), ``after_step`` (each step counted and its
+:class:`~.core.steps.StepReport` handed to the step callbacks: :mod:`.after_step`) and
+``runner`` (a batch micro-batch by micro-batch, or a pipeline's schedule: :mod:`.runner`).
+DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ``save_checkpoint``, ...) are on
+:class:`zerostack.compat.deepspeed.runtime.engine.DeepSpeedEngine`, what ``initialize`` returns.
 """
 
 from __future__ import annotations
@@ -25,18 +29,20 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from .after_step import AfterStep
 from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.model_files import full_weights
 from .checkpoint.view import TrainingView
 from .clock import device_clock
 from .comm import Comm
 from .comm.grid import comm_for
 from .config import ZeroStackConfig
 from .config_view import ConfigView
-from .core.steps import StepCallback, StepReport
+from .core.accumulation import Accumulation
+from .core.steps import StepCallback
 from .core.train_state import PartField, TrainState
-from .engine_api import EngineAPI
+from .footprint import Footprint
 from .full_params import FullParams, attach
-from .monitor.training import LossWindow
 from .precision import Precision, make_loss_scaler
 from .replicas import Replicas
 from .runner import MicroBatches, cast_inputs
@@ -48,7 +54,7 @@ from .zero.strategy import ZeroStrategy
 log = logging.getLogger("zerostack")
 
 
-class Engine(EngineAPI, nn.Module):
+class Engine(nn.Module):
     """Wraps a model for data-parallel training; its parts are listed in the module's text."""
 
     # what the run has done so far lives in self.state (a TrainState), under DeepSpeed's names
@@ -78,12 +84,12 @@ class Engine(EngineAPI, nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        tbs, micro, gas = batch  # as zerostack.validate resolved them
-        self.config = ConfigView(config, batch=(tbs, micro, gas))
+        # (train_batch_size, micro-batch per rank, accumulation steps), as validate resolved it
+        self.batch = tbs, _, gas = batch
+        self.config = ConfigView(config, batch=batch)
         self.topology = topology
         self.comm = comm or comm_for(topology)
         self.precision = Precision.from_config(config)
-        self._train_batch_size, self._micro_batch, self._gas = tbs, micro, gas
 
         device = topology.device
         module.to(device)
@@ -93,8 +99,6 @@ class Engine(EngineAPI, nn.Module):
             device, config.wall_clock_breakdown or config.comms_logger.enabled
         )
         self.comm.log.step = -1  # set-up collectives (initial broadcast) are not part of step 0
-        self.losses = LossWindow(topology, self.comm)  # each window's, for the step callbacks
-        self.callbacks: list[StepCallback] = []  # initialize registers them (zerostack.callbacks)
         self.replicas = Replicas(module, topology, self.comm)  # tp and ep replicas, in sync
         prescale = 1.0 / topology.dp if config.prescale_gradients else 1.0
         prescale = prescale / config.gradient_predivide_factor
@@ -130,9 +134,13 @@ class Engine(EngineAPI, nn.Module):
         )
         self.checkpoints = Checkpointer(self.run, config.checkpoint)
         self.update = BoundaryUpdate(self.run)  # reduce, norm, clip, step at a window's end
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
-        self._inside_no_sync = False
+        self.window = Accumulation(gas, config.zero_optimization.stage)  # which step closes it
+        self.footprint = Footprint(self.run)  # the memory figures
         self.timers: dict[str, float] = defaultdict(float)
+        # counts each step and hands its report to the step callbacks (zerostack.callbacks)
+        self.after_step = AfterStep(self.run, self.update, self.footprint, self.timers, tbs)
+        self.callbacks = self.after_step.callbacks
+        self.watchdog = None  # initialize starts one (zerostack.watchdog)
         # how train_batch() runs a batch: micro-batch by micro-batch, or a pipeline's schedule
         self.runner = runner if runner is not None else MicroBatches()
 
@@ -158,9 +166,7 @@ class Engine(EngineAPI, nn.Module):
         """Whether this micro-step closes an accumulation window: every
         ``gradient_accumulation_steps``-th, or what ``set_gradient_accumulation_boundary`` said
         last."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self._gas == 0
+        return self.window.is_boundary(self.micro_steps)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -191,11 +197,11 @@ class Engine(EngineAPI, nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         t0 = self.clock.now()
-        self.losses.add(loss)
+        self.after_step.losses.add(loss)
         # inside no_sync() gradients accumulate locally, reduced by the next backward outside it
-        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        boundary = self.is_gradient_accumulation_boundary() and not self.window.inside_no_sync
         self.zero.begin_backward(boundary)
-        gas = self._gas if scale_wrt_gas else 1
+        gas = self.window.gas if scale_wrt_gas else 1
         scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_backward()
@@ -205,7 +211,7 @@ class Engine(EngineAPI, nn.Module):
     def step(self) -> None:
         """Count the micro-step; on an accumulation boundary, update the weights."""
         self._require_optimizer("step")
-        if self._inside_no_sync:
+        if self.window.inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = self.clock.now()
         self.update.applied = False
@@ -214,7 +220,7 @@ class Engine(EngineAPI, nn.Module):
             self.apply_step()
         self.micro_steps += 1  # before the count: an automatic save keeps whole windows
         if boundary:
-            self._count_global_step()
+            self.after_step.count()
         self.timers["step"] += self.clock.now() - t0
 
     # ------------------------------------------------------------------ whole batches
@@ -222,12 +228,8 @@ class Engine(EngineAPI, nn.Module):
         """The loader ``train_batch()`` and ``eval_batch()`` read when given no iterator."""
         self.state.set_loader(loader)
 
-    def _default_iter(self):
-        """The engine loader, repeated (None without one)."""
-        return self.state.batches()
-
     def _batch_iter(self, data_iter):
-        it = data_iter if data_iter is not None else self._default_iter()
+        it = data_iter if data_iter is not None else self.state.batches()  # the loader's
         if it is None:
             raise ValueError("train_batch: no data iterator (pass one or training_data)")
         return it
@@ -250,43 +252,12 @@ class Engine(EngineAPI, nn.Module):
         """A runner that ran a window's micro-batches and update itself (a pipeline's
         schedule) counts them here, with the window's mean loss."""
         self.micro_steps += micro_batches
-        self._count_global_step(loss)
+        self.after_step.count(loss)
 
     def add_callback(self, callback: StepCallback) -> StepCallback:
-        """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step, after
-        the callbacks added before it; one with ``wants_loss`` set gets the step's mean loss in
-        the report (the engine keeps each window's losses for it)."""
-        self.callbacks.append(callback)
-        self.losses.collect |= bool(getattr(callback, "wants_loss", False))
-        return callback
-
-    def _count_global_step(self, loss: torch.Tensor | None = None) -> None:
-        """After a step: count it and hand its report to the step callbacks (``loss``: the
-        step's mean loss when the caller has it)."""
-        self.global_steps += 1
-        self.global_samples += self._train_batch_size
-        if loss is None and self.losses.collect:
-            loss = self.losses.mean()  # a collective over dp: every rank, every step
-        report = StepReport(
-            step=self.global_steps,
-            samples=self.global_samples,
-            batch_size=self._train_batch_size,
-            world_size=self.world_size,
-            skipped_steps=self.skipped_steps,
-            applied=self.update.applied,
-            loss=loss,
-            grad_norm=self.update.grad_norm,
-            lrs=self.get_lr(),
-            loss_scale=self.loss_scaler.loss_scale,
-            precision=self.precision.name,
-            timers=self.timers,
-            memory=self.memory_breakdown,
-            memory_by_device=self.memory_by_device,
-            device_memory=self.device_memory,
-        )
-        self.comm.log.next_step()
-        for callback in self.callbacks:
-            callback.after_step(report)
+        """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step
+        (:mod:`.after_step`)."""
+        return self.after_step.add(callback)
 
     def apply_step(self) -> None:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner
@@ -297,3 +268,39 @@ class Engine(EngineAPI, nn.Module):
     def zero_grad(self) -> None:
         """Gradients are zeroed after every optimizer step; this exists for API compatibility."""
         self.zero.zero_grad()
+
+    def no_sync(self):
+        """Backward passes inside accumulate gradients on each rank without reducing them; the
+        first backward outside, on a boundary, reduces the sum; ``step()`` is refused inside.
+        Refused at ZeRO stages 2 and 3, and not nested (:mod:`.core.accumulation`)."""
+        return self.window.no_sync()
+
+    # ------------------------------------------------------------------ figures, the end
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
+        return self.footprint.breakdown()
+
+    def memory_by_device(self) -> dict[str, dict[str, int]]:
+        """:meth:`memory_breakdown` per device type (:meth:`.footprint.Footprint.by_device`)."""
+        return self.footprint.by_device()
+
+    def device_memory(self) -> dict[str, int]:
+        """The CUDA allocators' figures (:meth:`.footprint.Footprint.device_memory`)."""
+        return self.footprint.device_memory()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model weights in fp32 on the CPU, tensor-parallel slices joined (a collective:
+        call it on every rank)."""
+        return full_weights(self.run)
+
+    def destroy(self) -> None:
+        """Finish a pending background save (raising its error), release what the engine holds
+        outside the process (NVMe offload files) and stop its watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        for callback in self.callbacks:  # the monitors flush and close their files
+            if callable(getattr(callback, "close", None)):
+                callback.close()
+        self.zero.close()
+        self.checkpoints.wait()  # a pending background save is written (or its error raised)

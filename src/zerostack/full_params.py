@@ -69,6 +69,10 @@ class FullParams:
         self.engine = engine
         self._slices: dict[nn.Parameter, list[tuple]] | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.engine.topology.device
+
     # ------------------------------------------------------------------ where values live
     def _slices_of(self, p: nn.Parameter) -> list[tuple]:
         """``(lo, hi, master, a, b)``: elements ``[lo, hi)`` of ``p`` (flat, this tp rank's
@@ -119,7 +123,7 @@ class FullParams:
             value = split_tensor(
                 value, parts=topo.tp, rank=topo.rank("tp"), dim=spec[0], chunks=spec[1]
             )
-        return value.detach().reshape(-1).to(device=self.engine.device, dtype=torch.float32)
+        return value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
 
     # ------------------------------------------------------------------ full values
     def value(self, p: nn.Parameter, kind: str = "master", what: str = "") -> torch.Tensor | None:
@@ -129,7 +133,7 @@ class FullParams:
         if not zero.is_trained(p):
             return None
         self._check_kind(kind, what)
-        out = torch.zeros(math.prod(full_shape(p)), dtype=torch.float32, device=self.engine.device)
+        out = torch.zeros(math.prod(full_shape(p)), dtype=torch.float32, device=self.device)
         for lo, hi, master, a, b in self._slices_of(p):
             out[lo:hi] = zero.read_master(master, self.engine.optimizer)[kind][a:b]
         if zero.grads_sharded:  # each dp rank holds other elements (the rest are zeros)
@@ -205,7 +209,7 @@ class FullParams:
                 "(padding included)"
             )
         flat = value.detach().reshape(-1)
-        return flat.to(device=self.engine.device, dtype=torch.float32, copy=True)
+        return flat.to(device=self.device, dtype=torch.float32, copy=True)
 
     def _require_stage3(self, what: str) -> None:
         if not isinstance(self.engine.zero, Pieces):
@@ -221,7 +225,7 @@ class FullParams:
         if not self.engine.zero.is_trained(p):
             return None
         self._check_kind(kind, what)
-        out = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=self.engine.device)
+        out = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=self.device)
         for lo, hi, master, a, b in self._slices_of(p):
             out[: hi - lo] = self.engine.zero.read_master(master, self.engine.optimizer)[kind][a:b]
         return out
@@ -233,7 +237,7 @@ class FullParams:
         if not zero.is_trained(p):
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
-        return zero.local_grad(p).to(self.engine.device).mul_(post)
+        return zero.local_grad(p).to(self.device).mul_(post)
 
     def set_local_value(self, p: nn.Parameter, value: torch.Tensor, kind: str, what: str) -> None:
         """Set this rank's piece of ``p``'s fp32 master (``kind="master"``) or optimizer state

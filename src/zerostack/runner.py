@@ -69,11 +69,11 @@ class MicroBatches:
     def run(self, engine, data_iter: Iterator, *, train: bool) -> torch.Tensor:
         """The micro-batches of one batch from ``data_iter`` through the engine (with backward
         and step when ``train``); the mean of their losses over the batch and the dp ranks."""
-        gas = engine.gradient_accumulation_steps()
-        total = torch.zeros((), dtype=torch.float32, device=engine.device)
+        gas = engine.batch[2]
+        total = torch.zeros((), dtype=torch.float32, device=engine.topology.device)
         with torch.set_grad_enabled(train):
             for _ in range(gas):
-                loss = _call(engine, to_device(next(data_iter), engine.device))
+                loss = _call(engine, to_device(next(data_iter), engine.topology.device))
                 if train:
                     engine.backward(loss)
                     engine.step()

@@ -59,14 +59,14 @@ class PipelineRunner:
         micro-batches forward and backward, then the engine's update (``engine.apply_step``)
         and the step counted (``engine.end_window``). The mean loss over the micro-batches and
         dp ranks, on every stage."""
-        gas, m = engine.gradient_accumulation_steps(), self.module
+        gas, m = engine.batch[2], self.module
         if not train:
             stream = forward_only(m.num_stages, gas, m.stage_id, m.virtual_stages)
             with torch.no_grad():
                 losses = self.executor.run(
                     stream, data_iter, loss_scale=1.0, micro_batches=gas, train=False
                 )
-            return self._mean_loss(losses, gas, engine.device)
+            return self._mean_loss(losses, gas, engine.topology.device)
         stream = build_schedule(
             self.schedule, m.num_stages, gas, m.stage_id, chunks=m.virtual_stages
         )
@@ -80,7 +80,7 @@ class PipelineRunner:
             on_tied=lambda: self._reduce_tied_grads(engine.zero),
             on_step=engine.apply_step,
         )
-        loss = self._mean_loss(losses, gas, engine.device)
+        loss = self._mean_loss(losses, gas, engine.topology.device)
         engine.end_window(gas, loss)
         return loss
 

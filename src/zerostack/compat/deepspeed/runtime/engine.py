@@ -1,13 +1,19 @@
-"""``deepspeed.runtime.engine.DeepSpeedEngine``: zerostack's engine with the accessors that
-exist for DeepSpeed's callers alone (precision and ZeRO-stage queries, the loss scale as DeepSpeed
-reads it, the batch triple, ``local_rank``, the module's state dict and DeepSpeed's 16-bit model
-file, the stage-3 partition cache). ``zerostack.initialize`` (DeepSpeed's ``initialize``)
-returns one; everything else is :class:`zerostack.engine.Engine`'s, which never imports this.
+"""``deepspeed.runtime.engine.DeepSpeedEngine``: zerostack's engine with DeepSpeed's own surface:
+ranks and batch sizes as accessors, the last step's learning rates, norm and whether it applied,
+``set_gradient_accumulation_boundary``, ``save_checkpoint`` / ``load_checkpoint`` with DeepSpeed's
+arguments, precision and ZeRO-stage queries, the loss scale as DeepSpeed reads it, ``local_rank``,
+the module's state dict and DeepSpeed's 16-bit model file, the stage-3 partition cache.
+``zerostack.initialize`` (DeepSpeed's ``initialize``) returns one. Each is a line or two into one
+of :class:`zerostack.engine.Engine`'s parts, which never imports this: natively, the same things
+are ``engine.topology``, ``engine.batch``, ``engine.update``, ``engine.window`` and
+``engine.checkpoints``.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
 from zerostack.engine import Engine
@@ -32,6 +38,66 @@ class LossScale(float):
 class DeepSpeedEngine(Engine):
     """The engine ``initialize`` returns: :class:`~zerostack.engine.Engine` plus DeepSpeed's
     own accessors (see the module)."""
+
+    # ------------------------------------------------------------------ where, how big
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel replicas (different batches): the dp axis over sequence_parallel_size,
+        as DeepSpeed counts it."""
+        return self.topology.data_parallel_size
+
+    def train_batch_size(self) -> int:
+        return self.batch[0]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch[1]
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch[2]
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self.batch
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first pipeline stage (without a pipeline: True)."""
+        return self.runner.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage (without a pipeline: True)."""
+        return self.runner.is_last_stage
+
+    # ------------------------------------------------------------------ the last step
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights (False between accumulation
+        boundaries and when a non-finite gradient skipped the step)."""
+        return self.update.applied
+
+    def get_lr(self) -> list[float]:
+        """Each group's learning rate (none for a forward-only engine)."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before any)."""
+        return self.update.grad_norm
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """From now on, the next backward and ``step()`` close a window (True) or not (False),
+        whatever ``gradient_accumulation_steps`` says: set it before each micro-step, as in
+        DeepSpeed. The loss is still divided by ``gradient_accumulation_steps``."""
+        self.window.set_boundary(is_boundary)
 
     @property
     def local_rank(self) -> int:
@@ -71,9 +137,67 @@ class DeepSpeedEngine(Engine):
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
-    def get_batch_info(self) -> tuple[int, int, int]:
-        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
-        return self._train_batch_size, self._micro_batch, self._gas
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag=None,
+        client_state=None,
+        save_latest=True,
+        exclude_frozen_parameters=False,
+        async_save=None,
+    ):
+        """DeepSpeed's save: every rank writes its own slices (a collective); default tag
+        ``global_step<N>``; ``latest`` names the newest complete tag. Returns the tag's path.
+        ``exclude_frozen_parameters``: leave out parameters with ``requires_grad=False`` (a
+        LoRA run's frozen base); loading keeps the model's own values for them.
+        ``async_save`` (None: the config's ``checkpoint.async_save``): copy the state to host
+        memory and write it in the background (:mod:`zerostack.checkpoint.async_save`);
+        :meth:`wait_for_checkpoint` waits for it. Any save first waits for a pending one."""
+        return self.checkpoints.save(
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+            async_save=async_save,
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the pending background save is written and ``latest`` moved; raise
+        :class:`~.checkpoint.CheckpointError` (on every rank) if it failed on any rank."""
+        self.checkpoints.wait()
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
+        """DeepSpeed's load (``tag=None``: the ``latest`` one), on any ZeRO stage and dp size;
+        returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
+        and there is no ``latest`` file (nothing saved yet). A named tag that is missing, or a
+        damaged checkpoint, raises :class:`~.checkpoint.CheckpointError`.
+
+        ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their
+        values, and those the model lacks are ignored (shapes must still agree).
+        ``custom_load_fn(src=state_dict, dst=module)`` replaces the loading of the weights:
+        ``state_dict`` is the checkpoint's, shaped as this rank's module holds them (its
+        tensor-parallel slices; at stage 3 the module's parameters are gathered while it runs),
+        and what it leaves in the module becomes the fp32 masters."""
+        return self.checkpoints.load(  # once a pending background save has completed
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: at stage 3, release every gathered parameter the engine keeps between
