@@ -47,6 +47,7 @@ M = "tests/test_mixed_precision.py"
 C = "tests/test_checkpoint.py"
 E = "tests/test_stage3_edges.py::test_stage3_matches_single_process"
 T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
+T_CENSUS2 = f"{T}[2]"
 S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
 CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
@@ -2854,6 +2855,41 @@ MUTANTS = [
         "                if torch.is_tensor(t) and t.dim() > 0:",
         "                if torch.is_tensor(t):",
         (f"{T_APART}[1-False]",),
+    ),
+    Mutant(
+        "the pool keeps a step's bucket buffers between steps (not trimmed)",
+        "zero/sharded_optimizer.py",
+        "        self.buffers.trim(self.rest_bytes)",
+        "        pass",
+        (T_CENSUS2,),
+    ),
+    Mutant(
+        "the pool's trim keeps every buffer",
+        "core/scratch.py",
+        "            if kept + t.nbytes <= max_bytes:",
+        "            if True:",
+        (T_CENSUS2,),
+    ),
+    Mutant(
+        "the pool's trim keeps the smallest buffers first",
+        "core/scratch.py",
+        "key=lambda t: -t.nbytes):",
+        "key=lambda t: t.nbytes):",
+        (T_CENSUS2,),
+    ),
+    Mutant(
+        "memory_breakdown leaves out the buffers the pool keeps",
+        "zero/flat_state.py",
+        '            yield "scratch", t.device.type, t.nbytes',
+        "            pass",
+        (T_CENSUS2,),
+    ),
+    Mutant(
+        "the estimate leaves out the bucket kept between steps",
+        "estimate/memory.py",
+        "        out.scratch = c * min(bucket, trained)",
+        "        out.scratch = 0",
+        ("tests/test_estimate.py::test_model_states_are_the_per_stage_formulas[2-1-fp32]",),
     ),
 ]
 

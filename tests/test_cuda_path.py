@@ -981,7 +981,7 @@ def test_device_and_host_bytes_are_reported_apart(tmp_path, stage, offload):
             assert cuda["master"] == 4 * shard and cuda["optimizer"] == 8 * shard
             continue
         host = places["cpu"]
-        assert host == {"params": 0, "grads": 4 * shard, "master": 4 * shard,
+        assert host == {"params": 0, "grads": 4 * shard, "master": 4 * shard, "scratch": 0,
                         "optimizer": 8 * shard}  # fmt: skip
         assert cuda["master"] == cuda["optimizer"] == 0
         assert cuda["params"] == (2 * psi if stage < 3 else 2 * shard)

@@ -202,6 +202,7 @@ def test_no_optimizer_is_a_forward_only_engine(stage, tmp_path):
             "params": full // 2 if stage == 3 else full,
             "grads": 0,
             "master": 0,
+            "scratch": 0,
             "optimizer": 0,
         }
         forward_only = "this engine runs forward only (initialize was given no optimizer and "

@@ -32,7 +32,8 @@ def expected(stage: int, precision: str, psi: float, n: int) -> dict[str, float]
         3: (p / n, 4 / n, m / n, 8 / n),
     }[stage]
     keys = ("params", "grads", "master", "optimizer")
-    return {k: v * psi for k, v in zip(keys, table, strict=True)}
+    out = {k: v * psi for k, v in zip(keys, table, strict=True)}
+    return {**out, "scratch": pool_expected(stage, precision, psi, n, None, "step")}
 
 
 def _engine(stage: int, precision: str, reduce_scatter: bool | None = None):
@@ -97,24 +98,33 @@ def census_expected(
     place and the piece is a view of it: nothing extra.
     """
     want = {**expected(stage, precision, psi, n), "other": 0.0}
+    del want["scratch"]  # the pool: checked on its own
     if point == "backward" and stage == 1 and n > 1 and reduce_scatter is not False:
         want["other"] = (4 if precision == "fp32" else 2) * psi / n
     return want
 
 
-def pool_expected(stage: int, precision: str, psi: float, n: int, reduce_scatter) -> float:
-    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (core/scratch.py's Pool),
-    the same after backward and after step, with the tiny GPT in one bucket: the bucket's
-    staged gradients (stage 2), the received rows of its reduce-scatter (not with
-    ``reduce_scatter: false``), and in mixed precision the piece the step all-gathers (the
-    fp32 master cast; an fp32 master is gathered in place), all in the compute dtype. Each is
-    what one bucket's reduction or gather had live; a bucket reduced straight into the zeroed
-    shard leaves no piece. Stages 0 and 3 keep nothing."""
-    if stage not in (1, 2):
+def pool_expected(
+    stage: int, precision: str, psi: float, n: int, reduce_scatter, point: str
+) -> float:
+    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (core/scratch.py's Pool), with
+    the tiny GPT in one bucket, after the second backward or step, all in the compute dtype.
+
+    A step leaves what its window had live: the bucket's staged gradients (stage 2), the
+    received rows of its reduce-scatter (not with ``reduce_scatter: false``) and, in mixed
+    precision, the piece the step all-gathers (the fp32 master cast; an fp32 master is gathered
+    in place); then it trims the pool to one bucket, largest buffers first: what it keeps
+    between steps. Stage 1's next backward takes only the rows, which the trim kept, so the pool
+    is as the step left it. Stage 2's takes a buffer to stage in, one to receive the rows and,
+    in mixed precision, the piece it adds into the fp32 shard (none without a reduce-scatter).
+    Stages 0 and 3, and dp 1 (nothing reduced), keep nothing."""
+    if stage not in (1, 2) or n == 1:
         return 0.0
     p = 4 if precision == "fp32" else 2
-    buckets = (stage == 2) + (reduce_scatter is not False)
-    return p * psi * (buckets + (precision != "fp32") / n)
+    rs, mixed = reduce_scatter is not False, precision != "fp32"
+    if point == "backward" and stage == 2:
+        return p * psi * (1 + rs + rs * mixed / n)
+    return min(p * psi * ((stage == 2) + rs + mixed / n), p * psi)
 
 
 def census_slack(precision: str, world: int, units: int, counters: int) -> dict[str, int]:
@@ -150,15 +160,17 @@ def _census(rank, world, cases):
         engine.step()  # the optimizer state exists from here on
         engine.backward(engine(*b))
         at_backward = census.take(engine, exclude=before)
+        reported = {"backward": engine.memory_breakdown()["scratch"]}
         engine.step()
         at_step = census.take(engine, exclude=before)
+        reported["step"] = engine.memory_breakdown()["scratch"]
         for point, c in (("backward", at_backward), ("step", at_step)):
             got = c.bytes
             pool = sum(s.nbytes for s in c.storages.values() if ".buffers._free" in s.path)
             got["other"] -= pool  # kept for reuse: checked on its own
             out.append(
                 (stage, precision, reduce_scatter, point, psi, units, counters, got, pool)
-                + (c.describe(),)
+                + (reported[point], c.describe())
             )
         del engine, at_backward, at_step
         before.release()
@@ -177,15 +189,17 @@ def test_live_storage_census_matches_the_zero_formulas(world):
     (or even a leaked piece) shows."""
     failures = []
     for rank, results in enumerate(run_distributed(_census, world, args=(CASES,))):
-        for stage, precision, rs, point, psi, units, counters, got, pool, table in results:
+        for stage, precision, rs, point, psi, units, counters, got, pool, says, table in results:
             want = census_expected(stage, precision, psi, world, point, rs)
             slack = census_slack(precision, world, units, counters)
             case = f"rank {rank} stage {stage} {precision} reduce_scatter {rs} after {point}"
             total, bound = sum(got.values()), sum(want.values()) + sum(slack.values())
             bad = [] if total <= bound else [f"total {total} > {bound:.0f}"]
-            want_pool = pool_expected(stage, precision, psi, world, rs)
+            want_pool = pool_expected(stage, precision, psi, world, rs, point)
             if not want_pool <= pool <= want_pool + 3 * slack["params"]:
                 bad.append(f"pool {pool} not {want_pool:.0f}")
+            if says != pool:  # memory_breakdown's "scratch" is what the census finds kept
+                bad.append(f"memory_breakdown's scratch {says}, the pool {pool}")
             bad += [
                 f"{k} {got[k]} not in [{want[k]:.0f}, {want[k] + slack[k]:.0f}]"
                 for k in census.CATEGORIES

@@ -277,7 +277,7 @@ class Engine(nn.Module):
 
     # ------------------------------------------------------------------ figures, the end
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
+        """Bytes held by this rank, per kind (:meth:`.footprint.Footprint.breakdown`)."""
         return self.footprint.breakdown()
 
     def memory_by_device(self) -> dict[str, dict[str, int]]:

@@ -27,7 +27,8 @@ class Footprint:
                     yield t
 
     def breakdown(self) -> dict[str, int]:
-        """Bytes held by this rank: params, grads, master (fp32 copy) and optimizer state."""
+        """Bytes held by this rank: params, grads, master (fp32 copy), scratch (a gradient bucket
+        kept between steps, stages 1-2 on the CPU) and optimizer state."""
         state = sum(t.nbytes for t in self._optimizer_tensors())
         return {**self.run.zero.memory_breakdown(), "optimizer": state}
 

@@ -81,3 +81,18 @@ class Pool:
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
             if len(free) < self.keep and all(f is not t for f in free):
                 free.append(t)
+
+    def kept(self) -> list[torch.Tensor]:
+        """The buffers kept for reuse now."""
+        return [t for free in self._free.values() for t in free]
+
+    def trim(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of buffers, the largest first (a buffer's mapping goes
+        back to the system when it is dropped): what the pool holds between steps."""
+        kept = 0
+        for t in sorted(self.kept(), key=lambda t: -t.nbytes):
+            if kept + t.nbytes <= max_bytes:
+                kept += t.nbytes
+            else:
+                free = self._free[(t.numel(), t.dtype, t.device)]
+                free[:] = [f for f in free if f is not t]

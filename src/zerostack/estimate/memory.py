@@ -74,11 +74,12 @@ class ModelStates:
     grads: int = 0
     master: int = 0
     optimizer: int = 0
+    scratch: int = 0  # one gradient bucket, kept between steps for the next backward
     host: dict[str, int] = field(default_factory=dict)
 
     @property
     def device(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer
+        return self.params + self.grads + self.master + self.optimizer + self.scratch
 
     @property
     def total(self) -> int:
@@ -86,7 +87,7 @@ class ModelStates:
 
     def by_kind(self) -> dict[str, int]:
         """Device and host bytes together, per kind (as ``engine.memory_breakdown()`` sums)."""
-        kinds = ("params", "grads", "master", "optimizer")
+        kinds = ("params", "grads", "master", "optimizer", "scratch")
         return {k: getattr(self, k) + self.host.get(k, 0) for k in kinds}
 
     def as_dict(self) -> dict:
@@ -104,6 +105,7 @@ def model_states(
     *,
     sizes: list[int] | None = None,
     persistent: int = 0,
+    bucket: int | None = None,
 ) -> ModelStates:
     """Model-state bytes per rank for ``trained`` (and ``frozen``) parameters held by this
     rank's tensor- and pipeline-parallel slice, as zerostack lays them out.
@@ -125,6 +127,10 @@ def model_states(
     pads each tensor's pieces to whole 16-byte blocks
     (:func:`~zerostack.zero.partition.piece_numel`). ``persistent``: elements of stage-3
     parameters below ``stage3_param_persistence_threshold``, also held whole on every rank.
+    ``bucket``: elements of the largest gradient bucket (``reduce_bucket_size``, or the model
+    when smaller): at stages 1-2 with dp > 1 one bucket's buffer in the compute dtype is kept
+    between steps for the next backward's reduction (``scratch``: zerostack's pool on the CPU,
+    the caching allocator's block on a GPU); None leaves it out.
     """
     if trained < 0 or frozen < 0:
         raise EstimateError(f"parameters: {trained} trained, {frozen} frozen; need >= 0")
@@ -139,6 +145,8 @@ def model_states(
     if stage == 3:
         out.params += c * persistent
     out.grads = c * trained if stage < 2 else 4 * shard
+    if bucket is not None and stage in (1, 2) and dp > 1:
+        out.scratch = c * min(bucket, trained)
     separate_master = c != 4
     where = layout.offload_optimizer
     if where == "none":

@@ -38,12 +38,11 @@ class Workload:
 
 
 def _buffers(params: int, largest: int, layout: Layout, work: Workload) -> int:
-    """Transient communication buffers at their peak, compute dtype: stage 2 stages one reduce
-    bucket of full gradients; stage 3 holds a module's gathered weights, the prefetched ones and
-    a reduce bucket (stages 0-1 reduce the gradient buffer in place)."""
+    """Transient communication buffers at their peak, compute dtype, beyond the one bucket
+    stages 1-2 keep between steps (``model_states``' ``scratch``, which is the bucket stage 2
+    stages its gradients in): stage 3 holds a module's gathered weights, the prefetched ones and
+    a reduce bucket."""
     c = PRECISION_BYTES[layout.precision]
-    if layout.stage == 2 and layout.dp > 1:
-        return c * min(work.reduce_bucket, params)
     if layout.stage == 3:
         ahead = largest if work.prefetch_bucket is None else work.prefetch_bucket
         return c * (largest + min(ahead, params) + min(work.reduce_bucket, params))
@@ -82,7 +81,12 @@ def estimate(
             persistent = sum(n for n in sizes if n < work.persistence_threshold)
     largest = largest_layer if largest_layer is not None else _largest(model, local, layout)
     states = model_states(
-        local, layout, frozen=_ceil_div(frozen, mp), sizes=sizes, persistent=persistent
+        local,
+        layout,
+        frozen=_ceil_div(frozen, mp),
+        sizes=sizes,
+        persistent=persistent,
+        bucket=work.reduce_bucket,
     )
     out = {
         "layout": {**asdict(layout), "world": layout.world},

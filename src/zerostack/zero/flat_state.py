@@ -148,3 +148,5 @@ class FlatState:
             for t in tensors:
                 if t is not None:
                     yield kind, t.device.type, t.nbytes
+        for t in self.buffers.kept():  # bucket-sized buffers kept for the next backward
+            yield "scratch", t.device.type, t.nbytes

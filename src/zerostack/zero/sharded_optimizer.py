@@ -147,6 +147,10 @@ class ShardedDataParallel(FlatState, StepSequence):
         )
         for st in self.buckets:
             self.store.add(st.master)
+        # what the pool keeps between steps: one bucket's staged gradients (DeepSpeed keeps one
+        # bucket-sized buffer too); a step's other buffers come back to the system at its end
+        biggest = max((st.bucket.numel for st in self.buckets), default=0)
+        self.rest_bytes = biggest * self.reduce_dtype.itemsize
         self.write_back = WriteBack(
             self.groups, self.buckets, comm=comm, shard_world=self.shard_world,
             uploads=self.uploads, buffers=self.buffers,
@@ -289,3 +293,4 @@ class ShardedDataParallel(FlatState, StepSequence):
         for st in self.buckets:
             st.master.grad = None
             st.shard_clean = True
+        self.buffers.trim(self.rest_bytes)

@@ -26,9 +26,10 @@ from torch import nn
 
 
 def tally(held, by_device: bool = False) -> dict:
-    """Sum ``(kind, device type, bytes)`` items per kind (params, grads, master: each present,
-    zero or not), or per device type and then kind (only the places something is held)."""
-    kinds = {"params": 0, "grads": 0, "master": 0}
+    """Sum ``(kind, device type, bytes)`` items per kind (params, grads, master, scratch: each
+    present, zero or not), or per device type and then kind (only the places something is
+    held). ``scratch``: buffers kept between steps for reuse (stages 1-2 on the CPU)."""
+    kinds = {"params": 0, "grads": 0, "master": 0, "scratch": 0}
     if not by_device:
         for kind, _, nbytes in held:
             kinds[kind] += nbytes

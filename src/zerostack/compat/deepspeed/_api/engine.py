@@ -41,7 +41,7 @@ ENGINES: dict[str, dict[str, Api]] = {
             "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"
         ),
         f"{ENGINE}.memory_breakdown": _different(
-            "bytes held per kind (params, grads, master, optimizer), not the config flag"
+            "bytes held per kind (params, grads, master, optimizer, scratch), not the config flag"
         ),
         f"{ENGINE}.compile": _different(
             "torch's `nn.Module.compile(**torch.compile options)`: no `compile_kwargs=`"
