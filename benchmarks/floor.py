@@ -72,26 +72,34 @@ def _args(argv=None):
     return args
 
 
-def _floor(model: torch.nn.Module):
-    """This rank's step on its own: no process group call, the other sides' optimizer."""
+def _floor(model: torch.nn.Module, timers: dict[str, float]):
+    """This rank's step on its own: no process group call, the other sides' optimizer; the
+    seconds of each phase added to ``timers`` as zerostack's engine counts them."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(x, y):
+        t0 = time.perf_counter()
         loss = model(x, y)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)
+        t3 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            timers[phase] += seconds
         return loss
 
     return step
 
 
-def _phases(engine, before: dict | None) -> dict:
-    """Seconds so far per phase and per collective kind (``before``: subtract these)."""
-    now = {p: engine.timers.get(p, 0.0) for p in PHASES}
+def _phases(timers: dict[str, float], records: list, before: dict | None) -> dict:
+    """Seconds so far per phase (``timers``) and per collective kind (the CommLog's
+    ``records``); ``before``: subtract these."""
+    now = {p: timers.get(p, 0.0) for p in PHASES}
     comm: dict[str, float] = defaultdict(float)
-    for rec in engine.comm.log.records:
+    for rec in records:
         comm[rec.op] += rec.seconds
     now["comm"] = dict(comm)
     if before is None:
@@ -107,10 +115,11 @@ def run_side(args) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = GPT(_config(args))
-    engine = None
+    engine, timed = None, None  # timed: (timers, comm records) of a side split by phase
     result: dict = {"side": side}
     if side == "floor":
-        step = _floor(model)
+        timed = (defaultdict(float), [])
+        step = _floor(model, timed[0])
     else:
         try:
             inner, engine = _build(side, args, model)
@@ -119,6 +128,7 @@ def run_side(args) -> None:
                 raise
             inner, result["skipped"] = None, f"{type(e).__name__}: {e}".splitlines()[0]
         if engine is not None:  # (the CommLog keeps 64 steps' records: the run's all)
+            timed = (engine.timers, engine.comm.log.records)
 
             def step(x, y):
                 loss = engine(x, y)
@@ -130,7 +140,7 @@ def run_side(args) -> None:
     if step is not None:
         for i in range(args.warmup):
             step(*_batch(args, rank, i))
-        before = _phases(engine, None) if engine is not None else None
+        before = _phases(*timed, None) if timed is not None else None
         times, losses = [], []
         for i in range(args.warmup, args.warmup + args.steps):
             dist.barrier()  # each step starts together, so the max over ranks is its real cost
@@ -148,13 +158,14 @@ def run_side(args) -> None:
         result["threads_per_rank"] = torch.get_num_threads()
         if losses:
             result["losses_rank0"] = losses
-        if engine is not None:
-            split = _phases(engine, before)
+        if timed is not None:
+            split = _phases(*timed, before)
             per_step = {p: round(split[p] / args.steps, 5) for p in PHASES}
-            comm = {op: round(s / args.steps, 5) for op, s in sorted(split["comm"].items())}
+            comm = {op: round(s / args.steps, 5) for op, s in sorted(split["comm"].items()) if s}
             total = sum(per_step.values())
             per_step["compute"] = round(total - sum(comm.values()), 5)
             result["phases_s_per_step_rank0"] = {**per_step, "comm": comm}
+        if engine is not None:
             result["memory_breakdown"] = engine.memory_breakdown()
     if rank == 0:
         print(json.dumps(result), flush=True)
