@@ -48,6 +48,7 @@ C = "tests/test_checkpoint.py"
 E = "tests/test_stage3_edges.py::test_stage3_matches_single_process"
 T = "tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas"
 T_CENSUS2 = f"{T}[2]"
+T_COMPILE = "tests/test_compile.py::test_compiled_blocks_train_as_eager_bit_for_bit"
 S = "tests/test_pipeline_schedule.py::test_the_executor_runs_exactly_what_the_simulator_accepts"
 CD = "tests/test_comm_dtype.py"
 HF = "tests/test_hf.py"
@@ -1772,8 +1773,8 @@ MUTANTS = [
         "empty_partition_cache releases nothing",
         "zero/coordinator.py",
         "        self._drop_inflight()\n        self._drop_kept()\n"
-        "        self.gathers.drop_secondaries()\n\n    def _begin_pass",
-        "        pass\n\n    def _begin_pass",
+        "        self.gathers.drop_secondaries()\n\n    @_eager\n    def _begin_pass",
+        "        pass\n\n    @_eager\n    def _begin_pass",
         (LIVE,),
     ),
     Mutant(
@@ -2890,6 +2891,34 @@ MUTANTS = [
         "        out.scratch = c * min(bucket, trained)",
         "        out.scratch = 0",
         ("tests/test_estimate.py::test_model_states_are_the_per_stage_formulas[2-1-fp32]",),
+    ),
+    Mutant(
+        "a list of different layers is taken for blocks",
+        "compiling.py",
+        "            and len(kinds) == 1",
+        "            and len(kinds) >= 1",
+        ("tests/test_compile.py::test_blocks_are_a_lists_children_of_one_class",),
+    ),
+    Mutant(
+        "engine.compile compiles nothing",
+        "compiling.py",
+        "        block.compile(backend=counted, **kwargs)",
+        "        pass",
+        (f"{T_COMPILE}[0-fp32]",),
+    ),
+    Mutant(
+        "the compile report counts no graph",
+        "compiling.py",
+        "        report.graphs += 1",
+        "        pass",
+        (f"{T_COMPILE}[0-fp32]",),
+    ),
+    Mutant(
+        "stage 3's gather hooks are traced into the compiled graphs",
+        "zero/coordinator.py",
+        "    return torch.compiler.disable(fn, recursive=True)",
+        "    return fn",
+        (f"{T_COMPILE}[3-fp32]",),
     ),
 ]
 

@@ -184,7 +184,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         "no curriculum learning / random-LTD data pipeline", _enabled, dict
     ),
     "compile": _unsupported(
-        "no DeepCompile; torch.compile the model before initialize",
+        "no DeepCompile (deepcompile: true); engine.compile() compiles block by block",
         lambda v: bool(v.get("deepcompile", False)),
         dict,
     ),

@@ -43,6 +43,12 @@ from .params import StorageMeter, Subgroup, is_sharded, release
 from .unit_gather import Gatherer, UnitGather
 
 
+def _eager(fn):
+    """A hook run eagerly under torch.compile: the graph breaks around it (it posts collectives
+    and changes what the module's parameters hold), as DeepSpeed marks its ZeRO-3 hooks."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear_saving_weight(x, module.weight, module.bias)
 
@@ -184,6 +190,7 @@ class ParamCoordinator:
         self._drop_kept()
         self.gathers.drop_secondaries()
 
+    @_eager
     def _begin_pass(self, module, args) -> None:
         self._drop_inflight()
         self._drop_kept()
@@ -303,6 +310,7 @@ class ParamCoordinator:
                 self._free(p)
         self._kept.clear()
 
+    @_eager
     def _borrow(self, p: nn.Parameter) -> None:
         """``p`` is read in the forward of the innermost running unit, which does not hold it:
         gather it for the rest of that forward, and make it that unit's for every later gather
@@ -319,10 +327,12 @@ class ParamCoordinator:
         pending.resolve()
         p._zs.active += 1
 
+    @_eager
     def _pre_forward(self, u: int, module, args) -> None:
         self._gather(u)
         self._running.append(u)
 
+    @_eager
     def _post_forward(self, u: int, module, args, output) -> None:
         self._running.pop()
         self._release(u)

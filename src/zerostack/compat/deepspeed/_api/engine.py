@@ -44,8 +44,10 @@ ENGINES: dict[str, dict[str, Api]] = {
             "bytes held per kind (params, grads, master, optimizer, scratch), not the config flag"
         ),
         f"{ENGINE}.compile": _different(
-            "torch's `nn.Module.compile(**torch.compile options)`: no `compile_kwargs=`"
+            "DeepSpeed's arguments; compiles each block (a ModuleList's children of one class), "
+            "else the whole model; `compile_report` says which; no `schedule`, compiled autograd"
         ),
+        f"{ENGINE}.is_compiled": _works("True once `engine.compile()` ran"),
         f"{ENGINE}.monitor": _different("writes each step's metrics; no `write_events`"),
         f"{ENGINE}.timers": _different("seconds per phase (forward, backward, step), a dict"),
         f"{ENGINE}.set_train_batch_size": _no("the batch is fixed at `initialize`"),

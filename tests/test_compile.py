@@ -1,0 +1,135 @@
+"""``engine.compile()``: torch.compile block by block under every ZeRO stage, on real gloo ranks.
+
+Each case trains the tiny GPT twice from the same weights, eager and compiled, 3 steps of plain
+SGD (no clipping: a lost factor would show) on 2 ranks, and compares the losses and the full
+weights after every step. With ``aot_eager`` (dynamo's capture and AOTAutograd's forward and
+backward graphs, run by torch's own kernels) the compiled run must be the eager one bit for bit;
+with ``inductor`` (fused kernels of its own, another order of floating-point sums) within 1e-5
+relative per tensor, the parity tests' bound. The report counts the graphs the backend was
+handed: at stages 0-2 one for the GPT's block kind, shared by its blocks, and none after the first
+step (no recompilation); at stage 3 the gathers inside a block break it into several graphs,
+still none compiled after the first step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import batch, max_rel_diff, tiny_gpt
+from distributed import run_distributed
+
+import zerostack
+from zerostack.compiling import compile_blocks, find_blocks
+
+STEPS = 3
+
+
+def _train(rank, world, stage, precision, backend):
+    """Losses and full weights per step, and the graphs compiled by the end of each step."""
+    torch._dynamo.reset()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
+    if backend is not None:
+        engine.compile(backend=backend)
+    losses, weights, graphs = [], [], []
+    for step in range(STEPS):
+        x, y = batch(step, 2 * world)
+        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        weights.append(engine.full_state_dict())
+        graphs.append(engine.compile_report.graphs if backend is not None else 0)
+    report = engine.compile_report
+    engine.destroy()
+    described = (report.mode, report.blocks, report.kinds) if report else None
+    return losses, weights, graphs, described
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_compiled_blocks_train_as_eager_bit_for_bit(stage, precision):
+    eager = run_distributed(_train, 2, args=(stage, precision, None))
+    compiled = run_distributed(_train, 2, args=(stage, precision, "aot_eager"))
+    for (l0, w0, _, _), (l1, w1, graphs, described) in zip(eager, compiled, strict=True):
+        assert l1 == l0
+        for a, b in zip(w0, w1, strict=True):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a), [
+                k for k in a if not torch.equal(a[k], b[k])
+            ]
+        assert described == ("per block", ["blocks.0", "blocks.1"], ["Block"])
+        assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * (STEPS - 1)  # no recompilation
+        if stage < 3:
+            assert graphs[0] == 1  # one graph for the block kind, no break inside it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_inductor_blocks_train_within_the_parity_bound(stage):
+    eager = run_distributed(_train, 2, args=(stage, "fp32", None))
+    compiled = run_distributed(_train, 2, args=(stage, "fp32", "inductor"), timeout=600)
+    for (l0, w0, _, _), (l1, w1, graphs, _) in zip(eager, compiled, strict=True):
+        assert l1 == pytest.approx(l0, rel=1e-5)
+        for a, b in zip(w0, w1, strict=True):
+            diff, name = max_rel_diff(b, a)
+            assert diff < 1e-5, (name, diff)
+        assert graphs[1:] == [graphs[0]] * (STEPS - 1)
+
+
+def _refusals(rank, world):
+    engine, *_ = zerostack.initialize(
+        model=tiny_gpt(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
+    out = []
+    for kwargs in ({"schedule": [(0, [])]}, {"compiled_autograd_enabled": True}):
+        with pytest.raises(ValueError) as info:
+            engine.compile(backend="aot_eager", **kwargs)
+        out.append(str(info.value))
+    assert not engine.is_compiled
+    engine.compile(backend="aot_eager")
+    assert engine.is_compiled
+    with pytest.raises(RuntimeError) as info:
+        engine.compile(backend="aot_eager")
+    out.append(str(info.value))
+    engine.destroy()
+    return out
+
+
+def test_what_compile_refuses_is_named():
+    ((schedule, autograd, twice),) = run_distributed(_refusals, 1)
+    assert schedule.startswith("engine.compile(schedule=...): a DeepCompile pass schedule")
+    assert autograd.startswith("engine.compile(compiled_autograd_enabled=True): compiled autograd")
+    assert twice == "engine.compile(): the engine is compiled already"
+
+
+def test_blocks_are_a_lists_children_of_one_class():
+    """The GPT's blocks; a list of different layers is not blocks (the model is compiled whole);
+    a list inside a block is not looked into once the block is taken."""
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    assert [n for n, _ in find_blocks(tiny_gpt())] == ["blocks.0", "blocks.1"]
+    assert find_blocks(Mixed()) == []
+    model = Mixed()
+    report = compile_blocks(model, backend="aot_eager")
+    assert (report.mode, report.blocks) == ("whole model", [])
+    x = torch.randn(3, 2)
+    assert torch.equal(model(x), Mixed.forward(model, x)) and report.graphs == 1
