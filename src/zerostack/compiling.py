@@ -1,11 +1,11 @@
 """``engine.compile()``: torch.compile per block, the way torchtitan compiles a transformer.
 
-A model's blocks are the children of an ``nn.ModuleList`` that are all of one class and hold
-parameters (the reference GPT's ``blocks``, a Hugging Face model's ``layers``, a pipeline
-stage's repeated layers). Each is compiled on its own (``nn.Module.compile``), so what zerostack
-does between blocks stays outside the graphs, and blocks of one kind share their graphs: a
-parameter is an input of the graph, not a constant of it. A model without such a list is
-compiled whole.
+A model's blocks are the layers of a list (an ``nn.ModuleList``, an ``nn.Sequential``, a pipeline
+stage) whose class the list holds twice or more and that hold parameters (the reference GPT's
+``blocks``, a Hugging Face model's ``layers``, a pipeline stage's transformer blocks). Each is
+compiled on its own (``nn.Module.compile``), so what zerostack does between blocks stays outside
+the graphs, and blocks of one kind share their graphs: a parameter is an input of the graph, not
+a constant of it. A model without such a list is compiled whole.
 
 At ZeRO stages 0-2 nothing of zerostack runs inside a block's forward: the gradient hooks fire
 after autograd has accumulated each gradient, outside the compiled backward. At stage 3 each
@@ -46,23 +46,27 @@ class CompileReport:
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, block)`` for each child of each outermost ``nn.ModuleList`` whose children (two
-    or more) are all of one class and hold parameters."""
+    """``(name, block)`` for the blocks of ``module``: in each outermost list of layers (the
+    children named 0, 1, ... of a module: an ``nn.ModuleList``, an ``nn.Sequential``, a pipeline
+    stage's layers), the layers holding parameters whose class appears twice or more in it."""
     out: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, m in module.named_modules():
-        if not isinstance(m, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+        children = [(n, c) for n, c in m.named_children() if n.isdigit()]  # its list
+        if not children:
             continue
-        children = list(m.named_children())
-        kinds = {type(c) for _, c in children}
-        if (
-            len(children) >= 2
-            and len(kinds) == 1
-            and all(any(True for _ in c.parameters()) for _, c in children)
-        ):
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        count: dict[type, int] = {}
+        for _, c in children:
+            count[type(c)] = count.get(type(c), 0) + 1
+        found = [
+            (n, c) for n, c in children if count[type(c)] >= 2 and any(True for _ in c.parameters())
+        ]
+        if found:
             prefix = f"{name}." if name else ""
-            out += [(prefix + n, c) for n, c in children]
-            taken.append(name)
+            out += [(prefix + n, c) for n, c in found]
+            taken += [prefix + n for n, _ in found]
     return out
 
 

@@ -207,31 +207,40 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), gather, scatter, axis), None, None, None
 
 
+def _run(fn: type[torch.autograd.Function], *args):
+    return fn.apply(*args)
+
+
+# Under torch.compile the collectives run eagerly, the graph broken around each: they post
+# through Comm (its CommLog, the watchdog's in-flight list), which dynamo cannot trace.
+_apply = torch.compiler.disable(_run, recursive=True)
+
+
 def copy(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Identity forward; the gradient is all-reduced over ``axis`` (Megatron's ``f``)."""
-    return x if axis.size == 1 else _Copy.apply(x, axis)
+    return x if axis.size == 1 else _apply(_Copy, x, axis)
 
 
 def reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """All-reduce over ``axis`` forward; the gradient passes (Megatron's ``g``)."""
-    return x if axis.size == 1 else _Reduce.apply(x, axis)
+    return x if axis.size == 1 else _apply(_Reduce, x, axis)
 
 
 def scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """This rank's part of ``dim``; the gradient is all-gathered back along it."""
-    return x if axis.size == 1 else _Scatter.apply(x, dim, axis)
+    return x if axis.size == 1 else _apply(_Scatter, x, dim, axis)
 
 
 def gather(x: torch.Tensor, dim: int, axis: Axis, grad_is_partial: bool = False) -> torch.Tensor:
     """All-gather along ``dim``; the gradient keeps this rank's part, or, when each rank's
     gradient is a partial sum of the whole (``grad_is_partial``: the gathered tensor fed a layer
     split over the same ranks), is reduce-scattered."""
-    return x if axis.size == 1 else _Gather.apply(x, dim, axis, grad_is_partial)
+    return x if axis.size == 1 else _apply(_Gather, x, dim, axis, grad_is_partial)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """Reduce-scatter along ``dim``; the gradient is all-gathered back along it."""
-    return x if axis.size == 1 else _ReduceScatter.apply(x, dim, axis)
+    return x if axis.size == 1 else _apply(_ReduceScatter, x, dim, axis)
 
 
 def all_to_all(x: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -239,4 +248,4 @@ def all_to_all(x: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     arrives along ``gather_dim``, in rank order; the gradient takes the reverse exchange."""
     if axis.size == 1:
         return x
-    return _AllToAll.apply(x, axis, scatter_dim % x.dim(), gather_dim % x.dim())
+    return _apply(_AllToAll, x, axis, scatter_dim % x.dim(), gather_dim % x.dim())

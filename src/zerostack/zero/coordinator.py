@@ -49,6 +49,7 @@ def _eager(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
+@_eager  # its backward reads the weight parameter as it is then: traced, a graph would not
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear_saving_weight(x, module.weight, module.bias)
 
