@@ -2937,6 +2937,13 @@ MUTANTS = [
         "# its backward reads the weight parameter as it is then",
         (f"{T_COMPILE_VARIANTS}[ckpt-3]",),
     ),
+    Mutant(
+        "engine.compile compiles a compiled engine again",
+        "compiling.py",
+        "    if engine.compile_report is not None:",
+        "    if False:",
+        ("tests/test_compile.py::test_what_compile_refuses_is_named",),
+    ),
 ]
 
 

@@ -95,3 +95,30 @@ def compile_blocks(
     if not blocks:
         module.compile(backend=counted, **kwargs)
     return report
+
+
+def compile_engine(
+    engine,
+    backend="inductor",
+    compile_kwargs: dict | None = None,
+    schedule=None,
+    compiled_autograd_enabled: bool = False,
+) -> None:
+    """``engine.compile()``, with DeepSpeed's arguments: :func:`compile_blocks` on the engine's
+    module, its report kept as ``engine.compile_report``. DeepCompile's pass ``schedule`` and
+    compiled autograd are refused."""
+    if schedule is not None:
+        raise ValueError(
+            "engine.compile(schedule=...): a DeepCompile pass schedule; zerostack has no "
+            "DeepCompile passes (it compiles each block with torch.compile)"
+        )
+    if compiled_autograd_enabled:
+        raise ValueError(
+            "engine.compile(compiled_autograd_enabled=True): compiled autograd would trace "
+            "ZeRO's gradient hooks, which post collectives, into the backward graph"
+        )
+    if engine.compile_report is not None:
+        raise RuntimeError("engine.compile(): the engine is compiled already")
+    engine.compile_report = compile_blocks(engine.module, backend, compile_kwargs)
+    if engine.topology.global_rank == 0:
+        log.info("engine.compile: %s", engine.compile_report.describe())

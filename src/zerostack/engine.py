@@ -36,6 +36,7 @@ from .checkpoint.view import TrainingView
 from .clock import device_clock
 from .comm import Comm
 from .comm.grid import comm_for
+from .compiling import CompileReport, compile_engine
 from .config import ZeroStackConfig
 from .config_view import ConfigView
 from .core.accumulation import Accumulation
@@ -162,16 +163,16 @@ class Engine(nn.Module):
         if self.runner.pipelined:  # its schedule runs forward, backward and step itself
             raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether this micro-step closes an accumulation window: every
-        ``gradient_accumulation_steps``-th, or what ``set_gradient_accumulation_boundary`` said
-        last."""
-        return self.window.is_boundary(self.micro_steps)
+    compile = compile_engine  # torch.compile block by block (zerostack.compiling)
+    compile_report: CompileReport | None = None  # what engine.compile() did
 
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        self.training = mode
-        return self
+    @property
+    def is_compiled(self) -> bool:
+        return self.compile_report is not None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step closes an accumulation window (:mod:`.core.accumulation`)."""
+        return self.window.is_boundary(self.micro_steps)
 
     # ------------------------------------------------------------------ the step
     def forward(self, *args, **kwargs):

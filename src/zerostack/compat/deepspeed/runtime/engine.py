@@ -11,17 +11,13 @@ are ``engine.topology``, ``engine.batch``, ``engine.update``, ``engine.window`` 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
-from zerostack.compiling import CompileReport, compile_blocks
 from zerostack.engine import Engine
 from zerostack.zero.strategy import Pieces
-
-log = logging.getLogger("zerostack")
 
 
 class LossScale(float):
@@ -140,40 +136,6 @@ class DeepSpeedEngine(Engine):
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
-    # ------------------------------------------------------------------ torch.compile
-    compile_report: CompileReport | None = None
-
-    @property
-    def is_compiled(self) -> bool:
-        return self.compile_report is not None
-
-    def compile(
-        self,
-        backend="inductor",
-        compile_kwargs=None,
-        schedule=None,
-        compiled_autograd_enabled=False,
-    ) -> None:
-        """DeepSpeed's ``engine.compile``: ``torch.compile(backend=backend, **compile_kwargs)``
-        block by block, as torchtitan compiles, or the whole model when it has no repeated
-        blocks (:mod:`zerostack.compiling`); ``engine.compile_report`` says which, and counts
-        the graphs. DeepCompile's pass ``schedule`` and compiled autograd are refused."""
-        if schedule is not None:
-            raise ValueError(
-                "engine.compile(schedule=...): a DeepCompile pass schedule; zerostack has no "
-                "DeepCompile passes (it compiles each block with torch.compile)"
-            )
-        if compiled_autograd_enabled:
-            raise ValueError(
-                "engine.compile(compiled_autograd_enabled=True): compiled autograd would trace "
-                "ZeRO's gradient hooks, which post collectives, into the backward graph"
-            )
-        if self.is_compiled:
-            raise RuntimeError("engine.compile(): the engine is compiled already")
-        self.compile_report = compile_blocks(self.module, backend, compile_kwargs)
-        if self.global_rank == 0:
-            log.info("engine.compile: %s", self.compile_report.describe())
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
