@@ -492,8 +492,7 @@ def check_nonfinite_skip(model_cfg) -> None:
                             for a, b in zip(after[1], before[1], strict=True)
                         )  # fmt: skip
                 updated = not all(
-                    torch.equal(a, b)
-                    for a, b in zip(state()[0], before[0], strict=True)
+                    torch.equal(a, b) for a, b in zip(state()[0], before[0], strict=True)
                 )
             except RuntimeError as exc:
                 error, updated = str(exc).splitlines()[0], False
@@ -532,6 +531,45 @@ def check_autocast(model_cfg) -> None:
         engine.destroy()
 
 
+def check_compile(model_cfg, steps) -> None:
+    """``engine.compile()`` at stages 0-3: the weights' change over the run against eager's
+    (plain SGD; inductor in bf16 on a GPU, within 1e-2; aot_eager in fp32 on the CPU, exactly),
+    nothing compiled again after the first steps, and on a GPU two more compiled steps under
+    the sync debug mode ("error"): compiling adds no host wait to a step."""
+    cuda = torch.cuda.is_available()
+    backend, precision, tol = ("inductor", "bf16", 1e-2) if cuda else ("aot_eager", "fp32", 0.0)
+    sgd = {"type": "SGD", "params": {"lr": 0.5}}
+    torch.manual_seed(0)
+    start = {k: v.float() for k, v in GPT(model_cfg).state_dict().items()}
+    for stage in (0, 1, 2, 3):
+        config = _config(stage, precision, optimizer=sgd)
+        ref, _ = _train(model_cfg, config, steps)
+        want = {k: v - start[k] for k, v in _weights(ref).items()}
+        ref.destroy()
+        torch.manual_seed(0)
+        engine, *_ = zerostack.initialize(model=GPT(model_cfg), config=config)
+        engine.compile(backend=backend)
+        engine, _ = _train(model_cfg, config, steps, engine=engine)
+        got = {k: v - start[k] for k, v in _weights(engine).items()}
+        graphs = engine.compile_report.graphs
+        batches = _batches(model_cfg, 1, seed=1)
+        if cuda:
+            batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+        error = _steps_watched(engine, batches, watch_from=0)
+        worst = _rel(got, want)
+        again = engine.compile_report.graphs - graphs
+        report(
+            f"zero{stage}-{precision}-compiled-{backend}",
+            worst <= tol and again == 0 and error is None,
+            worst_update_rel=worst,
+            tolerance=tol,
+            graphs=graphs,
+            compiled_again=again,
+            error=error,
+        )
+        engine.destroy()
+
+
 def check_sanitizer(model_cfg, tmp) -> None:
     """Check E (second half): two steps of stage 3 with parameters offloaded (pinned host
     memory, and NVMe) under torch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``, set by
@@ -555,7 +593,7 @@ def check_sanitizer(model_cfg, tmp) -> None:
 CHECKS = (
     "precision", "no-stream-sync", "nccl-lifetimes", "fake-dp8", "nonfinite-skip",
     "offload-host-time", "autocast", "offload-and-init", "dropout", "big", "sanitizer",
-    "nccl-lifetimes-avoid-record-streams", "scripts",
+    "nccl-lifetimes-avoid-record-streams", "scripts", "compile",
 )  # fmt: skip
 """What ``--only`` runs, one per process (``gpu_check.sh`` gives each its own time limit)."""
 
@@ -583,6 +621,8 @@ def _run(name: str, small, steps: int, quick: bool, tmp: str) -> None:
         check_autocast(small)
     elif name == "sanitizer":
         check_sanitizer(small, tmp)
+    elif name == "compile":
+        check_compile(small, steps)
     elif quick:
         check_big(2, 64, 4, 32, 2)
     else:

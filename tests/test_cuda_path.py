@@ -439,6 +439,8 @@ def test_the_gpu_check_script_runs_its_checks_on_the_cpu():
     for stage in range(4):
         for name in (f"zero{stage}-bf16-inf-skipped-on-device", f"zero{stage}-user-autocast-bf16"):
             assert checks[name]["ok"], checks[name]
+        row = checks[f"zero{stage}-fp32-compiled-aot_eager"]  # compiled as eager, to the bit
+        assert row["ok"] and row["worst_update_rel"] == 0 and row["graphs"] >= 1, row
 
 
 # ---------------------------------------------------------------------- seconds of GPU work
@@ -1043,4 +1045,5 @@ def test_the_gpu_check_script_runs_on_this_cpu_machine(tmp_path):
         assert {f"zero{stage}-fp16-inf-skipped-on-device", f"zero{stage}-user-autocast-bf16"} <= (
             names
         )
+        assert f"zero{stage}-fp32-compiled-aot_eager" in names
     assert "Traceback" not in (tmp_path / "gpu_check.err").read_text()
