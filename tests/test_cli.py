@@ -72,7 +72,7 @@ def _check_run(out, stdout: str, grid: list[str], banner: str) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
-    assert set(summary["bytes_per_rank"]) == {"params", "grads", "master", "optimizer"}
+    assert set(summary["bytes_per_rank"]) == {"params", "grads", "master", "scratch", "optimizer"}
     rows = list(csv.DictReader((out / "train_log.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, 21))
     assert (out / "loss.png").stat().st_size > 1000
