@@ -52,3 +52,34 @@ def emit(out: dict, path: str | None) -> dict:
         with open(path, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def best_of_rounds(sides: list[str], repeats: int, launch) -> dict[str, dict]:
+    """``launch(side)`` for each side once a round, in alternating order each round (so machine
+    noise hits all alike), each result printed to stderr as it comes; per side the round with
+    the lowest ``median_s`` is kept."""
+    results: dict[str, dict] = {}
+    for r in range(repeats):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            res = launch(side)
+            res["side"] = side
+            print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
+            best = results.get(side)
+            if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
+                results[side] = res
+    return results
+
+
+def slowest_rank(times: list[float]) -> tuple[list[float], float]:
+    """Under torchrun: each step's seconds on its slowest rank (a step is as slow as that), and
+    the largest peak RSS of any rank, MiB (collectives: every rank calls it)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return t.tolist(), round(rss.item() / 1024, 1)  # ru_maxrss is KiB on Linux

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
-from _bench import emit, torchrun  # benchmarks/_bench.py
+from _bench import best_of_rounds, emit, slowest_rank, torchrun  # benchmarks/_bench.py
 from zero import _batch, _config, _ds_config  # benchmarks/zero.py
 
 from zerostack.models import GPT
@@ -77,19 +76,15 @@ def run_side(args) -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
         graphs.append(engine.compile_report.graphs if compiled else 0)
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    timed = t.tolist()[args.warmup :]
-    median = statistics.median(timed)
+    times, peak_rss = slowest_rank(times)
+    median = statistics.median(times[args.warmup :])
     tokens = args.micro_batch * args.block_size * args.nproc
     result = {
         "side": side,
         "median_s": round(median, 5),
         "tokens_per_s": round(tokens / median, 1),
-        "first_step_s": round(t.tolist()[0], 3),
-        "peak_rss_mib": round(rss.item() / 1024, 1),
+        "first_step_s": round(times[0], 3),
+        "peak_rss_mib": peak_rss,
     }
     if compiled:
         report = engine.compile_report
@@ -113,16 +108,12 @@ def main(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    results: dict[str, dict] = {}
-    for r in range(args.repeats):
-        for side in wanted if r % 2 == 0 else wanted[::-1]:
-            argv = [*sys.argv[1:], "--side", side]
-            res = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
-            res["side"] = side
-            print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
-            best = results.get(side)
-            if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
-                results[side] = res
+
+    def launch(side: str) -> dict:
+        argv = [*sys.argv[1:], "--side", side]
+        return torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
+
+    results = best_of_rounds(wanted, args.repeats, launch)
     ratios = {}
     for stage in (0, 3):
         eager, comp = results.get(f"stage{stage}_eager", {}), results.get(f"stage{stage}_compiled")

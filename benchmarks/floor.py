@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
-from _bench import emit, torchrun  # benchmarks/_bench.py
+from _bench import best_of_rounds, emit, slowest_rank, torchrun  # benchmarks/_bench.py
 from zero import _batch, _build, _config  # benchmarks/zero.py
 
 from zerostack.models import GPT
@@ -149,12 +148,8 @@ def run_side(args) -> None:
             times.append(time.perf_counter() - t0)
             if loss is not None:
                 losses.append(float(loss))
-        t = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
-        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-        result["median_s"] = round(statistics.median(t.tolist()), 5)
-        result["peak_rss_mib"] = round(rss.item() / 1024, 1)  # ru_maxrss is KiB on Linux
+        times, result["peak_rss_mib"] = slowest_rank(times)
+        result["median_s"] = round(statistics.median(times), 5)
         result["threads_per_rank"] = torch.get_num_threads()
         if losses:
             result["losses_rank0"] = losses
@@ -198,15 +193,9 @@ def main(args) -> dict:
         base = {f"base_{s}": dict(env, PYTHONPATH=path) for s in wanted if s in ZS}
         envs.update(base)
         runnable += list(base)
-    results: dict[str, dict] = {}
-    for r in range(args.repeats):
-        for side in runnable if r % 2 == 0 else runnable[::-1]:
-            res = _launch(args, side.removeprefix("base_"), envs[side])
-            res["side"] = side
-            print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
-            best = results.get(side)
-            if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
-                results[side] = res
+    results = best_of_rounds(
+        runnable, args.repeats, lambda s: _launch(args, s.removeprefix("base_"), envs[s])
+    )
     floor = results.get("floor", {}).get("median_s")
     to_floor = {}
     for s, res in results.items():

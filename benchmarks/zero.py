@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ try:
 except ImportError:  # e.g. the DeepSpeed peers venv: use this checkout's source
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import zerostack
-from _bench import emit, torchrun  # benchmarks/_bench.py
+from _bench import best_of_rounds, emit, slowest_rank, torchrun  # benchmarks/_bench.py
 
 from zerostack.models import GPT, GPTConfig
 
@@ -165,12 +164,8 @@ def run_side(args) -> None:
             t0 = time.perf_counter()
             step(*_batch(args, rank, i))
             times.append(time.perf_counter() - t0)
-        t = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
-        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-        result["median_s"] = round(statistics.median(t.tolist()), 5)
-        result["peak_rss_mib"] = round(rss.item() / 1024, 1)  # ru_maxrss is KiB on Linux
+        times, result["peak_rss_mib"] = slowest_rank(times)
+        result["median_s"] = round(statistics.median(times), 5)
         result["threads_per_rank"] = torch.get_num_threads()
         if engine is not None:
             result["memory_breakdown"] = engine.memory_breakdown()
@@ -213,14 +208,11 @@ def main(args) -> dict:
         envs.update(base)
         runnable += list(base)
         wanted += list(base)
-    for r in range(args.repeats):
-        for side in runnable if r % 2 == 0 else runnable[::-1]:
-            res = _launch(args, side.removeprefix("base_"), envs[side])
-            res["side"] = side
-            print(f"round {r} {side}: {json.dumps(res)}", file=sys.stderr, flush=True)
-            best = results.get(side)
-            if best is None or res.get("median_s", 1e9) < best.get("median_s", 1e9):
-                results[side] = res
+    results.update(
+        best_of_rounds(
+            runnable, args.repeats, lambda s: _launch(args, s.removeprefix("base_"), envs[s])
+        )
+    )
     ratios, same_memory = {}, {}
     pairs = RATIOS + [(s.removeprefix("base_"), s) for s in results if s.startswith("base_")]
     for s in results:
