@@ -76,10 +76,15 @@ class PieceReducer:
         self.bucket = {order[i]: b for i, b in layout.bucket.items()}
         self.at = {order[i]: at for i, at in layout.at.items()}
         self.reducer = GradReducer([len(ps) for ps in self.params], self._launch, self._done)
+        # A backward's staging matrices, received rows and reduced rows (on the CPU; a GPU's
+        # caching allocator reuses blocks itself): the same few serve every bucket, so their
+        # pages are faulted in once a backward, not once a bucket. Emptied as it ends.
+        self.buffers = scratch.Pool()
         self._reset()
 
     def _reset(self) -> None:
         self._staging: dict[int, torch.Tensor] = {}
+        self._sent: dict[int, torch.Tensor] = {}  # bucket -> its staging, until reduced
         self._reduced: dict[int, torch.Tensor] = {}  # bucket -> this rank's pieces, in flight
 
     def stage(self, p: nn.Parameter) -> None:
@@ -100,7 +105,9 @@ class PieceReducer:
 
     def _new_staging(self, b: int, device: torch.device) -> torch.Tensor:
         """Bucket ``b``'s ``(dp, width)`` matrix, zeros (padding and absent gradients stay 0)."""
-        return scratch.zeros(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)
+        return (
+            self.buffers.take(self.dp * self.width[b], self.dtype, device).zero_().view(self.dp, -1)
+        )
 
     def _launch(self, b: int) -> Handle | None:
         staging = self._staging.pop(b, None)
@@ -115,8 +122,11 @@ class PieceReducer:
             sent = torch.stack([quantize.pack(self._pieces(b, row), self.bits) for row in staging])
             received = self._reduced[b] = torch.empty_like(sent)
             return self.comm.all_to_all(received, sent, axis="dp", async_op=True)
-        out = self._reduced[b] = scratch.empty(self.width[b], staging.dtype, staging.device)
-        return self.comm.reduce_scatter(out, staging.view(-1), axis="dp", async_op=True)
+        self._sent[b] = staging
+        out = self._reduced[b] = self.buffers.take(self.width[b], staging.dtype, staging.device)
+        return self.comm.reduce_scatter(
+            out, staging.view(-1), axis="dp", async_op=True, pool=self.buffers
+        )
 
     def _pieces(self, b: int, row: torch.Tensor) -> list[torch.Tensor]:
         """Bucket ``b``'s parameters' pieces in ``row``, in bucket order."""
@@ -139,10 +149,14 @@ class PieceReducer:
         return out
 
     def _done(self, b: int) -> None:
-        """Bucket ``b``'s collective is complete: deliver its row; its buffers go."""
+        """Bucket ``b``'s collective is complete: deliver its row; its buffers go (back to the
+        pool, but for a row still on its way to the host)."""
+        self.buffers.give(self._sent.pop(b, None))
         out = self._reduced.pop(b, None)
         if out is not None:
             self._deliver(b, self._summed(b, out) if self.quantized and self.dp > 1 else out)
+            if out.device == self.to:  # added into the gradients: read no more
+                self.buffers.give(out)
 
     def _deliver(self, b: int, out: torch.Tensor) -> None:
         final = self.final
@@ -161,3 +175,4 @@ class PieceReducer:
         self.reducer.flush()  # each bucket is delivered as it completes (``_done``)
         self.downloads.seal()
         self._reset()
+        self.buffers.trim(0)  # nothing kept between backwards
