@@ -159,8 +159,9 @@ def _train(
     def counting(ops):  # over gloo an all-gather posts its sends and receives in one batch
         sent = [op.tensor for op in ops if op.op is dist.isend]
         received = [op.tensor for op in ops if op.op is dist.irecv]
-        # this rank's row (its input, sent to every peer) and the rows it receives
-        handed.append(sum(t.numel() * t.element_size() for t in sent[:1] + received))
+        # this rank's rows (its inputs, each sent to every peer) and the rows it receives
+        own = list({id(t): t for t in sent}.values())
+        handed.append(sum(t.numel() * t.element_size() for t in own + received))
         return exchange(ops)
 
     grid.dist.batch_isend_irecv = counting

@@ -123,31 +123,47 @@ def _reduce_scatter_rows(output, input, *, op, group, async_op, pool=None):
 
 
 class _PeerGather:
-    """gloo's all-gather as zerostack runs it: ``input`` goes to every other rank of the group
-    and each rank's lands in its row of ``output``, all sends and receives posted together
-    (``batch_isend_irecv``). The same bytes as a ring all-gather; for a 4M-element fp32 output
-    at 2 ranks, 0.62x an all-reduce's time where torch's gloo all-gather took 0.77x
-    (``benchmarks/collectives.py``). ``input`` may be this rank's row of ``output``."""
+    """gloo's all-gather as zerostack runs it: each ``inputs[i]`` goes to every other rank of
+    the group and each rank's lands in its row of ``outputs[i]``, all sends and receives of all
+    the pairs posted together (``batch_isend_irecv``). The same bytes as a ring all-gather; for
+    a 4M-element fp32 output at 2 ranks, 0.62x an all-reduce's time where torch's gloo
+    all-gather took 0.77x (``benchmarks/collectives.py``). An input may be its rank's row of
+    its output; several pairs need no send or receive buffer around them."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> None:
+    def __init__(self, outputs: list, inputs: list, group, async_op: bool) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if output.numel() != input.numel() * world:
-            raise ValueError(
-                f"all_gather: output of {output.numel()} elements for an input of "
-                f"{input.numel()} over {world} ranks (want {input.numel() * world})"
-            )
-        rows = output.view(world, -1)
-        src = input.reshape(-1)
-        if rows[rank].data_ptr() != src.data_ptr():
-            rows[rank].copy_(src)
         peers = [r for r in range(world) if r != rank]
-        ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(group, r), group) for r in peers]
-        ops += [
-            dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in peers
-        ]
-        self._works = dist.batch_isend_irecv(ops)
+        sends, recvs = [], []
+        for output, input in zip(outputs, inputs, strict=True):
+            if output.numel() != input.numel() * world:
+                raise ValueError(
+                    f"all_gather: output of {output.numel()} elements for an input of "
+                    f"{input.numel()} over {world} ranks (want {input.numel() * world})"
+                )
+            rows = output.view(world, -1)
+            src = input.reshape(-1)
+            if rows[rank].data_ptr() != src.data_ptr():
+                rows[rank].copy_(src)
+            for r in peers:  # (a pair's transfers are matched in the order they are posted)
+                peer = dist.get_global_rank(group, r)
+                sends.append(dist.P2POp(dist.isend, src, peer, group))
+                recvs.append(dist.P2POp(dist.irecv, rows[r], peer, group))
+        self._works = dist.batch_isend_irecv(sends + recvs) if sends else []
         if not async_op:
             self.wait()
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return True
+
+
+class _Each:
+    """Several in-flight collectives, waited for as one."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
 
     def wait(self) -> bool:
         for w in self._works:
@@ -174,8 +190,25 @@ def _all_gather_peers(output, input, *, group, async_op):
         if overlaps and not _in_place_row(output, input, group):  # else not assumed
             input = input.clone()
         return _all_gather(output, input, group=group, async_op=async_op)
-    gathered = _PeerGather(output, input, group, async_op)
+    gathered = _PeerGather([output], [input], group, async_op)
     return gathered if async_op else None
+
+
+def _all_gather_each(outputs, inputs, *, group, async_op):
+    """:meth:`Comm.all_gather_each`: one :class:`_PeerGather` over gloo, else one all-gather
+    per pair."""
+    if _gloo(group) and all(o.is_contiguous() for o in outputs):
+        gathered = _PeerGather(outputs, inputs, group, async_op)
+        return gathered if async_op else None
+    works = [
+        _all_gather_peers(o, i, group=group, async_op=True)
+        for o, i in zip(outputs, inputs, strict=True)
+    ]
+    each = _Each(works)
+    if not async_op:
+        each.wait()
+        return None
+    return each
 
 
 class Comm:
@@ -270,6 +303,34 @@ class Comm:
             async_op,
             group,
         )
+
+    def all_gather_each(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        *,
+        axis: str = "dp",
+        async_op=False,
+        group: dist.ProcessGroup | None = None,
+    ) -> Handle | None:
+        """Each ``outputs[i]`` (N x ``inputs[i]``, contiguous) receives every rank's
+        ``inputs[i]``, in rank order: one logged all-gather of all the pairs. Over gloo
+        (:meth:`gathers_each`) its sends and receives go straight from the inputs into the
+        outputs; elsewhere it is one all-gather per pair (a caller with many small pairs is
+        better served there by one all-gather of their concatenation)."""
+        return self._run(
+            "all_gather",
+            axis,
+            sum(o.numel() * o.element_size() for o in outputs),
+            lambda g, a: _all_gather_each(outputs, inputs, group=g, async_op=a),
+            async_op,
+            group,
+        )
+
+    def gathers_each(self, axis: str = "dp", group: dist.ProcessGroup | None = None) -> bool:
+        """Whether :meth:`all_gather_each` runs as one batch of point-to-point transfers (over
+        gloo), cheaper than one all-gather of the inputs' concatenation."""
+        return _gloo(group if group is not None else self.group(axis))
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, axis: str = "dp", async_op=False

@@ -207,8 +207,19 @@ def gather_full(
 def _gather_rows(
     states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group, record=False
 ):
-    """One all-gather of the concatenated ``pieces`` (each rank's, equal widths) over ``axis``
-    (or ``group``, of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state."""
+    """One all-gather of the ``pieces`` (each rank's, equal widths) over ``axis`` (or ``group``,
+    of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state. Over gloo each
+    piece goes straight into its parameter's full tensor; elsewhere the pieces are sent as one
+    concatenation and copied out of what arrives."""
+    if comm.gathers_each(axis, group):
+        fulls = [scratch.empty(world * pc.numel(), pc.dtype, pc.device) for pc in pieces]
+        handle = comm.all_gather_each(fulls, pieces, axis=axis, async_op=True, group=group)
+
+        def received() -> list[torch.Tensor]:
+            handle.wait()
+            return [f[: s.numel].view(s.shape) for f, s in zip(fulls, states, strict=True)]
+
+        return received if async_op else received()
     flat = pieces[0]  # one piece is sent as it is
     if len(pieces) > 1:
         flat = scratch.empty(sum(pc.numel() for pc in pieces), flat.dtype, flat.device)
