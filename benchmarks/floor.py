@@ -65,9 +65,10 @@ def _args(argv=None):
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--side-timeout", type=float, default=1800, help="seconds per side launch")
     p.add_argument("--baseline", help="a zerostack checkout to compare with, side by side")
+    p.add_argument("--zero", default="{}", help="JSON: more zero_optimization keys for zerostack")
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
     args = p.parse_args(argv)
-    args.zero_extra = {}  # what benchmarks/zero.py's _ds_config reads
+    args.zero_extra = json.loads(args.zero)  # what benchmarks/zero.py's _ds_config reads
     return args
 
 
