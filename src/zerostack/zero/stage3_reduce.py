@@ -84,14 +84,17 @@ class PieceReducer:
 
     def _reset(self) -> None:
         self._staging: dict[int, torch.Tensor] = {}
+        self._filled: dict[int, set[nn.Parameter]] = {}  # bucket -> the parameters staged
         self._sent: dict[int, torch.Tensor] = {}  # bucket -> its staging, until reduced
         self._reduced: dict[int, torch.Tensor] = {}  # bucket -> this rank's pieces, in flight
 
     def stage(self, p: nn.Parameter) -> None:
         """Copy p's full gradient into its bucket, as pieces, and drop it."""
         b = self.bucket[p]
-        if b not in self._staging:  # in the dtype it is reduced in
-            self._staging[b] = self._new_staging(b, p.device)
+        if b not in self._staging:  # in the dtype it is reduced in; zeroed where not staged
+            self._staging[b] = self._take_staging(b, p.device)
+            self._filled[b] = set()
+        self._filled[b].add(p)
         at, pn = self.at[p], p._zs.piece.numel()
         grad = p.grad.reshape(-1)
         if grad.numel() != pn * self.dp:  # pad to whole pieces first
@@ -103,16 +106,19 @@ class PieceReducer:
         """p is staged: launch the buckets that are complete, in order."""
         self.reducer.arrived(self.bucket[p])
 
-    def _new_staging(self, b: int, device: torch.device) -> torch.Tensor:
-        """Bucket ``b``'s ``(dp, width)`` matrix, zeros (padding and absent gradients stay 0)."""
-        return (
-            self.buffers.take(self.dp * self.width[b], self.dtype, device).zero_().view(self.dp, -1)
-        )
+    def _take_staging(self, b: int, device: torch.device) -> torch.Tensor:
+        """Bucket ``b``'s ``(dp, width)`` matrix, its contents undefined: a parameter's columns
+        are written when it is staged (its padding as zeros), or zeroed at the launch."""
+        return self.buffers.take(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)
 
     def _launch(self, b: int) -> Handle | None:
         staging = self._staging.pop(b, None)
+        filled = self._filled.pop(b, set())
         if staging is None:  # no parameter of this bucket got a gradient in this backward
-            staging = self._new_staging(b, self.comm.topo.device)
+            staging = self._take_staging(b, self.comm.topo.device)
+        for p in self.params[b]:
+            if p not in filled:  # no gradient in this backward: zeros
+                staging[:, self.at[p] : self.at[p] + p._zs.piece.numel()].zero_()
         if self.prescale != 1.0:
             staging.mul_(self.prescale)
         if self.dp == 1:  # nothing to reduce: delivered now
