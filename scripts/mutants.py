@@ -548,8 +548,8 @@ MUTANTS = [
     Mutant(
         "stage-3 gathered copies from the heap",
         "zero/params.py",
-        "                full = scratch.empty(world * pn, out.dtype, out.device)",
-        "                full = torch.empty(world * pn, dtype=out.dtype, device=out.device)",
+        "fulls = [scratch.empty(world * pc.numel(), pc.dtype, pc.device) for pc in pieces]",
+        "fulls = [torch.empty(world * pc.numel(), dtype=pc.dtype) for pc in pieces]",
         (T_SCRATCH,),
     ),
     Mutant(
@@ -562,8 +562,8 @@ MUTANTS = [
     Mutant(
         "stage-3 staging matrices from the heap",
         "zero/stage3_reduce.py",
-        "return scratch.zeros(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)",
-        "return torch.zeros(self.dp, self.width[b], dtype=self.dtype, device=device)",
+        "return self.buffers.take(self.dp * self.width[b], self.dtype, device).view(self.dp, -1)",
+        "return torch.empty(self.dp, self.width[b], dtype=self.dtype, device=device)",
         (T_SCRATCH,),
     ),
     Mutant(
@@ -2377,10 +2377,38 @@ MUTANTS = [
     Mutant(
         "gloo all-gather: each peer's row received into the next one's",
         "comm/grid.py",
-        "dist.P2POp(dist.irecv, rows[r], dist.get_global_rank(group, r), group) for r in peers",
-        "dist.P2POp(dist.irecv, rows[(r + 1) % world if (r + 1) % world != rank else r], "
-        "dist.get_global_rank(group, r), group) for r in peers",
+        "recvs.append(dist.P2POp(dist.irecv, rows[r], peer, group))",
+        "recvs.append(dist.P2POp(dist.irecv, "
+        "rows[(r + 1) % world if (r + 1) % world != rank else r], peer, group))",
         (f"{P}[dp4]",),
+    ),
+    Mutant(
+        "gloo all-gather of several pairs: only the first pair moved",
+        "comm/grid.py",
+        "for output, input in zip(outputs, inputs, strict=True):",
+        "for output, input in list(zip(outputs, inputs, strict=True))[:1]:",
+        (f"{P}[dp2]",),
+    ),
+    Mutant(
+        "stage-3 staging: a parameter without a gradient keeps the pool's old values",
+        "zero/stage3_reduce.py",
+        "            if p not in filled:  # no gradient in this backward: zeros",
+        "            if False:",
+        (E,),
+    ),
+    Mutant(
+        "stage-3 reduce pool kept between backwards",
+        "zero/stage3_reduce.py",
+        "        self.buffers.trim(0)  # nothing kept between backwards",
+        "        pass",
+        (T_CENSUS2,),
+    ),
+    Mutant(
+        "scratch: no huge pages asked for",
+        "core/scratch.py",
+        "        buf.madvise(_HUGE)",
+        "        pass",
+        ("tests/test_scratch.py::test_a_large_buffer_asks_for_huge_pages",),
     ),
     Mutant(
         "stages 1-2 with nvme: the stepped piece not what is gathered",
