@@ -210,3 +210,37 @@ def test_blocks_are_a_lists_children_of_one_class():
     assert (report.mode, report.blocks) == ("whole model", [])
     x = torch.randn(3, 2)
     assert torch.equal(model(x), Mixed.forward(model, x)) and report.graphs == 1
+
+
+class _Reads(torch.nn.Module):
+    """A block that reads a value of its input on the host (a sync on a GPU) when ``read``."""
+
+    def __init__(self, read: bool):
+        super().__init__()
+        self.lin, self.read = torch.nn.Linear(4, 4), read
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.read:
+            y = y * float(y.abs().amax())  # the host waits for the device's value here
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_host_read_inside_a_block_shows_as_more_graphs(read):
+    """Why the graph counts above stand for "a compiled step adds no host sync": dynamo does
+    not put a host read of a device value (``float(t)``, ``.item()``, ``bool(t)``, a
+    data-dependent shape) into a graph; it breaks the graph there and runs the read in Python,
+    so a block with one compiles to more than one graph. (The step's eager parts, the hooks
+    between blocks, are the ones ``tests/test_cuda_path.py`` records under virtual CUDA: dynamo
+    does not compile under its dispatch mode, so a compiled case cannot be recorded there, and
+    ``scripts/gpu_check.sh`` runs compiled steps under torch's sync debug mode on a GPU.)"""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(_Reads(read), _Reads(read))
+    report = compile_blocks(model, backend="aot_eager")
+    assert report.kinds == ["_Reads"]
+    x = torch.randn(3, 4, requires_grad=True)  # as every block's input: one graph serves both
+    eager = torch.nn.Sequential(_Reads(read), _Reads(read))
+    eager.load_state_dict(model.state_dict())
+    assert torch.equal(model(x), eager(x))
+    assert (report.graphs > 1) if read else (report.graphs == 1), report.graphs
