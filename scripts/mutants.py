@@ -2390,6 +2390,13 @@ MUTANTS = [
         (f"{P}[dp2]",),
     ),
     Mutant(
+        "stage-3 default prefetch one module deep",
+        "zero/coordinator.py",
+        "prefetch_numel = PREFETCH_UNITS * max((_numel(ps) for ps in self.units), default=0)",
+        "prefetch_numel = max((_numel(ps) for ps in self.units), default=0)",
+        ("tests/test_stage3_live.py::test_gather_budget_follows_deepspeeds_keys",),
+    ),
+    Mutant(
         "stage-3 staging: a parameter without a gradient keeps the pool's old values",
         "zero/stage3_reduce.py",
         "            if p not in filled:  # no gradient in this backward: zeros",

@@ -182,7 +182,9 @@ def _reads_off_the_training_thread(rank, world, nvme_root):
     At step SKIP both runs skip the last block, so reads made ahead for it go unused."""
     import threading
 
-    plain = _config(world, 3)
+    # the prefetch one module deep (the largest's size, the head's), so each pass's first gather
+    # is its first module and one more: the counts below
+    plain = _config(world, 3, stage3_prefetch_bucket_size=8192)
     plain["gradient_clipping"] = 0.0
     engine, *_ = zerostack.initialize(model=tiny_gpt(), config=plain)
     _train_skipping(engine, rank, world)

@@ -22,6 +22,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack.models import GPT
+from zerostack.zero.coordinator import PREFETCH_UNITS
 
 CFG = dataclasses.replace(TINY, n_layer=4, d_model=64, n_head=4)
 WORLD, STEPS = 2, 2
@@ -114,10 +115,12 @@ def test_gather_budget_follows_deepspeeds_keys():
         for k, v in base["weights"].items():
             assert torch.equal(got["weights"][k], v), f"{name}: {k} differs from the default"
         assert got["after_step"] <= SLACK, f"{name}: {got['after_step']} B still gathered"
-    # Default: the running module, and the next ones up to the largest module's size.
+    # Default: the running module, and the next ones up to twice the largest module's size;
+    # as forward ends, the gathers of backward's first modules are under way.
     assert base["prefetched"] > 0
-    assert base["peak"] <= 4 * 3 * largest + SLACK, base["peak"]
-    assert base["after_forward"] <= SLACK
+    assert base["peak"] <= 4 * (1 + PREFETCH_UNITS) * largest + SLACK, base["peak"]
+    ahead = base["after_forward"]  # some: the prefetch reaches past the last module's own
+    assert 0 < ahead <= 4 * PREFETCH_UNITS * largest + SLACK, ahead
     # DeepSpeed's default prefetch of 5e7 gathers all of this model at its first module.
     assert out["deepspeed_prefetch"]["peak"] >= 4 * 0.9 * psi
     # stage3_max_live_parameters caps what is gathered with the prefetch, not the running module.

@@ -197,7 +197,7 @@ class ZeroConfig(_Model):
     )
     """Stage 3: elements of parameters whose all-gather is launched ahead of use, in the order
     recorded on the first step (alias prefetch_bucket_size); 0 disables prefetching. When the
-    key is not given, the largest module's parameter count (see
+    key is not given, twice the largest module's parameter count (see
     ``effective_prefetch_bucket_size``): DeepSpeed's default of 5e7 gathers the whole of any
     model under 50M parameters at its first module."""
     stage3_param_persistence_threshold: NonNegInt = _aliases(
@@ -268,7 +268,8 @@ class ZeroConfig(_Model):
 
     @property
     def effective_prefetch_bucket_size(self) -> int | None:
-        """``stage3_prefetch_bucket_size`` if given, else None: the largest module's count."""
+        """``stage3_prefetch_bucket_size`` if given, else None: twice the largest module's
+        count (``zero.coordinator.PREFETCH_UNITS``)."""
         given = {"stage3_prefetch_bucket_size"} & self.model_fields_set
         return self.stage3_prefetch_bucket_size if given else None
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from ..zero.coordinator import PREFETCH_UNITS
 from .activations import Transformer, stage_activation_bytes
 from .memory import (
     GIB,
@@ -33,7 +34,7 @@ class Workload:
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
     in_flight: float = 0.0  # micro-batches the first pipeline stage holds (0: 1F1B's min(pp, gas))
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
-    prefetch_bucket: int | None = None  # stage3_prefetch_bucket_size (None: the largest module)
+    prefetch_bucket: int | None = None  # stage3_prefetch_bucket_size (None: 2 largest modules)
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (elements)
 
 
@@ -44,7 +45,9 @@ def _buffers(params: int, largest: int, layout: Layout, work: Workload) -> int:
     a reduce bucket."""
     c = PRECISION_BYTES[layout.precision]
     if layout.stage == 3:
-        ahead = largest if work.prefetch_bucket is None else work.prefetch_bucket
+        ahead = work.prefetch_bucket
+        if ahead is None:
+            ahead = PREFETCH_UNITS * largest
         return c * (largest + min(ahead, params) + min(work.reduce_bucket, params))
     return 0
 
