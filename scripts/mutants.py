@@ -2276,14 +2276,14 @@ MUTANTS = [
     ),
     Mutant(
         "gloo reduce-scatter: the first two ranks' rows only",
-        "comm/grid.py",
+        "comm/gloo.py",
         "for r in range(2, rows.shape[0]):",
         "for r in range(3, rows.shape[0]):",
         (f"{P}[dp4]",),
     ),
     Mutant(
         "gloo reduce-scatter: this rank's row not summed with the others",
-        "comm/grid.py",
+        "comm/gloo.py",
         "torch.add(rows[0], rows[1], out=self._out.view(-1))",
         "self._out.view(-1).copy_(rows[0])",
         (f"{P}[dp2]",),
@@ -2332,7 +2332,7 @@ MUTANTS = [
     ),
     Mutant(
         "gloo reduce-scatter: the received rows not handed back to the pool",
-        "comm/grid.py",
+        "comm/gloo.py",
         "self._pool.give(self._rows)",
         "pass",
         (f"{T}[2]",),
@@ -2369,14 +2369,14 @@ MUTANTS = [
     ),
     Mutant(
         "gloo all-gather: this rank's own row not written",
-        "comm/grid.py",
+        "comm/gloo.py",
         "            rows[rank].copy_(src)",
         "            pass",
         (f"{P}[dp2]",),
     ),
     Mutant(
         "gloo all-gather: each peer's row received into the next one's",
-        "comm/grid.py",
+        "comm/gloo.py",
         "recvs.append(dist.P2POp(dist.irecv, rows[r], peer, group))",
         "recvs.append(dist.P2POp(dist.irecv, "
         "rows[(r + 1) % world if (r + 1) % world != rank else r], peer, group))",
@@ -2384,7 +2384,7 @@ MUTANTS = [
     ),
     Mutant(
         "gloo all-gather of several pairs: only the first pair moved",
-        "comm/grid.py",
+        "comm/gloo.py",
         "for output, input in zip(outputs, inputs, strict=True):",
         "for output, input in list(zip(outputs, inputs, strict=True))[:1]:",
         (f"{P}[dp2]",),
@@ -2729,14 +2729,14 @@ MUTANTS = [
     ),
     Mutant(
         "an in-place all-gather on NCCL is cloned anyway (a bucket-sized copy every step)",
-        "comm/grid.py",
+        "comm/gloo.py",
         "        if overlaps and not _in_place_row(output, input, group):  # else not assumed",
         "        if overlaps:",
         ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),
     ),
     Mutant(
         "an all-gather overlapping its output elsewhere than this rank's row is not copied",
-        "comm/grid.py",
+        "comm/gloo.py",
         "    return input.data_ptr() == output.data_ptr() + rank * n * output.element_size()",
         "    return True",
         ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),

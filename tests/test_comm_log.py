@@ -185,7 +185,7 @@ def test_an_in_place_all_gather_is_copied_only_where_it_must_be(monkeypatch, bac
     import torch
     import torch.distributed as dist
 
-    from zerostack.comm import grid
+    from zerostack.comm import gloo
 
     seen = {}
 
@@ -193,11 +193,11 @@ def test_an_in_place_all_gather_is_copied_only_where_it_must_be(monkeypatch, bac
         seen["aliased"] = input.data_ptr() == output.data_ptr()
         output[: input.numel()].copy_(input)
 
-    monkeypatch.setattr(grid, "_all_gather", gather)
-    monkeypatch.setattr(grid, "_gloo", lambda group: False)
+    monkeypatch.setattr(gloo, "_all_gather", gather)
+    monkeypatch.setattr(gloo, "_gloo", lambda group: False)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     out = torch.arange(8.0)
     piece = out[:4] if row == 0 else out[1:5]
-    grid._all_gather_peers(out, piece, group=None, async_op=False)
+    gloo._all_gather_peers(out, piece, group=None, async_op=False)
     assert seen["aliased"] is (not cloned)

@@ -14,7 +14,7 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
 - What CUDA refuses is refused: an op mixing cuda tensors with cpu tensors that are not 0-dim
   (CUDA takes those as scalars), an in-place op whose cpu destination gets a cuda operand,
   ``.numpy()`` of a cuda tensor, a gradient on another device than its parameter.
-- ``comm.grid`` takes its NCCL branch (torch's reduce-scatter and all-gather) at every world
+- ``comm.gloo`` takes its NCCL branch (torch's reduce-scatter and all-gather) at every world
   size, never its gloo fast paths.
 - What NCCL refuses is refused: every tensor handed to a torch.distributed collective or
   point-to-point op must be a contiguous cuda tensor (the check wraps torch.distributed itself,
@@ -797,16 +797,16 @@ def virtual_cuda():
     """The tagged-device run described in the module docstring (for one process)."""
     from zerostack import pinned as zerostack_pinned
     from zerostack import topology
-    from zerostack.comm import grid
+    from zerostack.comm import gloo
 
     patches = [(dist, name, _nccl(name, getattr(dist, name))) for name in _COLLECTIVES]
     patches += [(dist, name, _plain(getattr(dist, name))) for name in _OBJECTS]
     patches += [
-        (grid, "_all_gather", _nccl("all_gather_into_tensor", grid._all_gather)),
-        (grid, "_reduce_scatter", _nccl("reduce_scatter_tensor", grid._reduce_scatter)),
+        (gloo, "_all_gather", _nccl("all_gather_into_tensor", gloo._all_gather)),
+        (gloo, "_reduce_scatter", _nccl("reduce_scatter_tensor", gloo._reduce_scatter)),
         # NCCL's branch at every size: torch's reduce-scatter and all-gather, whose outputs
         # NCCL writes on its stream (gloo's fast paths run in the plain CPU tests)
-        (grid, "_gloo", lambda group: False),
+        (gloo, "_gloo", lambda group: False),
         (zerostack_pinned, "can_pin", lambda: True),
         (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", lambda self, *a, **k: pinned(self)),

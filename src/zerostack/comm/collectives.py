@@ -25,7 +25,7 @@ import torch
 import torch.distributed as td
 from torch.distributed import GradBucket  # noqa: F401 - deepspeed.comm re-exports it
 
-from .grid import _all_gather, _reduce_scatter
+from .gloo import _all_gather, _reduce_scatter
 from .records import CommLog
 from .summary import comms_logger
 

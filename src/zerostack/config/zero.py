@@ -178,7 +178,7 @@ class ZeroConfig(_Model):
     its piece, (N-1)/N of the bucket on the wire per rank) or an all-reduce (false: every rank
     receives the whole sum and keeps its piece, twice the bytes), as DeepSpeed's key. Stage 0
     always all-reduces; stage 3 always reduce-scatters. Over gloo a reduce-scatter is an
-    all-to-all and a local sum (:mod:`zerostack.comm.grid`), faster than gloo's own."""
+    all-to-all and a local sum (:mod:`zerostack.comm.gloo`), faster than gloo's own."""
     reduce_bucket_size: PositiveInt = 500_000_000
     """Elements per gradient bucket: each bucket is reduced (and, at stages 1-2, its updated
     parameters all-gathered) as one collective, launched during backward; at stage 3 a bucket
