@@ -78,7 +78,20 @@ def _reduce_scatter_rows(output, input, *, op, group, async_op, pool=None):
     return summed
 
 
-class _PeerGather:
+class _Each:
+    """Several in-flight collectives, waited for as one."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return True
+
+
+class _PeerGather(_Each):
     """gloo's all-gather as zerostack runs it: each ``inputs[i]`` goes to every other rank of
     the group and each rank's lands in its row of ``outputs[i]``, all sends and receives of all
     the pairs posted together (``batch_isend_irecv``). The same bytes as a ring all-gather; for
@@ -104,28 +117,9 @@ class _PeerGather:
                 peer = dist.get_global_rank(group, r)
                 sends.append(dist.P2POp(dist.isend, src, peer, group))
                 recvs.append(dist.P2POp(dist.irecv, rows[r], peer, group))
-        self._works = dist.batch_isend_irecv(sends + recvs) if sends else []
+        super().__init__(dist.batch_isend_irecv(sends + recvs) if sends else [])
         if not async_op:
             self.wait()
-
-    def wait(self) -> bool:
-        for w in self._works:
-            w.wait()
-        self._works = []
-        return True
-
-
-class _Each:
-    """Several in-flight collectives, waited for as one."""
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self) -> bool:
-        for w in self._works:
-            w.wait()
-        self._works = []
-        return True
 
 
 def _in_place_row(output, input, group) -> bool:
