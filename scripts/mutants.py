@@ -2390,6 +2390,20 @@ MUTANTS = [
         (f"{P}[dp2]",),
     ),
     Mutant(
+        "custom_load_fn at ep > 1: experts under their global names, not the module's",
+        "checkpoint/restore.py",
+        "        out[local.get(name, name)] = t",
+        "        out[name] = t",
+        ("tests/test_moe.py::test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4",),
+    ),
+    Mutant(
+        "custom_load_fn at ep > 1: another ep rank's experts in src",
+        "checkpoint/restore.py",
+        "            continue  # another ep rank's expert",
+        "            pass",
+        ("tests/test_moe.py::test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4",),
+    ),
+    Mutant(
         "stage-3 default prefetch one module deep",
         "zero/coordinator.py",
         "prefetch_numel = PREFETCH_UNITS * max((_numel(ps) for ps in self.units), default=0)",

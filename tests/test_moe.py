@@ -469,12 +469,28 @@ def _ep_checkpoint(rank, world, root):
         with torch.no_grad():
             losses[ep] = float(engine(*probe))
         engine.destroy()
+    # custom_load_fn at ep 2 and 4: src is this rank's module's own state (its experts under
+    # their local index), which load_state_dict takes as it is
+    for ep in (2, 4):
+        engine = _engine_at(ep, 2)
+        keys = []
+
+        def custom(src, dst, keys=keys):
+            keys.append(sorted(src) == sorted(dst.state_dict()))
+            dst.load_state_dict(src)
+
+        engine.load_checkpoint(root, tag="ep2", load_optimizer_states=False, custom_load_fn=custom)
+        with torch.no_grad():
+            losses[f"custom ep {ep}"] = float(engine(*probe))
+        engine.destroy()
+        assert keys == [True], keys
     return saved_loss, losses, max_rel_diff(resumed, after)[0]
 
 
 def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path):
     """Experts are saved under their global index: an ep 2 checkpoint resumes, and loads at
-    ep 1 (every rank every expert) and ep 4 (one each) to the same model."""
+    ep 1 (every rank every expert) and ep 4 (one each) to the same model, also through a
+    ``custom_load_fn`` at ep 2 and 4."""
     for saved_loss, losses, resumed_diff in run_distributed(
         _ep_checkpoint, 4, args=(str(tmp_path),)
     ):

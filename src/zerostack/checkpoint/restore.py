@@ -162,20 +162,26 @@ def load(run, load_dir: str, tag=None, custom_load_fn=None, **options):
 
 def _module_state(run, reader: _Reader) -> dict[str, torch.Tensor]:
     """The checkpoint's weights and buffers as this rank's module holds them (its tp slices,
-    whole over dp), fp32 for parameters, under every name ``module.state_dict()`` uses."""
-    tp, tp_rank = run.topology.tp, run.topology.rank("tp")
+    whole over dp, its experts under their local index), fp32 for parameters, under every name
+    ``module.state_dict()`` uses. Parameters another pipeline stage holds come whole, under
+    their own names; experts another ep rank holds are left out."""
+    tp, tp_rank, ep = run.topology.tp, run.topology.rank("tp"), run.topology.ep
     saved, aliases = reader.manifest["params"], reader.manifest["aliases"]
-    ours = dict(run.module.named_parameters())
+    named = global_names(run.module, run.topology.rank("ep"))  # experts: global index
+    ours = {named[p]: p for p in named}
+    local = {named[p]: n for n, p in run.module.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for name in saved:
+        if ep > 1 and EXPERTS in name and name not in ours:
+            continue  # another ep rank's expert
         t = reader.full(name)
         spec = partition_spec(ours[name]) if name in ours else None
         if spec is not None and tp > 1:
             t = split_tensor(t, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
-        out[name] = t
+        out[local.get(name, name)] = t
     for alias, name in aliases.items():
-        if name in out:
-            out[alias] = out[name]
+        if local.get(name, name) in out:
+            out[alias] = out[local.get(name, name)]
     for name, file in reader.buffers.items():
         out[name] = reader.get(file, f"buffer/{name}")
     return out
@@ -184,9 +190,8 @@ def _module_state(run, reader: _Reader) -> dict[str, torch.Tensor]:
 def _custom_load(run, reader: _Reader, fn) -> None:
     """DeepSpeed's ``custom_load_fn(src=state_dict, dst=module)`` in place of loading the
     weights: run with the module's parameters whole (gathered at stage 3), then what it left in
-    them becomes the masters (trained parameters) and the held values (frozen ones)."""
-    if run.topology.ep > 1:
-        raise CheckpointError("custom_load_fn: not supported with expert parallelism (ep > 1)")
+    them becomes the masters (trained parameters) and the held values (frozen ones). With
+    experts over ep ranks, ``src`` holds this rank's experts, under the names its module uses."""
     src = _module_state(run, reader)
     params = list(run.module.parameters())
     trained = [p for p in params if run.zero.is_trained(p)]
