@@ -168,8 +168,8 @@ def _module_state(run, reader: _Reader) -> dict[str, torch.Tensor]:
     tp, tp_rank, ep = run.topology.tp, run.topology.rank("tp"), run.topology.ep
     saved, aliases = reader.manifest["params"], reader.manifest["aliases"]
     named = global_names(run.module, run.topology.rank("ep"))  # experts: global index
-    ours = {named[p]: p for p in named}
-    local = {named[p]: n for n, p in run.module.named_parameters()}
+    ours = {name: p for p, name in named.items()}
+    local = {named[p]: n for n, p in run.module.named_parameters()}  # global -> the module's
     out: dict[str, torch.Tensor] = {}
     for name in saved:
         if ep > 1 and EXPERTS in name and name not in ours:
@@ -180,8 +180,8 @@ def _module_state(run, reader: _Reader) -> dict[str, torch.Tensor]:
             t = split_tensor(t, parts=tp, rank=tp_rank, dim=spec[0], chunks=spec[1])
         out[local.get(name, name)] = t
     for alias, name in aliases.items():
-        if local.get(name, name) in out:
-            out[alias] = out[local.get(name, name)]
+        if (key := local.get(name, name)) in out:
+            out[alias] = out[key]
     for name, file in reader.buffers.items():
         out[name] = reader.get(file, f"buffer/{name}")
     return out
