@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .config import ConfigError
 from .world import (
     DEFAULT_TIMEOUT,
     _bind_local_device,
@@ -47,8 +48,10 @@ AXES = ("pp", "dp", "tp")
 EP_AXES = ("pp", "dp", "ep", "tp")  # the mesh's dimensions when ep > 1
 
 
-class TopologyError(ValueError):
-    """The requested grid does not fit the world (sizes, divisibility)."""
+class TopologyError(ConfigError):
+    """The requested grid does not fit the world (sizes, divisibility) or combines axes that do
+    not run together yet; a ``ConfigError``, as ``initialize`` raises it when it builds the grid
+    from the config."""
 
 
 @dataclass
@@ -91,8 +94,16 @@ class Topology:
         for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)):
             if size < 1:
                 raise TopologyError(f"{name}: size must be >= 1, got {size}")
-        if ep > 1 and (sp > 1 or pp > 1):
-            raise TopologyError(f"ep {ep} does not combine with sp or pp yet")
+        if ep > 1 and pp > 1:
+            raise TopologyError(
+                f"MoE ep_size {ep} with a pipeline (pp {pp}): expert parallelism does not run "
+                "under a pipeline yet"
+            )
+        if ep > 1 and sp > 1:
+            raise TopologyError(
+                f"MoE ep_size {ep} with sequence_parallel_size {sp}: expert parallelism does not "
+                "combine with Ulysses yet"
+            )
         if dp is None:
             if world % (pp * tp * ep):
                 raise TopologyError(

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.grid import comm_for
+from ..config import ConfigError
 from ..sequence import DistributedAttention
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -256,13 +257,15 @@ class GPT(nn.Module):
             )
         check_tp_split(cfg, topology)
         if cfg.moe_every:
-            raise ValueError(
-                "GPT: moe_every does not combine with tensor or sequence parallelism yet"
+            split = f"tp {topology.tp}" if topology.tp > 1 else f"Ulysses sp {topology.sp}"
+            raise ConfigError(
+                f"GPT moe_every with {split}: the MoE blocks do not split over tensor or "
+                "sequence parallelism yet"
             )
         if sequence_parallel and topology.sp > 1:
-            raise ValueError(
-                "GPT: Megatron's sequence_parallel does not combine with Ulysses (sp > 1): the "
-                "blocks already run on this rank's sequence shard"
+            raise ConfigError(
+                f"GPT sequence_parallel (Megatron's) with sequence_parallel_size {topology.sp} "
+                "(Ulysses): both split the sequence, so choose one"
             )
         ensure_seeded(topology)
         sp = dict(topology=topology, sequence_parallel=sequence_parallel)
