@@ -1858,6 +1858,20 @@ MUTANTS = [
         (f"{U}::test_gpt_matches_single_process[4-4-1-2-True]",),
     ),
     Mutant(
+        "a pipeline stage's positions start at 0 on every Ulysses shard",
+        "models/gpt_pipe.py",
+        '            start = self.topology.rank("sp") * n',
+        "            start = 0",
+        (f"{U}::test_gpt_under_a_pipeline_matches_single_process[1f1b]",),
+    ),
+    Mutant(
+        "a pipeline's blocks are built without the Ulysses grid (each attends within its shard)",
+        "models/gpt_pipe.py",
+        "    grid = (topology if topology is not None and topology.sp > 1 else tp, extra[1])",
+        "    grid = extra",
+        (f"{U}::test_gpt_under_a_pipeline_matches_single_process[1f1b]",),
+    ),
+    Mutant(
         "a model whose attention cannot exchange shards is accepted under sp",
         "compose.py",
         '    if built is None and callable(getattr(model, "parallelize", None)):\n'

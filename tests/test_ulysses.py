@@ -147,6 +147,17 @@ def test_gpt_matches_single_process(world, sp, tp, stage, via_config):
         assert diff <= 1e-5, f"step {step}, {name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_gpt_under_a_pipeline_matches_single_process(schedule):
+    """pp 2 x sp 2 (the composition matrix's row, alone): each stage's blocks attend over the
+    whole sequence and the stages pass sequence shards."""
+    from matrix import Combo, measure
+
+    combo = Combo(pp=2, dp=2, ep=1, tp=1, sp=2, megatron_sp=False, schedule=schedule, stage=1,
+                  precision="fp32", offload="none")  # fmt: skip
+    assert measure([combo])[1] == [("works", "")]
+
+
 def _per_layer(rank, world, sp):
     """One forward and one backward of the GPT: what its Comm logged on the sp axis, what
     torch.distributed was handed, and the bytes saved for backward other than the parameters

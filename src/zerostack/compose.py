@@ -187,8 +187,6 @@ def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> 
     """sp > 1 needs attention that exchanges sequence shards: DistributedAttention layers on
     this grid, or a plain model whose ``parallelize(topology)`` wires them (True: call it);
     else each rank would attend within its own shard, silently."""
-    if isinstance(model, PipelineModule):
-        raise ConfigError("sequence_parallel_size: Ulysses does not run under a pipeline yet")
     layers = [m for m in model.modules() if isinstance(m, DistributedAttention)]
     if layers:
         for m in layers:

@@ -67,7 +67,11 @@ class AddPositions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]  # this rank's part of the sequence under sequence parallelism
-        start = self.topology.rank("tp") * n if self.sequence_parallel else 0
+        start = 0
+        if self.sequence_parallel:
+            start = self.topology.rank("tp") * n
+        elif self.topology is not None and self.topology.sp > 1:  # Ulysses' sequence shard
+            start = self.topology.rank("sp") * n
         return x + self.wpe(torch.arange(start, start + n, device=x.device))
 
 
@@ -105,10 +109,12 @@ def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_par
         raise ValueError("gpt_layers: moe_every does not run under a pipeline yet")
     tp = topology if topology is not None and topology.tp > 1 else None
     extra = (tp, sequence_parallel and tp is not None)
+    # the blocks and the positions see Ulysses' sequence shards (sp > 1) even at tp 1
+    grid = (topology if topology is not None and topology.sp > 1 else tp, extra[1])
     return [
         TiedLayerSpec("embed", TokenEmbedding, cfg, *extra, tied_weight_attr="wte.weight"),
-        LayerSpec(AddPositions, cfg, *extra),
-        *[LayerSpec(PipeBlock, cfg, *extra) for _ in range(cfg.n_layer)],
+        LayerSpec(AddPositions, cfg, *grid),
+        *[LayerSpec(PipeBlock, cfg, *grid) for _ in range(cfg.n_layer)],
         LayerSpec(FinalNorm, cfg, *extra),
         TiedLayerSpec(
             "embed",
