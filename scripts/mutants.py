@@ -139,6 +139,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "the GPT's loss leaves the MoE auxiliary loss out under tensor parallelism",
+        "models/gpt.py",
+        "        if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks",
+        "        if self.cfg.moe_every and topo is None:",
+        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[2]",),
+    ),
+    Mutant(
         "the deepspeed distribution is not found (the libraries think DeepSpeed is absent)",
         "compat/serve.py",
         '        if wanted is None or wanted.lower().replace("-", "_") == self.name:',

@@ -275,6 +275,18 @@ def test_expert_parallel_gpt_matches_single_process(world, ep, k, factor, stage)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(stage):
+    """ep 2 x tp 2 (the composition matrix's row, alone): attention and dense MLPs split over
+    tp, each MoE block's experts replicated over it and split over ep; the loss carries the
+    auxiliary loss under tp as without it."""
+    from matrix import Combo, measure
+
+    combo = Combo(pp=1, dp=1, ep=2, tp=2, sp=1, megatron_sp=False, schedule="", stage=stage,
+                  precision="fp32", offload="none")  # fmt: skip
+    assert measure([combo])[1] == [("works", "")]
+
+
 def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
     torch.manual_seed(0)
     model = GPT(_cfg(1, 0.5))

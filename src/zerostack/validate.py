@@ -80,13 +80,13 @@ def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler, forward_only
 
 
 def _check_experts(model: nn.Module, topo: Topology, stage: int) -> None:
-    """Expert parallelism: stages 0-2 on a grid of dp and ep alone."""
+    """Expert parallelism: stages 0-2, beside dp and tp (the experts replicated over tp)."""
     if topo.ep == 1:
         return
-    if isinstance(model, PipelineModule) or topo.tp > 1:
+    if isinstance(model, PipelineModule):
         raise ConfigError(
-            "MoE ep_size: expert parallelism does not combine with a pipeline or tensor "
-            "parallelism yet"
+            f"MoE ep_size {topo.ep} with a pipeline: expert parallelism does not run under a "
+            "pipeline yet"
         )
     if stage == 3:
         raise ConfigError(

@@ -256,11 +256,11 @@ class GPT(nn.Module):
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         check_tp_split(cfg, topology)
-        if cfg.moe_every:
-            split = f"tp {topology.tp}" if topology.tp > 1 else f"Ulysses sp {topology.sp}"
+        if cfg.moe_every and (topology.sp > 1 or sequence_parallel):
+            split = "sequence_parallel (Megatron's)" if sequence_parallel else "Ulysses"
             raise ConfigError(
-                f"GPT moe_every with {split}: the MoE blocks do not split over tensor or "
-                "sequence parallelism yet"
+                f"GPT moe_every with {split}: each rank's MoE blocks would route a different "
+                "part of the sequence (not yet)"
             )
         if sequence_parallel and topology.sp > 1:
             raise ConfigError(
@@ -325,14 +325,13 @@ class GPT(nn.Module):
             for block in self.blocks:
                 x = block(x)
         logits = self.head(self.ln_f(x))
-        if topo is None:
-            if targets is None:
-                return logits
-            loss = F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
-            if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks
-                aux = sum(b.l_aux for b in self.blocks if b.l_aux is not None)
-                loss = loss + self.cfg.moe_aux_loss_coef * aux
-            return loss
         if targets is None:
-            return gather_from_tp(logits, comm_for(topo))
-        return vocab_parallel_cross_entropy(logits, targets, comm_for(topo)).mean()
+            return logits if topo is None else gather_from_tp(logits, comm_for(topo))
+        if topo is None:
+            loss = F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1))
+        else:
+            loss = vocab_parallel_cross_entropy(logits, targets, comm_for(topo)).mean()
+        if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks
+            aux = sum(b.l_aux for b in self.blocks if b.l_aux is not None)
+            loss = loss + self.cfg.moe_aux_loss_coef * aux
+        return loss

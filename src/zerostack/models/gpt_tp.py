@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.grid import comm_for
+from ..moe import MoE
 from ..sequence import DistributedAttention
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -57,9 +58,11 @@ def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bo
     attn.proj = RowParallelLinear.from_linear(attn.proj, **sp)
     attn.n_head //= topology.tp
     attn.heads_split = topology.tp > 1
-    mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
-    mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
-    attn.sequence_parallel = mlp.sequence_parallel = sequence_parallel
+    attn.sequence_parallel = sequence_parallel
+    if not isinstance(mlp, MoE):  # a MoE block's experts stay whole: replicated over tp
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
+        mlp.sequence_parallel = sequence_parallel
     if topology.sp > 1:  # Ulysses: [b, t, heads, head_dim], heads scattered, sequence gathered
         attn.ulysses = DistributedAttention(attn._attend, topology, scatter_idx=2, gather_idx=1)
 
