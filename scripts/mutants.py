@@ -58,6 +58,7 @@ HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
 U = "tests/test_ulysses.py"
 MOE = "tests/test_moe.py"
+PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
@@ -138,6 +139,34 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "ZeRO-3 under a pipeline: the tied weight's pieces are not summed between the stages",
+        "pipeline/runner.py",
+        '                    self.comm.all_reduce(piece, axis="tied", group=tie.group)',
+        "                    pass",
+        (f"{PIPE}::test_gpt_pipeline_under_zero3_matches_single_process[1f1b]",),
+    ),
+    Mutant(
+        "ZeRO-3 under a pipeline: a backward's gradients are not reduced as it ends",
+        "pipeline/runner.py",
+        "            around = (zero.begin_backward, zero.end_backward)",
+        "            zero.begin_backward(False)",
+        (f"{PIPE}::test_gpt_pipeline_under_zero3_matches_single_process[1f1b]",),
+    ),
+    Mutant(
+        "the pipeline executor calls a chunk past its module's hooks (ZeRO-3 cannot gather)",
+        "pipeline/executor.py",
+        "        out = self.module(x, chunk)\n        if vs == self.last_vs:",
+        "        out = self.module.forward_chunk(chunk, x)\n        if vs == self.last_vs:",
+        (f"{PIPE}::test_gpt_pipeline_under_zero3_matches_single_process[1f1b]",),
+    ),
+    Mutant(
+        "ZeRO-3 under a pipeline: no backward is its chunk's last (NVMe gradients lose their norm)",
+        "pipeline/executor.py",
+        "            self.around_backward[0](self.last_backward[chunk] == (mb, chunk))",
+        "            self.around_backward[0](False)",
+        (f"{P}[pp2xdp2-offload-nvme]",),
+    ),
     Mutant(
         "the GPT's loss leaves the MoE auxiliary loss out under tensor parallelism",
         "models/gpt.py",

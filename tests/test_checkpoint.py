@@ -140,6 +140,7 @@ RESUME_CASES = {
     ),
     "stage 2, bf16, dropout": dict(stage=2, bf16={"enabled": True}, dropout=True),
     "pipeline pp 2, dropout": dict(pipeline=True),
+    "pipeline pp 2, stage 3, dropout": dict(pipeline=True, stage=3),
 }
 OFFLOAD_CASES = {
     "stage 2, cpu": dict(stage=2, offload_optimizer={"device": "cpu"}),
@@ -188,7 +189,7 @@ def _loop(engine, loader, stop: int) -> list[float]:
     raise AssertionError("unreachable")
 
 
-def _pipeline_engine(seed: int, data):
+def _pipeline_engine(seed: int, data, stage: int = 1):
     from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state
     from zerostack.pipeline import PipelineModule
 
@@ -201,7 +202,7 @@ def _pipeline_engine(seed: int, data):
         partition_method="type:Block",
     )
     load_plain_state(model, tiny_gpt(seed=seed, cfg=cfg).state_dict(), cfg)
-    config = {**_config(1, 1, gas=2), "train_micro_batch_size_per_gpu": 2}
+    config = {**_config(1, stage, gas=2), "train_micro_batch_size_per_gpu": 2}
     return zerostack.initialize(model=model, config=config, training_data=data)[0]
 
 
@@ -217,7 +218,7 @@ def _resume_cases(rank, world, root, cases):
         runs = []
         for seed, stop in ((0, STOP), (0, SAVE), (7, STOP)):
             if case.get("pipeline"):  # train_batch() pulls 2 micro-batches (of 3 an epoch)
-                engine = _pipeline_engine(seed, data[:6])
+                engine = _pipeline_engine(seed, data[:6], case.get("stage", 1))
                 if seed:  # a used engine: its own iterator must start again where the save was
                     engine.train_batch()
                     engine.load_checkpoint(folder)
@@ -608,7 +609,7 @@ def test_tensor_parallel_checkpoint_loads_on_data_parallel(tmp_path):
     assert diff <= 1e-6, f"{name}: {diff:.2e} from the uninterrupted run"
 
 
-def _pipe(rank, world, pp, tp, root, load, save, steps, first_step):
+def _pipe(rank, world, pp, tp, root, load, save, steps, first_step, stage=1):
     from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state, plain_name
     from zerostack.pipeline import PipelineModule
 
@@ -624,7 +625,7 @@ def _pipe(rank, world, pp, tp, root, load, save, steps, first_step):
     gas = 2
     micro = B // (topo.dp * gas)
     config = {
-        **_config(topo.dp, 1),
+        **_config(topo.dp, stage),
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
     }
@@ -655,14 +656,16 @@ def _merge(results, which):
     return out
 
 
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.slow
-def test_pipeline_checkpoints_change_layout(tmp_path):
-    """pp2 x dp2 (ZeRO 1) -> tp2 x pp2 -> one rank: the tied embedding is written once (by the
-    first stage), read by both holders, and tp slices are cut from the saved full weights."""
-    a = run_distributed(_pipe, 4, args=(2, 1, str(tmp_path / "a"), False, True, 2, 0))
-    b = run_distributed(_pipe, 4, args=(2, 2, str(tmp_path / "a"), True, True, 2, 2))
+def test_pipeline_checkpoints_change_layout(tmp_path, stage):
+    """pp2 x dp2 -> tp2 x pp2 -> one rank, at ZeRO 1 and 3: the tied embedding is written once
+    (by the first stage), read by both holders, and tp slices are cut from the saved full
+    weights."""
+    a = run_distributed(_pipe, 4, args=(2, 1, str(tmp_path / "a"), False, True, 2, 0, stage))
+    b = run_distributed(_pipe, 4, args=(2, 2, str(tmp_path / "a"), True, True, 2, 2, stage))
     assert all(torch.equal(_merge(b, 0)[k], v) for k, v in _merge(a, 1).items())
-    c = run_distributed(_pipe, 1, args=(1, 1, str(tmp_path / "a"), True, False, 0, 4))
+    c = run_distributed(_pipe, 1, args=(1, 1, str(tmp_path / "a"), True, False, 0, 4, stage))
     assert all(torch.equal(_merge(c, 0)[k], v) for k, v in _merge(b, 1).items())
     # and the tied weight's two copies agreed when saved
     last = [r for r in b if r[2] == 1][0][1]

@@ -58,7 +58,8 @@ FAMILIES = {
     "tp2": (2, _cases(stages=[0], tp=2)),
     "tp2xdp2": (4, _cases(stages=[0, 1, 2, 3], tp=2)),
     "pp2": (2, _cases(stages=[0], pp=2)),
-    "pp2xdp2": (4, _cases(stages=[0, 1, 2], pp=2)),
+    "pp2xdp2": (4, _cases(stages=[0, 1, 2, 3], pp=2)),
+    "pp2xdp2-offload-nvme": (4, _cases(stages=[3], pp=2, offload="nvme")),
     "offload-cpu": (2, _cases(stages=[1, 2, 3], offload="cpu")),
     "offload-nvme": (2, _cases(stages=[1, 2, 3], offload="nvme")),
 }

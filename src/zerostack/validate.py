@@ -56,12 +56,13 @@ def validate(
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
-        if stage == 2 and topo.global_rank == 0:
-            log.warning(
-                "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients are "
-                "reduced over dp once per batch, so full gradients are held until then)"
-            )
-        stage = min(stage, 1)
+        if stage == 2:
+            if topo.global_rank == 0:
+                log.warning(
+                    "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients "
+                    "are reduced over dp once per batch, so full gradients are held until then)"
+                )
+            stage = 1
     return Resolved(cfg, topo, batch, stage, forward_only)
 
 
@@ -98,8 +99,6 @@ def _check_experts(model: nn.Module, topo: Topology, stage: int) -> None:
 def _check_pipeline(module: PipelineModule, cfg: ZeroStackConfig, stage: int, gas: int) -> None:
     """The config's ``pipeline`` block against the module, and the schedule against the batch."""
     pcfg, fields = cfg.pipeline, cfg.pipeline.model_fields_set
-    if stage == 3:
-        raise ConfigError("zero_optimization.stage: pipeline parallelism runs with stages 0-2")
     if pcfg.stages != "auto" and pcfg.stages != module.num_stages:
         raise ConfigError(
             f"pipeline.stages: {pcfg.stages} but the PipelineModule has {module.num_stages} stages"

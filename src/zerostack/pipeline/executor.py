@@ -106,8 +106,15 @@ class PipelineExecutor:
         train: bool,
         on_tied: Callable[[], None] | None = None,
         on_step: Callable[[], None] | None = None,
+        around_backward: tuple[Callable[[bool], None], Callable[[], None]] | None = None,
     ) -> list[torch.Tensor]:
-        """Run the stream; returns this rank's per-micro-batch losses (last stage only)."""
+        """Run the stream; returns this rank's per-micro-batch losses (last stage only).
+        ``around_backward``: (before, after) each backward; ``before(final)`` says whether it is
+        its chunk's last in the stream (ZeRO-3 reduces each backward's gradients as it ends)."""
+        self.around_backward = around_backward
+        self.last_backward = {
+            ins.chunk: (ins.micro, ins.chunk) for ins in instructions if isinstance(ins, Backward)
+        }
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_out: dict[tuple[int, int], torch.Tensor] = {}
@@ -193,7 +200,7 @@ class PipelineExecutor:
                         self.comm.p2p([("recv", x, rank)], axis="pp")
                     if vs == self.last_vs:
                         break
-                    out = self.module.forward_chunk(chunk, x).contiguous()
+                    out = self.module(x, chunk).contiguous()
                     self._meta_out[chunk] = (out.shape, out.dtype)
                     rank, _ = self._peer(chunk, +1)
                     # two batches, as the receiver posts them (NCCL groups each batch's P2P)
@@ -220,7 +227,7 @@ class PipelineExecutor:
     def _forward(self, mb: int, chunk: int, losses: list) -> None:
         vs = self._vs(chunk)
         x = self._first_input(mb) if vs == 0 else self.inputs[(mb, chunk)]
-        out = self.module.forward_chunk(chunk, x)
+        out = self.module(x, chunk)
         if vs == self.last_vs:
             labels = self.batches.pop(mb)[1]
             if torch.is_tensor(labels):
@@ -238,10 +245,14 @@ class PipelineExecutor:
 
     def _backward(self, mb: int, chunk: int, scale: float) -> None:
         out = self.outputs.pop((mb, chunk))
+        if self.around_backward is not None:
+            self.around_backward[0](self.last_backward[chunk] == (mb, chunk))
         if self._vs(chunk) == self.last_vs:
             (out.float() * scale).backward()
         else:
             torch.autograd.backward(out, grad_tensors=self.grad_out.pop((mb, chunk)))
+        if self.around_backward is not None:
+            self.around_backward[1]()
         if self._vs(chunk) > 0:
             inp = self.inputs.pop((mb, chunk))
             self.grad_in[(mb, chunk)] = inp.grad

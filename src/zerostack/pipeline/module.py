@@ -341,8 +341,12 @@ class PipelineModule(nn.Module):
             idx = end
         return x
 
-    def forward(self, x):
-        """The whole pipeline in one process (pp = 1, one chunk)."""
+    def forward(self, x, chunk: int | None = None):
+        """The whole pipeline in one process (pp = 1, one chunk); with ``chunk``, that chunk of
+        this rank's (what the engine's executor calls, so that hooks on this module, such as
+        ZeRO-3's, see each chunk's forward)."""
+        if chunk is not None:
+            return self.forward_chunk(chunk, x)
         if self.num_stages != 1 or self.virtual_stages != 1:
             raise RuntimeError("PipelineModule: with pp > 1 use engine.train_batch()")
         return self.forward_chunk(0, x)

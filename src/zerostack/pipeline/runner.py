@@ -6,6 +6,8 @@ or interleaved 1F1B with virtual stages), and steps the optimizer; it returns th
 the micro-batches, on every stage. Gradients are reduced over dp once per batch, after the last
 micro-batch (so ZeRO stage 2 holds full gradients during the batch, then reduce-scatters into its
 fp32 slices, like stage 1: a pipeline would otherwise reduce each micro-batch's gradients).
+Stage 3 reduces each backward's gradients into this rank's pieces as that backward ends, as it does
+without a pipeline (its layers are gathered for each micro-batch's forward and backward).
 Tied weights (a ``TiedLayerSpec`` on several stages) get their gradients all-reduced between the
 owning stages first. The gradient norm counts every stage's parameters once.
 
@@ -23,6 +25,7 @@ from ..clock import device_clock
 from ..comm import Comm
 from ..config import ZeroStackConfig
 from ..engine import Engine
+from ..zero.strategy import Pieces
 from .executor import PipelineExecutor, forward_only
 from .module import PipelineModule
 from .schedule import build_schedule
@@ -70,15 +73,20 @@ class PipelineRunner:
         stream = build_schedule(
             self.schedule, m.num_stages, gas, m.stage_id, chunks=m.virtual_stages
         )
-        engine.zero.begin_backward(False)  # no dp reduction inside the batch: reduce_grads does it
+        zero, around = engine.zero, None
+        if isinstance(zero, Pieces):  # stage 3: each backward's gradients reduced as it ends
+            around = (zero.begin_backward, zero.end_backward)
+        else:  # no dp reduction inside the batch: reduce_grads does it
+            zero.begin_backward(False)
         losses = self.executor.run(
             stream,
             data_iter,
             loss_scale=engine.loss_scaler.loss_scale,
             micro_batches=gas,
             train=True,
-            on_tied=lambda: self._reduce_tied_grads(engine.zero),
+            on_tied=lambda: self._reduce_tied_grads(zero),
             on_step=engine.apply_step,
+            around_backward=around,
         )
         loss = self._mean_loss(losses, gas, engine.topology.device)
         engine.end_window(gas, loss)
@@ -101,6 +109,11 @@ class PipelineRunner:
             if tie.group is None:
                 continue
             for p in self.module.tied_parameters(tie):
+                if isinstance(zero, Pieces):  # the stages cut p alike: piece r meets piece r
+                    piece = zero.local_grad(p)
+                    self.comm.all_reduce(piece, axis="tied", group=tie.group)
+                    zero.hold_local_grad(p, piece)
+                    continue
                 # the window's sum, wherever the strategy keeps it (with grad_accum_dtype other
                 # than the parameter's, not in p.grad)
                 grad = zero.accumulated_grad(p)
