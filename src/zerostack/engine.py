@@ -113,7 +113,7 @@ class Engine(nn.Module):
             precision=self.precision,
             prescale=prescale,
         )
-        if self.replicas.ep_shared:  # stages 0-2 (ep refuses 3): summed over ep at each step
+        if self.replicas.ep_shared:  # averaged over ep at each step
             self.zero.ep_shared = self.replicas.ep_shared
         self.comm.log.step = 0
         self.full_params = FullParams(self)  # one parameter's full values (zerostack.utils)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .tensor_parallel import join_tensors, partition_spec, split_tensor
 from .zero.params import full_shape, gather_full
-from .zero.strategy import FlatBuffers, Pieces
+from .zero.strategy import Pieces
 
 
 class _EngineRef:
@@ -171,8 +171,8 @@ class FullParams:
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
         grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself (dp 1)
-        # MoE: summed over the ep ranks at the step (stages 0-2: ep refuses stage 3)
-        if isinstance(zero, FlatBuffers) and p in zero.ep_shared:
+        # MoE: averaged over the ep ranks at the step
+        if p in zero.ep_shared:
             topo = self.engine.topology
             self.engine.comm.all_reduce(grad, axis="ep")
             grad.div_(topo.ep)

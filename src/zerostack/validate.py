@@ -52,7 +52,6 @@ def validate(
         raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
     forward_only = optimizer is None and cfg.optimizer is None
     _check_optimizer(cfg, optimizer, lr_scheduler, forward_only)
-    _check_experts(model, topo, stage)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -77,22 +76,6 @@ def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler, forward_only
         raise ConfigError(
             "scheduler: given without an optimizer (none passed, no optimizer block): "
             "a forward-only engine has no learning rate to schedule"
-        )
-
-
-def _check_experts(model: nn.Module, topo: Topology, stage: int) -> None:
-    """Expert parallelism: stages 0-2, beside dp and tp (the experts replicated over tp)."""
-    if topo.ep == 1:
-        return
-    if isinstance(model, PipelineModule):
-        raise ConfigError(
-            f"MoE ep_size {topo.ep} with a pipeline: expert parallelism does not run under a "
-            "pipeline yet"
-        )
-    if stage == 3:
-        raise ConfigError(
-            f"zero_optimization.stage: 3 with MoE ep_size {topo.ep} is not supported yet "
-            "(stages 0-2 shard over the expert-data-parallel ranks)"
         )
 
 

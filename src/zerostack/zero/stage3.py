@@ -26,7 +26,7 @@ from .offload import Downloads, HostMeter, Uploads, host_device
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from .params import StorageMeter, Subgroup, is_sharded, shard_param
 from .stage3_groups import Group, make_group, sub_groups
-from .stage3_reduce import PieceReducer
+from .stage3_reduce import PieceReducer, average_over_ep
 from .stage3_state import Stage3State
 from .strategy import StepSequence
 from .unit_gather import gather_now
@@ -168,6 +168,8 @@ class Stage3(Stage3State, StepSequence):
             bits=gradient_bits,
             downloads=self.downloads,
         )
+        self.bucket_numel = reduce_bucket_numel
+        self.ep_shared: set[nn.Parameter] = set()  # MoE at ep > 1: set by the engine
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
     # ----------------------------------------------------------------------------- gathering
@@ -250,6 +252,9 @@ class Stage3(Stage3State, StepSequence):
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel._prepare_step)."""
         self.downloads.settle()
+        if self.ep_shared:  # MoE at ep > 1: what the ep ranks share, averaged over them
+            shared = [p for g in self.groups for p in g.params if p in self.ep_shared]
+            average_over_ep(self.comm, self.grads, shared, self.bucket_numel)
         self.grads.hand_to(self.groups)
         return self.grad_post(loss_scale)
 

@@ -182,3 +182,23 @@ class PieceReducer:
         self.downloads.seal()
         self._reset()
         self.buffers.trim(0)  # nothing kept between backwards
+
+
+def average_over_ep(comm: Comm, grads, params: list[nn.Parameter], limit: int) -> None:
+    """MoE at ep > 1: the gradient pieces of ``params`` (what every ep rank holds alike: all but
+    the experts) summed over the ep ranks and divided by ep, once per step, in all-reduces of at
+    most ``limit`` elements (as stages 1-2 do, ``ShardedDataParallel._average_over_ep``).
+    ``grads``: the stage's gradient store (pieces in memory or in files)."""
+    ep, device = comm.topo.ep, comm.topo.device
+    todo = list(params)
+    while todo:
+        chunk, numel = [], 0
+        while todo and (not chunk or numel + todo[0]._zs.piece.numel() <= limit):
+            numel += todo[0]._zs.piece.numel()
+            chunk.append(todo.pop(0))
+        pieces = [grads.piece(p) for p in chunk]
+        flat = torch.cat([t.reshape(-1) for t in pieces]).to(device)  # offloaded: up and back
+        comm.all_reduce(flat, axis="ep")
+        flat.div_(ep)
+        for p, part in zip(chunk, flat.split([t.numel() for t in pieces]), strict=True):
+            grads.replace(p, part)

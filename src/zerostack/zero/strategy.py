@@ -63,6 +63,7 @@ class TrainStep(Protocol):
     """What the engine drives each step."""
 
     stage: int  # a label, for messages and reports: the behaviour is in the strategy's parts
+    ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients averaged over the ep ranks
 
     def optimizer_groups(self) -> list[dict]:
         """The groups the optimizer steps: fp32 master tensors, with the user's options."""
@@ -161,10 +162,8 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
 
 @runtime_checkable
 class FlatBuffers(Protocol):
-    """What stages 0-2 offer besides: the features that refuse stage 3 use it (MoE's expert
-    parallelism, a pipeline's tied weights)."""
-
-    ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients summed over the ep ranks
+    """What stages 0-2 offer besides: whole accumulated gradients (a pipeline's tied weights
+    are summed between its stages on them)."""
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The tensor ``p``'s gradient is summed in over the window, if it is a full one."""
