@@ -442,10 +442,11 @@ def _train_step(engine, step: int) -> None:
     engine.step()
 
 
-def _ep_checkpoint(rank, world, root):
-    """Train at ep 2 (dp 2), save; the next step's weights; then the same step after loading
-    at ep 2; and one loss on a fixed batch after loading at ep 1, 2 and 4."""
-    engine = _engine_at(2, 2)
+def _ep_checkpoint(rank, world, root, saved_at, loaded_at):
+    """Train at ep 2 (dp 2) at ZeRO stage ``saved_at``, save; the next step's weights; then the
+    same step after loading at ep 2 at stage ``loaded_at``; and one loss on a fixed batch after
+    loading at ep 1, 2 and 4."""
+    engine = _engine_at(2, saved_at)
     for step in range(2):
         _train_step(engine, step)
     engine.save_checkpoint(root, tag="ep2")
@@ -455,14 +456,14 @@ def _ep_checkpoint(rank, world, root):
     _train_step(engine, 2)
     after = engine.full_state_dict()
     engine.destroy()
-    engine = _engine_at(2, 1)  # another stage, the same ep: the next step is the same
+    engine = _engine_at(2, loaded_at)  # another stage, the same ep: the next step is the same
     engine.load_checkpoint(root, tag="ep2")
     _train_step(engine, 2)
     resumed = engine.full_state_dict()
     engine.destroy()
     losses = {}
     for ep in (1, 2, 4):
-        engine = _engine_at(ep, 2)
+        engine = _engine_at(ep, loaded_at)
         engine.load_checkpoint(root, tag="ep2", load_optimizer_states=False)
         with torch.no_grad():
             losses[ep] = float(engine(*probe))
@@ -470,7 +471,7 @@ def _ep_checkpoint(rank, world, root):
     # custom_load_fn at ep 2 and 4: src is this rank's module's own state (its experts under
     # their local index), which load_state_dict takes as it is
     for ep in (2, 4):
-        engine = _engine_at(ep, 2)
+        engine = _engine_at(ep, loaded_at)
         keys = []
 
         def custom(src, dst, keys=keys):
@@ -485,12 +486,13 @@ def _ep_checkpoint(rank, world, root):
     return saved_loss, losses, max_rel_diff(resumed, after)[0]
 
 
-def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path):
-    """Experts are saved under their global index: an ep 2 checkpoint resumes, and loads at
-    ep 1 (every rank every expert) and ep 4 (one each) to the same model, also through a
-    ``custom_load_fn`` at ep 2 and 4."""
+@pytest.mark.parametrize("saved_at,loaded_at", [(2, 3), (3, 1)])
+def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path, saved_at, loaded_at):
+    """Experts are saved under their global index: an ep 2 checkpoint resumes (at another ZeRO
+    stage, 3 among them), and loads at ep 1 (every rank every expert) and ep 4 (one each) to the
+    same model, also through a ``custom_load_fn`` at ep 2 and 4."""
     for saved_loss, losses, resumed_diff in run_distributed(
-        _ep_checkpoint, 4, args=(str(tmp_path),)
+        _ep_checkpoint, 4, args=(str(tmp_path), saved_at, loaded_at)
     ):
         assert resumed_diff <= 1e-6, resumed_diff
         for ep, loss in losses.items():
