@@ -140,6 +140,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "with ep and Ulysses, the sp ranks of a batch read different batches",
+        "topology.py",
+        '        return self.dp_rank // self.sp * self.ep + self.rank("ep")',
+        '        return self.dp_rank * self.ep + self.rank("ep")',
+        (f"{MOE}::test_expert_parallel_gpt_with_ulysses_matches_single_process[1]",),
+    ),
+    Mutant(
         "MoE at stage 3: what the ep ranks share is not averaged over them",
         "zero/stage3.py",
         "        if self.ep_shared:  # MoE at ep > 1: what the ep ranks share, averaged over them",
@@ -2011,8 +2018,8 @@ MUTANTS = [
     Mutant(
         "the ep ranks of a dp rank read the same batch",
         "topology.py",
-        'return self.dp_rank * self.ep + self.rank("ep") if self.ep > 1',
-        "return self.dp_rank * self.ep if self.ep > 1",
+        'return self.dp_rank // self.sp * self.ep + self.rank("ep")',
+        "return self.dp_rank // self.sp * self.ep",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
     Mutant(

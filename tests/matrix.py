@@ -164,18 +164,36 @@ def _base_model(moe: bool) -> GPT:
 
 
 def key(combo: Combo) -> tuple:
-    """What the reference depends on: a MoE model's gates see one replica's micro-batch at a
-    time (DeepSpeed's per-rank capacity), so its reference runs those micro-batches apart."""
+    """What the reference depends on: a MoE model's gates see one rank's tokens at a time
+    (DeepSpeed's per-rank capacity and auxiliary loss), so its reference runs each replica's
+    micro-batch apart, and under Ulysses each sequence shard's tokens through the gates apart."""
     moe = combo.ep > 1
-    return (moe, combo.replicas if moe else 1, combo.gas, combo.precision)
+    return (moe, combo.replicas if moe else 1, combo.sp if moe else 1, combo.gas, combo.precision)
+
+
+def _by_shards(moe: torch.nn.Module, n: int) -> None:
+    """``moe`` made to run on each of ``n`` sequence shards apart (as n Ulysses ranks run it):
+    the outputs joined, the auxiliary loss their mean (the engine averages the ranks'
+    gradients). Its parameters keep their names."""
+    whole = moe.forward
+
+    def forward(x):
+        outs = [whole(part) for part in x.chunk(n, dim=1)]
+        return torch.cat([o[0] for o in outs], dim=1), sum(o[1] for o in outs) / n, None
+
+    moe.forward = forward
 
 
 @functools.cache
-def reference(moe: bool, replicas: int, gas: int, precision: str):
+def reference(moe: bool, replicas: int, shards: int, gas: int, precision: str):
     """One process: per step, (parameters after it, gradient norm). The loss is the mean over
     the step's micro-batches and, for MoE, over each replica's part of one; bf16 computes and
     accumulates gradients in bf16 and steps fp32 masters (tests/parity.mixed_reference)."""
     model = _base_model(moe)
+    if shards > 1:
+        for block in model.blocks:
+            if hasattr(block.mlp, "deepspeed_moe"):
+                _by_shards(block.mlp, shards)
     names = [n for n, _ in model.named_parameters()]
     masters = [p.detach().clone() for p in model.parameters()]
     if precision == "bf16":

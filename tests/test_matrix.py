@@ -37,7 +37,7 @@ COMBO = Combo(pp=1, dp=2, ep=1, tp=2, sp=1, megatron_sp=False, schedule="", stag
 def _ranks(combo: Combo, scale: float = 1.0, drop: str = "") -> list:
     """Two ranks' results as the runner sends them, made from the reference itself: each
     parameter off by ``scale`` times the tolerance (1: at it), ``drop`` held by no rank."""
-    ref = reference(False, 1, combo.gas, combo.precision)
+    ref = reference(False, 1, 1, combo.gas, combo.precision)
     tol = TOL[combo.precision]
     steps = []
     for state, norm in ref:
@@ -47,7 +47,7 @@ def _ranks(combo: Combo, scale: float = 1.0, drop: str = "") -> list:
 
 
 def test_the_verdict_takes_parity_at_the_tolerance_and_nothing_worse():
-    ref = reference(False, 1, COMBO.gas, COMBO.precision)
+    ref = reference(False, 1, 1, COMBO.gas, COMBO.precision)
     assert judge(COMBO, _ranks(COMBO, 1.0), ref) == ("works", "")
     verdict, why = judge(COMBO, _ranks(COMBO, 1.5), ref)
     assert verdict == "other" and "differs by" in why
@@ -58,7 +58,7 @@ def test_the_verdict_takes_parity_at_the_tolerance_and_nothing_worse():
 
 
 def test_a_refusal_must_name_two_settings_alike_on_every_rank():
-    ref = reference(False, 1, COMBO.gas, COMBO.precision)
+    ref = reference(False, 1, 1, COMBO.gas, COMBO.precision)
     named = "zero_optimization.stage: 2 with tp 2 is refused here"
     assert judge(COMBO, [("refused", named)] * 2, ref) == ("refused", named)
     assert judge(COMBO, [("refused", "tp 2 is refused here")] * 2, ref)[0] == "other"
@@ -69,7 +69,7 @@ def test_a_refusal_must_name_two_settings_alike_on_every_rank():
 
 def test_bf16_is_judged_on_the_update_of_all_parameters():
     combo = Combo(**{**COMBO.__dict__, "precision": "bf16"})
-    ref = reference(False, 1, combo.gas, "bf16")
+    ref = reference(False, 1, 1, combo.gas, "bf16")
     tol = TOL["bf16"]
 
     def ranks(err):

@@ -288,6 +288,18 @@ def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(st
     assert measure([combo])[1] == [("works", "")]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_expert_parallel_gpt_with_ulysses_matches_single_process(stage):
+    """dp 2 (sp 2 inside) x ep 2: each sp rank routes its own sequence shard's tokens (gates,
+    capacity and auxiliary loss per rank); the reference runs each shard through the gates
+    apart (tests/matrix.py)."""
+    from matrix import Combo, measure
+
+    combo = Combo(pp=1, dp=2, ep=2, tp=1, sp=2, megatron_sp=False, schedule="", stage=stage,
+                  precision="fp32", offload="none")  # fmt: skip
+    assert measure([combo])[1] == [("works", "")]
+
+
 def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
     torch.manual_seed(0)
     model = GPT(_cfg(1, 0.5))

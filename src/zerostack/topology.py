@@ -99,11 +99,6 @@ class Topology:
                 f"MoE ep_size {ep} with a pipeline (pp {pp}): expert parallelism does not run "
                 "under a pipeline yet"
             )
-        if ep > 1 and sp > 1:
-            raise TopologyError(
-                f"MoE ep_size {ep} with sequence_parallel_size {sp}: expert parallelism does not "
-                "combine with Ulysses yet"
-            )
         if dp is None:
             if world % (pp * tp * ep):
                 raise TopologyError(
@@ -147,11 +142,12 @@ class Topology:
         if size not in self._subgroups:
             if size < 1 or self.dp % size:
                 raise TopologyError(f"a dp subgroup of {size} ranks does not divide dp {self.dp}")
-            if self.ep > 1:
-                raise TopologyError("dp subgroups (hpZ, sp) do not combine with ep yet")
             mesh, mine = self.mesh.mesh, None
-            for p, t, run in product(range(self.pp), range(self.tp), range(self.dp // size)):
-                ranks = [int(mesh[p, run * size + j, t]) for j in range(size)]
+            if self.ep == 1:  # the mesh is (pp, dp, tp): one ep coordinate
+                mesh = mesh.unsqueeze(2)
+            runs = product(range(self.pp), range(self.ep), range(self.tp), range(self.dp // size))
+            for p, e, t, run in runs:
+                ranks = [int(mesh[p, run * size + j, e, t]) for j in range(size)]
                 group = dist.new_group(ranks, timeout=self.timeout)
                 if self.global_rank in ranks:
                     mine = group
@@ -189,7 +185,7 @@ class Topology:
     @property
     def data_parallel_rank(self) -> int:
         """Which of the :attr:`data_parallel_size` batches this rank reads."""
-        return self.dp_rank * self.ep + self.rank("ep") if self.ep > 1 else self.dp_rank // self.sp
+        return self.dp_rank // self.sp * self.ep + self.rank("ep")
 
     @property
     def world_size(self) -> int:

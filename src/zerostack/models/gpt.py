@@ -256,11 +256,11 @@ class GPT(nn.Module):
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         check_tp_split(cfg, topology)
-        if cfg.moe_every and (topology.sp > 1 or sequence_parallel):
-            split = "sequence_parallel (Megatron's)" if sequence_parallel else "Ulysses"
+        if cfg.moe_every and sequence_parallel:
             raise ConfigError(
-                f"GPT moe_every with {split}: each rank's MoE blocks would route a different "
-                "part of the sequence (not yet)"
+                "GPT moe_every with sequence_parallel (Megatron's): each tp rank's MoE blocks "
+                "would route a different part of the sequence to experts replicated over tp "
+                "(not yet)"
             )
         if sequence_parallel and topology.sp > 1:
             raise ConfigError(
