@@ -418,6 +418,41 @@ def test_a_rank_that_raises_is_named_by_every_rank():
     assert not any("terminate called" in o for o in outs)
 
 
+def test_sigusr1_is_heard_above_descriptor_1023_and_stop_closes_what_it_opened():
+    """A long job holds many descriptors (groups' sockets, files): the watchdog's wake socket
+    numbered past select()'s limit of 1024 still hears SIGUSR1, and stop() closes it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2048)), hard))
+    held = []
+    try:
+        while True:  # until the next descriptor is past 1023
+            fd = os.open(os.devnull, os.O_RDONLY)
+            held.append(fd)
+            if fd >= 1030:
+                break
+        store = dist.HashStore()
+        dog, codes = _dog(store, timeout=60, interval=0.05)
+        dog.log.add("all_reduce", "dp", 64, 0.0)
+        dog.start()
+        wake = dog._wake_r.fileno()
+        assert wake > 1023
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while "all_reduce #0 on dp" not in dog._out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dog._thread.is_alive()
+        assert "all_reduce #0 on dp" in dog._out.getvalue()
+        dog.stop()
+        with pytest.raises(OSError):  # closed
+            os.fstat(wake)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_stop_returns_at_once():
     """engine.destroy() stops the watchdog: it must not sit out an interval (10 s by default)."""
     dog, _ = _dog(dist.HashStore(), timeout=120, interval=5)

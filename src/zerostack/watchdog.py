@@ -23,7 +23,7 @@ while the training thread is blocked inside a collective).
 from __future__ import annotations
 
 import os
-import select
+import selectors
 import signal
 import socket
 import sys
@@ -106,6 +106,11 @@ class Watchdog:
                 pass
         self._thread.join(timeout=self.interval + 5)
         self._thread = None
+        if self._wake_r is not None:  # the thread has left its selector: close what it read
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            self._wake_r = self._wake_w = None
         try:
             self.beats.publish(left=True)
         except Exception:  # the store may be gone at shutdown
@@ -167,8 +172,9 @@ class Watchdog:
         if self._wake_r is None:
             self._stop.wait(self.interval)
             return False
-        ready, _, _ = select.select([self._wake_r], [], [], self.interval)
-        if not ready:
+        # a selector (epoll), not select.select: that one fails for a descriptor numbered 1024 or
+        # more, which a long job with many groups and files reaches, and the thread would die
+        if not self._selector.select(self.interval):
             return False
         got = self._wake_r.recv(64)
         return bytes([signal.SIGUSR1]) in got
@@ -218,6 +224,8 @@ class Watchdog:
             return
         self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: None)
         self._wake_r, self._wake_w, self._old_wakeup = r, w, None
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(r, selectors.EVENT_READ)
 
 
 def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
