@@ -140,6 +140,37 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "the watchdog's stop leaves its wake sockets open (two descriptors an engine)",
+        "watchdog.py",
+        "            self._selector.close()\n            self._wake_r.close()\n",
+        "            self._selector.close()\n",
+        (
+            "tests/test_watchdog.py::"
+            "test_sigusr1_is_heard_above_descriptor_1023_and_stop_closes_what_it_opened",
+        ),
+    ),
+    Mutant(
+        "a pipeline stage before the last drops its MoE blocks' auxiliary loss",
+        "pipeline/executor.py",
+        "        elif side is None:\n            torch.autograd.backward(out,",
+        "        elif True:\n            torch.autograd.backward(out,",
+        (f"{MOE}::test_expert_parallel_gpt_under_a_pipeline_matches_single_process[1f1b-1]",),
+    ),
+    Mutant(
+        "the last pipeline stage drops its MoE blocks' auxiliary loss",
+        "pipeline/executor.py",
+        "            loss = out.float() if side is None else out.float() + side.float()",
+        "            loss = out.float()",
+        (f"{MOE}::test_expert_parallel_gpt_under_a_pipeline_matches_single_process[interleaved-3]",),
+    ),
+    Mutant(
+        "a pipeline stage at ep > 1 loads the first experts, not its own",
+        "models/gpt_pipe.py",
+        "            if found and topo.ep > 1:",
+        "            if False:",
+        (f"{MOE}::test_expert_parallel_gpt_under_a_pipeline_matches_single_process[1f1b-1]",),
+    ),
+    Mutant(
         "with ep and Ulysses, the sp ranks of a batch read different batches",
         "topology.py",
         '        return self.dp_rank // self.sp * self.ep + self.rank("ep")',
@@ -184,8 +215,8 @@ MUTANTS = [
     Mutant(
         "the pipeline executor calls a chunk past its module's hooks (ZeRO-3 cannot gather)",
         "pipeline/executor.py",
-        "        out = self.module(x, chunk)\n        if vs == self.last_vs:",
-        "        out = self.module.forward_chunk(chunk, x)\n        if vs == self.last_vs:",
+        "        out = self.module(x, chunk)\n        side = ",
+        "        out = self.module.forward_chunk(chunk, x)\n        side = ",
         (f"{PIPE}::test_gpt_pipeline_under_zero3_matches_single_process[1f1b]",),
     ),
     Mutant(

@@ -280,7 +280,7 @@ def _model(combo: Combo, topo: Topology):
         partition_method="type:Block",
         virtual_stages=chunks,
     )
-    load_plain_state(model, _base_model(False).state_dict(), CFG)
+    load_plain_state(model, _base_model(moe).state_dict(), cfg)
     experts = _expert_names(combo, topo)
     return model, lambda name: experts(plain_name(name, cfg))
 

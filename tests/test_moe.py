@@ -300,6 +300,18 @@ def test_expert_parallel_gpt_with_ulysses_matches_single_process(stage):
     assert measure([combo])[1] == [("works", "")]
 
 
+@pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("interleaved", 3)])
+def test_expert_parallel_gpt_under_a_pipeline_matches_single_process(schedule, stage):
+    """pp 2 x ep 2: each stage's MoE blocks exchange tokens over its own ep group, and their
+    auxiliary losses join the loss's backward on whichever stage they are (1F1B: a MoE block
+    on each stage; interleaved: a stage without any, and one on the last chunk)."""
+    from matrix import Combo, measure
+
+    combo = Combo(pp=2, dp=1, ep=2, tp=1, sp=1, megatron_sp=False, schedule=schedule,
+                  stage=stage, precision="fp32", offload="none")  # fmt: skip
+    assert measure([combo])[1] == [("works", "")]
+
+
 def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
     torch.manual_seed(0)
     model = GPT(_cfg(1, 0.5))

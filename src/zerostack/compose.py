@@ -133,7 +133,8 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                     f"(tp {tp} * pp {pp})"
                 )
         topo = Topology.build(tp=tp, pp=pp, sp=sp, ep=ep)
-    elif ep != topo.ep:
+    elif ep != topo.ep and not (ep == 1 and isinstance(model, PipelineModule)):
+        # (a pipeline stage without MoE layers runs on its grid's ep axis all the same)
         raise ConfigError(f"MoE ep_size: the model's layers have {ep}, the topology ep {topo.ep}")
     elif "sequence_parallel_size" in cfg.model_fields_set and sp != topo.sp:
         raise ConfigError(

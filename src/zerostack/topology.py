@@ -94,11 +94,6 @@ class Topology:
         for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)):
             if size < 1:
                 raise TopologyError(f"{name}: size must be >= 1, got {size}")
-        if ep > 1 and pp > 1:
-            raise TopologyError(
-                f"MoE ep_size {ep} with a pipeline (pp {pp}): expert parallelism does not run "
-                "under a pipeline yet"
-            )
         if dp is None:
             if world % (pp * tp * ep):
                 raise TopologyError(

@@ -12,11 +12,14 @@ the blocks, ``L+2`` the final layer norm and ``L+3`` the head: the tied embeddin
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm.grid import comm_for
+from ..config import ConfigError
 from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from ..tensor_parallel import (
     VocabParallelEmbedding,
@@ -76,10 +79,22 @@ class AddPositions(nn.Module):
 
 
 class PipeBlock(Block):
-    def __init__(self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False) -> None:
-        super().__init__(cfg)
+    """A block of the pipeline; a MoE one leaves ``moe_aux_loss_coef`` times its auxiliary loss
+    as its ``side_loss``, which the executor adds to the loss (the GPT adds it to its own)."""
+
+    def __init__(
+        self, cfg: GPTConfig, topology: Topology | None = None, sp: bool = False, moe=False
+    ) -> None:
+        super().__init__(cfg, moe=moe)
+        self.coef = cfg.moe_aux_loss_coef
+        self.side_loss: torch.Tensor | None = None
         if topology is not None:
             parallelize_block(self, topology, sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        self.side_loss = None if self.l_aux is None else self.coef * self.l_aux
+        return x
 
 
 class FinalNorm(nn.Module):
@@ -105,8 +120,11 @@ class GPTLoss:
 
 def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_parallel=False):
     """The GPT as a layer list for :class:`~zerostack.pipeline.PipelineModule`."""
-    if cfg.moe_every:
-        raise ValueError("gpt_layers: moe_every does not run under a pipeline yet")
+    if cfg.moe_every and sequence_parallel:
+        raise ConfigError(
+            "gpt_layers moe_every with sequence_parallel (Megatron's): each tp rank's MoE blocks "
+            "would route a different part of the sequence to experts replicated over tp (not yet)"
+        )
     tp = topology if topology is not None and topology.tp > 1 else None
     extra = (tp, sequence_parallel and tp is not None)
     # the blocks and the positions see Ulysses' sequence shards (sp > 1) even at tp 1
@@ -114,7 +132,7 @@ def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_par
     return [
         TiedLayerSpec("embed", TokenEmbedding, cfg, *extra, tied_weight_attr="wte.weight"),
         LayerSpec(AddPositions, cfg, *grid),
-        *[LayerSpec(PipeBlock, cfg, *grid) for _ in range(cfg.n_layer)],
+        *[LayerSpec(PipeBlock, cfg, *grid, moe=cfg.is_moe(i)) for i in range(cfg.n_layer)],
         LayerSpec(FinalNorm, cfg, *extra),
         TiedLayerSpec(
             "embed",
@@ -155,11 +173,17 @@ def plain_name(name: str, cfg: GPTConfig) -> str:
 
 
 def load_plain_state(model: PipelineModule, state: dict[str, torch.Tensor], cfg: GPTConfig):
-    """Copy a plain GPT's weights into this rank's layers (its tp slice of split ones)."""
+    """Copy a plain GPT's weights into this rank's layers (its tp slice of split ones; at ep > 1
+    its own experts: local expert l of ep rank r is expert r * experts / ep + l)."""
     topo = model.topology
+    first = topo.rank("ep") * (cfg.num_experts // topo.ep)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            src = state[plain_name(name, cfg)]
+            plain = plain_name(name, cfg)
+            found = re.match(r"(.*deepspeed_experts\.)(\d+)(\..*)", plain)
+            if found and topo.ep > 1:
+                plain = f"{found[1]}{first + int(found[2])}{found[3]}"
+            src = state[plain]
             spec = tp_spec(plain_name(name, cfg))
             if topo.tp > 1 and spec is not None:
                 src = split_tensor(

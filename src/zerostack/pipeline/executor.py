@@ -121,6 +121,7 @@ class PipelineExecutor:
         self.grad_in: dict[tuple[int, int], torch.Tensor] = {}
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.batches: dict[int, tuple] = {}
+        self.side: dict[tuple[int, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         self.stats = {"compute_s": 0.0, "comm_s": 0.0, "step_s": 0.0, "total_s": 0.0}
         t0 = self.clock.now()
@@ -228,6 +229,9 @@ class PipelineExecutor:
         vs = self._vs(chunk)
         x = self._first_input(mb) if vs == 0 else self.inputs[(mb, chunk)]
         out = self.module(x, chunk)
+        side = self.module.side_loss(chunk) if torch.is_grad_enabled() else None
+        if side is not None:
+            self.side[(mb, chunk)] = side
         if vs == self.last_vs:
             labels = self.batches.pop(mb)[1]
             if torch.is_tensor(labels):
@@ -247,10 +251,15 @@ class PipelineExecutor:
         out = self.outputs.pop((mb, chunk))
         if self.around_backward is not None:
             self.around_backward[0](self.last_backward[chunk] == (mb, chunk))
+        side = self.side.pop((mb, chunk), None)  # a term of the loss from this chunk's layers
         if self._vs(chunk) == self.last_vs:
-            (out.float() * scale).backward()
-        else:
+            loss = out.float() if side is None else out.float() + side.float()
+            (loss * scale).backward()
+        elif side is None:
             torch.autograd.backward(out, grad_tensors=self.grad_out.pop((mb, chunk)))
+        else:
+            grads = [self.grad_out.pop((mb, chunk)), torch.full_like(side, scale)]
+            torch.autograd.backward([out, side], grad_tensors=grads)
         if self.around_backward is not None:
             self.around_backward[1]()
         if self._vs(chunk) > 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import product
 
 import torch
 import torch.distributed as dist
@@ -273,19 +274,21 @@ class PipelineModule(nn.Module):
             if isinstance(spec, TiedLayerSpec):
                 owners.setdefault(spec.key, set()).add(self.stage_of(idx))
                 attrs.setdefault(spec.key, spec.tied_weight_attrs)
-        mesh = self.topology.mesh.mesh  # global ranks, shape (pp, dp, tp)
-        here = (self.topology.rank("dp"), self.topology.rank("tp"))
+        topo = self.topology
+        mesh = topo.mesh.mesh  # global ranks, shape (pp, dp, ep, tp), or (pp, dp, tp) at ep 1
+        if topo.ep == 1:
+            mesh = mesh.unsqueeze(2)
+        here = (topo.rank("dp"), topo.rank("ep"), topo.rank("tp"))
         ties = []
         for key in sorted(owners):
             stages = sorted(owners[key])
             mine = None
             if len(stages) > 1:
-                for d in range(mesh.shape[1]):
-                    for t in range(mesh.shape[2]):
-                        ranks = [int(mesh[s, d, t]) for s in stages]
-                        group = dist.new_group(ranks, timeout=self.topology.timeout)
-                        if (d, t) == here and self.stage_id in stages:
-                            mine = group
+                for coords in product(*(range(n) for n in mesh.shape[1:])):
+                    ranks = [int(mesh[(s, *coords)]) for s in stages]
+                    group = dist.new_group(ranks, timeout=topo.timeout)
+                    if coords == here and self.stage_id in stages:
+                        mine = group
             ties.append(_Tie(key, stages, attrs[key], mine))
         for tie in ties:
             if tie.group is not None:
@@ -340,6 +343,20 @@ class PipelineModule(nn.Module):
             x = self._checkpoint(run, x) if interval and torch.is_grad_enabled() else run(x)
             idx = end
         return x
+
+    def side_loss(self, chunk: int) -> torch.Tensor | None:
+        """The sum of the ``side_loss`` the chunk's layers left in their last forward (a term of
+        the loss a stage other than the last produces, e.g. a MoE block's auxiliary loss: the
+        executor backpropagates it with the loss's own scale), or None."""
+        lo, hi = self.chunk_ranges[chunk]
+        terms = [getattr(self._funcs[i], "side_loss", None) for i in range(lo, hi)]
+        terms = [t for t in terms if t is not None]
+        if terms and self.activation_checkpoint_interval:
+            raise ValueError(
+                "PipelineModule: a layer's side_loss (a MoE block's auxiliary loss) does not "
+                "combine with activation_checkpoint_interval yet"
+            )
+        return sum(terms) if terms else None
 
     def forward(self, x, chunk: int | None = None):
         """The whole pipeline in one process (pp = 1, one chunk); with ``chunk``, that chunk of

@@ -97,9 +97,10 @@ class PipelineRunner:
         loss = torch.zeros((), dtype=torch.float32, device=device)
         if self.module.is_last_stage:
             loss += torch.stack(losses).sum() / gas
-            if topo.dp > 1:  # the global batch's mean, as DeepSpeed reports it
-                self.comm.all_reduce(loss, axis="dp")
-                loss /= topo.dp
+            for axis in ("dp", "ep"):  # the global batch's mean, as DeepSpeed reports it
+                if topo.size(axis) > 1:
+                    self.comm.all_reduce(loss, axis=axis)
+                    loss /= topo.size(axis)
         if topo.pp > 1:
             self.comm.broadcast(loss, src=topo.pp - 1, axis="pp")
         return loss
