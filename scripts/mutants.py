@@ -140,6 +140,24 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "stage 2 under a pipeline reduces once per batch, as stage 1 (no backward bracketed)",
+        "zero/sharded_optimizer.py",
+        "        self.reduces_each_backward = self.grads.every_micro_step",
+        "        self.reduces_each_backward = False",
+        (
+            "tests/test_stage2_live.py::"
+            "test_stage_2_under_a_pipeline_holds_a_shard_of_the_gradients",
+        ),
+    ),
+    Mutant(
+        "stage 2 under a pipeline: the tied weight's gradient is not summed between the stages",
+        "pipeline/runner.py",
+        "(a gather over dp)\n"
+        '                    self.comm.all_reduce(grad, axis="tied", group=tie.group)\n',
+        "(a gather over dp)\n",
+        (f"{P}[pp2xdp2]",),
+    ),
+    Mutant(
         "the watchdog's stop leaves its wake sockets open (two descriptors an engine)",
         "watchdog.py",
         "            self._selector.close()\n            self._wake_r.close()\n",
@@ -190,13 +208,6 @@ MUTANTS = [
         "        flat.div_(ep)\n        for p, part in zip(chunk, flat.split(",
         "        for p, part in zip(chunk, flat.split(",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
-    ),
-    Mutant(
-        "auto: stage 2 offered under a pipeline (which runs it as stage 1)",
-        "plan/auto.py",
-        "        stages = [0, 1, 3] if topology.pp > 1 else [0, 1, 2, 3]",
-        "        stages = [0, 1, 2, 3]",
-        ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
     ),
     Mutant(
         "ZeRO-3 under a pipeline: the tied weight's pieces are not summed between the stages",

@@ -279,10 +279,12 @@ def _take_once(engine, module, optimizer, skip: set[int]) -> Census:
     return Census(found)
 
 
-def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has: str) -> list[int]:
-    """Bytes of storage whose path holds ``path_has``, by a census at every third gradient hook
-    (a census is slow) of the last of ``steps`` calls of ``train(step)``; each hook runs after
-    the engine's own (the parameter is staged, its bucket maybe launched)."""
+def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has) -> list[int]:
+    """Bytes of storage whose path holds ``path_has`` (a string, or a test of the path), by a
+    census at every third gradient hook (a census is slow) of the last of ``steps`` calls of
+    ``train(step)``; each hook runs after the engine's own (the parameter is staged, its bucket
+    maybe launched)."""
+    wanted = path_has if callable(path_has) else (lambda path: path_has in path)
     seen: list[int] = []
     probing, calls = [False], [0]
 
@@ -290,7 +292,9 @@ def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has: st
         calls[0] += 1
         if probing[0] and calls[0] % 3 == 0:
             c = take(engine, exclude=before, settle=0)
-            seen.append(sum(s.nbytes for s in c.storages.values() if path_has in s.path))
+            seen.append(
+                sum(s.nbytes for s in c.storages.values() if wanted(s.path))
+            )
 
     for p in engine.module.parameters():
         p.register_post_accumulate_grad_hook(probe)

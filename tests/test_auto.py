@@ -39,13 +39,14 @@ def test_the_lowest_stage_that_fits():
     assert resolve(_cfg(), model, TOPO, memory_bytes=budget).zero_optimization.stage == 3
     with pytest.raises(ConfigError, match="zero_optimization.stage: auto finds no stage"):
         resolve(_cfg(), model, TOPO, memory_bytes=1000)
-    # under a pipeline stage 2 is no choice (it runs as stage 1): between stages 1 and 3 the
-    # same budget takes 3
-    piped = SimpleNamespace(**{**vars(TOPO), "pp": 2, "dp": 2})
-    b1 = _bytes(count_parameters(model), desc, _cfg(), piped, 1, 1, 1)
-    b3 = _bytes(count_parameters(model), desc, _cfg(), piped, 3, 1, 1)
-    budget = (b3 + (b1 - b3) / 2) / 0.9
-    assert resolve(_cfg(), model, piped, memory_bytes=budget).zero_optimization.stage == 3
+    # under a pipeline and with expert parallelism every stage is a choice alike
+    for grid in ({"pp": 2, "dp": 2}, {"ep": 2, "dp": 2}):
+        topo = SimpleNamespace(**{**vars(TOPO), **grid})
+        need = {s: _bytes(count_parameters(model), desc, _cfg(), topo, s, 1, 1) for s in (2, 3)}
+        between = (need[3] + (need[2] - need[3]) / 2) / 0.9
+        assert resolve(_cfg(), model, topo, memory_bytes=between).zero_optimization.stage == 3
+        roomy = need[2] / 0.9 + 1
+        assert resolve(_cfg(), model, topo, memory_bytes=roomy).zero_optimization.stage == 2
 
 
 def test_offload_narrows_the_stages():

@@ -101,6 +101,65 @@ def test_the_first_micro_step_reduces_into_the_shard():
         assert seen == [(n, n), (0, n)] * 2, seen
 
 
+def _piped(rank, world, stage):
+    """pp 2 x dp 2, 4 micro-batches a batch: bytes of gradient storage (full gradients, staged
+    buckets, the shard) at every third gradient hook of the second batch; the stage's
+    parameter bytes; its largest bucket's."""
+    from zerostack import Topology
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+    from zerostack.pipeline import PipelineModule
+
+    before = census.baseline()
+    topo = Topology.build(pp=2)
+    torch.manual_seed(0)
+    model = PipelineModule(
+        gpt_layers(dataclasses.replace(CFG, n_layer=8), topology=topo),
+        topology=topo,
+        loss_fn=GPTLoss(topo),
+        partition_method="type:Block",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        # a bucket a parameter, four blocks a stage: the shard and a few buckets are less than
+        # the whole
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2_000},
+    }
+    engine, *_ = zerostack.initialize(model=model, config=config)
+
+    def train(step):
+        x, y = batch(step, 8)
+        lo = [2 * m + topo.dp_rank for m in range(4)]
+        engine.train_batch(iter([(x[i : i + 1], y[i : i + 1]) for i in lo]))
+
+    def gradients(path: str) -> bool:  # a parameter's .grad (not an activation's), a shard,
+        # a bucket's staging
+        parameter = path.endswith(".grad") and "executor.inputs" not in path
+        return parameter or "grad_shard" in path or "staging" in path
+
+    seen = census.held_at_grad_hooks(engine, before, train, STEPS, gradients)
+    params = sum(4 * p.numel() for p in model.parameters())
+    bucket = max((4 * st.bucket.numel for st in getattr(engine.zero, "buckets", [])), default=0)
+    before.release()
+    return max(seen), params, bucket
+
+
+def test_stage_2_under_a_pipeline_holds_a_shard_of_the_gradients():
+    """Stage 2 under a pipeline reduce-scatters each micro-batch's gradients as its backward
+    ends: at every hook of a batch, the gradient storage is this rank's shard (1/dp) and the
+    buckets being staged, never the whole gradient, which stage 1 holds for the whole batch."""
+    for (peak2, params, bucket), (peak1, _, _) in zip(
+        run_distributed(_piped, 4, args=(2,), timeout=300),
+        run_distributed(_piped, 4, args=(1,), timeout=300),
+        strict=True,
+    ):
+        assert peak1 >= params, (peak1, params)
+        # the shard, the bucket being staged, those in flight and one awaiting its add
+        assert peak2 <= params / 2 + 4 * bucket, (peak2, params, bucket)
+        assert peak2 < 0.8 * params, (peak2, params)
+
+
 class _MyAdamW(torch.optim.AdamW):
     """A client's optimizer: zerostack cannot know that it updates each parameter alone."""
 

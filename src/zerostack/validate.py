@@ -31,7 +31,7 @@ log = logging.getLogger("zerostack")
 class Resolved:
     """What :func:`validate` resolved: the config with "auto" chosen, the grid, the batch
     ``(train_batch_size, micro-batch per rank, gradient_accumulation_steps)`` and the ZeRO stage
-    the strategy runs (a pipeline runs stage 2 as 1)."""
+    the strategy runs."""
 
     config: ZeroStackConfig
     topology: Topology
@@ -55,13 +55,6 @@ def validate(
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
-        if stage == 2:
-            if topo.global_rank == 0:
-                log.warning(
-                    "zero_optimization.stage: 2 runs as stage 1 under a pipeline (gradients "
-                    "are reduced over dp once per batch, so full gradients are held until then)"
-                )
-            stage = 1
     return Resolved(cfg, topo, batch, stage, forward_only)
 
 

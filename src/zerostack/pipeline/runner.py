@@ -3,11 +3,10 @@
 As in DeepSpeed, one ``engine.train_batch(data_iter)`` call pulls ``gradient_accumulation_steps``
 micro-batches, runs them through the pipeline by the configured schedule (1F1B by default, GPipe,
 or interleaved 1F1B with virtual stages), and steps the optimizer; it returns the loss averaged over
-the micro-batches, on every stage. Gradients are reduced over dp once per batch, after the last
-micro-batch (so ZeRO stage 2 holds full gradients during the batch, then reduce-scatters into its
-fp32 slices, like stage 1: a pipeline would otherwise reduce each micro-batch's gradients).
-Stage 3 reduces each backward's gradients into this rank's pieces as that backward ends, as it does
-without a pipeline (its layers are gathered for each micro-batch's forward and backward).
+the micro-batches, on every stage. At stages 0-1 gradients are reduced over dp once per batch, after
+the last micro-batch. Stages 2 and 3 reduce each backward's gradients into this rank's pieces as
+that backward ends, as they do without a pipeline, so no stage holds full gradients for long
+(stage 3's layers are gathered for each micro-batch's forward and backward).
 Tied weights (a ``TiedLayerSpec`` on several stages) get their gradients all-reduced between the
 owning stages first. The gradient norm counts every stage's parameters once.
 
@@ -74,7 +73,7 @@ class PipelineRunner:
             self.schedule, m.num_stages, gas, m.stage_id, chunks=m.virtual_stages
         )
         zero, around = engine.zero, None
-        if isinstance(zero, Pieces):  # stage 3: each backward's gradients reduced as it ends
+        if zero.reduces_each_backward:  # stages 2-3: each backward's gradients reduced at its end
             around = (zero.begin_backward, zero.end_backward)
         else:  # no dp reduction inside the batch: reduce_grads does it
             zero.begin_backward(False)
@@ -114,6 +113,11 @@ class PipelineRunner:
                     piece = zero.local_grad(p)
                     self.comm.all_reduce(piece, axis="tied", group=tie.group)
                     zero.hold_local_grad(p, piece)
+                    continue
+                if zero.reduces_each_backward:  # stage 2: the stages' flat layouts differ, so
+                    grad = zero.window_grad(p)  # the whole reduced gradient (a gather over dp)
+                    self.comm.all_reduce(grad, axis="tied", group=tie.group)
+                    zero.hold_grad(p, grad)
                     continue
                 # the window's sum, wherever the strategy keeps it (with grad_accum_dtype other
                 # than the parameter's, not in p.grad)

@@ -3,8 +3,7 @@
 * ``zero_optimization.stage: "auto"``: the lowest ZeRO stage (the least communication) whose
   bytes per rank fit ``fraction`` of the device's memory (:mod:`zerostack.estimate`: the model
   states of the parameters this rank holds, and, when the model describes itself, activations);
-  stages an offload needs are the only ones considered, and not stage 2 under a pipeline (which
-  runs it as stage 1).
+  stages an offload needs are the only ones considered.
 * ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps: "auto"`` with
   ``train_batch_size`` given: the largest micro-batch (the fewest micro-steps) whose activations
   fit beside the model states; the other follows. This needs a model that describes itself
@@ -115,7 +114,7 @@ def resolve(
     gas = cfg.gradient_accumulation_steps or 1
     stage = zero.stage
     if stage == "auto":
-        stages = [0, 1, 3] if topology.pp > 1 else [0, 1, 2, 3]  # a pipeline runs 2 as 1
+        stages = [0, 1, 2, 3]
         if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
             stages = [s for s in stages if s >= 1]
         if zero.offload_param is not None and zero.offload_param.device != "none":

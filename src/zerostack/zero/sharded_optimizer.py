@@ -85,6 +85,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         # the ranks sharing the masters and optimizer state, and this rank's place among them
         self.shard_world, self.shard_rank = (self.dp, self.rank) if sharded_state else (1, 0)
         self.grads = grads(self)
+        self.reduces_each_backward = self.grads.every_micro_step  # stage 2 (the Protocol's)
         self.prescale = prescale
         self.reduce_scatter = reduce_scatter  # sharded state; else all-reduce, keep the piece
         self.reduce_dtype = precision.reduce_dtype

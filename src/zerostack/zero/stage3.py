@@ -36,6 +36,7 @@ class Stage3(Stage3State, StepSequence):
     """Owns the parameter shards, gradient shards and fp32 masters at ZeRO stage 3."""
 
     stage = 3
+    reduces_each_backward = True  # the Protocol's
 
     def __init__(
         self,
@@ -169,7 +170,6 @@ class Stage3(Stage3State, StepSequence):
             downloads=self.downloads,
         )
         self.bucket_numel = reduce_bucket_numel
-        self.ep_shared: set[nn.Parameter] = set()  # MoE at ep > 1: set by the engine
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
     # ----------------------------------------------------------------------------- gathering
@@ -253,8 +253,7 @@ class Stage3(Stage3State, StepSequence):
         averages and unscales it (see ShardedDataParallel._prepare_step)."""
         self.downloads.settle()
         if self.ep_shared:  # MoE at ep > 1: what the ep ranks share, averaged over them
-            shared = [p for g in self.groups for p in g.params if p in self.ep_shared]
-            average_over_ep(self.comm, self.grads, shared, self.bucket_numel)
+            average_over_ep(self.comm, self.grads, self.groups, self.ep_shared, self.bucket_numel)
         self.grads.hand_to(self.groups)
         return self.grad_post(loss_scale)
 

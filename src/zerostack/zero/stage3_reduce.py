@@ -184,13 +184,14 @@ class PieceReducer:
         self.buffers.trim(0)  # nothing kept between backwards
 
 
-def average_over_ep(comm: Comm, grads, params: list[nn.Parameter], limit: int) -> None:
-    """MoE at ep > 1: the gradient pieces of ``params`` (what every ep rank holds alike: all but
-    the experts) summed over the ep ranks and divided by ep, once per step, in all-reduces of at
-    most ``limit`` elements (as stages 1-2 do, ``ShardedDataParallel._average_over_ep``).
-    ``grads``: the stage's gradient store (pieces in memory or in files)."""
+def average_over_ep(comm: Comm, grads, groups, shared: set[nn.Parameter], limit: int) -> None:
+    """MoE at ep > 1: the gradient pieces of the ``groups``' parameters in ``shared`` (what every
+    ep rank holds alike: all but the experts) summed over the ep ranks and divided by ep, once
+    per step, in all-reduces of at most ``limit`` elements (as stages 1-2 do,
+    ``ShardedDataParallel._average_over_ep``). ``grads``: the stage's gradient store (pieces in
+    memory or in files)."""
     ep, device = comm.topo.ep, comm.topo.device
-    todo = list(params)
+    todo = [p for g in groups for p in g.params if p in shared]
     while todo:
         chunk, numel = [], 0
         while todo and (not chunk or numel + todo[0]._zs.piece.numel() <= limit):

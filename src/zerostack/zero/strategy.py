@@ -64,6 +64,9 @@ class TrainStep(Protocol):
 
     stage: int  # a label, for messages and reports: the behaviour is in the strategy's parts
     ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients averaged over the ep ranks
+    # whether each backward reduces its gradients over dp as it ends (stages 2-3), so that a
+    # pipeline brackets each of its backwards with begin_backward / end_backward
+    reduces_each_backward: bool
 
     def optimizer_groups(self) -> list[dict]:
         """The groups the optimizer steps: fp32 master tensors, with the user's options."""
@@ -191,6 +194,7 @@ class StepSequence:
     ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``after_step``."""
 
     boundary: bool = True
+    ep_shared: set[nn.Parameter] | frozenset = frozenset()  # the engine sets it at ep > 1
 
     def begin_backward(self, boundary: bool) -> None:
         self.boundary = boundary
