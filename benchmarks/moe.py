@@ -4,6 +4,7 @@ per rank, bytes exchanged.
 
     python benchmarks/moe.py                 # 4 ranks a side, ZeRO stage 1
     python benchmarks/moe.py --steps 20 --nproc 4
+    python benchmarks/moe.py --stages 2,3    # ep 2 (dp 2 x ep 2) at ZeRO-2 against ZeRO-3
 
 Each side is its own torchrun launch of ``--nproc`` ranks: dense (dp 4), MoE at ep 1 (dp 4),
 ep 2 (dp 2 x ep 2) and ep 4 (dp 1 x ep 4). Every rank trains on its own micro-batch, so every
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -48,11 +50,21 @@ def _args(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--side-timeout", type=float, default=1800)
+    p.add_argument(
+        "--stages",
+        help="instead of the sides above, MoE at ep 2 at each of these ZeRO stages (e.g. 2,3)",
+    )
     p.add_argument("--side", help=argparse.SUPPRESS)  # set by the parent for one child launch
     return p.parse_args(argv)
 
 
+def _stage(side: str) -> int:
+    """A side ``moe_ep2@3`` runs at ZeRO stage 3; one without ``@`` at stage 1."""
+    return int(side.split("@")[1]) if "@" in side else 1
+
+
 def _model_config(side: str, block: int) -> GPTConfig:
+    side = side.split("@")[0]
     base = dict(vocab_size=256, block_size=block, n_layer=2, n_head=4, d_model=64, bias=False)
     if side == "dense":
         return GPTConfig(**base)
@@ -85,7 +97,7 @@ def run_side(args) -> None:
         config={
             "train_micro_batch_size_per_gpu": args.micro_batch,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 1},
+            "zero_optimization": {"stage": _stage(args.side)},
             "steps_per_print": 10**9,
         },
     )
@@ -107,6 +119,9 @@ def run_side(args) -> None:
     expert = sum(p.numel() * p.element_size() for p in params if is_moe_param(p))
     shared = sum(p.numel() * p.element_size() for p in params if not is_moe_param(p))
     step = statistics.median(t.tolist()[2:])
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    peak_rss = float(rss)
     tokens = args.micro_batch * args.block_size * dist.get_world_size()
     if rank == 0:
         result = {
@@ -120,6 +135,8 @@ def run_side(args) -> None:
             "shared_parameter_bytes_per_rank": shared,
             # the library's own count (parameters, gradients, masters, optimizer state)
             "model_state_bytes_per_rank": sum(engine.memory_breakdown().values()),
+            # the process's own peak (the kernel's count, not the library's), largest rank
+            "peak_rss_mib": round(peak_rss / 2**20, 1),
             "all_to_all_bytes_per_step_per_rank": max(exchanged[2:]),
         }
         print(json.dumps(result), flush=True)
@@ -130,22 +147,27 @@ def run_side(args) -> None:
 def main(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sides = {}
-    for side in SIDES:
-        if side.startswith("moe_ep") and args.nproc % int(side.removeprefix("moe_ep")):
+    wanted = SIDES
+    if args.stages:
+        wanted = tuple(f"moe_ep2@{s}" for s in args.stages.split(","))
+    for side in wanted:
+        if side.startswith("moe_ep") and args.nproc % int(side.split("@")[0][len("moe_ep") :]):
             continue
         argv = [*sys.argv[1:], "--side", side]
         sides[side] = torchrun(os.path.abspath(__file__), args.nproc, argv, env, args.side_timeout)
         print(f"{side}: {json.dumps(sides[side])}", file=sys.stderr, flush=True)
-    dense = sides["dense"]
+    base_side = "dense" if not args.stages else wanted[0]
+    dense = sides[base_side]
     ratios = {}
     for side, got in sides.items():
-        if side == "dense" or "error" in got or "error" in dense:
+        if side == base_side or "error" in got or "error" in dense:
             continue
-        ratios[f"{side}/dense"] = {
+        ratios[f"{side}/{base_side}"] = {
             "tokens_per_second": round(got["tokens_per_second"] / dense["tokens_per_second"], 3),
             "model_state_bytes_per_rank": round(
                 got["model_state_bytes_per_rank"] / dense["model_state_bytes_per_rank"], 3
             ),
+            "peak_rss": round(got["peak_rss_mib"] / dense["peak_rss_mib"], 3),
         }
     out = {
         "benchmark": "moe",

@@ -2,6 +2,11 @@
 
     python benchmarks/pipeline.py                     # pp = 2 and 4, m = 8, every schedule, CPU
     python benchmarks/pipeline.py --d-model 256 --out pipeline.json
+    python benchmarks/pipeline.py --stages 1,2,3      # pp 2 x dp 2, 1F1B, at each ZeRO stage
+
+With ``--stages``, each stage runs pp 2 x dp 2 (4 ranks) under 1F1B: the batch time, the bytes of
+model states per rank (the library's count) and each rank's peak RSS (the kernel's), against the
+first stage listed.
 
 Each (pp, schedule) runs in its own torchrun launch of pp ranks, plus a pp=1 baseline. The
 executor times forward/backward (busy), point-to-point waits and the optimizer step on every rank;
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -49,6 +55,7 @@ def _args(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--stages", help="pp 2 x dp 2 at each of these ZeRO stages (e.g. 1,2,3)")
     p.add_argument("--bench-run", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -60,8 +67,8 @@ def _cfg(args) -> GPTConfig:
 
 
 def run_one(args) -> None:
-    pp, schedule = args.bench_run.split(":")
-    pp = int(pp)
+    pp, schedule, stage, world = args.bench_run.split(":")
+    pp, stage = int(pp), int(stage)
     chunks = 2 if schedule == "interleaved" else 1
     zerostack.init_distributed("gloo")
     topo = zerostack.Topology.build(pp=pp)
@@ -78,6 +85,7 @@ def run_one(args) -> None:
         "gradient_accumulation_steps": args.micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "pipeline": {"schedule": schedule, "virtual_stages": chunks},
+        "zero_optimization": {"stage": stage},
     }
     engine, *_ = zerostack.initialize(model=model, config=config)
 
@@ -101,6 +109,15 @@ def run_one(args) -> None:
     )
     every = [torch.zeros_like(mine) for _ in range(pp)]
     dist.all_gather(every, mine, group=topo.group("pp"))
+    # per rank: the model states the library counts, and the process's peak RSS (the kernel's)
+    held = torch.tensor(
+        [
+            float(sum(engine.memory_breakdown().values())),
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         stages = []
         for s, t in enumerate(every):
@@ -122,6 +139,10 @@ def run_one(args) -> None:
             json.dumps(
                 {
                     "pp": pp,
+                    "dp": topo.dp,
+                    "zero_stage": stage,
+                    "model_state_bytes_per_rank": int(held[0]),
+                    "peak_rss_mib": round(float(held[1]) / 2**20, 1),
                     "schedule": schedule,
                     "chunks": chunks,
                     "batch_s": round(statistics.median(r["wall_s"] for r in rows), 5),
@@ -137,14 +158,25 @@ def run_one(args) -> None:
 
 def main(args) -> dict:
     results = []
-    for pp, schedule in RUNS:
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // pp)))
-        argv = [*sys.argv[1:], "--bench-run", f"{pp}:{schedule}"]
-        res = torchrun(os.path.abspath(__file__), pp, argv, env, 1800)
+    runs = [(pp, schedule, 1, pp) for pp, schedule in RUNS]
+    if args.stages:
+        runs = [(2, "1f1b", int(s), 4) for s in args.stages.split(",")]
+    for pp, schedule, stage, world in runs:
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+        argv = [*sys.argv[1:], "--bench-run", f"{pp}:{schedule}:{stage}:{world}"]
+        res = torchrun(os.path.abspath(__file__), world, argv, env, 1800)
         if "error" in res:
             res = {"pp": pp, "schedule": schedule, **res}
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "stages"}), file=sys.stderr)
+    if args.stages:  # against the first stage listed
+        base = results[0] if "batch_s" in results[0] else None
+        for r in results if base else []:
+            if "batch_s" in r:
+                r["vs_first_stage"] = {
+                    k: round(r[k] / base[k], 3)
+                    for k in ("batch_s", "model_state_bytes_per_rank", "peak_rss_mib")
+                }
     base = next((r for r in results if r["pp"] == 1 and "batch_s" in r), None)
     if base:
         for r in results:
