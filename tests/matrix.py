@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 from common import batch
+from parity import step_masters
 
 import zerostack
 from zerostack import ConfigError, Topology
@@ -209,17 +210,9 @@ def reference(moe: bool, replicas: int, shards: int, gas: int, precision: str):
                 lo = m * B + r * per
                 loss = model(x[lo : lo + per], y[lo : lo + per])
                 (loss.float() / (gas * replicas)).backward()
-        grads = [p.grad.float() for p in model.parameters()]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-        for s, g in zip(shadow, grads, strict=True):
-            s.grad = g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), shadow, strict=True):
-                p.copy_(s)
-        out.append(({n: s.detach().clone() for n, s in zip(names, shadow, strict=True)}, norm))
+        out.append(
+            step_masters(model, shadow, names, opt, [p.grad.float() for p in model.parameters()])
+        )
     return out
 
 

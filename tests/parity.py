@@ -99,17 +99,23 @@ def mixed_reference(optimizer: str, gas: int, dtype: torch.dtype, loss_scale: fl
             loss = model(x[lo : lo + B], y[lo : lo + B])
             (loss.float() * (loss_scale / gas)).backward()
         grads = [p.grad.float() / loss_scale for p in model.parameters()]
-        norm = global_norm(grads)
-        for s, g in zip(shadow, grads, strict=True):
-            s.grad = g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), shadow, strict=True):
-                p.copy_(s)
-        out.append(({n: s.detach().clone() for n, s in zip(names, shadow, strict=True)}, norm))
+        out.append(step_masters(model, shadow, names, opt, grads))
     return out
+
+
+def step_masters(model, shadow: list, names: list[str], opt, grads: list) -> tuple[dict, float]:
+    """The fp32 masters ``shadow`` (``opt``'s) take ``grads``, step, and are cast back into the
+    16-bit ``model``: (the masters after the step by name, the gradient norm)."""
+    norm = global_norm(grads)
+    for s, g in zip(shadow, grads, strict=True):
+        s.grad = g
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), shadow, strict=True):
+            p.copy_(s)
+    return {n: s.detach().clone() for n, s in zip(names, shadow, strict=True)}, norm
 
 
 def _config(case: dict, micro: int, nvme_root: str | None) -> dict:
