@@ -140,6 +140,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "hpZ beside expert parallelism accepted (its partitions were never built for it)",
+        "validate.py",
+        "    if topo.ep > 1 and cfg.zero_optimization.zero_hpz_partition_size > 1:",
+        "    if False:",
+        (f"{MOE}::test_hpz_beside_expert_parallelism_is_refused",),
+    ),
+    Mutant(
         "a refusal on one rank is not handed to the others (they wait in the engine)",
         "validate.py",
         "        refusals = [r for r in comm.all_gather_strings(refusal) if r]",

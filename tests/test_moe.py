@@ -312,6 +312,30 @@ def test_expert_parallel_gpt_under_a_pipeline_matches_single_process(schedule, s
     assert measure([combo])[1] == [("works", "")]
 
 
+def _hpz_with_ep(rank, world):
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+    }
+    try:
+        zerostack.initialize(model=GPT(cfg), config=config)
+    except zerostack.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_hpz_beside_expert_parallelism_is_refused():
+    assert run_distributed(_hpz_with_ep, 4) == [
+        "zero_optimization.zero_hpz_partition_size with MoE ep_size 2: hpZ's secondary "
+        "partitions are not built beside expert parallelism yet"
+    ] * 4
+
+
 def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
     torch.manual_seed(0)
     model = GPT(_cfg(1, 0.5))

@@ -53,6 +53,11 @@ def validate(
         raise ConfigError(f"{', '.join(refusal[0])}: {refusal[1]}")
     forward_only = optimizer is None and cfg.optimizer is None
     _check_optimizer(cfg, optimizer, lr_scheduler, forward_only)
+    if topo.ep > 1 and cfg.zero_optimization.zero_hpz_partition_size > 1:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size with MoE ep_size {topo.ep}: hpZ's "
+            "secondary partitions are not built beside expert parallelism yet"
+        )
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
