@@ -125,7 +125,7 @@ class DeepSpeedEngine(Engine):
         return self.zero_optimization_stage() > 0
 
     def zero_optimization_stage(self) -> int:
-        """The configured ZeRO stage (a pipeline runs stage 2 as 1; this still says 2)."""
+        """The configured ZeRO stage."""
         return self.config.zero_optimization.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
