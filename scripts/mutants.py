@@ -147,13 +147,6 @@ MUTANTS = [
         (f"{MOE}::test_hpz_beside_expert_parallelism_is_refused",),
     ),
     Mutant(
-        "a refusal on one rank is not handed to the others (they wait in the engine)",
-        "validate.py",
-        "        refusals = [r for r in comm.all_gather_strings(refusal) if r]",
-        "        refusals = [refusal] if refusal else []",
-        (f"{PIPE}::test_a_refusal_on_one_stage_is_every_stages",),
-    ),
-    Mutant(
         "stage 2 under a pipeline reduces once per batch, as stage 1 (no backward bracketed)",
         "zero/sharded_optimizer.py",
         "        self.reduces_each_backward = self.grads.every_micro_step",

@@ -33,7 +33,7 @@ from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
-from .validate import agreed, validate
+from .validate import validate
 from .watchdog import start_watchdog
 from .world import default_timeout, init_distributed
 
@@ -352,26 +352,23 @@ def initialize(
     cfg = load_config(config)
     if dist_init_required is not False:
         init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))
-    # a refusal on some ranks only (a pipeline stage's layers) is every rank's (validate.agreed)
-    topo = agreed(topology or _model_topology(model), _topology, model, cfg, topology, mpu)
+    topo = _topology(model, cfg, topology, mpu)
     if cfg.log_level is not None:  # DeepSpeed sets its own logger's level from the key
         logging.getLogger("zerostack").setLevel(cfg.log_level.upper())
     warn_no_effect(cfg, topo.global_rank)
     warn_pageable_offload(cfg, topo.device, topo.global_rank)
-    # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
-    # included) are summarised with zerostack.comm's while the logger is enabled
-    configure_comms(deepspeed_config=cfg)
-    comms_logger.follow(comm_for(topo).log)
     # "auto" chosen, then every cross-feature rule on the result (before any work)
-    resolved = agreed(
-        topo, validate, cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler
-    )
+    resolved = validate(cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler)
     cfg, forward_only = resolved.config, resolved.forward_only
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
     opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
         activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
+    # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
+    # included) are summarised with zerostack.comm's while the logger is enabled
+    configure_comms(deepspeed_config=cfg)
+    comms_logger.follow(comm_for(topo).log)
     _host_threads_for_offload(cfg, topo)
     runner = None  # micro-batch by micro-batch, or a pipeline's schedule
     if isinstance(model, PipelineModule):

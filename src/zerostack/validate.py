@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .comm.grid import comm_for
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
 from .pipeline.module import PipelineModule
 from .pipeline.schedule import DeadlockError, ScheduleError
@@ -112,29 +111,3 @@ def _check_pipeline(module: PipelineModule, cfg: ZeroStackConfig, stage: int, ga
             f"pipeline.schedule: {pcfg.schedule!r} cannot run {module.num_stages} stages x "
             f"{module.virtual_stages} chunks with gradient_accumulation_steps={gas}: {exc}"
         ) from None
-
-
-def agreed(grid: Topology | None, check, *args, **kwargs):
-    """``check(*args, **kwargs)``, with a refusal on any rank raised on every rank.
-
-    Part of a model is one rank's own (a pipeline stage's layers), so a rule may refuse on some
-    ranks and pass on others, which would go on into the engine's first collective and wait
-    there for the ranks that left. On ``grid`` (one that exists before the check: the one given,
-    or the model's) every rank hands on its refusal or "", and the first rank's refusal is raised
-    everywhere, as it was worded. Without a grid the check builds it, and what it refuses
-    (sizes, the config) every rank refuses alike."""
-    if grid is None:
-        return check(*args, **kwargs)
-    try:
-        out, refusal = check(*args, **kwargs), ""
-    except ConfigError as exc:
-        out, refusal = None, str(exc) or type(exc).__name__
-    comm = comm_for(grid)
-    step, comm.log.step = comm.log.step, -1  # set-up, as the engine's first broadcasts: no step's
-    try:
-        refusals = [r for r in comm.all_gather_strings(refusal) if r]
-    finally:
-        comm.log.step = step
-    if refusals:
-        raise ConfigError(refusals[0])
-    return out
