@@ -312,7 +312,8 @@ def test_expert_parallel_gpt_under_a_pipeline_matches_single_process(schedule, s
     assert measure([combo])[1] == [("works", "")]
 
 
-def _hpz_with_ep(rank, world):
+def _ep2(**zero):
+    """The MoE GPT at ep 2 (seeded) and a config with these zero_optimization keys."""
     import dataclasses
 
     cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
@@ -320,10 +321,15 @@ def _hpz_with_ep(rank, world):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+        "zero_optimization": zero,
     }
+    return GPT(cfg), config
+
+
+def _hpz_with_ep(rank, world):
+    model, config = _ep2(stage=3, zero_hpz_partition_size=2)
     try:
-        zerostack.initialize(model=GPT(cfg), config=config)
+        zerostack.initialize(model=model, config=config)
     except zerostack.ConfigError as exc:
         return str(exc)
     return None
@@ -431,17 +437,8 @@ def test_what_is_not_built_is_refused():
 
 
 def _ep_bytes(rank, world):
-    import dataclasses
-
-
-    cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
-    torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 2},
-    }
-    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    model, config = _ep2(stage=2)
+    engine, *_ = zerostack.initialize(model=model, config=config)
     log = engine.comm.log
     x, y = batch(rank, 2)
     first = len(log.records)
