@@ -545,19 +545,13 @@ def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path, saved_at, lo
 
 
 def _ep_reductions(rank, world, stage):
-    import dataclasses
+    from collections import Counter
 
     from zerostack.utils import safe_get_full_grad
 
-    cfg = dataclasses.replace(_cfg(1, 1.0), moe_ep_size=2)
-    torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage},
-    }
-    engine, *_ = zerostack.initialize(model=GPT(cfg), config=config)
+    model, config = _ep2(stage=stage, reduce_bucket_size=2000)  # a few buckets
+    config["gradient_accumulation_steps"] = 2
+    engine, *_ = zerostack.initialize(model=model, config=config)
     log = engine.comm.log
     first = log.count
     for m in range(2):
@@ -568,25 +562,71 @@ def _ep_reductions(rank, world, stage):
             grad = safe_get_full_grad(engine.module.wpe.weight)
             reading = range(read, log.count)  # the read's own collectives are not the step's
         engine.step()
-    calls = sum(
-        1
+    calls = Counter(
+        (r.op, r.axis)
         for r in log.since(first)
-        if r.op == "all_reduce" and r.axis == "ep" and r.seq not in reading
+        if r.op in ("all_reduce", "reduce_scatter") and r.seq not in reading
     )
-    shared = len(engine.replicas.ep_shared)
-    buckets = len(engine.zero.buckets)
+    shared = [fg for fg in engine.zero.groups if fg.cut.axis == "dp_ep"]
+    assert {p for fg in shared for p in fg.params} == engine.replicas.ep_shared
+    buckets = sum(len(fg.buckets) for fg in shared)
+    n_shared = len(engine.replicas.ep_shared)
     engine.destroy()
-    return calls, shared, buckets, grad
+    return calls, buckets, n_shared, grad
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_shared_gradients_cross_ep_once_per_step_in_buckets(stage):
-    """At ep > 1 the gradients every ep rank holds are summed over ep once per step, in
-    bucket-sized all-reduces of the reduced pieces: not one all-reduce per parameter at every
-    micro-step (2 micro-steps here). One more all-reduce over ep sums the gradient norm. A
-    shared parameter's gradient read before the step is already the average over ep (the same
-    on both ranks, which read different batches)."""
+def test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets(stage):
+    """At ep 2 (dp 1) the gradients every ep rank holds are reduced over the dp x ep ranks in
+    one collective per bucket: all-reduced (stage 0) or reduce-scattered (stages 1-2) once per
+    window, at every micro-step at stage 2 (2 here); the experts' (dp 1) are not reduced at
+    all, and over ep alone only the gradient norm is summed. A shared parameter's gradient read
+    before the step is the average over ep (the same on both ranks, which read different
+    batches)."""
     results = run_distributed(_ep_reductions, 2, args=(stage,))
-    for calls, shared, buckets, _ in results:
-        assert 1 <= calls - 1 <= buckets < 2 * shared, (calls, shared, buckets)
+    for calls, buckets, n_shared, _ in results:
+        assert 1 < buckets < n_shared, (buckets, n_shared)  # bucketed, not per parameter
+        reduce = "all_reduce" if stage == 0 else "reduce_scatter"
+        want = {(reduce, "dp_ep"): buckets * (2 if stage == 2 else 1), ("all_reduce", "ep"): 1}
+        if stage > 0:  # the norm of sharded gradients: summed over dp (of 1) and ep
+            want[("all_reduce", "dp")] = 1
+        assert calls == want, (calls, want)
     assert torch.equal(results[0][3], results[1][3])
+
+
+def _ep_census(rank, world, stage):
+    import census
+
+    from zerostack.moe import is_moe_param
+
+    before = census.baseline()
+    model, config = _ep2(stage=stage)
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = zerostack.initialize(model=model, config=config)
+    x, y = batch(rank, 2)
+    engine.backward(engine(x, y))
+    engine.step()
+    held = census.take(engine, exclude=before).bytes
+    params = list(engine.module.parameters())
+    shared = sum(p.numel() for p in params if not is_moe_param(p))
+    experts = sum(p.numel() for p in params if is_moe_param(p))  # this ep rank's
+    masters = len(engine.zero.masters())
+    engine.destroy()
+    return held, shared, experts, masters
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_no_rank_holds_the_shared_state_twice_at_ep_2(stage):
+    """dp 2 x ep 2, AdamW in fp32: a census of live storage finds on each rank the optimizer
+    state (two fp32 moments) of a quarter of the parameters every ep rank holds and of half of
+    its own experts: the shared state is cut over all 4 ranks, as DeepSpeed's data-parallel
+    group does, not held by both ep ranks. At stage 2 the gradients held are the same pieces
+    (fp32). Slack: a piece's padding (< 8 elements a master) and Adam's step counters."""
+    for held, shared, experts, masters in run_distributed(_ep_census, 4, args=(stage,)):
+        piece = shared / 4 + experts / 2  # elements of this rank's masters
+        assert 8 * piece <= held["optimizer"] <= 8 * (piece + 8 * masters) + 4 * masters, (
+            held,
+            piece,
+        )
+        if stage == 2:
+            assert 4 * piece <= held["grads"] <= 4 * (piece + 8 * masters), (held, piece)

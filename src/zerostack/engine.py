@@ -112,9 +112,8 @@ class Engine(nn.Module):
             comm=self.comm,
             precision=self.precision,
             prescale=prescale,
+            shared=self.replicas.ep_shared,
         )
-        if self.replicas.ep_shared:  # averaged over ep at each step
-            self.zero.ep_shared = self.replicas.ep_shared
         self.comm.log.step = 0
         self.full_params = FullParams(self)  # one parameter's full values (zerostack.utils)
         attach(self, module)
@@ -147,9 +146,10 @@ class Engine(nn.Module):
 
     def replicated_elsewhere(self) -> set[nn.Parameter]:
         """Parameters another rank also holds and counts (in the gradient norm, in checkpoints):
-        tp replicas off tp rank 0, all but the experts off ep rank 0 (and, under a pipeline,
-        tied copies off their first stage)."""
-        return self.replicas.elsewhere() | self.runner.replicated()
+        tp replicas off tp rank 0, all but the experts off ep rank 0 where the strategy does
+        not cut their state over ep (and, under a pipeline, tied copies off their first
+        stage)."""
+        return self.replicas.elsewhere(self.zero.cut_over_ep) | self.runner.replicated()
 
     def _require_optimizer(self, what: str) -> None:
         self._refuse_under_a_pipeline()

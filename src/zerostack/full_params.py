@@ -136,8 +136,9 @@ class FullParams:
         out = torch.zeros(math.prod(full_shape(p)), dtype=torch.float32, device=self.device)
         for lo, hi, master, a, b in self._slices_of(p):
             out[lo:hi] = zero.read_master(master, self.engine.optimizer)[kind][a:b]
-        if zero.grads_sharded:  # each dp rank holds other elements (the rest are zeros)
-            self.engine.comm.all_reduce(out, axis="dp")
+        axis = zero.state_axis(p)
+        if axis is not None:  # each rank of the axis holds other elements (the rest are zeros)
+            self.engine.comm.all_reduce(out, axis=axis)
         return self.join_tp(p, out.view(full_shape(p)))
 
     def set_value(

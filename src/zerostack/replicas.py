@@ -3,8 +3,9 @@ once (in the gradient norm, in checkpoints).
 
 Parameters not split by tensor parallelism are replicas on the tp ranks: they start as tp rank
 0 has them (with the buffers), and tp rank 0 counts them. With expert parallelism every ep rank
-holds all but the experts: ep rank 0 counts those, and the ZeRO strategy sums their gradients
-over ep at each step.
+holds all but the experts: ep rank 0 counts those, unless the ZeRO strategy cuts their state
+over the ep ranks too (stages 1-2: each rank counts its piece), and the strategy sums their
+gradients over ep.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ class Replicas:
         """What every ep rank holds (empty without expert parallelism)."""
         return self._ep_replicas
 
-    def elsewhere(self) -> set[nn.Parameter]:
+    def elsewhere(self, cut_over_ep: set[nn.Parameter] | frozenset = frozenset()):
         """Those another rank also holds and counts: tp replicas off tp rank 0, all but the
-        experts off ep rank 0."""
+        experts off ep rank 0, save those in ``cut_over_ep`` (whose state each rank holds a
+        piece of)."""
         topo = self.topology
         held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()
         if topo.ep > 1 and topo.rank("ep") != 0:
-            held = held | self._ep_replicas
+            held = held | (self._ep_replicas - cut_over_ep)
         return held

@@ -18,7 +18,10 @@ ZeRO shards and reduces over all of it, while the batch is split over
 Expert parallelism (``ep``, a MoE layer's ``ep_size``) is a mesh axis of its own, between dp and
 tp: the ``ep`` ranks of a group hold different experts and read different batches. The dp axis
 is then the expert-data-parallel group (the ranks holding the same experts), which ZeRO shards
-and reduces over; the batch is split over ``data_parallel_size = dp * ep`` replicas.
+and reduces over; the batch is split over ``data_parallel_size = dp * ep`` replicas. The
+parameters every ep rank holds (all but the experts) are held by the ``dp * ep`` ranks of the
+``dp_ep`` axis, over which ZeRO stages 1-2 cut their state (DeepSpeed's data-parallel group,
+beside its expert-data-parallel one).
 """
 
 from __future__ import annotations
@@ -120,7 +123,21 @@ class Topology:
         hold_groups(topo)
         if sp > 1:
             topo.dp_subgroup(sp)  # a collective: made here, while every rank builds the grid
+        if ep > 1:
+            topo._dp_ep_groups()  # a collective too
         return topo
+
+    def _dp_ep_groups(self) -> None:
+        """The ``dp_ep`` axis: the ``dp * ep`` ranks at this rank's pp and tp coordinates, in
+        rank order (so this rank's place is ``dp_rank * ep + ep_rank``). Every rank makes every
+        group, in one order."""
+        mine = None
+        for p, t in product(range(self.pp), range(self.tp)):
+            ranks = [int(r) for r in self.mesh.mesh[p, :, :, t].reshape(-1)]
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.global_rank in ranks:
+                mine = group
+        self._subgroups["dp_ep"] = mine
 
     def release_groups(self) -> None:
         """Drop the mesh's references to its groups (:func:`shutdown`; the grid is unusable
@@ -150,8 +167,13 @@ class Topology:
         return self._subgroups[size]
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along ``axis`` ('pp', 'dp', 'tp', or 'sp' when
-        sp > 1: the ranks sharing this rank's batch)."""
+        """The process group of this rank along ``axis`` ('pp', 'dp', 'tp'; 'sp' when sp > 1:
+        the ranks sharing this rank's batch; 'ep' and 'dp_ep' when ep > 1, the latter the ranks
+        holding the same shared parameters, the dp axis itself when ep is 1)."""
+        if axis == "dp_ep" and self.ep == 1:
+            axis = "dp"
+        if axis == "dp_ep":
+            return self._subgroups["dp_ep"]
         if axis == "sp":
             if self.sp == 1:
                 raise TopologyError("the grid has no sp axis (sp is 1)")
@@ -161,6 +183,8 @@ class Topology:
         return self.mesh.get_group(axis)
 
     def size(self, axis: str) -> int:
+        if axis == "dp_ep":
+            return self.dp * self.ep
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep}[axis]
 
     def rank(self, axis: str) -> int:
@@ -169,6 +193,8 @@ class Topology:
             return self.mesh.get_local_rank("dp") % self.sp
         if axis == "ep" and self.ep == 1:
             return 0
+        if axis == "dp_ep":
+            return self.dp_rank * self.ep + self.rank("ep")
         return self.mesh.get_local_rank(axis)
 
     @property

@@ -9,7 +9,7 @@ accumulated without 16-bit rounding).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..zero.partition import piece_numel
 
@@ -30,11 +30,14 @@ class EstimateError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """One rank's place in the grid and what it keeps where."""
+    """One rank's place in the grid and what it keeps where. With expert parallelism ``dp``
+    is the expert-data-parallel degree (the ranks holding the same experts) and ``ep`` the
+    ranks splitting the experts: what all of them hold is held by ``dp * ep`` ranks."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     stage: int = 0
     precision: str = "fp32"
     optimizer: str = "adam"
@@ -42,7 +45,7 @@ class Layout:
     offload_param: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)!r} is not a positive integer")
         if self.stage not in (0, 1, 2, 3):
@@ -62,7 +65,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.ep * self.tp * self.pp
 
 
 @dataclass
@@ -93,6 +96,15 @@ class ModelStates:
     def as_dict(self) -> dict:
         return {**asdict(self), "device": self.device, "total": self.total}
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        """Both parts' bytes (one kept bucket: the larger)."""
+        kinds = ("params", "grads", "master", "optimizer")
+        out = ModelStates(**{k: getattr(self, k) + getattr(other, k) for k in kinds})
+        out.scratch = max(self.scratch, other.scratch)
+        for k in self.host.keys() | other.host.keys():
+            out.host[k] = self.host.get(k, 0) + other.host.get(k, 0)
+        return out
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -106,6 +118,7 @@ def model_states(
     sizes: list[int] | None = None,
     persistent: int = 0,
     bucket: int | None = None,
+    experts: int = 0,
 ) -> ModelStates:
     """Model-state bytes per rank for ``trained`` (and ``frozen``) parameters held by this
     rank's tensor- and pipeline-parallel slice, as zerostack lays them out.
@@ -131,9 +144,25 @@ def model_states(
     when smaller): at stages 1-2 with dp > 1 one bucket's buffer in the compute dtype is kept
     between steps for the next backward's reduction (``scratch``: zerostack's pool on the CPU,
     the caching allocator's block on a GPU); None leaves it out.
+
+    ``experts``: how many of ``trained`` are this rank's experts (at ``layout.ep`` > 1). Their
+    state is cut over the ``dp`` ranks holding the same experts; the rest, which every ep rank
+    holds, over all ``dp * ep`` ranks (stages 1-2), each its own buckets.
     """
-    if trained < 0 or frozen < 0:
-        raise EstimateError(f"parameters: {trained} trained, {frozen} frozen; need >= 0")
+    if trained < 0 or frozen < 0 or not 0 <= experts <= trained:
+        raise EstimateError(
+            f"parameters: {trained} trained ({experts} experts), {frozen} frozen; need >= 0"
+        )
+    if layout.ep > 1 and experts and layout.stage in (1, 2):
+        if sizes is not None:
+            raise EstimateError("sizes: not with experts (give the counts alone)")
+        own = replace(layout, ep=1)
+        shared = model_states(trained - experts, replace(own, dp=layout.dp * layout.ep))
+        out = shared + model_states(experts, own, frozen)
+        if bucket is not None:  # the largest bucket of either part
+            biggest = min(bucket, max(experts, trained - experts))
+            out.scratch = PRECISION_BYTES[layout.precision] * biggest
+        return out
     c = PRECISION_BYTES[layout.precision]
     k = OPTIMIZER_STATE_BYTES[layout.optimizer]
     dp, stage = layout.dp, layout.stage

@@ -14,9 +14,18 @@ from .strategy import ZeroStrategy
 
 
 def build_strategy(
-    module: nn.Module, groups: list[dict], *, config, stage: int, comm, precision, prescale: float
+    module: nn.Module,
+    groups: list[dict],
+    *,
+    config,
+    stage: int,
+    comm,
+    precision,
+    prescale: float,
+    shared: set[nn.Parameter] | frozenset = frozenset(),
 ) -> ZeroStrategy:
-    """The strategy for ZeRO ``stage`` with the config's buckets, prefetch and offload."""
+    """The strategy for ZeRO ``stage`` with the config's buckets, prefetch and offload;
+    ``shared``: at ep > 1, the parameters every ep rank holds (all but the experts)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: zerostack builds stages 0, 1, 2 and 3")
     zcfg = config.zero_optimization
@@ -27,7 +36,7 @@ def build_strategy(
     if stage == 3:
         if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
             common.update(offload_param=zcfg.offload_param)
-        return Stage3(
+        strategy = Stage3(
             module,
             groups,
             prefetch_numel=zcfg.effective_prefetch_bucket_size,
@@ -41,6 +50,8 @@ def build_strategy(
             hpz_partition_size=zcfg.zero_hpz_partition_size,
             **common,
         )
+        strategy.ep_shared = shared  # averaged over ep at each step
+        return strategy
     return ShardedDataParallel(
         module,
         groups,
@@ -49,5 +60,6 @@ def build_strategy(
         grads=ShardedGrads if stage == 2 else FullGrads,
         bucket_numel=zcfg.effective_reduce_bucket_size,
         reduce_scatter=zcfg.reduce_scatter,
+        shared=shared,
         **common,
     )

@@ -16,6 +16,28 @@ from ..comm import Comm
 from .partition import Bucket, FlatLayout
 
 
+@dataclass(frozen=True)
+class Cut:
+    """Where a flat group's gradients are summed and its state is cut: over the grid's
+    ``axis`` ('dp': the ranks holding the same parameters; 'dp_ep': with expert parallelism,
+    the ``dp * ep`` ranks holding what all but the experts are), ``size`` ranks, this one at
+    ``rank``; its masters and optimizer state shared by ``world`` of them (``size``, stages 1-2;
+    1, stage 0: every rank holds all). Its gradients are multiplied by ``prescale`` before
+    they are summed, so that every group's sum times the strategy's one ``grad_post`` is the
+    mean over the global batch."""
+
+    axis: str = "dp"
+    size: int = 1
+    rank: int = 0
+    world: int = 1
+    prescale: float = 1.0
+
+    @property
+    def piece_rank(self) -> int:
+        """Which piece of each bucket this rank holds (0: the whole, when not cut)."""
+        return self.rank if self.world > 1 else 0
+
+
 def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
     """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
     so every rank starts alike, and cast the floating-point ones to the compute dtype."""
@@ -65,6 +87,7 @@ class FlatGroup:
     params_flat: torch.Tensor
     grads_flat: torch.Tensor | None  # stages 0-1
     grad_shard: torch.Tensor | None  # stage 2, in the accumulation dtype (fp32 by default)
+    cut: Cut = Cut()
     buckets: list[int] = field(default_factory=list)  # indices into ShardedDataParallel.buckets
 
     @classmethod
@@ -75,6 +98,7 @@ class FlatGroup:
         layout: FlatLayout,
         *,
         comm: Comm,
+        cut: Cut,
         dtype: torch.dtype,
         device: torch.device,
         grad_shard_device: torch.device | None,
@@ -83,11 +107,12 @@ class FlatGroup:
         master_for,
     ) -> tuple[FlatGroup, list[torch.Tensor]]:
         """The group's buffers, its parameters made views of them, and the fp32 masters of
-        ``pieces`` (this rank's ``[lo, hi)`` of each bucket, dp rank 0's values).
+        ``pieces`` (this rank's ``[lo, hi)`` of each bucket, the values of rank 0 of the
+        ``cut``'s axis).
 
         Parameter by parameter, so the start costs little more than the steady state (not a
         whole fp32 copy of the model beside the model and its 16-bit buffer): each value is
-        broadcast from dp rank 0 in fp32, written into the masters it overlaps and, cast, into
+        broadcast from that rank in fp32, written into the masters it overlaps and, cast, into
         the parameter buffer, whose view then replaces the parameter (its own storage goes).
         ``master_for(numel)`` makes a zeroed master (where it lives: the device, or pinned host
         memory when offloaded); in fp32 without offload the master is a view of the parameter
@@ -108,8 +133,8 @@ class FlatGroup:
                 value = dst.copy_(p.detach().reshape(-1))
             else:
                 value = p.detach().reshape(-1).to(device=device, dtype=torch.float32)
-            if comm.topo.dp > 1:
-                comm.broadcast(value, src=0, axis="dp")
+            if cut.size > 1:
+                comm.broadcast(value, src=0, axis=cut.axis)
             if value is not dst:
                 dst.copy_(value)
             lo, hi = pieces[bucket_of[pos]]
@@ -134,4 +159,4 @@ class FlatGroup:
             # autograd sums into the buffer itself when it is in the parameters' dtype
             as_grad = grads_flat is not None and grad_dtype == dtype
             p.grad = grads_flat[slot.offset : slot.end].view(slot.shape) if as_grad else None
-        return cls(params, options, layout, params_flat, grads_flat, grad_shard), masters
+        return cls(params, options, layout, params_flat, grads_flat, grad_shard, cut), masters

@@ -20,7 +20,8 @@ from .strategy import tally
 
 class FlatState:
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2)."""
+        """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2, over
+        each flat group's axis)."""
         out = {}
         for fg in self.groups:
             full = torch.empty(
@@ -30,10 +31,10 @@ class FlatState:
                 st = self.buckets[b]
                 region = full[st.bucket.start : st.bucket.end]
                 master = self.master_value(st.master).to(full.device)
-                if self.shard_world == 1:
+                if fg.cut.world == 1:
                     region.copy_(master)
                 else:
-                    self.comm.all_gather(region, master.clone(), axis="dp")
+                    self.comm.all_gather(region, master.clone(), axis=fg.cut.axis)
             for slot in fg.layout.slots:
                 out[fg.params[slot.index]] = full[slot.offset : slot.end].view(slot.shape)
         return out
@@ -42,14 +43,14 @@ class FlatState:
     def owns_replica(self) -> bool:
         """Whether this rank writes the state it holds: its own part, or dp rank 0 the whole
         (replicated, stage 0)."""
-        return self.shard_world > 1 or self.rank == 0
+        return self.sharded_state or self.rank == 0
 
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
         for st in self.buckets:
             fg = self.groups[st.group]
-            piece_lo, _ = fg.layout.piece(st.bucket, self.shard_rank)
+            piece_lo, _ = fg.layout.piece(st.bucket, fg.cut.piece_rank)
             for a, b, p in st.segments:
                 start = self._where[p][1].start
                 yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b

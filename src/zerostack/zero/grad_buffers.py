@@ -1,7 +1,8 @@
 """The gradient buffers of ZeRO stages 0-2: the one policy that tells the stages apart in backward.
 
 Stages 0-2 are one strategy (:class:`~.sharded_optimizer.ShardedDataParallel`: flat parameter
-buffers and the fp32 masters of this rank's pieces, ``shard_world`` ranks sharing the state)
+buffers and the fp32 masters of this rank's pieces, each flat group reduced and cut over the
+ranks of its :class:`~.flat_params.Cut`)
 composed with one of two gradient buffers. As backward accumulates each gradient, the buffer
 takes it into its bucket, and the :class:`~.reducer.GradReducer` launches the bucket's
 collective once the bucket is complete, in bucket order on every rank.
@@ -10,8 +11,8 @@ collective once the bucket is complete, in bucket order on every rank.
 buffer        held over the accumulation window     reduced
 ============  ====================================  ==========================================
 FullGrads     the full flat buffer                  on the boundary: all-reduced in place when
-                                                    every rank holds the whole state (stage 0,
-                                                    or dp 1), else reduce-scattered into this
+                                                    every rank holds the whole state (stage 0),
+                                                    else reduce-scattered into this
                                                     rank's piece for the step (stage 1)
 ShardedGrads  this rank's pieces (the shard)        every micro-step: the bucket's gradients
                                                     copied out (staging), the full-size ones
@@ -77,8 +78,9 @@ class GradBuffer:
 
     @property
     def communicates_now(self) -> bool:
-        """Whether this micro-step's backward launches collectives (at dp 1, none)."""
-        return self.flat.dp > 1 and (self.every_micro_step or self.flat.boundary)
+        """Whether this micro-step's backward launches collectives (at dp 1 without ep, none;
+        a bucket whose cut has one rank is then handled where it launches)."""
+        return self.flat.reduces and (self.every_micro_step or self.flat.boundary)
 
     def done(self) -> Callable[[int], None] | None:
         """What the reducer calls as each bucket completes; given one, it waits for buckets in
@@ -96,31 +98,34 @@ class GradBuffer:
     def _reduce(self, st, chunk: torch.Tensor) -> Handle | KeepPiece:
         """Reduce bucket ``st``'s gradients ``chunk`` so that this rank gets its piece."""
         f = self.flat
-        sent = in_dtype(chunk, f.reduce_dtype, f.prescale)
+        cut = f.groups[st.group].cut
+        sent = in_dtype(chunk, f.reduce_dtype, cut.prescale)
         if not f.reduce_scatter:
-            handle = f.comm.all_reduce(sent, axis="dp", async_op=True)
-            return KeepPiece(handle, sent, st, f.rank, copy=sent is not chunk)
+            handle = f.comm.all_reduce(sent, axis=cut.axis, async_op=True)
+            return KeepPiece(handle, sent, st, cut.rank, copy=sent is not chunk)
         out = self._piece_out(st, sent)
-        return f.comm.reduce_scatter(out, sent, axis="dp", async_op=True, pool=f.buffers)
+        return f.comm.reduce_scatter(out, sent, axis=cut.axis, async_op=True, pool=f.buffers)
 
     def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _whole_bucket(self, piece: torch.Tensor) -> torch.Tensor:
-        """A bucket, fp32, from every rank's piece of it (all-gathered over dp)."""
+    def _whole_bucket(self, st, piece: torch.Tensor) -> torch.Tensor:
+        """Bucket ``st``, fp32, from every rank's piece of it (all-gathered over its cut)."""
         f = self.flat
+        cut = f.groups[st.group].cut
         piece = piece.to(device=f.comm.topo.device, dtype=torch.float32)
-        if f.dp == 1:
+        if cut.world == 1:
             return piece
-        out = piece.new_empty(piece.numel() * f.dp)
-        f.comm.all_gather(out, piece, axis="dp")
+        out = piece.new_empty(piece.numel() * cut.world)
+        f.comm.all_gather(out, piece, axis=cut.axis)
         return out
 
     def _write_piece(self, st, rng: slice, value: torch.Tensor) -> None:
         """Write the elements of ``value`` (a parameter's whole flat gradient, at ``rng`` of
         the group's buffer) that fall in this rank's piece of bucket ``st``."""
         f = self.flat
-        lo, hi = f.groups[st.group].layout.piece(st.bucket, f.shard_rank)
+        fg = f.groups[st.group]
+        lo, hi = fg.layout.piece(st.bucket, fg.cut.piece_rank)
         a, b = max(rng.start, lo), min(rng.stop, hi)
         if a < b:
             self.grad_piece(st)[a - lo : b - lo].copy_(value[a - rng.start : b - rng.start])
@@ -139,8 +144,8 @@ class GradBuffer:
 
     def flush(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for every collective
-        (at dp = 1 there is nothing to reduce)."""
-        if self.flat.dp > 1:
+        (at dp = 1 without ep there is nothing to reduce)."""
+        if self.flat.reduces:
             self.flat.reducer.flush()
         else:
             self.flat.reducer.reset()
@@ -153,7 +158,7 @@ class FullGrads(GradBuffer):
 
     def done(self) -> Callable[[int], None] | None:
         # a sharded state (stage 1) waits in backward; nothing is left to do per bucket
-        return (lambda b: None) if self.flat.shard_world > 1 else None
+        return (lambda b: None) if self.flat.grads_sharded else None
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
         f = self.flat
@@ -171,12 +176,15 @@ class FullGrads(GradBuffer):
     def launch(self, b: int) -> Handle | CastBack | KeepPiece:
         f = self.flat
         st = f.buckets[b]
+        cut = f.groups[st.group].cut
         chunk = f.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
-        if f.shard_world > 1:
+        if cut.size == 1:  # its own sum already
+            return None
+        if cut.world > 1:
             return self._reduce(st, chunk)
         # every rank holds the whole state: the sum is kept in place
-        sent = in_dtype(chunk, f.reduce_dtype, f.prescale)
-        handle = f.comm.all_reduce(sent, axis="dp", async_op=True)
+        sent = in_dtype(chunk, f.reduce_dtype, cut.prescale)
+        handle = f.comm.all_reduce(sent, axis=cut.axis, async_op=True)
         return handle if sent is chunk else CastBack(handle, sent, chunk)
 
     def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
@@ -186,7 +194,7 @@ class FullGrads(GradBuffer):
     def end_backward(self) -> None:
         """A sharded state waits for the boundary's reduction, so no collective's buffers
         outlive backward (as DeepSpeed's engine does)."""
-        if self.flat.shard_world > 1 and self.communicates_now:
+        if self.flat.grads_sharded and self.communicates_now:
             self.flat.reducer.settle()
 
     def before_step(self) -> None:
@@ -194,7 +202,7 @@ class FullGrads(GradBuffer):
 
     def grad_piece(self, st) -> torch.Tensor:
         """This rank's summed gradient for the bucket."""
-        if self.flat.shard_world > 1:
+        if self.flat.groups[st.group].cut.world > 1:
             return st.piece
         return self.flat.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
 
@@ -202,23 +210,25 @@ class FullGrads(GradBuffer):
         """It waits for the boundary's reduction if backward launched it, or sums a copy of the
         local gradients mid-window."""
         f = self.flat
-        reduced = f.dp > 1 and f.reducer.settle()
-        if reduced and f.shard_world > 1:
+        cut = f.groups[st.group].cut
+        reduced = f.reduces and f.reducer.settle()
+        if reduced and cut.world > 1:
             lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
-            return self._whole_bucket(st.piece)[lo:hi]
+            return self._whole_bucket(st, st.piece)[lo:hi]
         grad = f.groups[st.group].grads_flat[rng].to(torch.float32, copy=True)
-        if f.dp > 1 and not reduced:
-            grad.mul_(f.prescale)
-            f.comm.all_reduce(grad, axis="dp")
+        if cut.size > 1 and not reduced:
+            grad.mul_(cut.prescale)
+            f.comm.all_reduce(grad, axis=cut.axis)
         return grad
 
     def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
         """The inverse of :meth:`window_grad`: before the boundary's reduction each rank's
         own gradient, which the reduction sums over dp (prescaled) into ``value``."""
         f = self.flat
-        reduced = f.dp > 1 and f.reducer.settle()
-        if f.dp > 1 and not reduced:  # every rank holds an equal share: the sum is the value
-            f.groups[st.group].grads_flat[rng].copy_(value / (f.prescale * f.dp))
+        cut = f.groups[st.group].cut
+        reduced = f.reduces and f.reducer.settle()
+        if cut.size > 1 and not reduced:  # every rank holds an equal share: the sum is the value
+            f.groups[st.group].grads_flat[rng].copy_(value / (cut.prescale * cut.size))
             return
         self._write_piece(st, rng, value)
 
@@ -252,6 +262,9 @@ class ShardedGrads(GradBuffer):
         if st.staging is None:  # no parameter of this bucket got a gradient
             st.staging = self._staging_for(st, f.groups[st.group].params_flat.device)
         self._zero_missing(st)
+        if f.groups[st.group].cut.size == 1:  # the staged bucket is the whole piece
+            st.piece, st.staging = st.staging, None
+            return None
         return self._reduce(st, st.staging)
 
     def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
@@ -305,12 +318,12 @@ class ShardedGrads(GradBuffer):
         """Finish this micro-step's reduction: each bucket's piece is added into the shard as
         its collective completes."""
         f = self.flat
-        if f.dp == 1:  # nothing is reduced: the staged bucket is the whole piece
+        if not f.reduces:  # nothing is reduced: the staged bucket is the whole piece
             for st in f.buckets:
                 if st.staging is not None:
                     self._zero_missing(st)
         self.flush()
-        if f.dp == 1:
+        if not f.reduces:
             for st in f.buckets:
                 st.piece, st.staging = st.staging, None
                 self._add_piece(st)
@@ -325,7 +338,7 @@ class ShardedGrads(GradBuffer):
     def window_grad(self, p: nn.Parameter, st, rng: slice) -> torch.Tensor:
         self.flat.downloads.settle()
         lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
-        return self._whole_bucket(self._shard_of(st))[lo:hi]
+        return self._whole_bucket(st, self._shard_of(st))[lo:hi]
 
     def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
         self.flat.downloads.settle()  # no late add over what is written

@@ -15,18 +15,23 @@ stage     gradients held              reduction                        fp32 mast
 2         this rank's pieces, fp32    reduce-scatter, every micro-step this rank's pieces
 ========  ==========================  ===============================  =========================
 
-Stage 0 is the state replicated (``shard_world`` 1), stages 1-2 sharded over dp; the gradients
+Stage 0 is the state replicated, stages 1-2 sharded over dp; the gradients
 are held in a :class:`~.grad_buffers.GradBuffer`, full (stages 0-1) or sharded (stage 2): the
 builder (:mod:`.build`) makes both choices. The gradients held are in
 ``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0 only takes the compute
 dtype), and reduced in ``communication_data_type`` (see :mod:`.grad_buffers`).
 
+With expert parallelism, each optimizer group's parameters are two flat groups: the experts,
+summed and cut over dp (the expert-data-parallel ranks), and the rest, which every ep rank
+holds, summed and cut over the ``dp * ep`` ranks of the grid's ``dp_ep`` axis, so no rank holds
+their state twice (DeepSpeed's MoE groups; each flat group's :class:`~.flat_params.Cut`).
+
 The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (with the default
-bucket size that is one tensor per group). In fp32 training at stages 0-2 those tensors are views of
-the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate fp32 masters
-made from the original fp32 weights. After a step at stages 1-2 the updated pieces are all-gathered
-into every rank's parameter buffer, overlapping the step where the optimizer allows it
-(:mod:`.write_back`).
+bucket size that is one tensor per flat group). In fp32 training at stages 0-2 those tensors are
+views of the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate
+fp32 masters made from the original fp32 weights. After a step at stages 1-2 the updated pieces
+are all-gathered into every rank's parameter buffer, overlapping the step where the optimizer
+allows it (:mod:`.write_back`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from ..comm import Comm
 from ..core import scratch
 from ..pinned import host_empty, host_zeros
 from ..precision import Precision
-from .flat_params import BucketState, FlatGroup, sync_from_rank0
+from .flat_params import BucketState, Cut, FlatGroup, sync_from_rank0
 from .flat_state import FlatState
 from .grad_buffers import GradBuffer
 from .masters import master_store
@@ -50,9 +55,10 @@ from .write_back import WriteBack
 
 
 class ShardedDataParallel(FlatState, StepSequence):
-    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2: the state shared
-    by ``shard_world`` ranks (1: replicated, stage 0), the gradients held in ``grads`` (a
-    :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or sharded, stage 2)."""
+    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2: the state
+    replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's ranks,
+    the gradients held in ``grads`` (a :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or
+    sharded, stage 2). ``shared``: at ep > 1, the parameters every ep rank holds."""
 
     def __init__(
         self,
@@ -69,6 +75,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         offload=None,
         sub_group_numel: int | None = None,
         reduce_scatter: bool = True,
+        shared: set[nn.Parameter] | frozenset = frozenset(),
     ) -> None:
         # offload_optimizer: fp32 masters and optimizer state in host memory ("cpu") or files
         # ("nvme"); the optimizer steps on the host either way.
@@ -76,14 +83,13 @@ class ShardedDataParallel(FlatState, StepSequence):
         self._pin = bool(offload is not None and offload.pin_memory)
         self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
         self.downloads = Downloads(comm.topo.device)  # stage 2's pieces to an offloaded shard
-        self.ep_shared: set[nn.Parameter] = set()  # MoE: averaged over ep at the step
         self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
         self.host_meter = HostMeter()
         self.module, self.comm, self.precision = module, comm, precision
         self.stage = stage  # a label (the Protocol's): the choices are the two below
-        self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
-        # the ranks sharing the masters and optimizer state, and this rank's place among them
-        self.shard_world, self.shard_rank = (self.dp, self.rank) if sharded_state else (1, 0)
+        topo = comm.topo
+        self.dp, self.rank = topo.dp, topo.dp_rank
+        self.sharded_state = sharded_state
         self.grads = grads(self)
         self.reduces_each_backward = self.grads.every_micro_step  # stage 2 (the Protocol's)
         self.prescale = prescale
@@ -91,16 +97,21 @@ class ShardedDataParallel(FlatState, StepSequence):
         self.reduce_dtype = precision.reduce_dtype
         self.accum_dtype = precision.accum_dtype(stage)
         self.groups: list[FlatGroup] = []
+        self._of_group: list[list[int]] = []  # optimizer group -> its flat groups
         self.buckets: list[BucketState] = []
         # param -> (bucket state index, its range in the group's flat buffer)
         self._where: dict[nn.Parameter, tuple[int, slice]] = {}
         self.boundary = True
         device = next(module.parameters()).device
         dtype = precision.compute_dtype
-        shard_world, shard_rank = self.shard_world, self.shard_rank
-        if self.offload == "nvme" and sub_group_numel:
-            # a rank's piece of a bucket is one sub-group: the unit swapped to and from the disk
-            bucket_numel = min(bucket_numel, sub_group_numel * shard_world)
+        # at dp 1 nothing is prescaled (grad_post); each cut's factor makes its sum the dp one
+        base = prescale if topo.dp > 1 else 1.0
+
+        def cut(axis: str) -> Cut:
+            size, rank = topo.size(axis), topo.rank(axis)
+            world = size if sharded_state else 1
+            return Cut(axis, size, rank, world, base * topo.dp / size)
+
         # a sharded buffer keeps gradient pieces (on the host when offloaded), else full ones
         shard_device = host_device() if self.offload != "none" else device
         shard_device = shard_device if self.grads.shard_held else None
@@ -115,18 +126,31 @@ class ShardedDataParallel(FlatState, StepSequence):
                 return None
             return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
 
-        for g, group in enumerate(groups):
-            params = list(group["params"])
-            layout = FlatLayout.build(
-                [tuple(p.shape) for p in params], world=shard_world, bucket_numel=bucket_numel
-            )
+        parts = []  # (optimizer group, options, cut, params) of each flat group
+        for i, group in enumerate(groups):
             options = {k: v for k, v in group.items() if k != "params"}
-            pieces = [layout.piece(bucket, shard_rank) for bucket in layout.buckets]
+            params = list(group["params"])
+            self._of_group.append([])
+            split = [("dp", [p for p in params if p not in shared]),
+                     ("dp_ep", [p for p in params if p in shared])]  # fmt: skip
+            for axis, mine in [(a, ps) for a, ps in split if ps] or [("dp", params)]:
+                parts.append((i, options, cut(axis), mine))
+        for g, (i, options, fcut, params) in enumerate(parts):
+            self._of_group[i].append(g)
+            numel = bucket_numel
+            if self.offload == "nvme" and sub_group_numel:
+                # a rank's piece of a bucket is one sub-group: the unit swapped with the disk
+                numel = min(bucket_numel, sub_group_numel * fcut.world)
+            layout = FlatLayout.build(
+                [tuple(p.shape) for p in params], world=fcut.world, bucket_numel=numel
+            )
+            pieces = [layout.piece(bucket, fcut.piece_rank) for bucket in layout.buckets]
             fg, masters = FlatGroup.build(
                 params,
                 options,
                 layout,
                 comm=comm,
+                cut=fcut,
                 dtype=dtype,
                 device=device,
                 grad_shard_device=shard_device,
@@ -153,9 +177,8 @@ class ShardedDataParallel(FlatState, StepSequence):
         biggest = max((st.bucket.numel for st in self.buckets), default=0)
         self.rest_bytes = biggest * self.reduce_dtype.itemsize
         self.write_back = WriteBack(
-            self.groups, self.buckets, comm=comm, shard_world=self.shard_world,
-            uploads=self.uploads, buffers=self.buffers,
-        )  # fmt: skip
+            self.groups, self.buckets, comm=comm, uploads=self.uploads, buffers=self.buffers
+        )
         self._sync_untracked(dtype)
         # a sharded state: each bucket is waited for (and, sharded gradients, added into the
         # shard and its buffers freed) while backward goes on, at most two in flight
@@ -172,15 +195,34 @@ class ShardedDataParallel(FlatState, StepSequence):
 
     # ----------------------------------------------------------------------------- step
     def optimizer_groups(self) -> list[dict]:
-        return [
-            {"params": [self.buckets[b].master for b in fg.buckets], **fg.options}
-            for fg in self.groups
-        ]
+        out = []
+        for flats in self._of_group:
+            masters = [self.buckets[b].master for g in flats for b in self.groups[g].buckets]
+            out.append({"params": masters, **self.groups[flats[0]].options})
+        return out
+
+    @property
+    def reduces(self) -> bool:
+        """Whether any gradient is summed over other ranks (not at dp 1 without ep)."""
+        return any(fg.cut.size > 1 for fg in self.groups)
 
     @property
     def grads_sharded(self) -> bool:
         """Whether each rank holds a different part of the gradient (the norm needs a reduce)."""
-        return self.shard_world > 1
+        return any(fg.cut.world > 1 for fg in self.groups)
+
+    @property
+    def cut_over_ep(self) -> set[nn.Parameter]:
+        """The parameters every ep rank holds whose state is cut over the ``dp * ep`` ranks
+        (stages 1-2 at ep > 1): each rank counts and saves its own piece of them."""
+        return {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
+                for p in fg.params}  # fmt: skip
+
+    def state_axis(self, p: nn.Parameter) -> str | None:
+        """The axis over which ``p``'s master is cut, None where every rank holds it whole."""
+        b, _ = self._where[p]
+        fcut = self.groups[self.buckets[b].group].cut
+        return fcut.axis if fcut.world > 1 else None
 
     def end_backward(self) -> None:
         self.grads.end_backward()
@@ -228,34 +270,7 @@ class ShardedDataParallel(FlatState, StepSequence):
             copied = torch.cuda.Event()
             copied.record()
             copied.synchronize()
-        if self.ep_shared:
-            self._average_over_ep()
         return self.grad_post(loss_scale)
-
-    def _average_over_ep(self) -> None:
-        """MoE at ep > 1: the gradients every ep rank holds (all but the experts; the ep ranks
-        read different batches) summed over the ep ranks and divided by ep, once per step on
-        this rank's reduced fp32 pieces, in bucket-sized all-reduces (a hook all-reduced each
-        parameter's whole gradient at every micro-step before; the experts' hook divides
-        theirs by ep, :mod:`zerostack.moe.sync`)."""
-        views = [
-            st.master.grad[lo:hi]
-            for st in self.buckets
-            for lo, hi, p in st.segments
-            if hi > lo and p in self.ep_shared
-        ]
-        ep, device = self.comm.topo.ep, self.comm.topo.device
-        limit = max(st.bucket.numel for st in self.buckets)
-        while views:
-            chunk, numel = [], 0
-            while views and (not chunk or numel + views[0].numel() <= limit):
-                numel += views[0].numel()
-                chunk.append(views.pop(0))
-            flat = torch.cat([v.reshape(-1) for v in chunk]).to(device)  # offloaded: up and back
-            self.comm.all_reduce(flat, axis="ep")
-            flat.div_(ep)
-            for v, part in zip(chunk, flat.split([v.numel() for v in chunk]), strict=True):
-                v.copy_(part.view_as(v))
 
     def grad_post(self, loss_scale: float) -> float:
         """The factor that turns the summed, scaled gradients into the mean over the global

@@ -64,6 +64,8 @@ class TrainStep(Protocol):
 
     stage: int  # a label, for messages and reports: the behaviour is in the strategy's parts
     ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients averaged over the ep ranks
+    # MoE at ep > 1: the parameters every ep rank holds whose state is cut over dp x ep
+    cut_over_ep: set[nn.Parameter] | frozenset
     # whether each backward reduces its gradients over dp as it ends (stages 2-3), so that a
     # pipeline brackets each of its backwards with begin_backward / end_backward
     reduces_each_backward: bool
@@ -135,6 +137,9 @@ class ParamAccess(Protocol):
     def is_trained(self, p: nn.Parameter) -> bool:
         """Whether the optimizer steps ``p``."""
 
+    def state_axis(self, p: nn.Parameter) -> str | None:
+        """The grid axis over which ``p``'s master is cut (None: every rank holds it whole)."""
+
     def grad_post(self, loss_scale: float) -> float:
         """The factor from the summed, scaled gradients to the mean over the global batch."""
 
@@ -195,6 +200,7 @@ class StepSequence:
 
     boundary: bool = True
     ep_shared: set[nn.Parameter] | frozenset = frozenset()  # the engine sets it at ep > 1
+    cut_over_ep: set[nn.Parameter] | frozenset = frozenset()
 
     def begin_backward(self, boundary: bool) -> None:
         self.boundary = boundary

@@ -23,9 +23,9 @@ _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class WriteBack:
-    """The write-back of ``buckets`` (of ``groups``) over ``comm``'s dp axis, for a state
-    shared by ``shard_world`` ranks; ``uploads`` brings offloaded masters up, ``buffers`` lends
-    the gathers' inputs."""
+    """The write-back of ``buckets`` (of ``groups``, each gathered over its cut's axis when its
+    state is cut); ``uploads`` brings offloaded masters up, ``buffers`` lends the gathers'
+    inputs."""
 
     def __init__(
         self,
@@ -33,12 +33,10 @@ class WriteBack:
         buckets: list[BucketState],
         *,
         comm: Comm,
-        shard_world: int,
         uploads: Uploads,
         buffers: scratch.Pool,
     ) -> None:
         self.groups, self.buckets, self.comm = groups, buckets, comm
-        self.shard_world, self.rank = shard_world, comm.topo.dp_rank
         self.uploads, self.buffers = uploads, buffers
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
 
@@ -47,7 +45,7 @@ class WriteBack:
         that updates each parameter from its own gradient and state alone, masters in memory,
         and gathers to overlap."""
         return (
-            self.shard_world > 1
+            any(fg.cut.world > 1 for fg in self.groups)
             and offload == "none"
             and len(self.buckets) > 1
             and type(optimizer) in _ELEMENTWISE
@@ -65,7 +63,7 @@ class WriteBack:
                 st.master.grad = grad
                 optimizer.step()
                 st.master.grad = None
-                self._gather(st, handles)
+                self._bring(st, handles)
         finally:
             for st, grad in zip(self.buckets, grads, strict=True):
                 st.master.grad = grad
@@ -79,31 +77,30 @@ class WriteBack:
         if handles is None:
             handles = []
             for st in self.buckets:
-                if self.shard_world == 1:
-                    fg = self.groups[st.group]
-                    full = fg.params_flat[st.bucket.start : st.bucket.end]
-                    master = st.updated if st.updated is not None else st.master.detach()
-                    st.updated = None
-                    if master.data_ptr() != full.data_ptr():  # offloaded: without blocking
-                        self.uploads.copy(st.master, full, master)
-                else:
-                    self._gather(st, handles)
+                self._bring(st, handles)
         for h, src in handles:
             self._gathered(h, src)
 
-    def _gather(self, st: BucketState, handles: list[tuple]) -> None:
-        """Launch the all-gather of bucket ``st``'s updated master into every rank's parameter
-        buffer, appended to ``handles`` as ``(handle, input copy or None)``; at most two stay in
-        flight (their inputs are buckets' pieces)."""
-        full = self.groups[st.group].params_flat[st.bucket.start : st.bucket.end]
+    def _bring(self, st: BucketState, handles: list[tuple]) -> None:
+        """Bucket ``st``'s updated master into this rank's parameter buffer: copied where it
+        holds the whole (up from host memory when offloaded, without blocking), else the
+        all-gather over its cut's axis launched, appended to ``handles`` as ``(handle, input
+        copy or None)``; at most two stay in flight (their inputs are buckets' pieces)."""
+        fg = self.groups[st.group]
+        full = fg.params_flat[st.bucket.start : st.bucket.end]
         src, st.updated = st.updated, None  # (nvme: the stepped piece, already a copy)
+        if fg.cut.world == 1:
+            master = src if src is not None else st.master.detach()
+            if master.data_ptr() != full.data_ptr():  # offloaded: without blocking
+                self.uploads.copy(st.master, full, master)
+            return
         in_place = False
         if src is None:
             # In fp32 the master is this rank's row of ``full``: gathered in place
-            master, own = st.master.detach(), full[self.rank * st.bucket.piece_numel :]
+            master, own = st.master.detach(), full[fg.cut.rank * st.bucket.piece_numel :]
             in_place = master.data_ptr() == own.data_ptr() and master.dtype == own.dtype
             src = master if in_place else self.on_device(st, master)
-        handle = self.comm.all_gather(full, src, axis="dp", async_op=True)
+        handle = self.comm.all_gather(full, src, axis=fg.cut.axis, async_op=True)
         handles.append((handle, None if in_place else src))
         if len(handles) > 2:
             self._gathered(*handles.pop(0))
