@@ -38,6 +38,29 @@ class Cut:
         return self.rank if self.world > 1 else 0
 
 
+def flat_parts(groups: list[dict], shared, topo, *, sharded: bool, prescale: float) -> list:
+    """``(optimizer group index, its options, cut, params)`` of each flat group: an optimizer
+    group's parameters on the dp axis, those of them in ``shared`` (at ep > 1: every ep rank
+    holds them) on the dp_ep axis; a state ``sharded`` over the axis (stages 1-2) or not. At
+    dp 1 nothing is prescaled (the strategy's ``grad_post``); each cut's factor makes its sum,
+    times that, the mean."""
+    base = prescale if topo.dp > 1 else 1.0
+
+    def cut(axis: str) -> Cut:
+        size, rank = topo.size(axis), topo.rank(axis)
+        return Cut(axis, size, rank, size if sharded else 1, base * topo.dp / size)
+
+    parts = []
+    for i, group in enumerate(groups):
+        options = {k: v for k, v in group.items() if k != "params"}
+        params = list(group["params"])
+        split = [("dp", [p for p in params if p not in shared]),
+                 ("dp_ep", [p for p in params if p in shared])]  # fmt: skip
+        for axis, mine in [(a, ps) for a, ps in split if ps] or [("dp", params)]:
+            parts.append((i, options, cut(axis), mine))
+    return parts
+
+
 def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
     """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
     so every rank starts alike, and cast the floating-point ones to the compute dtype."""

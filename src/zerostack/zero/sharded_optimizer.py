@@ -43,7 +43,7 @@ from ..comm import Comm
 from ..core import scratch
 from ..pinned import host_empty, host_zeros
 from ..precision import Precision
-from .flat_params import BucketState, Cut, FlatGroup, sync_from_rank0
+from .flat_params import BucketState, FlatGroup, flat_parts, sync_from_rank0
 from .flat_state import FlatState
 from .grad_buffers import GradBuffer
 from .masters import master_store
@@ -97,21 +97,12 @@ class ShardedDataParallel(FlatState, StepSequence):
         self.reduce_dtype = precision.reduce_dtype
         self.accum_dtype = precision.accum_dtype(stage)
         self.groups: list[FlatGroup] = []
-        self._of_group: list[list[int]] = []  # optimizer group -> its flat groups
         self.buckets: list[BucketState] = []
         # param -> (bucket state index, its range in the group's flat buffer)
         self._where: dict[nn.Parameter, tuple[int, slice]] = {}
         self.boundary = True
         device = next(module.parameters()).device
         dtype = precision.compute_dtype
-        # at dp 1 nothing is prescaled (grad_post); each cut's factor makes its sum the dp one
-        base = prescale if topo.dp > 1 else 1.0
-
-        def cut(axis: str) -> Cut:
-            size, rank = topo.size(axis), topo.rank(axis)
-            world = size if sharded_state else 1
-            return Cut(axis, size, rank, world, base * topo.dp / size)
-
         # a sharded buffer keeps gradient pieces (on the host when offloaded), else full ones
         shard_device = host_device() if self.offload != "none" else device
         shard_device = shard_device if self.grads.shard_held else None
@@ -126,15 +117,8 @@ class ShardedDataParallel(FlatState, StepSequence):
                 return None
             return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
 
-        parts = []  # (optimizer group, options, cut, params) of each flat group
-        for i, group in enumerate(groups):
-            options = {k: v for k, v in group.items() if k != "params"}
-            params = list(group["params"])
-            self._of_group.append([])
-            split = [("dp", [p for p in params if p not in shared]),
-                     ("dp_ep", [p for p in params if p in shared])]  # fmt: skip
-            for axis, mine in [(a, ps) for a, ps in split if ps] or [("dp", params)]:
-                parts.append((i, options, cut(axis), mine))
+        self._of_group = [[] for _ in groups]
+        parts = flat_parts(groups, shared, topo, sharded=sharded_state, prescale=prescale)
         for g, (i, options, fcut, params) in enumerate(parts):
             self._of_group[i].append(g)
             numel = bucket_numel
@@ -211,18 +195,6 @@ class ShardedDataParallel(FlatState, StepSequence):
         """Whether each rank holds a different part of the gradient (the norm needs a reduce)."""
         return any(fg.cut.world > 1 for fg in self.groups)
 
-    @property
-    def cut_over_ep(self) -> set[nn.Parameter]:
-        """The parameters every ep rank holds whose state is cut over the ``dp * ep`` ranks
-        (stages 1-2 at ep > 1): each rank counts and saves its own piece of them."""
-        return {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
-                for p in fg.params}  # fmt: skip
-
-    def state_axis(self, p: nn.Parameter) -> str | None:
-        """The axis over which ``p``'s master is cut, None where every rank holds it whole."""
-        b, _ = self._where[p]
-        fcut = self.groups[self.buckets[b].group].cut
-        return fcut.axis if fcut.world > 1 else None
 
     def end_backward(self) -> None:
         self.grads.end_backward()

@@ -233,9 +233,6 @@ class Stage3(Stage3State, StepSequence):
     def grads_sharded(self) -> bool:
         return self.dp > 1
 
-    def state_axis(self, p: nn.Parameter) -> str | None:
-        return "dp" if self.dp > 1 else None
-
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
 

@@ -46,6 +46,10 @@ class Stage3State:
         """Every rank writes its own shard."""
         return True
 
+    def state_axis(self, p: nn.Parameter) -> str | None:
+        """The axis over which ``p``'s master is cut (dp), None at dp 1."""
+        return "dp" if self.dp > 1 else None
+
     def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """As :meth:`ShardedDataParallel.read_master`."""
         return self.store.read_state(master, optimizer, kinds)
