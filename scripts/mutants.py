@@ -140,6 +140,69 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "the norm skips the shared pieces off ep rank 0 (at stages 1-3 each rank holds its own)",
+        "replicas.py",
+        "            held = held | (self._ep_replicas - cut_over_ep)",
+        "            held = held | self._ep_replicas",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
+    ),
+    Mutant(
+        "the dp_ep axis ranks this rank ep-major (its pieces in another rank's place)",
+        "topology.py",
+        '            return self.dp_rank * self.ep + self.rank("ep")',
+        '            return self.rank("ep") * self.dp + self.dp_rank',
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
+    ),
+    Mutant(
+        "stage 3: parameters cut over two axes gathered in one collective over the first",
+        "zero/params.py",
+        "    if len(axes) > 1:  # one collective per axis, in one order on every rank",
+        "    if False:",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
+    ),
+    Mutant(
+        "stage 3: a piece's record for a gather loses its cut (gathered over dp)",
+        "zero/params.py",
+        '        cut = {"axis": self.axis, "world": self.world, "rank": self.rank}',
+        "        cut = {}",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
+    ),
+    Mutant(
+        "stage 3: every gradient staged in the dp axis's reducer",
+        "zero/stage3.py",
+        "        reducer = self.reducers[p._zs.axis]",
+        "        reducer = self.reduce",
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
+    ),
+    Mutant(
+        "stages 1-2: a bucket's update gathered over dp, not its own cut's axis",
+        "zero/write_back.py",
+        "        handle = self.comm.all_gather(full, src, axis=fg.cut.axis, async_op=True)",
+        '        handle = self.comm.all_gather(full, src, axis="dp", async_op=True)',
+        (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
+    ),
+    Mutant(
+        "estimate at ep > 1: the shared state cut over dp only",
+        "estimate/memory.py",
+        "        shared = model_states(trained - experts, replace(own, dp=layout.dp * layout.ep))",
+        "        shared = model_states(trained - experts, own)",
+        ("tests/test_estimate.py::test_estimate_matches_live_engines",),
+    ),
+    Mutant(
+        "a MoE model built under zero.Init accepted (its first forward fails)",
+        "validate.py",
+        "    if any(is_sharded(p) for p in params) and any(is_moe_param(p) for p in params):",
+        "    if False:",
+        (f"{MOE}::test_a_moe_model_built_under_zero_init_is_refused",),
+    ),
+    Mutant(
+        "zero.Init's pieces kept though cut over other ranks than the grid's",
+        "zero/params.py",
+        "        elif (p._zs.world, p._zs.rank) != (topo.size(axis), topo.rank(axis)):",
+        "        elif False:",
+        (f"{MOE}::test_pieces_cut_over_other_ranks_than_the_grids_are_refused",),
+    ),
+    Mutant(
         "hpZ beside expert parallelism accepted (its partitions were never built for it)",
         "validate.py",
         "    if topo.ep > 1 and cfg.zero_optimization.zero_hpz_partition_size > 1:",
@@ -203,17 +266,17 @@ MUTANTS = [
         (f"{MOE}::test_expert_parallel_gpt_with_ulysses_matches_single_process[1]",),
     ),
     Mutant(
-        "MoE at stage 3: what the ep ranks share is not averaged over them",
-        "zero/stage3.py",
-        "        if self.ep_shared:  # MoE at ep > 1: what the ep ranks share, averaged over them",
-        "        if False:",
+        "MoE at stage 3: what every ep rank holds is cut and reduced over dp only",
+        "zero/params.py",
+        '        axis = "dp_ep" if p in wide else "dp"',
+        '        axis = "dp"',
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
     ),
     Mutant(
-        "MoE at stage 3: the shared pieces' sum over ep is not divided by ep",
+        "MoE at stage 3: the shared pieces' sum over dp x ep is not divided by ep",
         "zero/stage3_reduce.py",
-        "        flat.div_(ep)\n        for p, part in zip(chunk, flat.split(",
-        "        for p, part in zip(chunk, flat.split(",
+        "            prescale=prescale * comm.topo.dp / comm.topo.size(axis),",
+        "            prescale=prescale,",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
     ),
     Mutant(
@@ -758,8 +821,8 @@ MUTANTS = [
     Mutant(
         "stage-3 gathered copy kept on the parameter (a leak)",
         "zero/unit_gather.py",
-        "hold(p, full, self.meter, self.copies)",
-        "hold(p, full, self.meter, self.copies); p._zs_stale = full",
+        "hold(p, full, self.meter, p._zs.world > 1)",
+        "hold(p, full, self.meter, p._zs.world > 1); p._zs_stale = full",
         (f"{T}[2]",),
     ),
     Mutant(
@@ -1185,7 +1248,7 @@ MUTANTS = [
     Mutant(
         "safe_get_full_grad mid-window at stages 0-1: the local gradients not summed over dp",
         "zero/grad_buffers.py",
-        'f.comm.all_reduce(grad, axis="dp")',
+        "f.comm.all_reduce(grad, axis=cut.axis)",
         "pass",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
     ),
@@ -1775,16 +1838,16 @@ MUTANTS = [
     Mutant(
         "safe_set_full_grad mid-window at stages 0-1: each rank's share not divided by dp",
         "zero/grad_buffers.py",
-        "grads_flat[rng].copy_(value / (f.prescale * f.dp))",
+        "grads_flat[rng].copy_(value / (cut.prescale * cut.size))",
         "grads_flat[rng].copy_(value)",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
     ),
     Mutant(
         "safe_set_full_grad at stage 1: written before the boundary's reduction is waited for",
         "zero/grad_buffers.py",
-        "        reduced = f.dp > 1 and f.reducer.settle()\n"
-        "        if f.dp > 1 and not reduced:  # every rank",
-        "        reduced = False\n        if f.dp > 1 and not reduced:  # every rank",
+        "        reduced = f.reduces and f.reducer.settle()\n"
+        "        if cut.size > 1 and not reduced:  # every rank",
+        "        reduced = False\n        if cut.size > 1 and not reduced:  # every rank",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
     ),
     Mutant(
@@ -1804,8 +1867,8 @@ MUTANTS = [
     Mutant(
         "safe_set_local_fp32_param: the other ranks' pieces not gathered",
         "full_params.py",
-        "flat = gather_full([type(st)(st.shape, st.numel, piece)], self.engine.comm)[0]",
-        "flat = piece.repeat(self.engine.zero.dp)[: st.numel]",
+        "flat = gather_full([st.like(piece)], self.engine.comm)[0]",
+        "flat = piece.repeat(st.world)[: st.numel]",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s3]",),
     ),
     Mutant(
@@ -2060,7 +2123,7 @@ MUTANTS = [
     Mutant(
         "the norm counts the shared parameters on every ep rank",
         "replicas.py",
-        "            held = held | self._ep_replicas",
+        "            held = held | (self._ep_replicas - cut_over_ep)",
         "            held = held",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
     ),
@@ -2088,19 +2151,19 @@ MUTANTS = [
     Mutant(
         "stages 0-2 keep each rank's own initial weights",
         "zero/flat_params.py",
-        "            if comm.topo.dp > 1:\n"
-        '                comm.broadcast(value, src=0, axis="dp")\n'
+        "            if cut.size > 1:\n"
+        "                comm.broadcast(value, src=0, axis=cut.axis)\n"
         "            if value is not dst:",
         "            if False:\n"
-        '                comm.broadcast(value, src=0, axis="dp")\n'
+        "                comm.broadcast(value, src=0, axis=cut.axis)\n"
         "            if value is not dst:",
         (T_ALIKE,),
     ),
     Mutant(
         "stage 3 keeps each rank's own initial weights",
         "zero/params.py",
-        '    if world > 1:\n        comm.broadcast(full, src=0, axis="dp")',
-        '    if False:\n        comm.broadcast(full, src=0, axis="dp")',
+        "    if world > 1:\n        comm.broadcast(full, src=0, axis=axis)",
+        "    if False:\n        comm.broadcast(full, src=0, axis=axis)",
         (T_ALIKE,),
     ),
     Mutant(
@@ -2348,14 +2411,14 @@ MUTANTS = [
     Mutant(
         "a sharded state's bucket all-reduced in place: no piece for the step",
         "zero/grad_buffers.py",
-        "        if f.shard_world > 1:\n            return self._reduce(st, chunk)\n",
+        "        if cut.world > 1:\n            return self._reduce(st, chunk)\n",
         "",
         ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-1-None]",),
     ),
     Mutant(
         "a checkpoint of stage 1 written by dp rank 0 alone",
         "zero/flat_state.py",
-        "return self.shard_world > 1 or self.rank == 0",
+        "return self.sharded_state or self.rank == 0",
         "return self.rank == 0",
         ("tests/test_checkpoint.py::test_exact_resume[1-2-False]",),
     ),
@@ -2383,7 +2446,7 @@ MUTANTS = [
     Mutant(
         "stage 1: the boundary's reduction not waited for at the end of backward",
         "zero/grad_buffers.py",
-        "if self.flat.shard_world > 1 and self.communicates_now:",
+        "if self.flat.grads_sharded and self.communicates_now:",
         "if False:",
         ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
     ),
@@ -2461,8 +2524,8 @@ MUTANTS = [
         "stages 1-2 by bucket: a bucket gathered before it is stepped",
         "zero/write_back.py",
         "                optimizer.step()\n                st.master.grad = None\n"
-        "                self._gather(st, handles)",
-        "                self._gather(st, handles)\n                optimizer.step()\n"
+        "                self._bring(st, handles)",
+        "                self._bring(st, handles)\n                optimizer.step()\n"
         "                st.master.grad = None",
         (T_ODD,),
     ),
@@ -2812,8 +2875,8 @@ MUTANTS = [
     Mutant(
         "stage 3's step reads the offloaded gradients before the last rows are added",
         "zero/stage3.py",
-        "        self.downloads.settle()\n        if self.ep_shared:",
-        "        if self.ep_shared:",
+        "        self.downloads.settle()\n        self.grads.hand_to(self.groups)",
+        "        self.grads.hand_to(self.groups)",
         (
             "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run[stage3-offload-param-cpu]",
         ),
@@ -2869,27 +2932,30 @@ MUTANTS = [
         ("tests/test_comm_log.py::test_an_in_place_all_gather_is_copied_only_where_it_must_be",),
     ),
     Mutant(
-        "MoE: the shared gradients are not summed over the ep ranks",
-        "zero/sharded_optimizer.py",
-        "        if self.ep_shared:\n            self._average_over_ep()",
-        "        if False:\n            self._average_over_ep()",
-        ("tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[ep2-top2-stage2]",),
+        "MoE: what every ep rank holds is cut and reduced over dp only (held twice, not summed)",
+        "zero/flat_params.py",
+        '                 ("dp_ep", [p for p in params if p in shared])]',
+        '                 ("dp", [p for p in params if p in shared])]',
+        (
+            "tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[ep2-top2-stage2]",
+            f"{MOE}::test_no_rank_holds_the_shared_state_twice_at_ep_2",
+        ),
     ),
     Mutant(
-        "MoE: the shared gradients' sum over ep is not divided by ep",
-        "zero/sharded_optimizer.py",
-        "            flat.div_(ep)",
-        "            pass",
+        "MoE: the shared gradients' sum over dp x ep is not divided by ep",
+        "zero/flat_params.py",
+        "return Cut(axis, size, rank, size if sharded else 1, base * topo.dp / size)",
+        "return Cut(axis, size, rank, size if sharded else 1, base)",
         (
             "tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",
         ),
     ),
     Mutant(
-        "MoE: one all-reduce over ep per parameter",
-        "zero/sharded_optimizer.py",
-        "        limit = max(st.bucket.numel for st in self.buckets)",
-        "        limit = 1",
-        ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
+        "MoE: a bucket reduce-scattered over dp, not over its own cut's axis",
+        "zero/grad_buffers.py",
+        "axis=cut.axis, async_op=True, pool=f.buffers)",
+        'axis="dp", async_op=True, pool=f.buffers)',
+        (f"{MOE}::test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets[1]",),
     ),
     Mutant(
         "reading a gradient unscales it in place (the shard itself at dp 1)",
@@ -2899,11 +2965,11 @@ MUTANTS = [
         ("tests/test_engine_surface.py::test_reading_a_gradient_leaves_it_as_it_was",),
     ),
     Mutant(
-        "MoE: a shared parameter's gradient is read without its average over ep",
+        "safe_get_full_fp32_param at ep > 1: a shared parameter's pieces summed over dp only",
         "full_params.py",
-        "        if p in zero.ep_shared:",
-        "        if False:",
-        ("tests/test_moe.py::test_shared_gradients_cross_ep_once_per_step_in_buckets",),
+        "        axis = zero.state_axis(p)",
+        '        axis = "dp" if zero.grads_sharded else None',
+        (f"{MOE}::test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets[1]",),
     ),
     Mutant(
         "stage 1's offloaded boundary copies each wait for the whole stream again",
@@ -2955,8 +3021,8 @@ MUTANTS = [
     Mutant(
         "tied copies counted on every stage in the gradient norm",
         "engine.py",
-        "return self.replicas.elsewhere() | self.runner.replicated()",
-        "return self.replicas.elsewhere()",
+        "return self.replicas.elsewhere(self.zero.cut_over_ep) | self.runner.replicated()",
+        "return self.replicas.elsewhere(self.zero.cut_over_ep)",
         ("tests/test_pipeline.py::test_gpt_pipeline_matches_single_process",),
     ),
     Mutant(

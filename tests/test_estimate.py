@@ -258,7 +258,7 @@ def _live(rank, world, cases):
         sizes = sorted(full_shape(p).numel() for p in engine.module.parameters())
         units = len(sizes)
         stage = engine.topology.rank("pp")
-        experts = sum(p.numel() for p in engine.module.parameters() if is_moe_param(p))
+        experts = sum(full_shape(p).numel() for p in engine.module.parameters() if is_moe_param(p))
         breakdown = engine.memory_breakdown()
         out[name] = (sum(sizes), units, engine.topology.dp, breakdown, sizes, stage, experts)
         engine.destroy()

@@ -342,6 +342,50 @@ def test_hpz_beside_expert_parallelism_is_refused():
     ] * 4
 
 
+def _zero_init_with_ep(rank, world):
+    import dataclasses
+
+    config = _ep2(stage=3)[1]
+    with zerostack.zero.Init(config_dict_or_path=config):
+        model = GPT(dataclasses.replace(_cfg(1, 0.5), moe_ep_size=2))
+    try:
+        zerostack.initialize(model=model, config=config)
+    except zerostack.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_moe_model_built_under_zero_init_is_refused():
+    """A MoE model built under zero.Init (at ep 1 too) fails in its first forward, a gate's
+    weight read ungathered: refused at initialize, with the way round."""
+    assert run_distributed(_zero_init_with_ep, 2) == [
+        "zero.Init with a MoE model: a gate's weight is read before zero.Init's pieces are "
+        "gathered (not yet); build the model outside zero.Init"
+    ] * 2
+
+
+def _zero_init_on_another_grid(rank, world):
+    from common import tiny_gpt
+
+    config = _ep2(stage=3)[1]
+    with zerostack.zero.Init(topology=zerostack.Topology.build(tp=2)):  # cut over 2 ranks
+        model = tiny_gpt()
+    try:
+        zerostack.initialize(model=model, config=config)  # dp 4
+    except zerostack.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_pieces_cut_over_other_ranks_than_the_grids_are_refused():
+    for said in run_distributed(_zero_init_on_another_grid, 4):
+        assert said == (
+            "zero.Init with this grid (ep 1, tp 1, pp 1): it cut each parameter over 2 ranks, "
+            "the grid's ZeRO-3 over 4; build the model outside zero.Init, or give zero.Init "
+            "this grid's topology"
+        ), said
+
+
 def test_the_loss_carries_the_auxiliary_loss_and_drops_happen_where_asked():
     torch.manual_seed(0)
     model = GPT(_cfg(1, 0.5))
@@ -547,7 +591,7 @@ def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path, saved_at, lo
 def _ep_reductions(rank, world, stage):
     from collections import Counter
 
-    from zerostack.utils import safe_get_full_grad
+    from zerostack.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     model, config = _ep2(stage=stage, reduce_bucket_size=2000)  # a few buckets
     config["gradient_accumulation_steps"] = 2
@@ -571,6 +615,9 @@ def _ep_reductions(rank, world, stage):
     assert {p for fg in shared for p in fg.params} == engine.replicas.ep_shared
     buckets = sum(len(fg.buckets) for fg in shared)
     n_shared = len(engine.replicas.ep_shared)
+    weight = engine.module.wpe.weight  # whole on every rank (stages 0-2), its state cut
+    read = safe_get_full_fp32_param(weight)
+    assert torch.equal(read, weight.detach()), float((read - weight).abs().max())
     engine.destroy()
     return calls, buckets, n_shared, grad
 
@@ -582,7 +629,7 @@ def test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets(stage):
     window, at every micro-step at stage 2 (2 here); the experts' (dp 1) are not reduced at
     all, and over ep alone only the gradient norm is summed. A shared parameter's gradient read
     before the step is the average over ep (the same on both ranks, which read different
-    batches)."""
+    batches). Its fp32 master read whole (safe_get_full_fp32_param) is the parameter."""
     results = run_distributed(_ep_reductions, 2, args=(stage,))
     for calls, buckets, n_shared, _ in results:
         assert 1 < buckets < n_shared, (buckets, n_shared)  # bucketed, not per parameter

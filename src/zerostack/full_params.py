@@ -166,17 +166,12 @@ class FullParams:
         """``p``'s gradient so far in this accumulation window: the mean over the global batch,
         unscaled, fp32, whole (None for a parameter the optimizer does not step). Between
         ``backward`` and ``step`` on the boundary it is what the step applies before clipping.
-        A collective over dp and tp (and ep, for what MoE's ep ranks share)."""
+        A collective over dp and tp (over dp x ep for what MoE's ep ranks share)."""
         zero = self.engine.zero
         if not zero.is_trained(p):
             return None
         post = zero.grad_post(self.engine.loss_scaler.loss_scale)
         grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself (dp 1)
-        # MoE: averaged over the ep ranks at the step
-        if p in zero.ep_shared:
-            topo = self.engine.topology
-            self.engine.comm.all_reduce(grad, axis="ep")
-            grad.div_(topo.ep)
         return self.join_tp(p, grad.view(full_shape(p)))
 
     def set_grad(self, p: nn.Parameter, value: torch.Tensor, what: str = "") -> None:
@@ -198,7 +193,7 @@ class FullParams:
     # ------------------------------------------------------------------ this rank's piece
     def _local_extent(self, p: nn.Parameter) -> int:
         """How many elements of this rank's stage-3 piece are the parameter's (the rest pad)."""
-        lo, hi = p._zs.extent(self.engine.zero.rank)
+        lo, hi = p._zs.extent()
         return hi - lo
 
     def _check_piece(self, p: nn.Parameter, value: torch.Tensor, what: str) -> torch.Tensor:
@@ -253,11 +248,11 @@ class FullParams:
         piece, n, st = self._check_piece(p, value, what), self._local_extent(p), p._zs
         piece[n:] = 0.0
         if kind == "master":
-            flat = gather_full([type(st)(st.shape, st.numel, piece)], self.engine.comm)[0]
+            flat = gather_full([st.like(piece)], self.engine.comm)[0]
             self.set_local(p, flat.reshape(-1), kind)
             return
         # only this rank's elements [lo, lo + n) are read from ``flat``: no communication
-        lo, _ = st.extent(self.engine.zero.rank)
+        lo, _ = st.extent()
         flat = torch.zeros(st.numel, dtype=torch.float32, device=piece.device)
         flat[lo : lo + n] = piece[:n]
         self.set_local(p, flat, kind)

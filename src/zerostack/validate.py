@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
+from .moe.utils import is_moe_param
 from .pipeline.module import PipelineModule
 from .pipeline.schedule import DeadlockError, ScheduleError
 from .pipeline.simulate import check_schedule
 from .plan.auto import resolve as resolve_auto
 from .topology import Topology
+from .zero.params import is_sharded
 
 log = logging.getLogger("zerostack")
 
@@ -56,6 +58,12 @@ def validate(
         raise ConfigError(
             f"zero_optimization.zero_hpz_partition_size with MoE ep_size {topo.ep}: hpZ's "
             "secondary partitions are not built beside expert parallelism yet"
+        )
+    params = list(model.parameters())
+    if any(is_sharded(p) for p in params) and any(is_moe_param(p) for p in params):
+        raise ConfigError(
+            "zero.Init with a MoE model: a gate's weight is read before zero.Init's pieces are "
+            "gathered (not yet); build the model outside zero.Init"
         )
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):

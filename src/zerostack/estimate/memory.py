@@ -147,19 +147,19 @@ def model_states(
 
     ``experts``: how many of ``trained`` are this rank's experts (at ``layout.ep`` > 1). Their
     state is cut over the ``dp`` ranks holding the same experts; the rest, which every ep rank
-    holds, over all ``dp * ep`` ranks (stages 1-2), each its own buckets.
+    holds, over all ``dp * ep`` ranks (stages 1-3), each its own buckets.
     """
     if trained < 0 or frozen < 0 or not 0 <= experts <= trained:
         raise EstimateError(
             f"parameters: {trained} trained ({experts} experts), {frozen} frozen; need >= 0"
         )
-    if layout.ep > 1 and experts and layout.stage in (1, 2):
-        if sizes is not None:
-            raise EstimateError("sizes: not with experts (give the counts alone)")
+    if layout.ep > 1 and experts and layout.stage > 0:
+        if sizes is not None or persistent:
+            raise EstimateError("sizes, persistent: not with experts (give the counts alone)")
         own = replace(layout, ep=1)
         shared = model_states(trained - experts, replace(own, dp=layout.dp * layout.ep))
         out = shared + model_states(experts, own, frozen)
-        if bucket is not None:  # the largest bucket of either part
+        if bucket is not None and layout.stage < 3:  # the largest bucket of either part
             biggest = min(bucket, max(experts, trained - experts))
             out.scratch = PRECISION_BYTES[layout.precision] * biggest
         return out

@@ -36,7 +36,7 @@ def build_strategy(
     if stage == 3:
         if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
             common.update(offload_param=zcfg.offload_param)
-        strategy = Stage3(
+        return Stage3(
             module,
             groups,
             prefetch_numel=zcfg.effective_prefetch_bucket_size,
@@ -48,10 +48,9 @@ def build_strategy(
             quantized_gradients=zcfg.zero_quantized_gradients,
             gradient_bits=zcfg.zero_quantized_gradients_bits,
             hpz_partition_size=zcfg.zero_hpz_partition_size,
+            shared=shared,
             **common,
         )
-        strategy.ep_shared = shared  # averaged over ep at each step
-        return strategy
     return ShardedDataParallel(
         module,
         groups,

@@ -202,7 +202,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     fulls = gather_full(states, comm)
     for p, full in zip(params, fulls, strict=True):
         if not p._zs.gathered:
-            hold(p, full.clone() if comm.topo.dp == 1 else full, p._zs.meter, True)
+            hold(p, full.clone() if p._zs.world == 1 else full, p._zs.meter, True)
         p._zs.active += 1
     try:
         yield
@@ -211,8 +211,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
             st = p._zs
             if modifier_rank is not None:
                 data = p.data.contiguous()
-                if comm.topo.dp > 1:
-                    comm.broadcast(data, src=modifier_rank, axis="dp")
+                if st.world > 1:
+                    comm.broadcast(data, src=modifier_rank, axis=st.axis)
                 _write_back(st, data, comm)
             st.active -= 1
             if not st.gathered:
@@ -220,8 +220,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
 
 
 def _write_back(st: ShardState, full: torch.Tensor, comm: Comm) -> None:
-    pn, rank = st.piece.numel(), comm.topo.dp_rank
-    flat = torch.zeros(pn * comm.topo.dp, dtype=torch.float32, device=full.device)
+    pn, rank = st.piece.numel(), st.rank
+    flat = torch.zeros(pn * st.world, dtype=torch.float32, device=full.device)
     flat[: st.numel].copy_(full.reshape(-1))
     mine = flat[rank * pn : (rank + 1) * pn]
     st.piece.copy_(mine)

@@ -3,7 +3,9 @@ gathering and releasing the whole parameter from the dp ranks' pieces.
 
 A sharded parameter keeps its full shape in ``p._zs`` and holds in ``p.data`` an empty tensor
 until gathered. Every rank stores piece ``r`` of the parameter, flattened and padded to ``dp``
-equal pieces of whole 16-byte blocks (:func:`.partition.piece_numel`). ``zero.Init`` and
+equal pieces of whole 16-byte blocks (:func:`.partition.piece_numel`); with expert parallelism,
+what every ep rank holds is cut over the ``dp * ep`` ranks of the ``dp_ep`` axis instead
+(``p._zs.axis``). ``zero.Init`` and
 ``GatheredParameters`` (:mod:`.init`), the coordinator and the stage build on these.
 """
 
@@ -65,14 +67,26 @@ class ShardState:
     meter: StorageMeter | None = None  # counts the piece and gathered copies
     swapper: object | None = None  # zero.Init(remote_device=...): the store holding the piece
     secondary: torch.Tensor | None = None  # hpZ: a forward's copy of this rank's subgroup piece
+    # the grid axis whose ranks hold the pieces ('dp'; 'dp_ep' for what every ep rank holds of
+    # a MoE model), how many they are, and this rank's place among them
+    axis: str = "dp"
+    world: int = 1
+    rank: int = 0
 
     @property
     def gathered(self) -> bool:
         return self.active > 0 or self.persistent or self.kept
 
-    def extent(self, rank: int) -> tuple[int, int]:
-        """``[lo, hi)`` of the flattened parameter that dp rank ``rank``'s piece holds."""
+    def extent(self, rank: int | None = None) -> tuple[int, int]:
+        """``[lo, hi)`` of the flattened parameter that piece ``rank`` holds (this rank's by
+        default)."""
+        rank = self.rank if rank is None else rank
         return partition.piece_extent(self.numel, self.piece.numel(), rank)
+
+    def like(self, piece: torch.Tensor) -> ShardState:
+        """A record of ``piece`` cut as this parameter is (to gather it)."""
+        cut = {"axis": self.axis, "world": self.world, "rank": self.rank}
+        return ShardState(self.shape, self.numel, piece, **cut)
 
 
 class ZeroParamStatus(enum.Enum):
@@ -131,25 +145,52 @@ def release(p: nn.Parameter, meter: StorageMeter | None) -> None:
     p._zs.held_bytes = 0
 
 
-def shard_param(p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None) -> ShardState:
-    """Replace ``p``'s data by this rank's piece (after broadcasting dp rank 0's values)."""
-    n, world, rank = p.numel(), comm.topo.dp, comm.topo.dp_rank
+def shard_param(
+    p: nn.Parameter, comm: Comm, meter: StorageMeter | None = None, axis: str = "dp"
+) -> ShardState:
+    """Replace ``p``'s data by this rank's piece of it cut over ``axis`` (after broadcasting
+    the values of that axis's rank 0)."""
+    n, world, rank = p.numel(), comm.topo.size(axis), comm.topo.rank(axis)
     # on the device before anything else (a module builds its parameters in host memory, and
     # NCCL broadcasts device tensors only); frozen ones too, even with nothing to broadcast
     full = p.data.to(comm.topo.device).contiguous()
     if world > 1:
-        comm.broadcast(full, src=0, axis="dp")
+        comm.broadcast(full, src=0, axis=axis)
     piece_numel = partition.piece_numel(n, world)
     padded = torch.zeros(piece_numel * world, dtype=full.dtype, device=full.device)
     padded[:n].copy_(full.reshape(-1))
     piece = padded[rank * piece_numel : (rank + 1) * piece_numel].clone()
     if meter is not None:
         meter.track(piece)
-    state = ShardState(p.shape, n, piece, comm=comm, meter=meter)
+    state = ShardState(p.shape, n, piece, comm=comm, meter=meter, axis=axis, world=world, rank=rank)
     p._zs = state
     p.data = empty_like_released(p)
     _mark_ds(p, state)
     return state
+
+
+def cut_all(params: list[nn.Parameter], comm: Comm, meter: StorageMeter, wide: set) -> None:
+    """Make each of ``params`` a stage-3 parameter counted in ``meter``: cut over dp, or over
+    the dp_ep axis for those in ``wide`` (what every ep rank holds and trains). One built under
+    ``zero.Init`` keeps its piece where it is cut as the grid cuts it (``zero.Init`` makes its
+    own grid: over all ranks, which is the dp_ep axis of an ep-only grid); one cut over other
+    ranks is refused."""
+    topo = comm.topo
+    for p in params:
+        axis = "dp_ep" if p in wide else "dp"
+        if not is_sharded(p):
+            shard_param(p, comm, meter, axis)
+        elif (p._zs.world, p._zs.rank) != (topo.size(axis), topo.rank(axis)):
+            raise ConfigError(
+                f"zero.Init with this grid (ep {topo.ep}, tp {topo.tp}, pp {topo.pp}): it cut "
+                f"each parameter over {p._zs.world} ranks, the grid's ZeRO-3 over "
+                f"{topo.size(axis)}; build the model outside zero.Init, or give zero.Init this "
+                "grid's topology"
+            )
+        else:
+            p._zs.axis = axis  # the same ranks, in the same order
+            meter.track(p._zs.piece)
+        p._zs.comm, p._zs.meter = comm, meter
 
 
 @dataclass
@@ -194,14 +235,30 @@ def gather_full(
     if secondary is not None:
         pieces = [s.secondary for s in states]
         return _gather_rows(states, pieces, comm, secondary.size, async_op, "hpz", secondary.group)
-    world = comm.topo.dp
+    axes = sorted({s.axis for s in states})
+    if len(axes) > 1:  # one collective per axis, in one order on every rank
+        parts = [[i for i, s in enumerate(states) if s.axis == axis] for axis in axes]
+        waits = [
+            (idx, gather_full([states[i] for i in idx], comm, dtype, True, quantized, None, record))
+            for idx in parts
+        ]
+
+        def joined() -> list[torch.Tensor]:
+            out: list = [None] * len(states)
+            for idx, wait in waits:
+                for i, full in zip(idx, wait(), strict=True):
+                    out[i] = full
+            return out
+
+        return joined if async_op else joined()
+    axis, world = states[0].axis, states[0].world
     pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
     if world == 1:
         fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
         return (lambda: fulls) if async_op else fulls
     if quantized:
         return _gather_quantized(states, pieces, comm, async_op, record)
-    return _gather_rows(states, pieces, comm, world, async_op, "dp", None, record)
+    return _gather_rows(states, pieces, comm, world, async_op, axis, None, record)
 
 
 def _gather_rows(
@@ -261,10 +318,10 @@ def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
 
 def _gather_quantized(states, pieces, comm: Comm, async_op: bool, record: bool = False):
     """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
-    world = comm.topo.dp
+    world = states[0].world
     payload = quantize.pack(pieces)
     out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    handle = comm.all_gather(out, payload, axis="dp", async_op=True)
+    handle = comm.all_gather(out, payload, axis=states[0].axis, async_op=True)
     del payload
 
     def finish() -> list[torch.Tensor]:

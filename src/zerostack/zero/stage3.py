@@ -10,6 +10,10 @@ reduced in ``communication_data_type``). Parameters smaller than
 
 The optimizer sees one fp32 tensor per group: the concatenation of this rank's pieces of the
 group's parameters (in fp32 training, the parameter pieces themselves).
+
+With expert parallelism the experts are cut and reduced over dp (the ranks holding the same
+experts) and the trainable parameters every ep rank holds over the ``dp * ep`` ranks of the
+``dp_ep`` axis (``p._zs.axis``), each axis its own reduce buckets, as at stages 1-2.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from .flat_params import sync_from_rank0
 from .masters import GradFiles, GradShards, master_store
 from .offload import Downloads, HostMeter, Uploads, host_device
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
-from .params import StorageMeter, Subgroup, is_sharded, shard_param
+from .params import StorageMeter, Subgroup, cut_all
 from .stage3_groups import Group, make_group, sub_groups
-from .stage3_reduce import PieceReducer, average_over_ep
+from .stage3_reduce import piece_reducers
 from .stage3_state import Stage3State
 from .strategy import StepSequence
 from .unit_gather import gather_now
@@ -59,6 +63,7 @@ class Stage3(Stage3State, StepSequence):
         quantized_gradients: bool = False,
         gradient_bits: int = 8,
         hpz_partition_size: int = 1,
+        shared: set[nn.Parameter] | frozenset = frozenset(),
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -77,12 +82,8 @@ class Stage3(Stage3State, StepSequence):
         everything = list(dict.fromkeys(module.parameters()))
         trainable = [p for g in groups for p in g["params"]]
         self._trainable = set(trainable)
-        for p in everything:
-            if not is_sharded(p):
-                shard_param(p, comm, self.meter)
-            else:  # built under zero.Init: count its piece here too
-                self.meter.track(p._zs.piece)
-            p._zs.comm, p._zs.meter = comm, self.meter
+        cut_all(everything, comm, self.meter, wide=set(shared) & self._trainable)
+        self._sharded = any(p._zs.world > 1 for p in trainable)
 
         # Where the parameter pieces live: in memory, or (offload_param) read in for each gather
         # from files or host memory. Those zero.Init put in files (remote_device="nvme") stay.
@@ -156,12 +157,12 @@ class Stage3(Stage3State, StepSequence):
             for u, ps in enumerate(self.coord.units)
         ]
         # Reduce buckets: owner units in reverse construction order (roughly the order backward
-        # finishes them), a few modules to a bucket.
-        self.reduce = PieceReducer(
+        # finishes them), a few modules to a bucket; one reducer per axis.
+        self.reducers = piece_reducers(
             self._owned[::-1],
             comm=comm,
-            dtype=precision.reduce_dtype,
             prescale=prescale,
+            dtype=precision.reduce_dtype,
             bucket_numel=reduce_bucket_numel,
             deliver=self._accumulate,
             to=self.grads.device,  # offloaded: the host
@@ -169,7 +170,7 @@ class Stage3(Stage3State, StepSequence):
             bits=gradient_bits,
             downloads=self.downloads,
         )
-        self.bucket_numel = reduce_bucket_numel
+        self.reduce = self.reducers["dp"]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
     # ----------------------------------------------------------------------------- gathering
@@ -201,13 +202,15 @@ class Stage3(Stage3State, StepSequence):
 
     # ----------------------------------------------------------------------------- reducing
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self.reduce.stage(p)
+        reducer = self.reducers[p._zs.axis]
+        reducer.stage(p)
         self.coord.grad_arrived(p)  # p's gathered copy may go
-        self.reduce.arrived(p)
+        reducer.arrived(p)
 
     def begin_backward(self, boundary: bool) -> None:
         super().begin_backward(boundary)
-        self.reduce.final = boundary
+        for reducer in self.reducers.values():
+            reducer.final = boundary
 
     def _accumulate(self, pieces: list[tuple[nn.Parameter, torch.Tensor]], final: bool) -> None:
         """Add a bucket's reduced pieces into the fp32 gradients (a shard or files); ``final``:
@@ -217,7 +220,8 @@ class Stage3(Stage3State, StepSequence):
 
     def end_backward(self) -> None:
         """Reduce what is left, add this rank's pieces into the fp32 gradients, free the rest."""
-        self.reduce.finish()
+        for reducer in self.reducers.values():
+            reducer.finish()
         self.coord.end_backward()
 
     # ----------------------------------------------------------------------------- step
@@ -231,7 +235,7 @@ class Stage3(Stage3State, StepSequence):
 
     @property
     def grads_sharded(self) -> bool:
-        return self.dp > 1
+        return self._sharded
 
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
@@ -252,8 +256,6 @@ class Stage3(Stage3State, StepSequence):
         """Hand each master its fp32 gradient shard (summed, scaled); return the factor that
         averages and unscales it (see ShardedDataParallel._prepare_step)."""
         self.downloads.settle()
-        if self.ep_shared:  # MoE at ep > 1: what the ep ranks share, averaged over them
-            average_over_ep(self.comm, self.grads, self.groups, self.ep_shared, self.bucket_numel)
         self.grads.hand_to(self.groups)
         return self.grad_post(loss_scale)
 

@@ -46,6 +46,7 @@ class PieceReducer:
         units: list[list[nn.Parameter]],
         *,
         comm: Comm,
+        axis: str = "dp",
         dtype: torch.dtype,
         prescale: float,
         bucket_numel: int,
@@ -56,13 +57,15 @@ class PieceReducer:
         downloads: Downloads | None = None,
     ) -> None:
         """``units``: the parameters each bucket keeps together (a module's), in launch order;
-        ``dtype``: the one gradients are reduced in (``communication_data_type``); ``to``: where
-        the reduced pieces are delivered (the host when the gradients are)."""
+        ``axis``: the grid axis whose ranks hold their pieces; ``dtype``: the one gradients are
+        reduced in (``communication_data_type``); ``to``: where the reduced pieces are delivered
+        (the host when the gradients are)."""
         self.comm, self.dtype, self.prescale, self.deliver = comm, dtype, prescale, deliver
         self.to, self.quantized, self.bits = to, quantized, bits
         self.downloads = downloads or Downloads(torch.device("cpu"))
         self.final = True  # this backward is its window's last
-        self.dp = comm.topo.dp
+        self.axis, self.dp = axis, comm.topo.size(axis)  # dp: the ranks reduced over
+        units = [unit for unit in units if unit]
         order = [p for unit in units for p in unit]
         index = {p: i for i, p in enumerate(order)}
         layout = PieceBuckets.build(
@@ -127,11 +130,11 @@ class PieceReducer:
         if self.quantized:
             sent = torch.stack([quantize.pack(self._pieces(b, row), self.bits) for row in staging])
             received = self._reduced[b] = torch.empty_like(sent)
-            return self.comm.all_to_all(received, sent, axis="dp", async_op=True)
+            return self.comm.all_to_all(received, sent, axis=self.axis, async_op=True)
         self._sent[b] = staging
         out = self._reduced[b] = self.buffers.take(self.width[b], staging.dtype, staging.device)
         return self.comm.reduce_scatter(
-            out, staging.view(-1), axis="dp", async_op=True, pool=self.buffers
+            out, staging.view(-1), axis=self.axis, async_op=True, pool=self.buffers
         )
 
     def _pieces(self, b: int, row: torch.Tensor) -> list[torch.Tensor]:
@@ -184,22 +187,21 @@ class PieceReducer:
         self.buffers.trim(0)  # nothing kept between backwards
 
 
-def average_over_ep(comm: Comm, grads, groups, shared: set[nn.Parameter], limit: int) -> None:
-    """MoE at ep > 1: the gradient pieces of the ``groups``' parameters in ``shared`` (what every
-    ep rank holds alike: all but the experts) summed over the ep ranks and divided by ep, once
-    per step, in all-reduces of at most ``limit`` elements (as stages 1-2 do,
-    ``ShardedDataParallel._average_over_ep``). ``grads``: the stage's gradient store (pieces in
-    memory or in files)."""
-    ep, device = comm.topo.ep, comm.topo.device
-    todo = [p for g in groups for p in g.params if p in shared]
-    while todo:
-        chunk, numel = [], 0
-        while todo and (not chunk or numel + todo[0]._zs.piece.numel() <= limit):
-            numel += todo[0]._zs.piece.numel()
-            chunk.append(todo.pop(0))
-        pieces = [grads.piece(p) for p in chunk]
-        flat = torch.cat([t.reshape(-1) for t in pieces]).to(device)  # offloaded: up and back
-        comm.all_reduce(flat, axis="ep")
-        flat.div_(ep)
-        for p, part in zip(chunk, flat.split([t.numel() for t in pieces]), strict=True):
-            grads.replace(p, part)
+def piece_reducers(
+    units: list[list[nn.Parameter]], *, comm: Comm, prescale: float, **options
+) -> dict[str, PieceReducer]:
+    """One :class:`PieceReducer` per axis the ``units``' parameters are cut over (``p._zs.axis``:
+    'dp', and with expert parallelism 'dp_ep' for what every ep rank holds), each prescaled so
+    that its sum times the stage's one ``grad_post`` (``1 / (loss scale * prescale * dp)``) is
+    the mean; in axis order, so every rank finishes them in one order."""
+    axes = sorted({p._zs.axis for unit in units for p in unit} | {"dp"})
+    return {
+        axis: PieceReducer(
+            [[p for p in unit if p._zs.axis == axis] for unit in units],
+            comm=comm,
+            axis=axis,
+            prescale=prescale * comm.topo.dp / comm.topo.size(axis),
+            **options,
+        )
+        for axis in axes
+    }

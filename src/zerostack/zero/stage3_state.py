@@ -35,7 +35,7 @@ class Stage3State:
         for p, st in zip(params, states, strict=True):
             m = trained[p] if p in trained else st.piece.float()
             m = m.to(device)
-            masters.append(type(st)(st.shape, st.numel, m))
+            masters.append(st.like(m))
         for p, full in zip(params, gather_full(masters, self.comm), strict=True):
             out[p] = full
         self.param_swapper.drop([p for p in params if p not in self._trainable])
@@ -46,9 +46,14 @@ class Stage3State:
         """Every rank writes its own shard."""
         return True
 
+    @property
+    def cut_over_ep(self) -> set[nn.Parameter]:
+        """The trainable parameters every ep rank holds (cut over the dp x ep ranks)."""
+        return {p for p in self._trainable if p._zs.axis == "dp_ep" and p._zs.world > 1}
+
     def state_axis(self, p: nn.Parameter) -> str | None:
-        """The axis over which ``p``'s master is cut (dp), None at dp 1."""
-        return "dp" if self.dp > 1 else None
+        """The axis over which ``p``'s master is cut, None where one rank holds all of it."""
+        return p._zs.axis if p._zs.world > 1 else None
 
     def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """As :meth:`ShardedDataParallel.read_master`."""
@@ -72,7 +77,7 @@ class Stage3State:
         for g in self.groups:
             off = 0
             for p in g.params:
-                lo, hi = p._zs.extent(self.rank)
+                lo, hi = p._zs.extent()
                 yield p, lo, hi, g.master, off, off + (hi - lo)
                 off += p._zs.piece.numel()
 
@@ -80,7 +85,7 @@ class Stage3State:
         """``(param, lo, hi)`` of :meth:`frozen_slices`, no piece read in."""
         for p in self._owner:
             if p not in self._trainable:
-                yield p, *p._zs.extent(self.rank)
+                yield p, *p._zs.extent()
 
     def frozen_slices(self, write_back: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
@@ -116,7 +121,7 @@ class Stage3State:
         st = p._zs
         self.downloads.settle()
         piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
-        return gather_full([type(st)(st.shape, st.numel, piece)], self.comm)[0].reshape(-1)
+        return gather_full([st.like(piece)], self.comm)[0].reshape(-1)
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
@@ -131,14 +136,14 @@ class Stage3State:
     def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
         """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
         gives it) ``p``'s gradient piece, in its shard or its file."""
-        lo, hi = p._zs.extent(self.rank)
+        lo, hi = p._zs.extent()
         piece = piece.to(torch.float32, copy=True)
         piece[hi - lo :] = 0.0  # the padding is no part of the gradient
         self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
 
     def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
         """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
-        lo, hi = p._zs.extent(self.rank)
+        lo, hi = p._zs.extent()
         piece = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=value.device)
         piece[: hi - lo] = value[lo:hi]
         return piece

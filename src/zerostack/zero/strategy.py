@@ -63,7 +63,6 @@ class TrainStep(Protocol):
     """What the engine drives each step."""
 
     stage: int  # a label, for messages and reports: the behaviour is in the strategy's parts
-    ep_shared: set[nn.Parameter]  # MoE at ep > 1: gradients averaged over the ep ranks
     # MoE at ep > 1: the parameters every ep rank holds whose state is cut over dp x ep
     cut_over_ep: set[nn.Parameter] | frozenset
     # whether each backward reduces its gradients over dp as it ends (stages 2-3), so that a
@@ -199,7 +198,6 @@ class StepSequence:
     ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``after_step``."""
 
     boundary: bool = True
-    ep_shared: set[nn.Parameter] | frozenset = frozenset()  # the engine sets it at ep > 1
     cut_over_ep: set[nn.Parameter] | frozenset = frozenset()
 
     def begin_backward(self, boundary: bool) -> None:

@@ -35,7 +35,6 @@ class UnitGather:
     ) -> None:
         self.params = params
         self.meter = meter
-        self.copies = comm.topo.dp > 1  # at dp = 1 the "gathered" tensors are views of the shard
         self.keep = hpz if not from_secondary else None
         states = [p._zs for p in params]
         self._ready = None  # the side stream's event behind the gather (offloaded, on a GPU)
@@ -68,7 +67,8 @@ class UnitGather:
         for p, full in zip(self.params, self._finish(), strict=True):
             if self._ready is not None:  # made on the side stream, used (and freed) on this one
                 full.record_stream(torch.cuda.current_stream())
-            hold(p, full, self.meter, self.copies)
+            # a piece held by one rank alone: the "gathered" tensor is a view of it
+            hold(p, full, self.meter, p._zs.world > 1)
             if self.keep is not None and p._zs.secondary is None:
                 p._zs.secondary = secondary_piece(full, self.keep)
                 self.meter.add(p._zs.secondary.nbytes)
