@@ -140,6 +140,20 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "estimate --sp: the activations of the whole sequence on every Ulysses rank",
+        "estimate/report.py",
+        "    if sp == 1:\n        return model",
+        "    if True:\n        return model",
+        ("tests/test_estimate.py::test_ulysses_holds_the_activations_of_its_sequence_shard",),
+    ),
+    Mutant(
+        "estimate --ep: every rank holds all the experts",
+        "estimate/report.py",
+        "    own_experts = _ceil_div(int(experts), layout.ep * layout.pp)",
+        "    own_experts = _ceil_div(int(experts), layout.pp)",
+        ("tests/test_estimate.py::test_expert_parallel_layouts_through_the_command_line",),
+    ),
+    Mutant(
         "the norm skips the shared pieces off ep rank 0 (at stages 1-3 each rank holds its own)",
         "replicas.py",
         "            held = held | (self._ep_replicas - cut_over_ep)",

@@ -147,12 +147,60 @@ def test_hf_config_through_the_command_line(tmp_path):
             ],
             "pp: 2 stages cannot split 3 layers evenly",
         ),
+        (["--params", "1e9", "--world", "4", "--ep", "3"], "split as tp 1 x pp 1 x ep 3"),
+        (["--params", "1e9", "--world", "4", "--ep", "2"], "ep: 2 ranks split the experts"),
+        (["--params", "1e9", "--expert-params", "2e9"], "experts: 2000000000 is not a count"),
+        (["--params", "1e9", "--world", "4", "--sp", "3"], "sp: 3 does not divide the dp axis"),
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq", "6"]
+            + ["--world", "4", "--sp", "4"],
+            "sp: 4 Ulysses ranks split neither seq 6 nor heads 4 evenly",
+        ),
     ],
 )
 def test_bad_input_is_one_line(argv, message):
     code, out, err = _cli("estimate", *argv)
     assert code == 2 and out == ""
     assert err.startswith("EstimateError: ") and message in err and err.count("\n") == 1, err
+
+
+def test_expert_parallel_layouts_through_the_command_line():
+    """``--ep`` with ``--expert-params``: per rank, the shared parameters' state cut over the
+    dp x ep ranks and its experts' (a quarter of them at ep 4, whole on every tp rank) over dp,
+    as the formulas written out here say (bf16, Adam, stage 2, nothing padded)."""
+    p, x = 7_200_000_000, 6_400_000_000  # all, of which experts
+    code, out, _ = _cli(
+        "estimate", "--params", str(p), "--expert-params", str(x), "--world", "32", "--tp", "2",
+        "--ep", "4", "--stage", "2", "--precision", "bf16", "--json",
+    )  # fmt: skip
+    assert code == 0
+    got = json.loads(out)["stages"]["2"]
+    dp, shared, experts = 4, (p - x) // 2, x // 4  # 32 = dp 4 x ep 4 x tp 2
+    shard = shared // (dp * 4) + experts // dp
+    assert got["layout"]["dp"] == dp and got["experts_per_rank"] == experts
+    states = got["model_states"]
+    assert states["params"] == 2 * (shared + experts)
+    assert (states["grads"], states["master"], states["optimizer"]) == (
+        4 * shard,
+        4 * shard,
+        8 * shard,
+    )
+
+
+def test_ulysses_holds_the_activations_of_its_sequence_shard():
+    """``--sp 2``: each rank's activations are those of half the sequence; model states are
+    the dp layout's (the sp ranks are part of dp)."""
+    desc = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "100", "--world", "4"]
+    runs = {}
+    for seq, sp in ((512, 2), (256, 1), (512, 1)):
+        code, out, _ = _cli(
+            "estimate", *desc, "--seq", str(seq), "--sp", str(sp), "--stage", "3", "--json"
+        )
+        assert code == 0
+        runs[seq, sp] = json.loads(out)["stages"]["3"]
+    act = {k: r["activation_bytes_per_rank"] for k, r in runs.items()}
+    assert act[512, 2] == act[256, 1] and 2 * act[512, 2] <= act[512, 1]
+    assert runs[512, 2]["model_states"] == runs[512, 1]["model_states"]
 
 
 def test_bad_layouts_are_named():

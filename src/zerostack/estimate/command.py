@@ -28,12 +28,17 @@ def add_parser(sub) -> None:
     )
     m = e.add_argument_group("the model")
     m.add_argument("--params", type=float, help="trainable parameters, e.g. 7.5e9")
+    m.add_argument(
+        "--expert-params", type=float, default=0, help="of them, a MoE model's experts (all)"
+    )
     add_model_arguments(m)
     m.add_argument("--dropout", action="store_true", help="count dropout masks")
     g = e.add_argument_group("the layout")
     g.add_argument("--world", type=int, default=1, help="ranks in all")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE ep_size)")
+    g.add_argument("--sp", type=int, default=1, help="Ulysses ranks (sequence_parallel_size)")
     g.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all")
     g.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
     g.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, adagrad, momentum, sgd")
@@ -69,6 +74,8 @@ def run(args) -> int:
             args.tp,
             args.pp,
             stages,
+            ep=args.ep,
+            sp=args.sp,
             precision=args.precision,
             optimizer=args.optimizer,
             offload_optimizer=args.offload_optimizer,
@@ -80,7 +87,10 @@ def run(args) -> int:
             recompute=args.recompute,
             sequence_parallel=args.sequence_parallel,
         )
-        results = [est.estimate(params, lay, model=model, work=work) for lay in layouts]
+        experts = int(args.expert_params)
+        results = [
+            est.estimate(params, lay, model=model, work=work, experts=experts) for lay in layouts
+        ]
     except est.EstimateError as exc:
         print(f"EstimateError: {exc}", file=sys.stderr)
         return 2

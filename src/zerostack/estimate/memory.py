@@ -32,12 +32,14 @@ class EstimateError(ValueError):
 class Layout:
     """One rank's place in the grid and what it keeps where. With expert parallelism ``dp``
     is the expert-data-parallel degree (the ranks holding the same experts) and ``ep`` the
-    ranks splitting the experts: what all of them hold is held by ``dp * ep`` ranks."""
+    ranks splitting the experts: what all of them hold is held by ``dp * ep`` ranks. ``sp``:
+    Ulysses sequence-parallel ranks, a part of dp (each holds a shard of the sequence)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    sp: int = 1
     stage: int = 0
     precision: str = "fp32"
     optimizer: str = "adam"
@@ -45,9 +47,11 @@ class Layout:
     offload_param: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep"):
+        for name in ("dp", "tp", "pp", "ep", "sp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)!r} is not a positive integer")
+        if self.dp % self.sp:
+            raise EstimateError(f"sp: {self.sp} does not divide the dp axis of {self.dp} ranks")
         if self.stage not in (0, 1, 2, 3):
             raise EstimateError(f"stage: {self.stage!r} is not one of 0, 1, 2, 3")
         if self.precision not in PRECISION_BYTES:

@@ -60,12 +60,17 @@ def estimate(
     work: Workload | None = None,
     largest_layer: int | None = None,
     frozen: int = 0,
+    experts: int = 0,
 ) -> dict:
     """Per-rank bytes for one layout: model states (zerostack's layout and the ZeRO paper's),
-    activations of the busiest pipeline stage (given a :class:`Transformer`), transient buffers.
+    activations of the busiest pipeline stage (given a :class:`Transformer`; with Ulysses,
+    ``layout.sp``, each rank's shard of the sequence), transient buffers.
 
     ``params``: trainable parameters of the whole model (default: ``model.params``), split evenly
-    over tp x pp (a transformer's embedding and layers split nearly so)."""
+    over tp x pp (a transformer's embedding and layers split nearly so). ``experts``: how many
+    of them are a MoE model's experts, which are split over ``layout.ep`` x pp and held whole
+    on every tp rank (zerostack replicates experts over tp), their state cut over dp while the
+    rest is cut over dp x ep."""
     layout = layout or Layout()
     work = work or Workload()
     if params is None:
@@ -74,8 +79,15 @@ def estimate(
         params = model.params
     if params <= 0:
         raise EstimateError(f"params: {params} is not a positive count")
+    if not 0 <= experts <= params:
+        raise EstimateError(f"experts: {experts} is not a count within params {params}")
+    if experts and model is not None:
+        raise EstimateError("experts: give them with a parameter count (a description has none)")
+    if layout.ep > 1 and not experts:
+        raise EstimateError(f"ep: {layout.ep} ranks split the experts; how many parameters are?")
     mp = layout.tp * layout.pp
-    local, sizes, persistent = _ceil_div(int(params), mp), None, 0
+    own_experts = _ceil_div(int(experts), layout.ep * layout.pp)
+    local, sizes, persistent = _ceil_div(int(params - experts), mp) + own_experts, None, 0
     if model is not None and params == model.params:  # the tensors this rank holds, exactly
         stages = [model.rank_tensors(layout.tp, layout.pp, s) for s in range(layout.pp)]
         sizes = max(stages, key=sum)  # the pipeline stage holding the most
@@ -90,11 +102,13 @@ def estimate(
         sizes=sizes,
         persistent=persistent,
         bucket=work.reduce_bucket,
+        experts=own_experts,
     )
     out = {
         "layout": {**asdict(layout), "world": layout.world},
         "params": int(params),
         "params_per_model_parallel_rank": local,
+        "experts_per_rank": own_experts,
         "model_states": states.as_dict(),
         "model_states_bytes_per_rank": states.device,
         "zero_paper_bytes_per_rank": zero_paper_bytes(
@@ -105,7 +119,7 @@ def estimate(
     if model is not None:
         in_flight = work.in_flight or min(layout.pp, work.gas)  # 1F1B: pp on the first stage
         out["activation_bytes_per_rank"] = stage_activation_bytes(
-            model,
+            _sequence_shard(model, layout.sp),
             work.micro_batch,
             tp=layout.tp,
             pp=layout.pp,
@@ -123,6 +137,18 @@ def estimate(
         + out.get("activation_bytes_per_rank", 0)
     )
     return out
+
+
+def _sequence_shard(model: Transformer, sp: int) -> Transformer:
+    """What one of ``sp`` Ulysses ranks holds activations for: ``seq / sp`` positions of every
+    layer (attention holds all of them for ``heads / sp`` heads: the same bytes)."""
+    if sp == 1:
+        return model
+    if model.seq % sp or model.heads % sp:
+        raise EstimateError(
+            f"sp: {sp} Ulysses ranks split neither seq {model.seq} nor heads {model.heads} evenly"
+        )
+    return dataclasses.replace(model, seq=model.seq // sp)
 
 
 def _largest(model: Transformer | None, local: int, layout: Layout) -> int:
@@ -182,17 +208,23 @@ def _with_dropout(model: Transformer, dropout: bool) -> Transformer:
     return dataclasses.replace(model, dropout=dropout)
 
 
-def layouts_for(world: int, tp: int, pp: int, stages: list[int], **options) -> list[Layout]:
-    """One layout per stage for ``world`` ranks split as dp x tp x pp."""
-    if world % (tp * pp):
-        raise EstimateError(f"--world: {world} ranks cannot be split as tp {tp} x pp {pp}")
-    return [Layout(dp=world // (tp * pp), tp=tp, pp=pp, stage=s, **options) for s in stages]
+def layouts_for(
+    world: int, tp: int, pp: int, stages: list[int], ep: int = 1, **options
+) -> list[Layout]:
+    """One layout per stage for ``world`` ranks split as dp x ep x tp x pp."""
+    if world % (tp * pp * ep):
+        split = f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "")
+        raise EstimateError(f"--world: {world} ranks cannot be split as {split}")
+    dp = world // (tp * pp * ep)
+    return [Layout(dp=dp, tp=tp, pp=pp, ep=ep, stage=s, **options) for s in stages]
 
 
 def render(results: list[dict]) -> str:
-    """A table, one row per layout, in GiB."""
-    head = f"{'stage':>5} {'dp':>5} {'tp':>3} {'pp':>3} | {'states':>9} {'(paper)':>9} "
-    head += f"{'activ.':>9} {'buffers':>9} {'total':>9} | {'host':>9}"
+    """A table, one row per layout, in GiB (ep and sp columns where a layout has them)."""
+    extra = [a for a in ("ep", "sp") if any(r["layout"][a] > 1 for r in results)]
+    head = f"{'stage':>5} {'dp':>5} {'tp':>3} {'pp':>3}" + "".join(f" {a:>3}" for a in extra)
+    head += f" | {'states':>9} {'(paper)':>9} {'activ.':>9} {'buffers':>9} {'total':>9}"
+    head += f" | {'host':>9}"
     lines = [head, "-" * len(head)]
     for r in results:
         lay = r["layout"]
@@ -206,10 +238,9 @@ def render(results: list[dict]) -> str:
             r["total_bytes_per_rank"],
         ]
         text = " ".join(f"{'-' if v is None else f'{v / GIB:8.2f}G':>9}" for v in cells)
-        lines.append(
-            f"{lay['stage']:>5} {lay['dp']:>5} {lay['tp']:>3} {lay['pp']:>3} | {text} | "
-            f"{host / GIB:8.2f}G"
-        )
+        grid = f"{lay['stage']:>5} {lay['dp']:>5} {lay['tp']:>3} {lay['pp']:>3}"
+        grid += "".join(f" {lay[a]:>3}" for a in extra)
+        lines.append(f"{grid} | {text} | {host / GIB:8.2f}G")
     lines.append(
         "states: parameters, gradients, fp32 masters and optimizer state as zerostack holds them "
         "(paper: the ZeRO paper's accounting, 16-bit gradients); activations of the busiest "
