@@ -25,7 +25,7 @@ from .config_keys import warn_no_effect, warn_pageable_offload
 from .data.sampler import ResumableSampler
 from .engine import Engine
 from .moe import MoE
-from .moe.sync import average_over_ep
+from .moe.sync import divide_expert_grads_by_ep
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pinned import can_pin
 from .pipeline import PipelineModule, PipelineRunner
@@ -175,13 +175,13 @@ def _expert_parallel_size(model: nn.Module) -> int:
 
 
 def _bind_experts(model: nn.Module, topo: Topology) -> None:
-    """MoE layers exchange tokens over the grid's ep axis; at ep > 1 the gradients of what the
-    ep ranks share are averaged over them (:func:`zerostack.moe.sync.average_over_ep`)."""
+    """MoE layers exchange tokens over the grid's ep axis; at ep > 1 the experts' gradients are
+    divided by ep (:func:`zerostack.moe.sync.divide_expert_grads_by_ep`)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for m in layers:
         m.set_topology(topo)
     if topo.ep > 1:  # what combines with it is checked by zerostack.validate
-        average_over_ep(model, topo)
+        divide_expert_grads_by_ep(model, topo)
 
 
 def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> bool:
