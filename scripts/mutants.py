@@ -140,6 +140,27 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "Megatron SP beside experts: the gate's and experts' gradients not summed over tp",
+        "models/gpt_tp.py",
+        "        sum_grads_over_tp(mlp, topology)",
+        "        pass",
+        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",),
+    ),
+    Mutant(
+        "Megatron SP beside experts: the tp parts' auxiliary losses summed, not averaged",
+        "models/gpt.py",
+        "                aux = aux / topo.tp",
+        "                aux = aux",
+        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",),
+    ),
+    Mutant(
+        "Megatron SP beside experts under a pipeline: a block's side loss not divided by tp",
+        "models/gpt_pipe.py",
+        "            self.coef /= topology.tp",
+        "            self.coef /= 1",
+        (f"{MOE}::test_megatron_sp_beside_experts_under_a_pipeline_on_8_ranks[1f1b-1]",),
+    ),
+    Mutant(
         "estimate --sp: the activations of the whole sequence on every Ulysses rank",
         "estimate/report.py",
         "    if sp == 1:\n        return model",
@@ -326,7 +347,7 @@ MUTANTS = [
         "models/gpt.py",
         "        if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks",
         "        if self.cfg.moe_every and topo is None:",
-        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[2]",),
+        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[2-False]",),
     ),
     Mutant(
         "the deepspeed distribution is not found (the libraries think DeepSpeed is absent)",

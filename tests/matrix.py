@@ -167,9 +167,11 @@ def _base_model(moe: bool) -> GPT:
 def key(combo: Combo) -> tuple:
     """What the reference depends on: a MoE model's gates see one rank's tokens at a time
     (DeepSpeed's per-rank capacity and auxiliary loss), so its reference runs each replica's
-    micro-batch apart, and under Ulysses each sequence shard's tokens through the gates apart."""
+    micro-batch apart, and under Ulysses or Megatron's sequence parallelism each sequence
+    shard's tokens through the gates apart."""
     moe = combo.ep > 1
-    return (moe, combo.replicas if moe else 1, combo.sp if moe else 1, combo.gas, combo.precision)
+    shards = combo.sp * (combo.tp if combo.megatron_sp else 1)  # each routes its own tokens
+    return (moe, combo.replicas if moe else 1, shards if moe else 1, combo.gas, combo.precision)
 
 
 def _by_shards(moe: torch.nn.Module, n: int) -> None:
@@ -405,13 +407,16 @@ def judge(combo: Combo, per_rank: list, ref) -> tuple[str, str]:
 # -------------------------------------------------------------------------------- the page
 
 
-def measure(combos: list[Combo] | None = None) -> tuple[list[Combo], list[tuple[str, str]]]:
-    """Run every combination on 4 gloo ranks and judge each: (combinations, verdicts)."""
+def measure(
+    combos: list[Combo] | None = None, world: int = WORLD
+) -> tuple[list[Combo], list[tuple[str, str]]]:
+    """Run every combination on ``world`` gloo ranks (4: the matrix) and judge each:
+    (combinations, verdicts)."""
     from distributed import run_distributed
 
     combos = combos if combos is not None else globals()["combos"]()
     refs = {key(c): reference(*key(c)) for c in combos}
-    per_rank = run_distributed(run_all, WORLD, args=(combos, pickle.dumps(refs)), timeout=1500)
+    per_rank = run_distributed(run_all, world, args=(combos, pickle.dumps(refs)), timeout=1500)
     verdicts = [judge(c, [r[i] for r in per_rank], refs[key(c)]) for i, c in enumerate(combos)]
     return combos, verdicts
 

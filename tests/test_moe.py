@@ -276,15 +276,17 @@ def test_expert_parallel_gpt_matches_single_process(world, ep, k, factor, stage)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(stage):
+@pytest.mark.parametrize("stage,megatron_sp", [(0, False), (2, False), (1, True), (3, True)])
+def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(stage, megatron_sp):
     """ep 2 x tp 2 (the composition matrix's row, alone): attention and dense MLPs split over
     tp, each MoE block's experts replicated over it and split over ep; the loss carries the
-    auxiliary loss under tp as without it."""
+    auxiliary loss under tp as without it. With Megatron's sequence parallelism each tp rank
+    routes its own part of the sequence (the reference gates each part apart), the gate's and
+    experts' gradients summed over tp, the auxiliary loss the parts' mean."""
     from matrix import Combo, measure
 
-    combo = Combo(pp=1, dp=1, ep=2, tp=2, sp=1, megatron_sp=False, schedule="", stage=stage,
-                  precision="fp32", offload="none")  # fmt: skip
+    combo = Combo(pp=1, dp=1, ep=2, tp=2, sp=1, megatron_sp=megatron_sp, schedule="",
+                  stage=stage, precision="fp32", offload="none")  # fmt: skip
     assert measure([combo])[1] == [("works", "")]
 
 
@@ -310,6 +312,18 @@ def test_expert_parallel_gpt_under_a_pipeline_matches_single_process(schedule, s
     combo = Combo(pp=2, dp=1, ep=2, tp=1, sp=1, megatron_sp=False, schedule=schedule,
                   stage=stage, precision="fp32", offload="none")  # fmt: skip
     assert measure([combo])[1] == [("works", "")]
+
+
+@pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("interleaved", 3)])
+def test_megatron_sp_beside_experts_under_a_pipeline_on_8_ranks(schedule, stage):
+    """pp 2 x ep 2 x tp 2 with Megatron's sequence parallelism: each stage's MoE blocks route
+    each tp rank's part of the sequence; a block's auxiliary loss (its ``side_loss``) is the
+    parts' mean, as the GPT's own."""
+    from matrix import Combo, measure
+
+    combo = Combo(pp=2, dp=1, ep=2, tp=2, sp=1, megatron_sp=True, schedule=schedule,
+                  stage=stage, precision="fp32", offload="none")  # fmt: skip
+    assert measure([combo], world=8)[1] == [("works", "")]
 
 
 def _ep2(**zero):

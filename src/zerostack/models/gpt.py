@@ -256,12 +256,6 @@ class GPT(nn.Module):
                 "build the model without zero.Init (ZeRO stage 3 shards it at initialize)"
             )
         check_tp_split(cfg, topology)
-        if cfg.moe_every and sequence_parallel:
-            raise ConfigError(
-                "GPT moe_every with sequence_parallel (Megatron's): each tp rank's MoE blocks "
-                "would route a different part of the sequence to experts replicated over tp "
-                "(not yet)"
-            )
         if sequence_parallel and topology.sp > 1:
             raise ConfigError(
                 f"GPT sequence_parallel (Megatron's) with sequence_parallel_size {topology.sp} "
@@ -333,5 +327,7 @@ class GPT(nn.Module):
             loss = vocab_parallel_cross_entropy(logits, targets, comm_for(topo)).mean()
         if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks
             aux = sum(b.l_aux for b in self.blocks if b.l_aux is not None)
+            if self.sequence_parallel:  # each tp rank's is its part of the sequence's: the mean
+                aux = aux / topo.tp
             loss = loss + self.cfg.moe_aux_loss_coef * aux
         return loss

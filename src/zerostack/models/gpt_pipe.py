@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.grid import comm_for
-from ..config import ConfigError
 from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from ..tensor_parallel import (
     VocabParallelEmbedding,
@@ -87,6 +86,9 @@ class PipeBlock(Block):
     ) -> None:
         super().__init__(cfg, moe=moe)
         self.coef = cfg.moe_aux_loss_coef
+        # Megatron's sequence parallelism: each tp rank's auxiliary loss is its part's (the mean)
+        if sp and topology is not None:
+            self.coef /= topology.tp
         self.side_loss: torch.Tensor | None = None
         if topology is not None:
             parallelize_block(self, topology, sequence_parallel=sp)
@@ -120,11 +122,6 @@ class GPTLoss:
 
 def gpt_layers(cfg: GPTConfig, topology: Topology | None = None, *, sequence_parallel=False):
     """The GPT as a layer list for :class:`~zerostack.pipeline.PipelineModule`."""
-    if cfg.moe_every and sequence_parallel:
-        raise ConfigError(
-            "gpt_layers moe_every with sequence_parallel (Megatron's): each tp rank's MoE blocks "
-            "would route a different part of the sequence to experts replicated over tp (not yet)"
-        )
     tp = topology if topology is not None and topology.tp > 1 else None
     extra = (tp, sequence_parallel and tp is not None)
     # the blocks and the positions see Ulysses' sequence shards (sp > 1) even at tp 1

@@ -63,8 +63,28 @@ def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bo
         mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, **sp)
         mlp.proj = RowParallelLinear.from_linear(mlp.proj, **sp)
         mlp.sequence_parallel = sequence_parallel
+    elif sequence_parallel and topology.tp > 1:
+        sum_grads_over_tp(mlp, topology)
     if topology.sp > 1:  # Ulysses: [b, t, heads, head_dim], heads scattered, sequence gathered
         attn.ulysses = DistributedAttention(attn._attend, topology, scatter_idx=2, gather_idx=1)
+
+
+def sum_grads_over_tp(module: nn.Module, topology: Topology) -> None:
+    """Under Megatron's sequence parallelism a MoE block runs on this tp rank's part of the
+    sequence: each tp rank routes its own tokens (gating them apart, as Ulysses ranks do) to
+    the experts, which are replicated over tp. The gate's and the experts' gradients then see
+    only those tokens, so a hook sums them over tp, as the layer norms' are summed
+    (:func:`copy_to_tp`): every tp rank gets the whole sequence's gradient."""
+    comm = comm_for(topology)
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        comm.all_reduce(out, axis="tp")
+        return out
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(summed)
 
 
 class PositionShards(nn.Embedding):
