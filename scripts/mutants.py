@@ -58,6 +58,7 @@ HF = "tests/test_hf.py"
 LIVE = "tests/test_stage3_live.py"
 U = "tests/test_ulysses.py"
 MOE = "tests/test_moe.py"
+RING = "tests/test_ring.py"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -139,6 +140,34 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "ring attention: partial results merged without rescaling to the running maximum",
+        "sequence/ring.py",
+        "acc[..., rows, :] = acc[..., rows, :] * alpha.unsqueeze(-1) + p @ vf[..., cols, :]",
+        "acc[..., rows, :] = acc[..., rows, :] + p @ vf[..., cols, :]",
+        (f"{RING}::test_ring_attention_is_attention_over_the_whole_sequence[2-comm]",),
+    ),
+    Mutant(
+        "ring attention: the zigzag chunks in the other order (late chunk first)",
+        "sequence/ring.py",
+        "    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)",
+        "    return torch.cat([chunks[2 * world - 1 - rank], chunks[rank]], dim=dim)",
+        (f"{RING}::test_zigzag_chunk_order_for_two_and_four_ranks",),
+    ),
+    Mutant(
+        "ring attention: the diagonal blocks unmasked (queries see later keys)",
+        "sequence/ring.py",
+        "        return [(early, early, True), (late, every, True)]",
+        "        return [(early, early, False), (late, every, False)]",
+        (f"{RING}::test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work[2]",),
+    ),
+    Mutant(
+        "ring attention: the keys' and values' gradients not sent home at the end",
+        "sequence/ring.py",
+        "        dk, dv = axis.ring_shift([dk, dv])",
+        "        dk, dv = dk, dv",
+        (f"{RING}::test_ring_attention_is_attention_over_the_whole_sequence[2-group]",),
+    ),
     Mutant(
         "Megatron SP beside experts: the gate's and experts' gradients not summed over tp",
         "models/gpt_tp.py",

@@ -79,6 +79,28 @@ class Axis:
         else:
             self.comm.all_to_all(out, inp, axis=self.name)
 
+    def ring_shift(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every tensor of ``send`` to the next rank of the axis (``rank + 1``, wrapping), and
+        the previous rank's, like-shaped, back: the sends and receives are posted together, so
+        each rank sends and receives at once (ring attention's exchange). One rank: ``send``."""
+        n = self.size
+        if n == 1:
+            return list(send)
+        send = [t.contiguous() for t in send]
+        recv = [torch.empty_like(t) for t in send]
+        after, before = (self.rank + 1) % n, (self.rank - 1) % n
+        if self.comm is not None:  # peers are coordinates along the axis
+            ops = [("send", t, after) for t in send] + [("recv", t, before) for t in recv]
+            self.comm.p2p(ops, axis=self.name)
+            return recv
+        group = self.group if self.group is not None else dist.group.WORLD
+        after, before = dist.get_global_rank(group, after), dist.get_global_rank(group, before)
+        ops = [collectives.P2POp(collectives.isend, t, after, group) for t in send]
+        ops += [collectives.P2POp(collectives.irecv, t, before, group) for t in recv]
+        for work in collectives.batch_isend_irecv(ops):
+            work.wait()
+        return recv
+
 
 def on_axis(comm: Comm, name: str) -> Axis:
     """``comm``'s grid axis ``name``."""

@@ -6,8 +6,21 @@ shard as it is: the embeddings, layer norms, MLPs and the loss are per token.
 The sp ranks are neighbours on the dp axis of the grid (``Topology.build(sp=2)``, or the
 config's ``sequence_parallel_size``); they read one batch, each its own shard of the sequence
 (:func:`shard_sequence`), and ZeRO reduces gradients over the whole dp axis, sp ranks included.
+
+Ring attention (:func:`ring_attention`, in ``ring.py``) is the other way to attend over a split
+sequence: the keys and values travel around the ranks instead of the heads being exchanged, so
+it needs no head count divisible by the ranks; causal attention takes zigzag shards
+(:func:`zigzag_shard`) to balance the work.
 """
 
 from .layer import DistributedAttention, seq_all_to_all, shard_sequence
+from .ring import ring_attention, zigzag_shard, zigzag_unshard
 
-__all__ = ["DistributedAttention", "seq_all_to_all", "shard_sequence"]
+__all__ = [
+    "DistributedAttention",
+    "ring_attention",
+    "seq_all_to_all",
+    "shard_sequence",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
