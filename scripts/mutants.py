@@ -141,6 +141,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "a refusal on one rank is not handed to the others (they wait in the engine)",
+        "validate.py",
+        '    refusals = [r for r in _posted(str(mine) if mine else "", grid) if r]',
+        '    refusals = [str(mine)] if mine else []',
+        (f"{PIPE}::test_a_refusal_on_one_stage_is_every_stages",),
+    ),
+    Mutant(
         "ring attention: partial results merged without rescaling to the running maximum",
         "sequence/ring.py",
         "acc[..., rows, :] = acc[..., rows, :] * alpha.unsqueeze(-1) + p @ vf[..., cols, :]",
@@ -2487,10 +2494,10 @@ MUTANTS = [
         ("tests/test_checkpoint.py::test_exact_resume[1-2-False]",),
     ),
     Mutant(
-        "a strategy member used outside zero/ is not declared (stage 3's rank)",
+        "a strategy member used outside zero/ is not declared (state_axis)",
         "zero/strategy.py",
-        "    rank: int  # this rank's piece of each parameter\n",
-        "",
+        "    def state_axis(self, p: nn.Parameter) -> str | None:\n",
+        "    def _state_axis(self, p: nn.Parameter) -> str | None:\n",
         ("tests/test_architecture.py::test_every_strategy_member_used_outside_zero_is_declared",),
     ),
     Mutant(

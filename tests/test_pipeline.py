@@ -230,6 +230,37 @@ def _errors(rank, world):
     return out
 
 
+class _Experts(nn.Module):
+    """A layer holding a MoE of 2 experts split over 2 ep ranks (the grid has no ep axis)."""
+
+    def __init__(self):
+        super().__init__()
+        from zerostack.moe import MoE
+
+        self.moe = MoE(8, nn.Linear(8, 8), num_experts=2, ep_size=2)
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+def _refused_on_one_stage(rank, world):
+    topo = Topology.build(pp=2)
+    layers = [LayerSpec(nn.Linear, 8, 8), LayerSpec(_Experts)]
+    model = PipelineModule(layers, topology=topo, loss_fn=lambda out, y: out.sum())
+    try:
+        zerostack.initialize(model=model, config=_config(1, 0))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_refusal_on_one_stage_is_every_stages():
+    """Only the second stage holds a MoE layer whose ep_size the grid lacks: both stages raise
+    its refusal at initialize (the first went on into the engine and waited there)."""
+    out = run_distributed(_refused_on_one_stage, 2, timeout=60)
+    assert out == ["MoE ep_size: the model's layers have 2, the topology ep 1"] * 2
+
+
 def test_pipeline_engine_errors_and_eval():
     out = run_distributed(_errors, 2)
     assert out[0]["stages"] == "pipeline.stages: 4 but the PipelineModule has 2 stages"

@@ -33,7 +33,7 @@ from .sequence import DistributedAttention, shard_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
-from .validate import validate
+from .validate import agreed, validate
 from .watchdog import start_watchdog
 from .world import default_timeout, init_distributed
 
@@ -352,13 +352,16 @@ def initialize(
     cfg = load_config(config)
     if dist_init_required is not False:
         init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))
-    topo = _topology(model, cfg, topology, mpu)
+    # a refusal on some ranks only (a pipeline stage's layers) is every rank's (validate.agreed)
+    topo = agreed(topology or _model_topology(model), _topology, model, cfg, topology, mpu)
     if cfg.log_level is not None:  # DeepSpeed sets its own logger's level from the key
         logging.getLogger("zerostack").setLevel(cfg.log_level.upper())
     warn_no_effect(cfg, topo.global_rank)
     warn_pageable_offload(cfg, topo.device, topo.global_rank)
     # "auto" chosen, then every cross-feature rule on the result (before any work)
-    resolved = validate(cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    resolved = agreed(
+        topo, validate, cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler
+    )
     cfg, forward_only = resolved.config, resolved.forward_only
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
     opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)

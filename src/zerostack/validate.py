@@ -12,9 +12,11 @@ below resolves it again.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
@@ -24,6 +26,7 @@ from .pipeline.schedule import DeadlockError, ScheduleError
 from .pipeline.simulate import check_schedule
 from .plan.auto import resolve as resolve_auto
 from .topology import Topology
+from .watchdog import default_store
 from .zero.params import is_sharded
 
 log = logging.getLogger("zerostack")
@@ -119,3 +122,49 @@ def _check_pipeline(module: PipelineModule, cfg: ZeroStackConfig, stage: int, ga
             f"pipeline.schedule: {pcfg.schedule!r} cannot run {module.num_stages} stages x "
             f"{module.virtual_stages} chunks with gradient_accumulation_steps={gas}: {exc}"
         ) from None
+
+
+_ROUNDS = itertools.count()  # agreements so far in this process: the same count on every rank
+
+
+def agreed(grid: Topology | None, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, with a refusal on any rank raised on every rank.
+
+    Part of a model is one rank's own (a pipeline stage's layers), so a rule may refuse on some
+    ranks and pass on others, which would go on into the engine's first collective and wait
+    there for the ranks that left. Where a grid exists before the check (``grid``: the one
+    given, or the model's), every rank posts its refusal or "" in the job's store and reads
+    the others'; the first rank's refusal is raised everywhere, as it was worded. The store,
+    not a collective: nothing on a device, no process group used before the engine's. Without a
+    grid the check builds it, and what it refuses (sizes, the config) every rank refuses alike.
+    """
+    if grid is None:
+        return check(*args, **kwargs)
+    try:
+        out, mine = check(*args, **kwargs), None
+    except ConfigError as exc:
+        out, mine = None, exc
+    refusals = [r for r in _posted(str(mine) if mine else "", grid) if r]
+    if refusals:
+        if mine is not None and str(mine) == refusals[0]:
+            raise mine
+        raise ConfigError(refusals[0])
+    return out
+
+
+def _posted(text: str, grid: Topology) -> list[str]:
+    """Every rank's ``text``, in rank order, through the store ``torch.distributed`` was
+    initialised with (only this rank's when it has none, or one that keeps no keys: torch's
+    fake store, for the fake process group)."""
+    store = default_store()
+    if store is None:
+        return [text]
+    key = f"/zerostack/agreed/{next(_ROUNDS)}/"
+    try:
+        store.set(f"{key}{dist.get_rank()}", text)
+    except RuntimeError as exc:  # torch's FakeStore: "Not implemented"
+        log.debug("initialize: no agreement through the store (%s)", exc)
+        return [text]
+    keys = [f"{key}{r}" for r in range(dist.get_world_size())]
+    store.wait(keys, grid.timeout)
+    return [store.get(k).decode() for k in keys]

@@ -178,9 +178,8 @@ class FlatBuffers(Protocol):
 
 @runtime_checkable
 class Pieces(Protocol):
-    """What stage 3 offers besides: each parameter is cut into pieces, one per dp rank."""
-
-    rank: int  # this rank's piece of each parameter
+    """What stage 3 offers besides: each parameter is cut into pieces, one per rank of its
+    axis (``p._zs``: dp, or dp x ep for what every ep rank holds)."""
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
