@@ -59,6 +59,7 @@ LIVE = "tests/test_stage3_live.py"
 U = "tests/test_ulysses.py"
 MOE = "tests/test_moe.py"
 RING = "tests/test_ring.py"
+TILED = "tests/test_tiled.py"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -140,6 +141,34 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "tiled compute: a tile's parameter gradient written over the others', not summed",
+        "sequence/tiled.py",
+        "self.acc[j] = self.acc[j].add_(g) if self.owned[j] else self.acc[j] + g",
+        "self.acc[j] = g",
+        (f"{TILED}::test_tiled_mlp_matches_untiled[True-4]",),
+    ),
+    Mutant(
+        "tiled logits loss: the mean over tiles, not over the counted tokens",
+        "sequence/tiled.py",
+        'w = count / total if reduction == "mean" else 1.0',
+        'w = 1 / len(tiles) if reduction == "mean" else 1.0',
+        (f"{TILED}::test_fused_logits_loss_mean_is_over_labels_not_tiles",),
+    ),
+    Mutant(
+        "tiled compute: backward recomputes every tile from the first tile's input",
+        "sequence/tiled.py",
+        "xt = x.narrow(-2, start, size).detach().requires_grad_(need_x)",
+        "xt = x.narrow(-2, 0, size).detach().requires_grad_(need_x)",
+        (f"{TILED}::test_tiled_mlp_matches_untiled[True-5]",),
+    ),
+    Mutant(
+        "tiled compute: the positions of an uneven split's remainder dropped",
+        "sequence/tiled.py",
+        "    sizes = [step + (1 if i < extra else 0) for i in range(shards)]",
+        "    sizes = [step for i in range(shards)]",
+        (f"{TILED}::test_tiled_mlp_matches_untiled[True-5]",),
+    ),
     Mutant(
         "a refusal on one rank is not handed to the others (they wait in the engine)",
         "validate.py",

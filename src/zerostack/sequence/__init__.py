@@ -15,11 +15,16 @@ it needs no head count divisible by the ranks; causal attention takes zigzag sha
 
 from .layer import DistributedAttention, seq_all_to_all, shard_sequence
 from .ring import ring_attention, zigzag_shard, zigzag_unshard
+from .tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 __all__ = [
     "DistributedAttention",
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
     "ring_attention",
     "seq_all_to_all",
+    "sequence_tiled_compute",
     "shard_sequence",
     "zigzag_shard",
     "zigzag_unshard",
