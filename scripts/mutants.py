@@ -142,6 +142,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "the scratch pool hands a buffer back in the shape it was given (a matrix for a row)",
+        "core/scratch.py",
+        "            t = t.view(-1)  # taken back flat, whatever shape it was given in (a matrix)",
+        "            pass",
+        ("tests/test_scratch.py::test_a_buffer_given_back_as_a_matrix_is_taken_flat",),
+    ),
+    Mutant(
         "tiled compute: a tile's parameter gradient written over the others', not summed",
         "sequence/tiled.py",
         "self.acc[j] = self.acc[j].add_(g) if self.owned[j] else self.acc[j] + g",

@@ -113,6 +113,22 @@ def test_small_or_off_cpu_buffers_are_plain_tensors():
     assert meta.device.type == "meta" and meta.numel() == scratch.MIN_BYTES
 
 
+def test_a_buffer_given_back_as_a_matrix_is_taken_flat():
+    """Stage 3 gives back a bucket's (dp, width) staging matrix; a later bucket whose row has
+    as many elements takes it as its flat row. Taken in its old shape, the row's slices were
+    rows of the matrix, and a gradient piece of 4096 met one of (2, 2048) (an HF Llama at dp
+    2 whose reduce_bucket_size was below a weight's size)."""
+    pool = scratch.Pool()
+    matrix = torch.zeros(2, 3)
+    pool.give(matrix)
+    pool.give(matrix.view(-1))  # the same buffer again: kept once
+    row = pool.take(6, torch.float32, "cpu")
+    assert row.shape == (6,) and row.data_ptr() == matrix.data_ptr()
+    assert pool.take(6, torch.float32, "cpu").data_ptr() != matrix.data_ptr()
+    pool.give(matrix.t())  # not contiguous: not a buffer to hand out flat
+    assert pool.kept() == []
+
+
 def _stage3(rank, world):
     """Rank 0's findings in one stage-3 step of a GPT whose blocks' Linear layers are 1-4 MiB:
     whether each gathered weight (forward), each weight gradient autograd hands over, and each

@@ -86,8 +86,11 @@ class Pool:
         for t in tensors:
             if t is None or t.device.type != "cpu" or t.untyped_storage().nbytes() != t.nbytes:
                 continue  # (a view of part of a buffer is not a buffer)
+            if not t.is_contiguous():
+                continue
+            t = t.view(-1)  # taken back flat, whatever shape it was given in (a matrix)
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
-            if len(free) < self.keep and all(f is not t for f in free):
+            if len(free) < self.keep and all(f.data_ptr() != t.data_ptr() for f in free):
                 free.append(t)
 
     def kept(self) -> list[torch.Tensor]:
