@@ -60,6 +60,7 @@ U = "tests/test_ulysses.py"
 MOE = "tests/test_moe.py"
 RING = "tests/test_ring.py"
 TILED = "tests/test_tiled.py"
+HFU = "tests/test_hf_ulysses.py"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -141,6 +142,36 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "HF Ulysses: the all-to-all scatters the sequence and gathers the heads (swapped)",
+        "sequence/hf_ulysses.py",
+        "        q, k, v = (cf.all_to_all(t, self.axis, 1, 2) for t in (query, key, value))",
+        "        q, k, v = (cf.all_to_all(t, self.axis, 2, 1) for t in (query, key, value))",
+        (f"{HFU}::test_alst_script_matches_single_process_training[3]",),
+    ),
+    Mutant(
+        "HF Ulysses: the data loader adapter gives every sp rank the first shard",
+        "sequence/hf_ulysses.py",
+        "            n, r = s // sp, self.sp_rank",
+        "            n, r = s // sp, 0",
+        (f"{HFU}::test_alst_script_matches_single_process_training[1]",),
+    ),
+    Mutant(
+        "HF Ulysses: the loss is each shard's own mean, averaged (not the tokens' mean)",
+        "sequence/hf_ulysses.py",
+        "    count = cf.reduce(count, axis)\n    total = cf.reduce(cf.copy(total, axis), axis)\n"
+        "    return total / count.clamp_min(1)",
+        "    mean = total / count.clamp_min(1)\n"
+        "    return cf.reduce(cf.copy(mean, axis), axis) / axis.size",
+        (f"{HFU}::test_loss_is_the_mean_over_every_shards_labelled_tokens",),
+    ),
+    Mutant(
+        "HF Ulysses: packed documents attend across their boundaries",
+        "sequence/hf_ulysses.py",
+        "            attention_mask = _document_mask(positions.expand(q.shape[0], -1))",
+        "            attention_mask = None",
+        (f"{HFU}::test_mqa_and_packed_documents_match_whole_sequence_attention",),
+    ),
     Mutant(
         "the scratch pool hands a buffer back in the shape it was given (a matrix for a row)",
         "core/scratch.py",

@@ -26,10 +26,12 @@ from .data.sampler import ResumableSampler
 from .engine import Engine
 from .moe import MoE
 from .moe.sync import divide_expert_grads_by_ep
+from .mpu import check_mpu_groups, mpu_sizes
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pinned import can_pin
 from .pipeline import PipelineModule, PipelineRunner
 from .sequence import DistributedAttention, shard_sequence
+from .sequence.hf_ulysses import registered_ulysses
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
@@ -84,22 +86,6 @@ def _model_topology(model: nn.Module) -> Topology | None:
     return None
 
 
-def _mpu_sizes(mpu) -> tuple[int, int]:
-    """(tp, pp) from a Megatron/DeepSpeed-style ``mpu`` object."""
-
-    def ask(*names: str) -> int | None:
-        for name in names:
-            fn = getattr(mpu, name, None)
-            if callable(fn):
-                return int(fn())
-        return None
-
-    tp = ask("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
-    if tp is None:
-        raise ConfigError("mpu: it has no get_model_parallel_world_size() (or the tensor_ form)")
-    return tp, ask("get_pipeline_model_parallel_world_size") or 1
-
-
 def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology:
     """The one grid of the job: given, or the model's, or built from ``mpu`` / the config; every
     source that names a tp size must agree, and a plain model is split here if tp > 1."""
@@ -108,10 +94,19 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
     sources = []
     if want_tp:
         sources.append(("tensor_parallel.autotp_size", want_tp))
+    sp = cfg.sequence_parallel_size
     if mpu is not None:
-        mpu_tp, mpu_pp = _mpu_sizes(mpu)
+        mpu_tp, mpu_pp, mpu_sp = mpu_sizes(mpu)
         sources.append(("mpu.get_model_parallel_world_size()", mpu_tp))
-    topo = topology or built
+        if mpu_sp > 1:
+            if "sequence_parallel_size" in cfg.model_fields_set and sp != mpu_sp:
+                raise ConfigError(
+                    f"sequence_parallel_size: {sp} disagrees with the mpu's sequence-parallel "
+                    f"size ({mpu_sp})"
+                )
+            sp = mpu_sp
+    mpu_topo = getattr(mpu, "topology", None)  # zerostack's own mpu carries its grid
+    topo = topology or built or (mpu_topo if isinstance(mpu_topo, Topology) else None)
     if topo is not None:
         sources.append(("the topology", topo.tp))
     for name, size in sources[1:]:
@@ -120,7 +115,6 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                 f"{sources[0][0]}: tensor-parallel size {sources[0][1]} disagrees with "
                 f"{name} ({size})"
             )
-    sp = cfg.sequence_parallel_size
     ep = _expert_parallel_size(model)
     if topo is None:
         tp = sources[0][1] if sources else 1
@@ -136,12 +130,12 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
     elif ep != topo.ep and not (ep == 1 and isinstance(model, PipelineModule)):
         # (a pipeline stage without MoE layers runs on its grid's ep axis all the same)
         raise ConfigError(f"MoE ep_size: the model's layers have {ep}, the topology ep {topo.ep}")
-    elif "sequence_parallel_size" in cfg.model_fields_set and sp != topo.sp:
+    elif sp != topo.sp and ("sequence_parallel_size" in cfg.model_fields_set or sp > 1):
         raise ConfigError(
             f"sequence_parallel_size: {sp} disagrees with the topology's sp ({topo.sp})"
         )
     if mpu is not None:
-        _check_mpu_groups(mpu, topo)
+        check_mpu_groups(mpu, topo)
     if built is not None and built.tp != topo.tp:
         raise ConfigError(
             f"model: its tensor-parallel layers were built for tp={built.tp}, the topology has "
@@ -199,28 +193,30 @@ def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> 
         return False
     if built is None and callable(getattr(model, "parallelize", None)):
         return True
+    hf = registered_ulysses(model)  # a Hugging Face model under UlyssesSPAttentionHF
+    if hf is not None:
+        import torch.distributed as dist
+
+        theirs = dist.get_process_group_ranks(hf.process_group)
+        ours = dist.get_process_group_ranks(topo.group("sp"))
+        if sorted(theirs) != sorted(ours):
+            raise ConfigError(
+                f"sequence_parallel_size: the model's Ulysses attention exchanges over ranks "
+                f"{sorted(theirs)}, the grid's sp group is {sorted(ours)}; pass "
+                "initialize(mpu=...) the mpu register_with_transformers returned"
+            )
+        return False
+    if isinstance(getattr(getattr(model, "config", None), "_attn_implementation", None), str):
+        raise ConfigError(
+            f"sequence_parallel_size: {topo.sp} needs a model whose attention exchanges sequence "
+            "shards: for a Hugging Face model, call UlyssesSPAttentionHF.register_with_transformers"
+            " (deepspeed.runtime.sequence_parallel.ulysses_sp) before initialize and pass it mpu="
+        )
     raise ConfigError(
         f"sequence_parallel_size: {topo.sp} needs a model whose attention exchanges sequence "
         "shards: zerostack.sequence.DistributedAttention layers, or a model with a "
         "parallelize(topology) method (zerostack.models.GPT)"
     )
-
-
-def _check_mpu_groups(mpu, topo: Topology) -> None:
-    import torch.distributed as dist
-
-    get = getattr(mpu, "get_tensor_model_parallel_group", None) or getattr(
-        mpu, "get_model_parallel_group", None
-    )
-    if get is None:
-        return
-    theirs = dist.get_process_group_ranks(get())
-    ours = dist.get_process_group_ranks(topo.group("tp"))
-    if sorted(theirs) != sorted(ours):
-        raise ConfigError(
-            f"mpu: its tensor-parallel group of this rank is ranks {sorted(theirs)}, zerostack's "
-            f"grid (tp innermost) puts it at {sorted(ours)}; build the mpu with tp innermost"
-        )
 
 
 def _host_threads_for_offload(cfg: ZeroStackConfig, topo: Topology) -> None:

@@ -248,9 +248,14 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer": _works(),
         "deepspeed.sequence.layer.DistributedAttention": _works(),
-        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _no(
-            "Hugging Face attention is not wrapped: put `zerostack.sequence.layer."
-            "DistributedAttention` in the model"
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _different(
+            "register_with_transformers with DeepSpeed's arguments; sdpa or flash attention "
+            "(eager and flex_attention refused); returns the mpu `initialize(mpu=)` takes",
+            "zerostack.sequence.hf_ulysses.UlyssesSPAttentionHF",
+        ),
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": _different(
+            "DeepSpeed's arguments and shards (shift_labels, -100 at the end)",
+            "zerostack.sequence.hf_ulysses.UlyssesSPDataLoaderAdapter",
         ),
     },
 }
