@@ -76,13 +76,6 @@ class FlatState:
         """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
         self.after_step()
 
-    @property
-    def cut_over_ep(self) -> set[nn.Parameter]:
-        """The parameters every ep rank holds whose state is cut over the ``dp * ep`` ranks
-        (stages 1-2 at ep > 1): each rank counts and saves its own piece of them."""
-        return {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
-                for p in fg.params}  # fmt: skip
-
     # ------------------------------------------------------------------ one parameter
     def state_axis(self, p: nn.Parameter) -> str | None:
         """The axis over which ``p``'s master is cut, None where every rank holds it whole."""

@@ -166,6 +166,14 @@ class ShardedDataParallel(FlatState, StepSequence):
         self._sync_untracked(dtype)
         # a sharded state: each bucket is waited for (and, sharded gradients, added into the
         # shard and its buffers freed) while backward goes on, at most two in flight
+        # fixed by the flat groups' cuts, read in every gradient hook and every step: whether
+        # any gradient is summed over other ranks (not at dp 1 without ep), whether each rank
+        # holds another part of the gradients (the norm needs a sum), and what every ep rank
+        # holds cut over dp x ep (each rank counts and saves its own piece of it)
+        self.reduces = any(fg.cut.size > 1 for fg in self.groups)
+        self.grads_sharded = any(fg.cut.world > 1 for fg in self.groups)
+        self.cut_over_ep = {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
+                            for p in fg.params}  # fmt: skip
         done = self.grads.done()
         sizes = [len(st.bucket.slots) for st in self.buckets]
         self.reducer = GradReducer(sizes, self.grads.launch, done)
@@ -184,16 +192,6 @@ class ShardedDataParallel(FlatState, StepSequence):
             masters = [self.buckets[b].master for g in flats for b in self.groups[g].buckets]
             out.append({"params": masters, **self.groups[flats[0]].options})
         return out
-
-    @property
-    def reduces(self) -> bool:
-        """Whether any gradient is summed over other ranks (not at dp 1 without ep)."""
-        return any(fg.cut.size > 1 for fg in self.groups)
-
-    @property
-    def grads_sharded(self) -> bool:
-        """Whether each rank holds a different part of the gradient (the norm needs a reduce)."""
-        return any(fg.cut.world > 1 for fg in self.groups)
 
 
     def end_backward(self) -> None:

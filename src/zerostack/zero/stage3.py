@@ -83,7 +83,8 @@ class Stage3(Stage3State, StepSequence):
         trainable = [p for g in groups for p in g["params"]]
         self._trainable = set(trainable)
         cut_all(everything, comm, self.meter, wide=set(shared) & self._trainable)
-        self._sharded = any(p._zs.world > 1 for p in trainable)
+        self.grads_sharded = any(p._zs.world > 1 for p in trainable)  # read at every step
+        self.cut_over_ep = {p for p in trainable if p._zs.axis == "dp_ep" and p._zs.world > 1}
 
         # Where the parameter pieces live: in memory, or (offload_param) read in for each gather
         # from files or host memory. Those zero.Init put in files (remote_device="nvme") stay.
@@ -232,10 +233,6 @@ class Stage3(Stage3State, StepSequence):
                 out.append({"params": [], **g.options})
             out[g.index]["params"].append(g.master)
         return out
-
-    @property
-    def grads_sharded(self) -> bool:
-        return self._sharded
 
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]

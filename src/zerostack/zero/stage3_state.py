@@ -46,11 +46,6 @@ class Stage3State:
         """Every rank writes its own shard."""
         return True
 
-    @property
-    def cut_over_ep(self) -> set[nn.Parameter]:
-        """The trainable parameters every ep rank holds (cut over the dp x ep ranks)."""
-        return {p for p in self._trainable if p._zs.axis == "dp_ep" and p._zs.world > 1}
-
     def state_axis(self, p: nn.Parameter) -> str | None:
         """The axis over which ``p``'s master is cut, None where one rank holds all of it."""
         return p._zs.axis if p._zs.world > 1 else None

@@ -197,7 +197,6 @@ class StepSequence:
     ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``after_step``."""
 
     boundary: bool = True
-    cut_over_ep: set[nn.Parameter] | frozenset = frozenset()
 
     def begin_backward(self, boundary: bool) -> None:
         self.boundary = boundary
