@@ -172,9 +172,8 @@ def shard_param(
 def cut_all(params: list[nn.Parameter], comm: Comm, meter: StorageMeter, wide: set) -> None:
     """Make each of ``params`` a stage-3 parameter counted in ``meter``: cut over dp, or over
     the dp_ep axis for those in ``wide`` (what every ep rank holds and trains). One built under
-    ``zero.Init`` keeps its piece where it is cut as the grid cuts it (``zero.Init`` makes its
-    own grid: over all ranks, which is the dp_ep axis of an ep-only grid); one cut over other
-    ranks is refused."""
+    ``zero.Init`` (cut over dp: a MoE model built so is refused at initialize) keeps its piece
+    where it is cut as the grid cuts it; one cut over other ranks is refused."""
     topo = comm.topo
     for p in params:
         axis = "dp_ep" if p in wide else "dp"
@@ -188,7 +187,6 @@ def cut_all(params: list[nn.Parameter], comm: Comm, meter: StorageMeter, wide: s
                 "grid's topology"
             )
         else:
-            p._zs.axis = axis  # the same ranks, in the same order
             meter.track(p._zs.piece)
         p._zs.comm, p._zs.meter = comm, meter
 
