@@ -61,6 +61,7 @@ MOE = "tests/test_moe.py"
 RING = "tests/test_ring.py"
 TILED = "tests/test_tiled.py"
 HFU = "tests/test_hf_ulysses.py"
+RG = "tests/test_ring_grid.py"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -142,6 +143,76 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "ring attention: the keys' document ids stay home (each step masks with the queries')",
+        "sequence/ring.py",
+        "apart = (docs[0][:, rows, None] != docs[1][:, None, cols])",
+        "apart = (docs[0][:, rows, None] != docs[0][:, None, cols])",
+        (f"{RING}::test_packed_documents_attend_only_within_themselves",),
+    ),
+    Mutant(
+        "sequence_piece: a rank's ring shard is picked by rank % ring, not rank // ulysses",
+        "sequence/ring.py",
+        "return zigzag_shard(x, rank // u, ring, dim).chunk(u, dim=dim)[rank % u]",
+        "return zigzag_shard(x, rank % ring, ring, dim).chunk(u, dim=dim)[rank % u]",
+        (f"{RG}::test_gpt_under_ring_attention_matches_single_process[4-4-2-3-False]",),
+    ),
+    Mutant(
+        "the ring groups are the Ulysses neighbours (stride ring, not ulysses)",
+        "topology.py",
+        "ranks = [int(mesh[p, run * self.sp + g * u + j, e, t]) for g in range(self.ring)]",
+        "ranks = [int(mesh[p, run * self.sp + g + j * self.ring, e, t]) for g in range(self.ring)]",
+        ("tests/test_topology.py::test_ring_and_ulysses_axes_split_the_sp_ranks",),
+    ),
+    Mutant(
+        "a rank's ring coordinate is its sp rank modulo ring",
+        "topology.py",
+        '            return self.rank("sp") // self.ulysses',
+        '            return self.rank("sp") % self.ring',
+        ("tests/test_topology.py::test_ring_and_ulysses_axes_split_the_sp_ranks",),
+    ),
+    Mutant(
+        "the GPT attends within its ring shard (ring attention never called)",
+        "models/gpt.py",
+        "        if self.ring is not None:  # over the ring's zigzag shards",
+        "        if False:  # over the ring's zigzag shards",
+        (f"{RG}::test_gpt_under_ring_attention_matches_single_process[2-2-2-0-True]",),
+    ),
+    Mutant(
+        "Ulysses under a ring exchanges over the whole sp group",
+        "sequence/layer.py",
+        'return cf.on_axis(comm_for(group), "sp" if group.ring == 1 else "ulysses")',
+        'return cf.on_axis(comm_for(group), "sp")',
+        (f"{RG}::test_gpt_under_ring_attention_matches_single_process[4-4-2-2-True]",),
+    ),
+    Mutant(
+        "the GPT's heads must split over all sp ranks, ring ones too",
+        "models/gpt_tp.py",
+        "    tp, sp = topology.tp, topology.ulysses  # the ring ranks keep every head",
+        "    tp, sp = topology.tp, topology.sp  # the ring ranks keep every head",
+        (f"{RG}::test_bad_ring_grids_are_refused_naming_the_keys",),
+    ),
+    Mutant(
+        "ring_parallel_size that disagrees with the given topology is accepted",
+        "compose.py",
+        '    if ring != topo.ring and ("ring_parallel_size" in cfg.model_fields_set or ring > 1):',
+        "    if False:",
+        (f"{RG}::test_bad_ring_grids_are_refused_naming_the_keys",),
+    ),
+    Mutant(
+        "a model wired for ring attention alone is refused as unwired",
+        "sequence/check.py",
+        "    if rings and topo.ulysses == 1:\n        return False\n",
+        "",
+        (f"{RG}::test_gpt_under_ring_attention_matches_single_process[2-2-2-3-False]",),
+    ),
+    Mutant(
+        "GPT dropout is accepted under ring attention (and silently not applied)",
+        "models/gpt_tp.py",
+        "    if topology.ring > 1 and cfg.dropout > 0:",
+        "    if False:",
+        (f"{RG}::test_bad_ring_grids_are_refused_naming_the_keys",),
+    ),
     Mutant(
         "HF Ulysses: the all-to-all scatters the sequence and gathers the heads (swapped)",
         "sequence/hf_ulysses.py",
@@ -2125,15 +2196,15 @@ MUTANTS = [
     Mutant(
         "Ulysses positions start at 0 on every sp rank",
         "models/gpt.py",
-        "pos = torch.arange(r * t, (r + 1) * t, device=idx.device)",
-        "pos = torch.arange(t, device=idx.device)",
+        'pos = sequence_piece(whole, 0, topo.rank("sp"), sp, topo.ring)',
+        "pos = whole[:t]",
         (f"{U}::test_gpt_matches_single_process[2-2-1-0-False]",),
     ),
     Mutant(
         "the GPT's attention is left unwired under sp",
         "models/gpt_tp.py",
-        "    if topology.sp > 1:  # Ulysses",
-        "    if False:  # Ulysses",
+        "    if topology.ulysses > 1:  # [b, t, heads",
+        "    if False:  # [b, t, heads",
         (f"{U}::test_gpt_matches_single_process[2-2-1-0-False]",),
     ),
     Mutant(
@@ -2153,8 +2224,8 @@ MUTANTS = [
     Mutant(
         "every sp rank takes the first sequence shard",
         "sequence/layer.py",
-        "return t.chunk(sp, dim=dim)[rank].contiguous()",
-        "return t.chunk(sp, dim=dim)[0].contiguous()",
+        "return sequence_piece(t, dim, rank, sp, topology.ring).contiguous()",
+        "return sequence_piece(t, dim, 0, sp, topology.ring).contiguous()",
         (f"{U}::test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples",),
     ),
     Mutant(
@@ -2167,15 +2238,15 @@ MUTANTS = [
     Mutant(
         "sequence_parallel_size does not wire a plain model",
         "compose.py",
-        "wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)",
-        "wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built) and False",
+        "wire_ulysses = topo.sp > 1 and wires_sequence(model, topo, built)",
+        "wire_ulysses = topo.sp > 1 and wires_sequence(model, topo, built) and False",
         (f"{U}::test_gpt_matches_single_process[4-4-1-2-True]",),
     ),
     Mutant(
         "a pipeline stage's positions start at 0 on every Ulysses shard",
         "models/gpt_pipe.py",
-        '            start = self.topology.rank("sp") * n',
-        "            start = 0",
+        'pos = sequence_piece(whole, 0, topo.rank("sp"), topo.sp, topo.ring)',
+        "pos = whole[:n]",
         (f"{U}::test_gpt_under_a_pipeline_matches_single_process[1f1b]",),
     ),
     Mutant(
@@ -2187,7 +2258,7 @@ MUTANTS = [
     ),
     Mutant(
         "a model whose attention cannot exchange shards is accepted under sp",
-        "compose.py",
+        "sequence/check.py",
         '    if built is None and callable(getattr(model, "parallelize", None)):\n'
         "        return True\n",
         '    if built is None and callable(getattr(model, "parallelize", None)):\n'

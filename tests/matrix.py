@@ -1,8 +1,9 @@
 """The composition matrix: every combination of the grid's axes, ZeRO stage, precision and
 offload that fits in 4 ranks, either trained against single-process training or refused.
 
-A combination (:class:`Combo`) is a layout of the grid (pp, dp, ep, tp, and Ulysses' sp inside
-dp: ``pp * dp * ep * tp`` ranks), Megatron's sequence parallelism (under tp), the pipeline's
+A combination (:class:`Combo`) is a layout of the grid (pp, dp, ep, tp, and the sequence-parallel
+sp inside dp: ``pp * dp * ep * tp`` ranks; of sp, ``ring`` ring-attention ranks, the rest
+Ulysses'), Megatron's sequence parallelism (under tp), the pipeline's
 schedule (1F1B, interleaved over 2 chunks), the ZeRO stage, fp32 or bf16, and the optimizer
 offloaded to the CPU or not. The model is the reference GPT (4 blocks, 4 heads, d 32); at ep > 1
 every second block is a mixture of 4 experts. Each combination either runs 3 plain-SGD steps
@@ -59,6 +60,7 @@ class Combo:
     stage: int
     precision: str  # "fp32" | "bf16"
     offload: str  # "none" | "cpu"
+    ring: int = 1  # ring-attention ranks among the sp ranks (ring_parallel_size)
 
     @property
     def layout(self) -> str:
@@ -71,7 +73,8 @@ class Combo:
         return " · ".join(parts)
 
     def axes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "sp": self.sp, "ep": self.ep, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "sp": self.sp, "ring": self.ring, "ep": self.ep,
+                "tp": self.tp}  # fmt: skip
 
     @property
     def gas(self) -> int:
@@ -95,6 +98,7 @@ class Combo:
             "pp": r"pipeline|\bpp\b",
             "tp": r"tensor_parallel|tensor parallelism|\btp\b",
             "sp": r"sequence_parallel_size|Ulysses|\bsp\b",
+            "ring": r"ring_parallel_size|\bring\b",
             "ep": r"ep_size|expert|MoE|moe_every|\bep\b",
         }
         for axis, value in self.axes().items():
@@ -112,21 +116,23 @@ class Combo:
         return {k: re.compile(v) for k, v in named.items()}
 
 
-def layouts(world: int = WORLD) -> list[tuple[int, int, int, int, int]]:
-    """(pp, dp, ep, tp, sp) with pp * dp * ep * tp = world and sp dividing dp."""
+def layouts(world: int = WORLD) -> list[tuple[int, int, int, int, int, int]]:
+    """(pp, dp, ep, tp, sp, ring) with pp * dp * ep * tp = world, sp dividing dp and ring
+    dividing sp."""
     sizes = [n for n in range(1, world + 1) if world % n == 0]
     out = []
     for pp, ep, tp in itertools.product(sizes, sizes, sizes):
         if world % (pp * ep * tp):
             continue
         dp = world // (pp * ep * tp)
-        out.extend((pp, dp, ep, tp, sp) for sp in sizes if dp % sp == 0)
+        out.extend((pp, dp, ep, tp, sp, ring) for sp in sizes if dp % sp == 0
+                   for ring in sizes if sp % ring == 0)  # fmt: skip
     return out
 
 
 def combos(world: int = WORLD) -> list[Combo]:
     out = []
-    for pp, dp, ep, tp, sp in layouts(world):
+    for pp, dp, ep, tp, sp, ring in layouts(world):
         for megatron_sp, schedule in itertools.product(
             [False, True] if tp > 1 else [False],
             ["1f1b", "interleaved"] if pp > 1 else [""],
@@ -134,9 +140,8 @@ def combos(world: int = WORLD) -> list[Combo]:
             for stage, precision, offload in itertools.product(
                 range(4), ["fp32", "bf16"], ["none", "cpu"]
             ):
-                out.append(
-                    Combo(pp, dp, ep, tp, sp, megatron_sp, schedule, stage, precision, offload)
-                )
+                out.append(Combo(pp, dp, ep, tp, sp, megatron_sp, schedule, stage, precision,
+                                 offload, ring))  # fmt: skip
     return out
 
 
@@ -168,27 +173,31 @@ def key(combo: Combo) -> tuple:
     """What the reference depends on: a MoE model's gates see one rank's tokens at a time
     (DeepSpeed's per-rank capacity and auxiliary loss), so its reference runs each replica's
     micro-batch apart, and under Ulysses or Megatron's sequence parallelism each sequence
-    shard's tokens through the gates apart."""
+    shard's tokens through the gates apart (a ring's shards are zigzag pieces)."""
     moe = combo.ep > 1
     shards = combo.sp * (combo.tp if combo.megatron_sp else 1)  # each routes its own tokens
-    return (moe, combo.replicas if moe else 1, shards if moe else 1, combo.gas, combo.precision)
+    ring = combo.ring if moe else 1
+    return (moe, combo.replicas if moe else 1, shards if moe else 1, combo.gas, combo.precision,
+            ring)  # fmt: skip
 
 
-def _by_shards(moe: torch.nn.Module, n: int) -> None:
-    """``moe`` made to run on each of ``n`` sequence shards apart (as n Ulysses ranks run it):
-    the outputs joined, the auxiliary loss their mean (the engine averages the ranks'
-    gradients). Its parameters keep their names."""
+def _by_shards(moe: torch.nn.Module, n: int, ring: int) -> None:
+    """``moe`` made to run on each of ``n`` sequence shards apart (as n sequence-parallel ranks
+    run it, ``ring`` of them ring groups): the outputs joined, the auxiliary loss their mean
+    (the engine averages the ranks' gradients). Its parameters keep their names."""
+    from zerostack.sequence import sequence_piece, sequence_unpiece
+
     whole = moe.forward
 
     def forward(x):
-        outs = [whole(part) for part in x.chunk(n, dim=1)]
-        return torch.cat([o[0] for o in outs], dim=1), sum(o[1] for o in outs) / n, None
+        outs = [whole(sequence_piece(x, 1, i, n, ring)) for i in range(n)]
+        return sequence_unpiece([o[0] for o in outs], 1, ring), sum(o[1] for o in outs) / n, None
 
     moe.forward = forward
 
 
 @functools.cache
-def reference(moe: bool, replicas: int, shards: int, gas: int, precision: str):
+def reference(moe: bool, replicas: int, shards: int, gas: int, precision: str, ring: int = 1):
     """One process: per step, (parameters after it, gradient norm). The loss is the mean over
     the step's micro-batches and, for MoE, over each replica's part of one; bf16 computes and
     accumulates gradients in bf16 and steps fp32 masters (tests/parity.mixed_reference)."""
@@ -196,7 +205,7 @@ def reference(moe: bool, replicas: int, shards: int, gas: int, precision: str):
     if shards > 1:
         for block in model.blocks:
             if hasattr(block.mlp, "deepspeed_moe"):
-                _by_shards(block.mlp, shards)
+                _by_shards(block.mlp, shards, ring)
     names = [n for n, _ in model.named_parameters()]
     masters = [p.detach().clone() for p in model.parameters()]
     if precision == "bf16":
@@ -241,6 +250,8 @@ def config(combo: Combo, micro: int) -> dict:
     }
     if combo.sp > 1:
         cfg["sequence_parallel_size"] = combo.sp
+    if combo.ring > 1:
+        cfg["ring_parallel_size"] = combo.ring
     if combo.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if combo.pp > 1:
@@ -294,11 +305,12 @@ def _expert_names(combo: Combo, topo: Topology):
 
 def _topology(combo: Combo, cache: dict) -> Topology:
     """One grid per layout, built once (a refusal is remembered and raised again)."""
-    shape = (combo.pp, combo.dp, combo.ep, combo.tp, combo.sp)
+    shape = (combo.pp, combo.dp, combo.ep, combo.tp, combo.sp, combo.ring)
     if shape not in cache:
         try:
             cache[shape] = Topology.build(
-                pp=combo.pp, tp=combo.tp, sp=combo.sp, ep=combo.ep, timeout=timedelta(seconds=60)
+                pp=combo.pp, tp=combo.tp, sp=combo.sp, ep=combo.ep, ring=combo.ring,
+                timeout=timedelta(seconds=60),
             )
         except ConfigError as exc:
             cache[shape] = exc

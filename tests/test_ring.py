@@ -244,3 +244,48 @@ def test_forward_passes_k_and_v_around_the_ring_world_minus_one_times(world, pat
             if path == "comm":  # the same, in the Comm's log, on its sp axis
                 for log, calls in (fwd, bwd):
                     assert log == [(op[1:], "sp", b) for call in calls for op, b in call]
+
+
+# --------------------------------------------------------------------------- packed documents
+# Row 0 packs documents of 5, 11, 9 and 7 tokens, row 1 is one document: cuts fall inside the
+# zigzag chunks and across them, and row 1 checks that a row of one document is plain causal.
+DOC_LENGTHS = [[5, 11, 9, 7], [S]]
+
+
+def _documents() -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+                        for row in DOC_LENGTHS])  # fmt: skip
+
+
+def _ring_documents(rank, world, causal):
+    topo = Topology.build(sp=world)
+    axis = cf.on_axis(comm_for(topo), "sp")
+    qkv, up = _inputs(2)
+    mine = [zigzag_shard(t, axis.rank, world, 2).requires_grad_(True) for t in qkv]
+    docs = zigzag_shard(_documents(), axis.rank, world, 1)
+    y = ring_attention(*mine, axis, causal=causal, document_ids=docs)
+    (y * zigzag_shard(up, axis.rank, world, 2)).sum().backward()
+    return [y.detach(), *(t.grad for t in mine)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_documents_attend_only_within_themselves(world, causal):
+    """With ``document_ids`` a query sees the keys of its own document only (and, causal, none
+    after it), as whole-sequence attention with that mask in float64; rows whose keys on some
+    step all belong to other documents must not turn the accumulators into nan."""
+    got = run_distributed(_ring_documents, world, args=(causal,))
+    (q, k, v), up = _inputs(2)
+    q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
+    docs = _documents()
+    mask = (docs[:, :, None] == docs[:, None, :])[:, None]
+    if causal:
+        mask = mask & torch.ones(S, S, dtype=torch.bool).tril()
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                       attn_mask=mask)  # fmt: skip
+    (y * up.double()).sum().backward()
+    wants = (y.detach(), q.grad, k.grad, v.grad)
+    for i, (name, want) in enumerate(zip(("out", "dq", "dk", "dv"), wants, strict=True)):
+        whole = zigzag_unshard([r[i] for r in got], world, dim=2)
+        rel = float((whole.double() - want).abs().max() / want.abs().max())
+        assert rel <= 1e-6, f"causal {causal}, world {world}, {name}: {rel:.2e}"

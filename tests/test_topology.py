@@ -354,3 +354,71 @@ def _mesh_device_of_a_gloo_nccl_group(rank, world):
 
 def test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu():
     assert run_distributed(_mesh_device_of_a_gloo_nccl_group, 1)[0] == ["bound", "cuda"]
+
+
+def _sequence_axes(rank, world, cases):
+    out = []
+    for tp, sp, ring in cases:
+        topo = Topology.build(tp=tp, sp=sp, ring=ring, timeout=TIMEOUT)
+        facts = {"sizes": (topo.sp, topo.ring, topo.ulysses)}
+        for axis in ("sp", "ulysses", "ring"):
+            facts[axis] = (topo.rank(axis), topo.size(axis))
+            if topo.size(axis) > 1:
+                group = topo.group(axis)
+                facts[axis] += (dist.get_process_group_ranks(group),)
+                t = torch.tensor([1 << rank])
+                Comm(topo).all_reduce(t, axis=axis)
+                facts[axis] += (int(t),)
+        out.append(facts)
+    return out
+
+
+SEQUENCE_CASES = [(1, 4, 2), (2, 4, 2), (1, 4, 4), (1, 4, 1), (1, 2, 2), (2, 2, 1)]
+
+
+def _place(rank: int, tp: int, sp: int, ring: int) -> tuple[int, int, int, int]:
+    """(run of sp dp ranks, ring rank, Ulysses rank, tp rank) of a global rank."""
+    d, t = divmod(rank, tp)
+    u = sp // ring
+    return d // sp, (d % sp) // u, d % u, t
+
+
+# the coordinates two ranks share on each axis: (run, ring, Ulysses, tp) positions
+SHARED = {"sp": (0, 3), "ulysses": (0, 1, 3), "ring": (0, 2, 3)}
+
+
+def test_ring_and_ulysses_axes_split_the_sp_ranks():
+    """sp rank s of a batch is ring rank s // ulysses and Ulysses rank s % ulysses: the
+    Ulysses groups are neighbours on dp, the ring groups the ranks ulysses apart; at ring 1 or
+    ring = sp one of them is the sp group itself (8 ranks, with and without tp)."""
+    per_rank = run_distributed(_sequence_axes, 8, args=(SEQUENCE_CASES,), timeout=120)
+    for i, (tp, sp, ring) in enumerate(SEQUENCE_CASES):
+        u = sp // ring
+        places = [_place(r, tp, sp, ring) for r in range(8)]
+        for rank, facts in enumerate(r[i] for r in per_rank):
+            where = f"tp {tp} sp {sp} ring {ring} rank {rank}"
+            _, g, j, _ = places[rank]
+            assert facts["sizes"] == (sp, ring, u), where
+            assert facts["ring"][:2] == (g, ring) and facts["ulysses"][:2] == (j, u), where
+            assert facts["sp"][:2] == (g * u + j, sp), where
+            for axis, shared in SHARED.items():
+                members = [r for r in range(8)
+                           if all(places[r][c] == places[rank][c] for c in shared)]  # fmt: skip
+                assert len(members) == facts[axis][1], (where, axis)
+                if len(members) > 1:
+                    assert facts[axis][2:] == (members, sum(1 << m for m in members)), where
+
+
+def _bad_ring(rank, world):
+    try:
+        Topology.build(sp=4, ring=3, timeout=TIMEOUT)
+    except TopologyError as exc:
+        return str(exc)
+
+
+def test_a_ring_that_does_not_divide_sp_is_refused():
+    for message in run_distributed(_bad_ring, 4, timeout=60):
+        assert message == (
+            "ring_parallel_size 3 does not divide sequence_parallel_size 4 (the sp ranks are "
+            "ring groups of Ulysses ranks)"
+        )

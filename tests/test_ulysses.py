@@ -337,7 +337,7 @@ def test_an_sp_checkpoint_resumes_exactly_and_loads_without_sp(stage, tmp_path):
 
 def test_a_sequence_that_does_not_split_is_refused():
     class Grid:  # what shard_sequence reads of a topology
-        sp = 2
+        sp, ring = 2, 1
 
         def rank(self, axis):
             return 0
@@ -345,8 +345,8 @@ def test_a_sequence_that_does_not_split_is_refused():
     with pytest.raises(ValueError) as e:
         shard_sequence((torch.zeros(2, 15), torch.zeros(2)), Grid())
     assert str(e.value) == (
-        "sequence_parallel_size: a batch tensor of shape (2, 15) does not split into 2 sequence "
-        "shards along dim 1"
+        "sequence_parallel_size: a sequence of 15 (dim 1) does not split into 2 equal shards: a "
+        "batch tensor of shape (2, 15)"
     )
     x, y = shard_sequence((torch.arange(8).view(2, 4), torch.zeros(2)), Grid())
     assert x.tolist() == [[0, 1], [4, 5]] and y.shape == (2,)  # dim 1 cut, 1-d tensors whole

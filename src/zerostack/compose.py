@@ -30,8 +30,8 @@ from .mpu import check_mpu_groups, mpu_sizes
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
 from .pinned import can_pin
 from .pipeline import PipelineModule, PipelineRunner
-from .sequence import DistributedAttention, shard_sequence
-from .sequence.hf_ulysses import registered_ulysses
+from .sequence import shard_sequence
+from .sequence.check import wires_sequence
 from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
@@ -126,13 +126,19 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
                     f"{key}: {size} does not divide the data-parallel ranks, world {world} / "
                     f"(tp {tp} * pp {pp})"
                 )
-        topo = Topology.build(tp=tp, pp=pp, sp=sp, ep=ep)
+        topo = Topology.build(tp=tp, pp=pp, sp=sp, ep=ep, ring=cfg.ring_parallel_size)
     elif ep != topo.ep and not (ep == 1 and isinstance(model, PipelineModule)):
         # (a pipeline stage without MoE layers runs on its grid's ep axis all the same)
         raise ConfigError(f"MoE ep_size: the model's layers have {ep}, the topology ep {topo.ep}")
     elif sp != topo.sp and ("sequence_parallel_size" in cfg.model_fields_set or sp > 1):
         raise ConfigError(
             f"sequence_parallel_size: {sp} disagrees with the topology's sp ({topo.sp})"
+        )
+    ring = cfg.ring_parallel_size
+    if ring != topo.ring and ("ring_parallel_size" in cfg.model_fields_set or ring > 1):
+        raise ConfigError(
+            f"ring_parallel_size: {cfg.ring_parallel_size} disagrees with the topology's ring "
+            f"({topo.ring})"
         )
     if mpu is not None:
         check_mpu_groups(mpu, topo)
@@ -142,7 +148,7 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
             f"tp={topo.tp}"
         )
     _bind_experts(model, topo)
-    wire_ulysses = topo.sp > 1 and _check_ulysses(model, topo, built)
+    wire_ulysses = topo.sp > 1 and wires_sequence(model, topo, built)
     if built is None and (topo.tp > 1 or wire_ulysses):
         if callable(getattr(model, "parallelize", None)):
             model.parallelize(topo)
@@ -176,47 +182,6 @@ def _bind_experts(model: nn.Module, topo: Topology) -> None:
         m.set_topology(topo)
     if topo.ep > 1:  # what combines with it is checked by zerostack.validate
         divide_expert_grads_by_ep(model, topo)
-
-
-def _check_ulysses(model: nn.Module, topo: Topology, built: Topology | None) -> bool:
-    """sp > 1 needs attention that exchanges sequence shards: DistributedAttention layers on
-    this grid, or a plain model whose ``parallelize(topology)`` wires them (True: call it);
-    else each rank would attend within its own shard, silently."""
-    layers = [m for m in model.modules() if isinstance(m, DistributedAttention)]
-    if layers:
-        for m in layers:
-            if isinstance(m.spg, Topology) and m.spg.sp != topo.sp:
-                raise ConfigError(
-                    f"sequence_parallel_size: the model's DistributedAttention was built for sp "
-                    f"{m.spg.sp}, the grid has sp {topo.sp}"
-                )
-        return False
-    if built is None and callable(getattr(model, "parallelize", None)):
-        return True
-    hf = registered_ulysses(model)  # a Hugging Face model under UlyssesSPAttentionHF
-    if hf is not None:
-        import torch.distributed as dist
-
-        theirs = dist.get_process_group_ranks(hf.process_group)
-        ours = dist.get_process_group_ranks(topo.group("sp"))
-        if sorted(theirs) != sorted(ours):
-            raise ConfigError(
-                f"sequence_parallel_size: the model's Ulysses attention exchanges over ranks "
-                f"{sorted(theirs)}, the grid's sp group is {sorted(ours)}; pass "
-                "initialize(mpu=...) the mpu register_with_transformers returned"
-            )
-        return False
-    if isinstance(getattr(getattr(model, "config", None), "_attn_implementation", None), str):
-        raise ConfigError(
-            f"sequence_parallel_size: {topo.sp} needs a model whose attention exchanges sequence "
-            "shards: for a Hugging Face model, call UlyssesSPAttentionHF.register_with_transformers"
-            " (deepspeed.runtime.sequence_parallel.ulysses_sp) before initialize and pass it mpu="
-        )
-    raise ConfigError(
-        f"sequence_parallel_size: {topo.sp} needs a model whose attention exchanges sequence "
-        "shards: zerostack.sequence.DistributedAttention layers, or a model with a "
-        "parallelize(topology) method (zerostack.models.GPT)"
-    )
 
 
 def _host_threads_for_offload(cfg: ZeroStackConfig, topo: Topology) -> None:

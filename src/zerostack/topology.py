@@ -15,6 +15,12 @@ axis keeps every rank that holds the same parameters (DeepSpeed's sequence-data-
 ZeRO shards and reduces over all of it, while the batch is split over
 ``data_parallel_size = dp // sp`` replicas.
 
+Ring attention splits the sp ranks again (``ring``, the config's ``ring_parallel_size``): the
+sp ranks of a batch are ``ring`` groups of ``ulysses = sp // ring`` neighbours. Ulysses'
+all-to-alls run inside each group of neighbours (axis 'ulysses'); the ring passes keys and
+values between the groups (axis 'ring': the ranks ``ulysses`` apart). Sequence-parallel rank
+``s`` is ring rank ``s // ulysses`` and Ulysses rank ``s % ulysses``.
+
 Expert parallelism (``ep``, a MoE layer's ``ep_size``) is a mesh axis of its own, between dp and
 tp: the ``ep`` ranks of a group hold different experts and read different batches. The dp axis
 is then the expert-data-parallel group (the ranks holding the same experts), which ZeRO shards
@@ -70,6 +76,8 @@ class Topology:
     """Ulysses sequence-parallel ranks per batch: consecutive runs of the dp axis."""
     ep: int = 1
     """Expert-parallel ranks: a mesh axis between dp and tp (see the module doc)."""
+    ring: int = 1
+    """Ring-attention ranks among the sp ranks of a batch (``ring`` divides ``sp``)."""
     # the grid's Comm, made by zerostack.comm.grid.comm_for (this module builds none)
     _comm: Any = field(default=None, init=False, repr=False, compare=False)
     _subgroups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -83,18 +91,20 @@ class Topology:
         tp: int = 1,
         sp: int = 1,
         ep: int = 1,
+        ring: int = 1,
         timeout: timedelta | None = None,
     ) -> Topology:
         """Build the grid over the initialised world; ``dp`` defaults to what pp and tp leave.
 
-        ``dp`` counts the sp ranks too (``sp`` must divide it). Every axis group gets
-        ``timeout``; by default, the world group's own timeout.
+        ``dp`` counts the sp ranks too (``sp`` must divide it), and ``sp`` counts the ring
+        ranks (``ring`` must divide it). Every axis group gets ``timeout``; by default, the
+        world group's own timeout.
         """
         if not dist.is_initialized():
             init_distributed(timeout=timeout)
         timeout = timeout or world_timeout()
         world = dist.get_world_size()
-        for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)):
+        for name, size in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep), ("ring", ring)):
             if size < 1:
                 raise TopologyError(f"{name}: size must be >= 1, got {size}")
         if dp is None:
@@ -108,6 +118,11 @@ class Topology:
             raise TopologyError(f"pp * dp * tp = {shown} != world size {world}")
         if dp % sp:
             raise TopologyError(f"sp {sp} does not divide the dp axis of {dp} ranks")
+        if sp % ring:
+            raise TopologyError(
+                f"ring_parallel_size {ring} does not divide sequence_parallel_size {sp} (the "
+                "sp ranks are ring groups of Ulysses ranks)"
+            )
         device_type = world_device_type()
         if device_type == "cuda":
             _bind_local_device()
@@ -117,12 +132,15 @@ class Topology:
                 mesh = init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=EP_AXES)
             else:
                 mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
-        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout, sp=sp, ep=ep)
+        topo = cls(pp=pp, dp=dp, tp=tp, mesh=mesh, timeout=timeout, sp=sp, ep=ep, ring=ring)
         for axis in EP_AXES if ep > 1 else AXES:
             _set_group_timeout(topo.group(axis), timeout)
         hold_groups(topo)
         if sp > 1:
             topo.dp_subgroup(sp)  # a collective: made here, while every rank builds the grid
+        if 1 < ring < sp:  # both collectives too; at ring 1 or sp the sp group is the other's
+            topo.dp_subgroup(sp // ring)
+            topo._ring_groups()
         if ep > 1:
             topo._dp_ep_groups()  # a collective too
         return topo
@@ -138,6 +156,26 @@ class Topology:
             if self.global_rank in ranks:
                 mine = group
         self._subgroups["dp_ep"] = mine
+
+    def _ring_groups(self) -> None:
+        """The 'ring' axis: in each run of ``sp`` dp neighbours, the ``ring`` ranks
+        ``ulysses`` apart. Every rank makes every group, in one order."""
+        mesh, mine, u = self.mesh.mesh, None, self.ulysses
+        if self.ep == 1:
+            mesh = mesh.unsqueeze(2)
+        runs = product(range(self.pp), range(self.ep), range(self.tp), range(self.dp // self.sp))
+        for p, e, t, run in runs:
+            for j in range(u):
+                ranks = [int(mesh[p, run * self.sp + g * u + j, e, t]) for g in range(self.ring)]
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if self.global_rank in ranks:
+                    mine = group
+        self._subgroups["ring"] = mine
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses ranks per ring group: ``sp // ring``."""
+        return self.sp // self.ring
 
     def release_groups(self) -> None:
         """Drop the mesh's references to its groups (:func:`shutdown`; the grid is unusable
@@ -168,12 +206,20 @@ class Topology:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis`` ('pp', 'dp', 'tp'; 'sp' when sp > 1:
-        the ranks sharing this rank's batch; 'ep' and 'dp_ep' when ep > 1, the latter the ranks
-        holding the same shared parameters, the dp axis itself when ep is 1)."""
+        the ranks sharing this rank's batch, and 'ulysses' and 'ring' within it when their size
+        is above 1; 'ep' and 'dp_ep' when ep > 1, the latter the ranks holding the same shared
+        parameters, the dp axis itself when ep is 1)."""
         if axis == "dp_ep" and self.ep == 1:
             axis = "dp"
         if axis == "dp_ep":
             return self._subgroups["dp_ep"]
+        if axis in ("ulysses", "ring"):
+            if self.size(axis) == 1:
+                raise TopologyError(f"the grid has no {axis} axis (its size is 1)")
+            if self.size(axis) == self.sp:
+                axis = "sp"
+            else:
+                return self._subgroups["ring" if axis == "ring" else self.ulysses]
         if axis == "sp":
             if self.sp == 1:
                 raise TopologyError("the grid has no sp axis (sp is 1)")
@@ -185,12 +231,17 @@ class Topology:
     def size(self, axis: str) -> int:
         if axis == "dp_ep":
             return self.dp * self.ep
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep}[axis]
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep}
+        return sizes[axis] if axis in sizes else {"ring": self.ring, "ulysses": self.ulysses}[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis`` (along 'sp': its sequence shard)."""
         if axis == "sp":
             return self.mesh.get_local_rank("dp") % self.sp
+        if axis == "ulysses":
+            return self.rank("sp") % self.ulysses
+        if axis == "ring":
+            return self.rank("sp") // self.ulysses
         if axis == "ep" and self.ep == 1:
             return 0
         if axis == "dp_ep":

@@ -125,7 +125,16 @@ class ZeroStackConfig(_Model):
     """Ulysses sequence parallelism (DeepSpeed's key): this many neighbouring data-parallel ranks
     read one batch, each a shard of its sequence, and exchange it for a shard of the attention
     heads around attention (see zerostack.sequence). It must divide world / (tp * pp); the
-    batch is split over world / (tp * pp * sequence_parallel_size) replicas."""
+    batch is split over world / (tp * pp * sequence_parallel_size) replicas. With
+    ``ring_parallel_size`` it is the product of both kinds: Ulysses x ring."""
+    ring_parallel_size: PositiveInt = 1
+    """Ring attention (context parallelism; zerostack's key, DeepSpeed has none) among the
+    ``sequence_parallel_size`` ranks of a batch: they form this many ring groups of
+    ``sequence_parallel_size / ring_parallel_size`` Ulysses neighbours. Keys and values pass
+    around the ring, so heads need only divide by the Ulysses size. It must divide
+    ``sequence_parallel_size``; the batches' sequences must divide by ``2 *
+    ring_parallel_size`` and by ``sequence_parallel_size`` (zigzag chunks, see
+    zerostack.sequence.sequence_piece)."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )

@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import functional as cf
 from ..comm.grid import comm_for
 from ..config import ConfigError
-from ..sequence import DistributedAttention
+from ..sequence import DistributedAttention, ring_attention, sequence_piece
 from ..tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -155,11 +156,14 @@ class CausalSelfAttention(nn.Module):
         self.heads_split = False  # set by GPT.parallelize
         self.sequence_parallel = False
         self.ulysses: DistributedAttention | None = None  # set by GPT.parallelize when sp > 1
+        self.ring: cf.Axis | None = None  # and this when ring > 1: _attend is ring attention
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over ``[b, t, heads, head_dim]`` inputs, in the same layout."""
         p = self.dropout if self.training else 0.0
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        if self.ring is not None:  # over the ring's zigzag shards (no dropout: refused)
+            return ring_attention(q, k, v, self.ring).transpose(1, 2)
         with _split_rng(self.heads_split and p > 0):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return y.transpose(1, 2)
@@ -284,8 +288,8 @@ class GPT(nn.Module):
         if t * sp > self.cfg.block_size:
             raise ValueError(f"sequence length {t * sp} exceeds block_size {self.cfg.block_size}")
         if sp > 1:
-            r = topo.rank("sp")
-            pos = torch.arange(r * t, (r + 1) * t, device=idx.device)
+            whole = torch.arange(t * sp, device=idx.device)
+            pos = sequence_piece(whole, 0, topo.rank("sp"), sp, topo.ring)
         elif self.sequence_parallel:
             if t % topo.tp:
                 raise ValueError(

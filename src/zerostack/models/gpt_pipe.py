@@ -20,6 +20,7 @@ from torch import nn
 
 from ..comm.grid import comm_for
 from ..pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from ..sequence import sequence_piece
 from ..tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp,
@@ -69,12 +70,15 @@ class AddPositions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]  # this rank's part of the sequence under sequence parallelism
-        start = 0
+        topo = self.topology
         if self.sequence_parallel:
-            start = self.topology.rank("tp") * n
-        elif self.topology is not None and self.topology.sp > 1:  # Ulysses' sequence shard
-            start = self.topology.rank("sp") * n
-        return x + self.wpe(torch.arange(start, start + n, device=x.device))
+            pos = torch.arange(topo.rank("tp") * n, (topo.rank("tp") + 1) * n, device=x.device)
+        elif topo is not None and topo.sp > 1:  # Ulysses' (and the ring's) sequence shard
+            whole = torch.arange(n * topo.sp, device=x.device)
+            pos = sequence_piece(whole, 0, topo.rank("sp"), topo.sp, topo.ring)
+        else:
+            pos = torch.arange(n, device=x.device)
+        return x + self.wpe(pos)
 
 
 class PipeBlock(Block):

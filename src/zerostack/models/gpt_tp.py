@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import functional as cf
 from ..comm.grid import comm_for
+from ..config import ConfigError
 from ..moe import MoE
 from ..sequence import DistributedAttention
 from ..tensor_parallel import (
@@ -29,13 +31,19 @@ if TYPE_CHECKING:
 
 
 def check_tp_split(cfg: GPTConfig, topology: Topology) -> None:
-    tp, sp = topology.tp, topology.sp
+    tp, sp = topology.tp, topology.ulysses  # the ring ranks keep every head
     if cfg.n_head % tp:
         raise ValueError(f"GPT: n_head {cfg.n_head} does not split into {tp} tp ranks")
     if cfg.n_head % (tp * sp):
+        what = "sp" if topology.ring == 1 else "Ulysses ranks (sp / ring)"
         raise ValueError(
             f"sequence_parallel_size: GPT's n_head {cfg.n_head} does not split into "
-            f"tp * sp = {tp} * {sp} head shards"
+            f"tp * {what} = {tp} * {sp} head shards"
+        )
+    if topology.ring > 1 and cfg.dropout > 0:
+        raise ConfigError(
+            f"ring_parallel_size {topology.ring} with GPT dropout {cfg.dropout}: ring attention "
+            "has no attention dropout, so set dropout to 0"
         )
     if cfg.vocab_size % tp:
         raise ValueError(f"GPT: vocab_size {cfg.vocab_size} does not split into {tp} tp ranks")
@@ -65,7 +73,9 @@ def parallelize_block(block: Block, topology: Topology, *, sequence_parallel: bo
         mlp.sequence_parallel = sequence_parallel
     elif sequence_parallel and topology.tp > 1:
         sum_grads_over_tp(mlp, topology)
-    if topology.sp > 1:  # Ulysses: [b, t, heads, head_dim], heads scattered, sequence gathered
+    if topology.ring > 1:  # the keys and values of the ring shards pass around
+        attn.ring = cf.on_axis(comm_for(topology), "ring")
+    if topology.ulysses > 1:  # [b, t, heads, head_dim], heads scattered, sequence gathered
         attn.ulysses = DistributedAttention(attn._attend, topology, scatter_idx=2, gather_idx=1)
 
 

@@ -20,13 +20,15 @@ from torch import nn
 from ..comm import functional as cf
 from ..comm.grid import comm_for
 from ..topology import Topology
+from .ring import sequence_piece
 
 
 def _axis(group: Topology | dist.ProcessGroup) -> cf.Axis:
-    """The sp ranks of ``group``: a Topology's sp axis through its ``Comm`` (in the engine's
-    CommLog), or a process group through DeepSpeed's module functions (in the comms logger)."""
+    """The Ulysses ranks of ``group``: a Topology's sp axis (its 'ulysses' axis when part of sp
+    is a ring) through its ``Comm`` (in the engine's CommLog), or a process group through
+    DeepSpeed's module functions (in the comms logger)."""
     if isinstance(group, Topology):
-        return cf.on_axis(comm_for(group), "sp")
+        return cf.on_axis(comm_for(group), "sp" if group.ring == 1 else "ulysses")
     return cf.on_group(group, "sp")
 
 
@@ -73,7 +75,8 @@ class DistributedAttention(nn.Module):
 def shard_sequence(batch: Any, topology: Topology, dim: int = 1) -> Any:
     """This sp rank's shard of every tensor in ``batch`` (a tensor, or tuples, lists and dicts
     of them) along ``dim`` (the sequence of ``[b, s, ...]`` batches); tensors with fewer
-    dimensions pass whole. The identity when sp is 1."""
+    dimensions pass whole. The identity when sp is 1. With ring ranks, the pieces are
+    :func:`~zerostack.sequence.ring.sequence_piece`'s (zigzag shards of the ring)."""
     sp = topology.sp
     if sp == 1:
         return batch
@@ -86,11 +89,9 @@ def shard_sequence(batch: Any, topology: Topology, dim: int = 1) -> Any:
             return {k: cut(u) for k, u in t.items()}
         if not isinstance(t, torch.Tensor) or t.dim() <= dim:
             return t
-        if t.shape[dim] % sp:
-            raise ValueError(
-                f"sequence_parallel_size: a batch tensor of shape {tuple(t.shape)} does not "
-                f"split into {sp} sequence shards along dim {dim}"
-            )
-        return t.chunk(sp, dim=dim)[rank].contiguous()
+        try:
+            return sequence_piece(t, dim, rank, sp, topology.ring).contiguous()
+        except ValueError as e:
+            raise ValueError(f"{e}: a batch tensor of shape {tuple(t.shape)}") from None
 
     return cut(batch)

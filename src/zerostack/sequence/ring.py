@@ -28,7 +28,8 @@ import torch
 
 from ..comm import functional as cf
 
-__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["ring_attention", "sequence_piece", "sequence_unpiece", "zigzag_shard",
+           "zigzag_unshard"]
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
@@ -52,6 +53,38 @@ def zigzag_unshard(parts: list[torch.Tensor], world: int, dim: int) -> torch.Ten
         raise ValueError(f"zigzag_unshard: {len(parts)} parts for a world of {world}")
     halves = [p.chunk(2, dim=dim) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def _check_pieces(size: int, dim: int, sp: int, ring: int) -> None:
+    if sp % ring:
+        raise ValueError(f"ring_parallel_size {ring} does not divide sequence_parallel_size {sp}")
+    if ring == 1 and size % sp or ring > 1 and (size % (2 * ring) or size // ring % (sp // ring)):
+        what = f"{sp} equal shards" if ring == 1 else (
+            f"2 * ring = {2 * ring} zigzag chunks, each ring shard into {sp // ring} Ulysses "
+            "shards")
+        raise ValueError(f"sequence_parallel_size: a sequence of {size} (dim {dim}) does not "
+                         f"split into {what}")
+
+
+def sequence_piece(x: torch.Tensor, dim: int, rank: int, sp: int, ring: int = 1) -> torch.Tensor:
+    """Sequence-parallel rank ``rank``'s piece of ``x`` along ``dim``, of ``sp`` ranks in
+    ``ring`` ring groups of ``sp // ring`` Ulysses ranks: ring rank ``rank // (sp // ring)``
+    takes its :func:`zigzag_shard`, which its Ulysses ranks cut into equal consecutive pieces
+    (ring 1: the ``rank``-th of ``sp`` equal consecutive pieces)."""
+    _check_pieces(x.shape[dim], dim, sp, ring)
+    if ring == 1:
+        return x.chunk(sp, dim=dim)[rank]
+    u = sp // ring
+    return zigzag_shard(x, rank // u, ring, dim).chunk(u, dim=dim)[rank % u]
+
+
+def sequence_unpiece(parts: list[torch.Tensor], dim: int, ring: int = 1) -> torch.Tensor:
+    """The whole sequence from every sp rank's :func:`sequence_piece`, in sp rank order."""
+    if len(parts) % ring:
+        raise ValueError(f"sequence_unpiece: {len(parts)} pieces for {ring} ring ranks")
+    u = len(parts) // ring
+    shards = [torch.cat(parts[g * u : (g + 1) * u], dim=dim) for g in range(ring)]
+    return zigzag_unshard(shards, ring, dim) if ring > 1 else shards[0]
 
 
 Block = tuple[slice, slice, bool]
@@ -83,13 +116,17 @@ def _mask(rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
     return ones.tril(diagonal=rows.start - cols.start).to(device)
 
 
-def _scores(q, k, rows, cols, masked, scale) -> torch.Tensor:
+def _scores(q, k, rows, cols, masked, scale, docs=None) -> torch.Tensor:
     """Scaled scores of query ``rows`` (q: [b, h_kv, g, n, d]) against key ``cols``
-    (k: [b, h_kv, 1, n, d]), fp32, with -inf where the mask hides a key."""
+    (k: [b, h_kv, 1, n, d]), fp32, with -inf where the mask hides a key: the causal one when
+    ``masked``, and keys of another document when ``docs`` (the queries' and the keys'
+    document ids, [b, n] each) is given."""
     s = torch.matmul(q[..., rows, :], k[..., cols, :].transpose(-1, -2)) * scale
-    if masked:
-        s = s.masked_fill(~_mask(rows, cols, s.device), float("-inf"))
-    return s
+    hide = ~_mask(rows, cols, s.device) if masked else None
+    if docs is not None:
+        apart = (docs[0][:, rows, None] != docs[1][:, None, cols])[:, None, None]
+        hide = apart if hide is None else hide | apart
+    return s if hide is None else s.masked_fill(hide, float("-inf"))
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -106,21 +143,24 @@ def _kv(t: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis, causal, scale):
+    def forward(ctx, q, k, v, docs, axis, causal, scale):
         world, rank = axis.size, axis.rank
         b, h, n, d = q.shape
         qg = _grouped(q, k.shape[1])
         acc = qg.new_zeros(qg.shape)  # sum over keys of exp(s - m) * v, per query row
         m = qg.new_full(qg.shape[:-1], float("-inf"))  # running maximum score of each row
         total = qg.new_zeros(qg.shape[:-1])  # running sum of exp(s - m)
-        held_k, held_v = k, v
+        held = [k, v] if docs is None else [k, v, docs]
         for step in range(world):
             if step:
-                held_k, held_v = axis.ring_shift([held_k, held_v])
-            kf, vf = _kv(held_k), _kv(held_v)
+                held = axis.ring_shift(held)
+            kf, vf = _kv(held[0]), _kv(held[1])
+            pair = None if docs is None else (docs, held[2])
             for rows, cols, masked in _blocks(rank, (rank - step) % world, world, n, causal):
-                s = _scores(qg, kf, rows, cols, masked, scale)
+                s = _scores(qg, kf, rows, cols, masked, scale, pair)
                 new = torch.maximum(m[..., rows], s.amax(dim=-1))
+                # finite: step 0 is this rank's own block, where every row sees itself, so no
+                # row's maximum stays -inf (exp(-inf + inf) would be nan), documents or not
                 p = torch.exp(s - new.unsqueeze(-1))
                 alpha = torch.exp(m[..., rows] - new)  # rescales what was summed to the new max
                 total[..., rows] = total[..., rows] * alpha + p.sum(dim=-1)
@@ -128,13 +168,13 @@ class _RingAttention(torch.autograd.Function):
                 m[..., rows] = new
         lse = m + total.log()
         out = (acc / total.unsqueeze(-1)).reshape(b, h, n, d).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.axis, ctx.causal, ctx.scale = axis, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         axis, causal, scale = ctx.axis, ctx.causal, ctx.scale
         world, rank = axis.size, axis.rank
         b, h, n, d = q.shape
@@ -144,13 +184,14 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qg)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # travel with k and v
         dv = torch.zeros_like(dk)
-        held_k, held_v = k, v
+        held = [k, v] if docs is None else [k, v, docs]
         for step in range(world):
             if step:
-                held_k, held_v, dk, dv = axis.ring_shift([held_k, held_v, dk, dv])
-            kf, vf = _kv(held_k), _kv(held_v)
+                *held, dk, dv = axis.ring_shift([*held, dk, dv])
+            kf, vf = _kv(held[0]), _kv(held[1])
+            pair = None if docs is None else (docs, held[2])
             for rows, cols, masked in _blocks(rank, (rank - step) % world, world, n, causal):
-                s = _scores(qg, kf, rows, cols, masked, scale)
+                s = _scores(qg, kf, rows, cols, masked, scale, pair)
                 p = torch.exp(s - lse[..., rows].unsqueeze(-1))  # recomputed from the saved lse
                 g_rows = do[..., rows, :]
                 dv[..., cols, :] += (p.transpose(-1, -2) @ g_rows).sum(dim=2)
@@ -160,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
         # the last chunk held is rank + 1's: one more step brings every gradient to its owner
         dk, dv = axis.ring_shift([dk, dv])
         dq = dq.reshape(b, h, n, d).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _run(*args):
@@ -172,7 +213,8 @@ def _run(*args):
 _apply = torch.compiler.disable(_run, recursive=True)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int, causal: bool) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int, causal: bool,
+           docs: torch.Tensor | None) -> None:  # fmt: skip
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "ring_attention: q, k and v are [batch, heads, sequence, head_dim]; got shapes "
@@ -193,6 +235,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int, causal
         )
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"ring_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if docs is not None and (docs.shape != (b, n) or docs.is_floating_point()):
+        raise ValueError(
+            f"ring_attention: document_ids are integers of shape [batch, sequence] = {(b, n)}; "
+            f"got {docs.dtype} of shape {tuple(docs.shape)}"
+        )
     if causal and world > 1 and n % 2:
         raise ValueError(
             f"ring_attention: a local sequence of {n} does not split into the two zigzag chunks "
@@ -209,6 +256,7 @@ def ring_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence, which lies in shards
     on the ranks of ``axis``; returns this rank's rows, [b, h, s_local, d], in q's dtype.
@@ -217,9 +265,13 @@ def ring_attention(
     dividing ``h`` (grouped-query attention: query head ``i`` reads key-value head
     ``i // (h // h_kv)``, as ``repeat_interleave`` would expand them). With ``causal`` every
     rank holds its :func:`zigzag_shard` of the sequence; without, any equal split in rank order
-    works (zigzag too). ``scale`` defaults to ``1 / sqrt(d)``. The arithmetic is fp32 whatever
-    the inputs' dtype. Inputs that do not fit are a ``ValueError`` before any communication.
+    works (zigzag too). ``scale`` defaults to ``1 / sqrt(d)``. ``document_ids`` ([b, s_local]
+    integers, this rank's tokens' documents) packs several documents in a row: a query sees
+    only the keys of its own document; they travel with the keys. The arithmetic is fp32
+    whatever the inputs' dtype. Inputs that do not fit are a ``ValueError`` before any
+    communication.
     """
-    _check(q, k, v, axis.size, causal)
+    _check(q, k, v, axis.size, causal, document_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _apply(q, k, v, axis, causal, scale)
+    docs = None if document_ids is None else document_ids.contiguous()
+    return _apply(q, k, v, docs, axis, causal, scale)
