@@ -62,6 +62,7 @@ RING = "tests/test_ring.py"
 TILED = "tests/test_tiled.py"
 HFU = "tests/test_hf_ulysses.py"
 RG = "tests/test_ring_grid.py"
+HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_training_at_zero_3"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -144,6 +145,34 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "HF ring: packed rows are taken for one running sequence (no document ids)",
+        "sequence/hf_ulysses.py",
+        "    if not starts.any():\n        return None\n",
+        "    return None\n",
+        (f"{HFR}[2-2-True]",),
+    ),
+    Mutant(
+        "HF ring: the adapter cuts consecutive shards, not the ring's zigzag pieces",
+        "sequence/hf_data.py",
+        "        self.ring = RINGS.get(sp_group, 1)",
+        "        self.ring = 1",
+        (f"{HFR}[2-2-False]",),
+    ),
+    Mutant(
+        "HF ring: the core attention runs on the ring shard alone",
+        "sequence/hf_ulysses.py",
+        "            if self.ring is not None:\n",
+        "            if False:\n",
+        (f"{HFR}[2-2-False]",),
+    ),
+    Mutant(
+        "HF Ulysses x ring: the all-to-alls run over every sp rank, not the Ulysses group",
+        "sequence/hf_ulysses.py",
+        '            process_group=topo.group("ulysses") if topo.ulysses > 1 else None,',
+        '            process_group=topo.group("sp"),',
+        (f"{HFR}[4-2-False]",),
+    ),
+    Mutant(
         "ring attention: the keys' document ids stay home (each step masks with the queries')",
         "sequence/ring.py",
         "apart = (docs[0][:, rows, None] != docs[1][:, None, cols])",
@@ -216,20 +245,20 @@ MUTANTS = [
     Mutant(
         "HF Ulysses: the all-to-all scatters the sequence and gathers the heads (swapped)",
         "sequence/hf_ulysses.py",
-        "        q, k, v = (cf.all_to_all(t, self.axis, 1, 2) for t in (query, key, value))",
-        "        q, k, v = (cf.all_to_all(t, self.axis, 2, 1) for t in (query, key, value))",
+        "        q, k, v = (self._heads(t, 1, 2) for t in (query, key, value))",
+        "        q, k, v = (self._heads(t, 2, 1) for t in (query, key, value))",
         (f"{HFU}::test_alst_script_matches_single_process_training[3]",),
     ),
     Mutant(
         "HF Ulysses: the data loader adapter gives every sp rank the first shard",
-        "sequence/hf_ulysses.py",
-        "            n, r = s // sp, self.sp_rank",
-        "            n, r = s // sp, 0",
+        "sequence/hf_data.py",
+        "v = sequence_piece(v, 1, self.sp_rank, sp, ring).cpu().contiguous()",
+        "v = sequence_piece(v, 1, 0, sp, ring).cpu().contiguous()",
         (f"{HFU}::test_alst_script_matches_single_process_training[1]",),
     ),
     Mutant(
         "HF Ulysses: the loss is each shard's own mean, averaged (not the tokens' mean)",
-        "sequence/hf_ulysses.py",
+        "sequence/hf_data.py",
         "    count = cf.reduce(count, axis)\n    total = cf.reduce(cf.copy(total, axis), axis)\n"
         "    return total / count.clamp_min(1)",
         "    mean = total / count.clamp_min(1)\n"

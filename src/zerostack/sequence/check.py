@@ -39,7 +39,7 @@ def wires_sequence(model: nn.Module, topo: Topology, built: Topology | None) -> 
         return True
     hf = registered_ulysses(model)  # a Hugging Face model under UlyssesSPAttentionHF
     if hf is not None:
-        theirs = dist.get_process_group_ranks(hf.process_group)
+        theirs = dist.get_process_group_ranks(hf.sequence_group)
         ours = dist.get_process_group_ranks(topo.group("sp"))
         if sorted(theirs) != sorted(ours):
             raise ConfigError(

@@ -29,6 +29,14 @@ ranks, give the mask: a row that is one running sequence gets plain causal atten
 kv heads divisible by sp split like the query heads; fewer kv heads than ranks (sp divisible by
 them) are repeated to sp, as DeepSpeed does; anything else is a ``ValueError``.
 
+Ring attention (zerostack's; ``register_with_transformers(..., ring_parallel_size=r)``): the
+``sequence_parallel_size`` ranks are ``r`` ring groups of ``sp / r`` Ulysses neighbours. The
+all-to-alls run over the Ulysses ranks (heads then divide by ``sp / r`` only), and in place of
+the core attention :func:`~zerostack.sequence.ring_attention` passes keys and values around the
+ring; each rank holds :func:`~zerostack.sequence.sequence_piece` of the sequence (the adapter
+cuts so), packed documents are told apart by the positions, and attention dropout, sliding
+windows and logit soft-capping are refused.
+
 The loss: the ranks' label shards hold different numbers of ignored tokens. :func:`ulysses_sp_loss`
 is the mean over the whole sequence's labelled tokens on every rank. DeepSpeed's tutorial form
 (per-rank means all-gathered with ``torch.distributed.nn.functional.all_gather`` and weighted by
@@ -39,18 +47,21 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from ..comm import collectives
 from ..comm import functional as cf
 from ..config import ConfigError
 from ..topology import Topology
+from .hf_data import (  # DeepSpeed's module has them
+    RINGS,
+    UlyssesSPDataLoaderAdapter,
+    ulysses_sp_loss,
+)
+from .ring import ring_attention, zigzag_shard, zigzag_unshard
 
 logger = logging.getLogger("zerostack")
 
@@ -64,8 +75,9 @@ class SequenceParallelState:
     getters over a :class:`Topology` with ``sp`` neighbouring ranks per group (as DeepSpeed's),
     on which ``initialize(mpu=...)`` builds the engine. Model-parallel getters: the sp ones."""
 
-    def __init__(self, sequence_parallel_size: int) -> None:
-        self.topology = Topology.build(sp=sequence_parallel_size)
+    def __init__(self, sequence_parallel_size: int, ring_parallel_size: int = 1) -> None:
+        self.topology = Topology.build(sp=sequence_parallel_size, ring=ring_parallel_size)
+        RINGS[self.get_sequence_parallel_group()] = ring_parallel_size  # the adapter's cut
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         if sequence_parallel_size != self.topology.sp:
@@ -104,6 +116,19 @@ def _check_heads(heads: int, kv_heads: int, sp: int) -> None:
                          f"sequence_parallel_size {sp}, nor sp by it")
 
 
+def _ring_documents(positions: torch.Tensor, ring: cf.Axis) -> torch.Tensor | None:
+    """This ring rank's tokens' document numbers ([b, s/ring], for ring_attention), or None
+    when every row is one running sequence. From the positions of every ring rank's zigzag
+    shard, put back in order: a position that does not follow its predecessor starts one."""
+    every = cf.gather(positions.contiguous(), 1, ring).chunk(ring.size, dim=1)
+    whole = zigzag_unshard(list(every), ring.size, 1)
+    starts = torch.zeros_like(whole, dtype=torch.bool)
+    starts[:, 1:] = whole[:, 1:] != whole[:, :-1] + 1
+    if not starts.any():
+        return None
+    return zigzag_shard(starts.long().cumsum(1), ring.rank, ring.size, 1)
+
+
 def _document_mask(positions: torch.Tensor) -> torch.Tensor | None:
     """None when every row is one running sequence (plain causal attention); else the boolean
     [b, 1, s, s] mask of causal attention inside each document (a position that does not
@@ -138,13 +163,18 @@ class UlyssesSPAttentionHF(nn.Module):
         local_seq_length: int = None,
         global_seq_length: int = None,
         disable_in_eval: bool = False,
+        ring_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.attn = attn
+        # with a ring (zerostack's ring_group), process_group holds the Ulysses ranks, None
+        # when there is one; sequence_group is every sp rank (register_with_transformers')
         self.process_group = process_group
-        self.axis = cf.on_group(process_group, "sp")
-        self.world_size = self.axis.size
-        self.sp_rank = self.axis.rank
+        self.sequence_group = process_group if ring_group is None else None
+        self.axis = None if process_group is None else cf.on_group(process_group, "sp")
+        self.ring = None if ring_group is None else cf.on_group(ring_group, "ring")
+        self.world_size = 1 if self.axis is None else self.axis.size
+        self.sp_rank = 0 if self.axis is None else self.axis.rank
         self.batch_size = batch_size
         self.attn_head_count = attn_head_count
         self.attn_head_size = attn_head_size
@@ -184,20 +214,40 @@ class UlyssesSPAttentionHF(nn.Module):
                           for t in (key, value))
             module.num_key_value_groups = self.local_q_head_count
         # [b, heads, s/sp, d] -> [b, heads/sp, s, d]
-        q, k, v = (cf.all_to_all(t, self.axis, 1, 2) for t in (query, key, value))
+        q, k, v = (self._heads(t, 1, 2) for t in (query, key, value))
         with torch.no_grad():
-            positions = cf.gather(kwargs["position_ids"].contiguous(), 1, self.axis)
+            positions = kwargs["position_ids"].contiguous()
+            positions = positions if self.axis is None else cf.gather(positions, 1, self.axis)
         kwargs["position_ids"] = positions
         attention_mask = None  # built for the shard; the positions say what the whole needs
-        if self.core_attn_implementation == "sdpa":
-            attention_mask = _document_mask(positions.expand(q.shape[0], -1))
         try:
-            out, weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)
+            if self.ring is not None:
+                out, weights = self._ring_attention(module, q, k, v, positions, kwargs), None
+            else:
+                if self.core_attn_implementation == "sdpa":
+                    attention_mask = _document_mask(positions.expand(q.shape[0], -1))
+                out, weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)
         finally:
             if self.kv_replication_factor > 1:  # as it was, for a call without Ulysses
                 module.num_key_value_groups = groups
         # [b, s, heads/sp, d] -> [b, s/sp, heads, d]
-        return cf.all_to_all(out, self.axis, 1, 2), weights
+        return self._heads(out, 1, 2), weights
+
+    def _heads(self, t: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
+        return t if self.axis is None else cf.all_to_all(t, self.axis, scatter, gather)
+
+    def _ring_attention(self, module, q, k, v, positions, kwargs) -> torch.Tensor:
+        """Attention over the whole sequence, around the ring: q [b, heads/u, s/ring, d] of
+        this ring rank's zigzag shard; returns [b, s/ring, heads/u, d] as the core would."""
+        for name in ("dropout", "sliding_window", "softcap"):
+            if kwargs.get(name):
+                raise ValueError(f"ring attention: {name}={kwargs[name]!r} is not supported; "
+                                 "it needs 0 or None (the model's config sets it)")
+        with torch.no_grad():
+            docs = _ring_documents(positions.expand(q.shape[0], -1), self.ring)
+        out = ring_attention(q, k, v, self.ring, causal=getattr(module, "is_causal", True),
+                             scale=kwargs.get("scaling"), document_ids=docs)  # fmt: skip
+        return out.transpose(1, 2).contiguous()
 
     @classmethod
     def register_with_transformers(
@@ -211,13 +261,15 @@ class UlyssesSPAttentionHF(nn.Module):
         disable_in_eval=False,
         # deprecated
         max_length=None,
+        ring_parallel_size=1,  # zerostack's: ring groups among the sequence_parallel_size ranks
     ):
         """Register Ulysses over ``core_attn_implementation`` in ``ALL_ATTENTION_FUNCTIONS``
         and return the ``mpu`` for ``initialize(mpu=...)`` (None, nothing registered, at sp 1).
         It builds the grid (a collective). ``model_name_or_path``: a model (anything with a
         ``config``), a config, or a name for ``AutoConfig``; its attn_implementation must be the
         core one (one without is set to it). ``seq_length``: the fixed global length, needed
-        when ``seq_length_is_variable`` is False (``max_length``: its deprecated name)."""
+        when ``seq_length_is_variable`` is False (``max_length``: its deprecated name).
+        ``ring_parallel_size`` (zerostack's): that many ring groups among the sp ranks."""
         if sequence_parallel_size == 1:
             return None
         if max_length is not None:
@@ -226,9 +278,14 @@ class UlyssesSPAttentionHF(nn.Module):
         if not seq_length_is_variable and seq_length is None:
             raise ValueError("register_with_transformers: seq_length_is_variable=False needs "
                              "seq_length")
-        if seq_length is not None and seq_length % sequence_parallel_size:
+        sp, ring = sequence_parallel_size, ring_parallel_size
+        if sp % ring:
+            raise ValueError(f"register_with_transformers: ring_parallel_size {ring} does not "
+                             f"divide sequence_parallel_size {sp}")
+        if seq_length is not None and (seq_length % sp or ring > 1 and seq_length % (2 * ring)):
             raise ValueError(f"register_with_transformers: seq_length {seq_length} is not "
-                             f"divisible by sequence_parallel_size {sequence_parallel_size}")
+                             f"divisible by sequence_parallel_size {sp}" + (
+                                 f" and 2 * ring_parallel_size {2 * ring}" if ring > 1 else ""))
         from transformers import AutoConfig, PretrainedConfig
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -254,8 +311,9 @@ class UlyssesSPAttentionHF(nn.Module):
         arch = config.get_text_config()
         heads = arch.num_attention_heads
         kv_heads = getattr(arch, "num_key_value_heads", None) or heads
-        _check_heads(heads, kv_heads, sequence_parallel_size)  # before the grid's collectives
-        mpu = SequenceParallelState(sequence_parallel_size)
+        _check_heads(heads, kv_heads, sp // ring)  # before the grid's collectives
+        mpu = SequenceParallelState(sp, ring)
+        topo = mpu.topology
         core = ALL_ATTENTION_FUNCTIONS[impl]
         core = getattr(core, "core", core)  # registered before: wrap the original again
         uattn = cls(
@@ -265,13 +323,15 @@ class UlyssesSPAttentionHF(nn.Module):
             attn_head_size=getattr(arch, "head_dim", None) or arch.hidden_size // heads,
             kv_head_count=kv_heads,
             num_hidden_layers=arch.num_hidden_layers,
-            process_group=mpu.get_sequence_parallel_group(),
+            process_group=topo.group("ulysses") if topo.ulysses > 1 else None,
             seq_length_is_variable=seq_length_is_variable,
             local_seq_length=None if seq_length is None else seq_length // sequence_parallel_size,
             global_seq_length=seq_length,
             disable_in_eval=disable_in_eval,
+            ring_group=topo.group("ring") if ring > 1 else None,
         )
         uattn.core_attn_implementation = impl
+        uattn.sequence_group = mpu.get_sequence_parallel_group()
 
         def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
             return uattn(module, query, key, value, attention_mask, *args, **kwargs)
@@ -293,106 +353,5 @@ def registered_ulysses(model: nn.Module) -> UlyssesSPAttentionHF | None:
     fn = ALL_ATTENTION_FUNCTIONS.get(impl)
     return getattr(fn, "ulysses", None)
 
-
-class UlyssesSPDataLoaderAdapter:
-    """DeepSpeed's data loader adapter: each sp rank's ``dl`` yields its own batches (dicts of
-    ``[b, s, ...]`` tensors with ``input_ids`` and ``position_ids``, ``labels`` optional); one
-    batch from every sp rank is taken and handed out in sp rank order, one per step, each rank
-    its shard of dim 1 (sp steps consume sp batches, as dp would). ``labels`` become
-    ``shift_labels`` (shifted over the whole sequence, ``-100`` at its end) before the cut, so
-    no label is lost at a shard's edge; non-tensors reach every rank whole. Shards come back
-    on the CPU, as DeepSpeed's. Lengths may vary between batches but must divide by sp."""
-
-    def __init__(self, dl, sp_rank: int, sp_group, sp_world_size, device):
-        self.dl = dl
-        self.sp_rank = sp_rank
-        self.sp_group = sp_group
-        self.sp_world_size = sp_world_size
-        self.device = device
-        self.iter = iter(dl)
-        self.micro_batches: deque[dict] = deque()
-
-    def __len__(self) -> int:
-        return len(self.dl) * self.sp_world_size
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if not self.micro_batches:
-            self.refill()
-        return self.micro_batches.popleft()
-
-    def _gathered(self, batch: dict) -> list[dict]:
-        """Every sp rank's batch, in sp rank order (each rank broadcasts its tensors in turn)."""
-        meta = {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else (None, v)
-                for k, v in batch.items()}
-        metas: list[Any] = [None] * self.sp_world_size
-        collectives.all_gather_object(metas, meta, group=self.sp_group)
-        out = []
-        for src, theirs in enumerate(metas):
-            got = {}
-            for k, (shape, value) in theirs.items():
-                if shape is None:
-                    got[k] = value
-                    continue
-                t = (batch[k].to(self.device).contiguous() if src == self.sp_rank else
-                     torch.empty(shape, dtype=value, device=self.device))
-                collectives.broadcast(t, dist.get_global_rank(self.sp_group, src),
-                                      group=self.sp_group)
-                got[k] = t
-            out.append(got)
-        return out
-
-    def refill(self) -> None:
-        try:
-            batch = next(self.iter)
-        except StopIteration:
-            self.iter = iter(self.dl)  # the next epoch starts over
-            raise
-        for key in ("input_ids", "position_ids"):
-            if key not in batch:  # (position_ids: so that each shard keeps its place)
-                raise ValueError(f"UlyssesSPDataLoaderAdapter: a batch needs {key!r} (for "
-                                 "position_ids of unpacked rows: arange(seq_len) per row)")
-        sp = self.sp_world_size
-        for whole in self._gathered(batch):
-            s = whole["input_ids"].shape[1]
-            if s % sp:
-                raise ValueError(f"UlyssesSPDataLoaderAdapter: sequence length {s} is not "
-                                 f"divisible by sequence_parallel_size {sp}")
-            if "labels" in whole:
-                labels = F.pad(whole.pop("labels"), (0, 1), value=-100)
-                whole["shift_labels"] = labels[:, 1:].contiguous()
-            n, r = s // sp, self.sp_rank
-            shard = {}
-            for k, v in whole.items():
-                if torch.is_tensor(v) and v.dim() >= 2:
-                    if v.shape[1] != s:
-                        raise ValueError(f"UlyssesSPDataLoaderAdapter: {k} has shape "
-                                         f"{tuple(v.shape)}, input_ids a length of {s}")
-                    v = v[:, r * n : (r + 1) * n].cpu().contiguous()
-                shard[k] = v
-            self.micro_batches.append(shard)
-
-
-def ulysses_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, sp_group,
-                    ignore_index: int = -100) -> torch.Tensor:
-    """Causal-LM cross-entropy over the labelled tokens of the whole sequence, from this sp
-    rank's ``logits`` [b, s/sp, vocab] and ``shift_labels`` [b, s/sp] (the adapter's): the same
-    value on every sp rank, even one with no label (DeepSpeed's tutorial form gives NaN); its
-    gradient, after zerostack's average over the sp ranks, is the whole sequence's::
-
-        out = engine(**batch)
-        loss = ulysses_sp_loss(out.logits, batch["shift_labels"], mpu.get_sequence_parallel_group())
-        engine.backward(loss)
-
-    The ranks' loss sums and token counts are summed over the sp group; the gradient of the
-    sum reaches every rank's copy (an all-reduce in backward, as DeepSpeed's all_gather)."""
-    axis = cf.on_group(sp_group, "sp")
-    labels = shift_labels.to(logits.device).reshape(-1)
-    total = F.cross_entropy(logits.float().reshape(labels.numel(), -1), labels,
-                            ignore_index=ignore_index, reduction="sum")
-    count = (labels != ignore_index).sum().to(total.dtype)
-    count = cf.reduce(count, axis)
-    total = cf.reduce(cf.copy(total, axis), axis)
-    return total / count.clamp_min(1)
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "registered_ulysses",
+           "ulysses_sp_loss"]

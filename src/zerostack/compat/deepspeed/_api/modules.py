@@ -255,7 +255,7 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": _different(
             "DeepSpeed's arguments and shards (shift_labels, -100 at the end)",
-            "zerostack.sequence.hf_ulysses.UlyssesSPDataLoaderAdapter",
+            "zerostack.sequence.hf_data.UlyssesSPDataLoaderAdapter",
         ),
     },
 }
