@@ -263,7 +263,7 @@ class GPT(nn.Module):
         if sequence_parallel and topology.sp > 1:
             raise ConfigError(
                 f"GPT sequence_parallel (Megatron's) with sequence_parallel_size {topology.sp} "
-                "(Ulysses): both split the sequence, so choose one"
+                "(Ulysses or ring attention): both split the sequence, so choose one"
             )
         ensure_seeded(topology)
         sp = dict(topology=topology, sequence_parallel=sequence_parallel)
