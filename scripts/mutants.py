@@ -62,6 +62,7 @@ RING = "tests/test_ring.py"
 TILED = "tests/test_tiled.py"
 HFU = "tests/test_hf_ulysses.py"
 RG = "tests/test_ring_grid.py"
+HFL = "tests/test_hf_long.py::test_tiled_mlp_tiled_loss_and_cpu_checkpoints_match_single_process"
 HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_training_at_zero_3"
 PIPE = "tests/test_pipeline.py"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
@@ -144,6 +145,36 @@ T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 
 MUTANTS = [
+    Mutant(
+        "the tiled logits loss leaves ZeRO-3's compute_params released while the tiles run",
+        "sequence/tiled.py",
+        "        with GatheredParameters(list(compute_params or ())):",
+        "        with GatheredParameters([]):",
+        (f"{HFL}[2-2-3]",),
+    ),
+    Mutant(
+        "ZeRO-3 hooks only modules with parameters of their own (an MLP called alone borrows none)",
+        "zero/coordinator.py",
+        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n",
+        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n"
+        "            if not ps and m is not module:\n                continue\n",
+        (f"{HFL}[2-2-3]",),
+    ),
+    Mutant(
+        "a Hugging Face model's checkpointed layers keep torch's checkpoint (no CPU copies)",
+        "compose.py",
+        "        activation_checkpointing.adopt_model_checkpointing(model)  #",
+        "        pass  #",
+        (f"{HFL}[2-2-1]",),
+    ),
+    Mutant(
+        "cpu_checkpointing on a model that checkpoints nothing is accepted",
+        "validate.py",
+        "            and not model_checkpointed_layers(model)):  # fmt: skip",
+        "            and False):  # fmt: skip",
+        ("tests/test_hf_long.py::test_cpu_checkpointing_on_a_model_that_checkpoints_nothing_is_"
+         "refused",),
+    ),
     Mutant(
         "HF ring: packed rows are taken for one running sequence (no document ids)",
         "sequence/hf_ulysses.py",
@@ -900,8 +931,9 @@ MUTANTS = [
     Mutant(
         "stage-3 root module not a unit",
         "zero/coordinator.py",
-        "if not ps and m is not module:",
-        "if not ps or m is module:",
+        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n",
+        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n"
+        "            if m is module:\n                continue\n",
         (f"{E}[2-root]",),
     ),
     Mutant(

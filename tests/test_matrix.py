@@ -1,8 +1,8 @@
 """The composition matrix (tests/matrix.py): every combination of pp, dp, ep, tp (with and
-without Megatron's sequence parallelism), sp (Ulysses and ring attention), the pipeline's schedule, ZeRO stage 0-3,
-fp32 / bf16 and CPU offload that fits in 4 ranks either trains as one process does or is refused
-before any work in one line naming two of its settings; docs/reference/matrix.md is this run's
-table."""
+without Megatron's sequence parallelism), sp (Ulysses and ring attention), the pipeline's
+schedule, ZeRO stage 0-3, fp32 / bf16 and CPU offload that fits in 4 ranks either trains as one
+process does or is refused before any work in one line naming two of its settings;
+docs/reference/matrix.md is this run's table."""
 
 from __future__ import annotations
 

@@ -329,6 +329,7 @@ def initialize(
     sched = _scheduler_factory(lr_scheduler, cfg)
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands
         activation_checkpointing.configure(mpu_=topo, deepspeed_config=cfg)
+        activation_checkpointing.adopt_model_checkpointing(model)  # a Hugging Face model's
     # DeepSpeed's comms_logger block: the engine's collectives (its grid's CommLog, set-up
     # included) are summarised with zerostack.comm's while the logger is enabled
     configure_comms(deepspeed_config=cfg)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from .activation_checkpointing import model_checkpointed_layers
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
 from .moe.utils import is_moe_param
 from .pipeline.module import PipelineModule
@@ -67,6 +68,14 @@ def validate(
         raise ConfigError(
             "zero.Init with a MoE model: a gate's weight is read before zero.Init's pieces are "
             "gathered (not yet); build the model outside zero.Init"
+        )
+    if (cfg.activation_checkpointing.cpu_checkpointing
+            and getattr(model, "supports_gradient_checkpointing", False)
+            and not model_checkpointed_layers(model)):  # fmt: skip
+        raise ConfigError(
+            "activation_checkpointing.cpu_checkpointing: the Hugging Face model checkpoints no "
+            "layer, so nothing would be kept on the CPU; call model.gradient_checkpointing_enable"
+            "() before initialize"
         )
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):

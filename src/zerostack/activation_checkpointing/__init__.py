@@ -33,6 +33,10 @@ Where things are: ``configuration.py`` (:func:`configure`, the one state object,
 DeepSpeed's RNG names), ``placement.py`` (host memory, tp partitions, the contiguous buffer),
 ``recompute.py`` (:func:`checkpoint`: the saved-tensor hooks, kept inputs, replayed RNG).
 ``zerostack.checkpointing`` is this package under DeepSpeed's name (the same module object).
+
+Hugging Face models: ``initialize`` with an ``activation_checkpointing`` block routes the layers
+the model checkpoints (``model.gradient_checkpointing_enable()``) through :func:`checkpoint`
+(:func:`adopt_model_checkpointing`), so ``cpu_checkpointing`` and the rest apply to them.
 """
 
 from __future__ import annotations
@@ -49,16 +53,23 @@ from .configuration import (
     unconfigure,
 )
 from .placement import host_empty, partition_size, to_device
-from .recompute import CheckpointingError, checkpoint
+from .recompute import (
+    CheckpointingError,
+    adopt_model_checkpointing,
+    checkpoint,
+    model_checkpointed_layers,
+)
 
 __all__ = [
     "CheckpointingError",
     "Settings",
+    "adopt_model_checkpointing",
     "checkpoint",
     "configure",
     "get_cuda_rng_tracker",
     "host_empty",
     "is_configured",
+    "model_checkpointed_layers",
     "model_parallel_cuda_manual_seed",
     "partition_size",
     "reset",

@@ -225,3 +225,21 @@ def checkpoint(function, *args):
     _boundary(s)
     _count("forward", t0, s)
     return out
+
+
+def model_checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers a Hugging Face model checkpoints (``gradient_checkpointing_enable()`` marks
+    them: ``gradient_checkpointing`` True and a ``_gradient_checkpointing_func``)."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+            and hasattr(m, "_gradient_checkpointing_func")]  # fmt: skip
+
+
+def adopt_model_checkpointing(model: torch.nn.Module) -> int:
+    """Route the layers a Hugging Face model checkpoints through :func:`checkpoint`, so the
+    config's ``activation_checkpointing`` block (``cpu_checkpointing``, partitions, profile)
+    applies to them as to zerostack's own models; returns how many layers. Which layers
+    checkpoint stays the model's choice (``every_n_layers`` and the like)."""
+    layers = model_checkpointed_layers(model)
+    for m in layers:
+        m._gradient_checkpointing_func = checkpoint
+    return len(layers)

@@ -361,6 +361,11 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     forward, unscaled, which ArcticTraining's ``loss / good_tokens`` use is reported to inflate.
     Under ``torch.no_grad`` (or with nothing requiring grad) only the loss is computed.
 
+    ZeRO-3: list in ``compute_params`` every parameter ``fn`` reads (DeepSpeed asks the same);
+    they are gathered once for all the tiles, and their gradients reach ZeRO's reducers in
+    backward, once. (The loss runs outside any module's forward, so nothing else gathers them
+    for the tiles.)
+
     Example::
 
         def loss_fn(self, x, y):
@@ -376,8 +381,11 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         params = _params(compute_params, [self], exclude=[x])
         if not (torch.is_grad_enabled() and (x.requires_grad or params)):
             return _tiled_loss(fn, self, x, y, mask, shards, output_reduction, False, [])[0]
-        return super().apply(fn, self, x, y, mask, shards, compute_params, output_reduction,
-                             *params)  # fmt: skip
+        from ..zero.init import GatheredParameters  # ZeRO-3: whole while the tiles run
+
+        with GatheredParameters(list(compute_params or ())):
+            return super().apply(fn, self, x, y, mask, shards, compute_params, output_reduction,
+                                 *params)  # fmt: skip
 
     @staticmethod
     def forward(ctx, fn, self, x, y, mask, shards, compute_params, output_reduction, *params):

@@ -145,10 +145,11 @@ class ParamCoordinator:
         self._units_of: dict[nn.Parameter, list[int]] = {}
         self.owner: dict[nn.Parameter, int] = {}
         module.register_forward_pre_hook(self._begin_pass, prepend=True)
+        # Every module is a unit, one without parameters of its own too (as DeepSpeed hooks
+        # every module): a forward reading a child's parameter directly (an MLP handing its
+        # linears' weights to a tiled compute) then borrows it in any module called alone.
         for m in module.modules():
             ps = list(dict.fromkeys(m.parameters(recurse=False)))
-            if not ps and m is not module:
-                continue
             m._parameters = _GatherOnRead(m._parameters, self)
             u = len(self.units)
             self.units.append(ps)
