@@ -146,6 +146,27 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "ring attention: a row with no key seen yet takes exp(-inf + inf) (nan)",
+        "sequence/ring.py",
+        '                safe = new.masked_fill(new == float("-inf"), 0.0)',
+        "                safe = new",
+        (f"{RING}::test_packed_documents_attend_only_within_themselves[True-2-3]",),
+    ),
+    Mutant(
+        "ring attention computes the tiles wholly above the causal diagonal",
+        "sequence/ring.py",
+        "                if masked and c.start > r.stop - 1:",
+        "                if False:",
+        (f"{RING}::test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work[2-3]",),
+    ),
+    Mutant(
+        "ring attention: a tile straddling the diagonal is taken for wholly past (unmasked)",
+        "sequence/ring.py",
+        "                yield r, c, masked and c.stop - 1 > r.start",
+        "                yield r, c, masked and c.stop - 1 > r.stop",
+        (f"{RING}::test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work[2-3]",),
+    ),
+    Mutant(
         "the tiled logits loss leaves ZeRO-3's compute_params released while the tiles run",
         "sequence/tiled.py",
         "        with GatheredParameters(list(compute_params or ())):",

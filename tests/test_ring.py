@@ -22,7 +22,7 @@ from zerostack import Topology
 from zerostack.comm import functional as cf
 from zerostack.comm.grid import comm_for
 from zerostack.sequence import ring_attention, zigzag_shard, zigzag_unshard
-from zerostack.sequence.ring import _blocks
+from zerostack.sequence.ring import _blocks, _split
 
 B, H, S, D = 2, 4, 32, 8
 CASES = [(causal, kv) for causal in (True, False) for kv in (2, 4)]  # kv 2: grouped-query
@@ -53,21 +53,26 @@ def test_zigzag_refuses_a_sequence_that_does_not_split():
         zigzag_shard(torch.zeros(8), 2, 2, dim=0)
 
 
+@pytest.mark.parametrize("tile", [None, 1, 3])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work(world):
+def test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work(world, tile):
     """Over the ``world`` steps a rank's blocks see exactly the keys at or before each query's
     position, none twice; the blocks left out are wholly in the future; and every rank
-    computes the same number of scores."""
-    n = 4  # per rank: two chunks of 2
+    computes the same number of scores. Cut in ``tile`` x ``tile`` pieces, the same holds
+    (a piece wholly above the diagonal left out, one wholly below it unmasked), but for the
+    balance (a rank's pieces straddle the diagonal differently)."""
+    n = 12  # per rank: two chunks of 6
     pos = [zigzag_shard(torch.arange(n * world), r, world, dim=0) for r in range(world)]
     work = []
     for rank in range(world):
         seen = torch.zeros(n, n * world, dtype=torch.int64)
         computed = 0
         for src in range(world):
-            for rows, cols, masked in _blocks(rank, src, world, n, causal=True):
+            blocks = _blocks(rank, src, world, n, causal=True)
+            for rows, cols, masked in blocks if tile is None else _split(blocks, tile):
                 qp, kp = pos[rank][rows], pos[src][cols]
                 visible = qp[:, None] >= kp[None, :]
+                assert visible.any()  # nothing wholly in the future is computed
                 if masked:  # the local triangle is the global mask
                     local = torch.arange(n)[rows][:, None] >= torch.arange(n)[cols][None, :]
                     assert torch.equal(local, visible)
@@ -77,7 +82,7 @@ def test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work(world)
                 computed += visible.numel()
         assert torch.equal(seen, (pos[rank][:, None] >= torch.arange(n * world)).long())
         work.append(computed)
-    assert len(set(work)) == 1, work
+    assert tile is not None or len(set(work)) == 1, work
 
 
 # --------------------------------------------------------------------------- refusals
@@ -111,6 +116,8 @@ def test_bad_inputs_are_refused_before_any_communication():
         ring_attention(q[0], kv, kv, axis)
     with pytest.raises(ValueError, match="dtypes differ"):
         ring_attention(q, kv, kv.double(), axis)
+    with pytest.raises(ValueError, match="tile must be a positive number of positions, got 0"):
+        ring_attention(q, kv, kv, axis, tile=0)
 
 
 # --------------------------------------------------------------------------- on gloo ranks
@@ -257,24 +264,25 @@ def _documents() -> torch.Tensor:
                         for row in DOC_LENGTHS])  # fmt: skip
 
 
-def _ring_documents(rank, world, causal):
+def _ring_documents(rank, world, causal, tile):
     topo = Topology.build(sp=world)
     axis = cf.on_axis(comm_for(topo), "sp")
     qkv, up = _inputs(2)
     mine = [zigzag_shard(t, axis.rank, world, 2).requires_grad_(True) for t in qkv]
     docs = zigzag_shard(_documents(), axis.rank, world, 1)
-    y = ring_attention(*mine, axis, causal=causal, document_ids=docs)
+    y = ring_attention(*mine, axis, causal=causal, document_ids=docs, tile=tile)
     (y * zigzag_shard(up, axis.rank, world, 2)).sum().backward()
     return [y.detach(), *(t.grad for t in mine)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world,tile", [(1, 1024), (2, 1024), (4, 1024), (2, 3), (4, 3)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_documents_attend_only_within_themselves(world, causal):
+def test_packed_documents_attend_only_within_themselves(world, tile, causal):
     """With ``document_ids`` a query sees the keys of its own document only (and, causal, none
-    after it), as whole-sequence attention with that mask in float64; rows whose keys on some
-    step all belong to other documents must not turn the accumulators into nan."""
-    got = run_distributed(_ring_documents, world, args=(causal,))
+    after it), as whole-sequence attention with that mask in float64. In tiles of 3 positions
+    a row's first tile can hold only other documents' keys: its running maximum stays -inf
+    there, which must not turn the accumulators into nan."""
+    got = run_distributed(_ring_documents, world, args=(causal, tile))
     (q, k, v), up = _inputs(2)
     q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
     docs = _documents()
@@ -288,4 +296,4 @@ def test_packed_documents_attend_only_within_themselves(world, causal):
     for i, (name, want) in enumerate(zip(("out", "dq", "dk", "dv"), wants, strict=True)):
         whole = zigzag_unshard([r[i] for r in got], world, dim=2)
         rel = float((whole.double() - want).abs().max() / want.abs().max())
-        assert rel <= 1e-6, f"causal {causal}, world {world}, {name}: {rel:.2e}"
+        assert rel <= 1e-6, f"causal {causal}, world {world}, tile {tile}, {name}: {rel:.2e}"

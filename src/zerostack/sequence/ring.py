@@ -17,7 +17,9 @@ the keys and values move on to the next rank. Per attention it sends k and v ``w
 times (``2 * b * h_kv * S/world * d`` elements each time); backward sends k, v and the fp32
 gradients of k and v ``world - 1`` times and the gradients once more, which brings them home.
 Saved for backward: q, k, v, the output and the fp32 log-sum-exp of each row, no probabilities.
-The exchange is blocking (no overlap of communication with compute).
+Scores are made ``tile`` x ``tile`` positions at a time (per head), so the transient memory of a
+step is bounded whatever the shard's length, and tiles wholly above the causal diagonal are
+skipped. The exchange is blocking (no overlap of communication with compute).
 """
 
 from __future__ import annotations
@@ -109,6 +111,19 @@ def _blocks(rank: int, src: int, world: int, n: int, causal: bool) -> list[Block
     return [(late, every, False)]  # our late chunk follows both of src's, our early one neither
 
 
+def _split(blocks: list[Block], tile: int):
+    """Each block in ``tile`` x ``tile`` pieces: a masked piece wholly above the diagonal (every
+    key after every query) is left out, one wholly below it needs no mask."""
+    for rows, cols, masked in blocks:
+        for r0 in range(rows.start, rows.stop, tile):
+            r = slice(r0, min(r0 + tile, rows.stop))
+            for c0 in range(cols.start, cols.stop, tile):
+                c = slice(c0, min(c0 + tile, cols.stop))
+                if masked and c.start > r.stop - 1:
+                    continue
+                yield r, c, masked and c.stop - 1 > r.start
+
+
 def _mask(rows: slice, cols: slice, device: torch.device) -> torch.Tensor:
     """Where query ``rows.start + i`` may see key ``cols.start + j``: ``i - j >= cols.start -
     rows.start``, a lower triangle shifted by the offset of the two slices."""
@@ -143,7 +158,7 @@ def _kv(t: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, axis, causal, scale):
+    def forward(ctx, q, k, v, docs, axis, causal, scale, tile):
         world, rank = axis.size, axis.rank
         b, h, n, d = q.shape
         qg = _grouped(q, k.shape[1])
@@ -156,20 +171,22 @@ class _RingAttention(torch.autograd.Function):
                 held = axis.ring_shift(held)
             kf, vf = _kv(held[0]), _kv(held[1])
             pair = None if docs is None else (docs, held[2])
-            for rows, cols, masked in _blocks(rank, (rank - step) % world, world, n, causal):
+            blocks = _blocks(rank, (rank - step) % world, world, n, causal)
+            for rows, cols, masked in _split(blocks, tile):
                 s = _scores(qg, kf, rows, cols, masked, scale, pair)
                 new = torch.maximum(m[..., rows], s.amax(dim=-1))
-                # finite: step 0 is this rank's own block, where every row sees itself, so no
-                # row's maximum stays -inf (exp(-inf + inf) would be nan), documents or not
-                p = torch.exp(s - new.unsqueeze(-1))
-                alpha = torch.exp(m[..., rows] - new)  # rescales what was summed to the new max
+                # a row that has seen no key yet (a tile wholly of other documents) keeps its -inf
+                # maximum: 0 stands in, so exp gives 0 and not exp(-inf + inf) = nan
+                safe = new.masked_fill(new == float("-inf"), 0.0)
+                p = torch.exp(s - safe.unsqueeze(-1))
+                alpha = torch.exp(m[..., rows] - safe)  # rescales what was summed to the new max
                 total[..., rows] = total[..., rows] * alpha + p.sum(dim=-1)
                 acc[..., rows, :] = acc[..., rows, :] * alpha.unsqueeze(-1) + p @ vf[..., cols, :]
                 m[..., rows] = new
         lse = m + total.log()
         out = (acc / total.unsqueeze(-1)).reshape(b, h, n, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.axis, ctx.causal, ctx.scale = axis, causal, scale
+        ctx.axis, ctx.causal, ctx.scale, ctx.tile = axis, causal, scale, tile
         return out
 
     @staticmethod
@@ -190,7 +207,8 @@ class _RingAttention(torch.autograd.Function):
                 *held, dk, dv = axis.ring_shift([*held, dk, dv])
             kf, vf = _kv(held[0]), _kv(held[1])
             pair = None if docs is None else (docs, held[2])
-            for rows, cols, masked in _blocks(rank, (rank - step) % world, world, n, causal):
+            blocks = _blocks(rank, (rank - step) % world, world, n, causal)
+            for rows, cols, masked in _split(blocks, ctx.tile):
                 s = _scores(qg, kf, rows, cols, masked, scale, pair)
                 p = torch.exp(s - lse[..., rows].unsqueeze(-1))  # recomputed from the saved lse
                 g_rows = do[..., rows, :]
@@ -201,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
         # the last chunk held is rank + 1's: one more step brings every gradient to its owner
         dk, dv = axis.ring_shift([dk, dv])
         dq = dq.reshape(b, h, n, d).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _run(*args):
@@ -257,6 +275,7 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    tile: int = 1024,
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence, which lies in shards
     on the ranks of ``axis``; returns this rank's rows, [b, h, s_local, d], in q's dtype.
@@ -267,11 +286,14 @@ def ring_attention(
     rank holds its :func:`zigzag_shard` of the sequence; without, any equal split in rank order
     works (zigzag too). ``scale`` defaults to ``1 / sqrt(d)``. ``document_ids`` ([b, s_local]
     integers, this rank's tokens' documents) packs several documents in a row: a query sees
-    only the keys of its own document; they travel with the keys. The arithmetic is fp32
-    whatever the inputs' dtype. Inputs that do not fit are a ``ValueError`` before any
-    communication.
+    only the keys of its own document; they travel with the keys. Scores are made ``tile`` x
+    ``tile`` positions at a time. The arithmetic is fp32 whatever the inputs' dtype. Inputs
+    that do not fit are a ``ValueError`` before any communication.
     """
     _check(q, k, v, axis.size, causal, document_ids)
+    if not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"ring_attention: tile must be a positive number of positions, got "
+                         f"{tile!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     docs = None if document_ids is None else document_ids.contiguous()
-    return _apply(q, k, v, docs, axis, causal, scale)
+    return _apply(q, k, v, docs, axis, causal, scale, tile)
