@@ -385,7 +385,7 @@ MUTANTS = [
         "sequence/ring.py",
         "        return [(early, early, True), (late, every, True)]",
         "        return [(early, early, False), (late, every, False)]",
-        (f"{RING}::test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work[2]",),
+        (f"{RING}::test_causal_blocks_cover_exactly_the_causal_mask_and_balance_the_work[2-None]",),
     ),
     Mutant(
         "ring attention: the keys' and values' gradients not sent home at the end",
