@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 
-def torchrun(script: str, nproc: int, argv: list[str], env: dict, timeout: float) -> dict:
-    """Run ``script`` on ``nproc`` ranks; its last stdout line starting with ``{``, parsed, or
-    ``{"error": ...}`` with the failing rank's own exception line (never raised)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+def torchrun(script: str, nproc: int, argv: list[str], env: dict, timeout: float,
+             python: str | None = None) -> dict:
+    """Run ``script`` on ``nproc`` ranks (under ``python``, by default this one); its last
+    stdout line starting with ``{``, parsed, or ``{"error": ...}`` with the failing rank's own
+    exception line (never raised)."""
+    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", script, *_without_nproc(argv)]
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
