@@ -146,6 +146,13 @@ T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_
 
 MUTANTS = [
     Mutant(
+        "deepspeed.utils.groups answers sp 1 after an sp engine is built",
+        "compat/deepspeed/utils/groups.py",
+        "    return _sp().sp if _sp() is not None else 1",
+        "    return 1",
+        (f"{HFR}[2-2-False]",),
+    ),
+    Mutant(
         "ring attention: a row with no key seen yet takes exp(-inf + inf) (nan)",
         "sequence/ring.py",
         '                safe = new.masked_fill(new == float("-inf"), 0.0)',

@@ -225,7 +225,10 @@ def test_small_modules():
     assert ds.tp_model_init(model, 2, torch.float32, tp2) is model
     with pytest.raises(zerostack.ConfigError, match=r"tp_model_init\(tp_size=2\)"):
         ds.tp_model_init(model, 2, torch.float32, config={})
-    with pytest.raises(RuntimeError, match="no global group registry"):
+    ds.utils.groups._set_grid(None)  # no engine yet: DeepSpeed's answers without an mpu
+    assert ds.utils.groups._get_sequence_parallel_world_size() == 1
+    assert ds.utils.groups._get_sequence_parallel_rank() == 0
+    with pytest.raises(KeyError, match="No sequence parallel group found"):
         ds.utils.groups._get_sequence_parallel_group()
     assert not issubclass(torch.optim.AdamW, ds.runtime.base_optimizer.DeepSpeedOptimizer)
 

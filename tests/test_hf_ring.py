@@ -101,6 +101,10 @@ def _alst(rank, world, ring, stage, packed):
     )  # fmt: skip
     engine, *_ = deepspeed.initialize(config=config, model=model, mpu=mpu)
     group = mpu.get_sequence_parallel_group()
+    groups = deepspeed.utils.groups  # what ALST code asks after initialize: every sp rank
+    assert groups._get_sequence_parallel_world_size() == world
+    assert groups._get_sequence_parallel_rank() == mpu.get_sequence_parallel_rank()
+    assert groups._get_sequence_parallel_group() is group
     mine = [_batch(i, packed) for i in range(rank, world * STEPS, world)]
     dl = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(mine, batch_size=None),
                                     mpu.get_sequence_parallel_rank(), group, world,

@@ -64,7 +64,11 @@ LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "li
 @functools.wraps(_compose.initialize)
 def initialize(*args, **kwargs):
     kwargs.setdefault("engine_type", DeepSpeedEngine)
-    return _compose.initialize(*args, **kwargs)
+    out = _compose.initialize(*args, **kwargs)
+    from .utils import groups  # what ALST code asks for the sp group next
+
+    groups._set_grid(out[0].topology)
+    return out
 
 
 def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):

@@ -152,12 +152,12 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.utils.logger": _served(_LOGGER),
         "deepspeed.utils.log_dist": _served("on the ranks listed, to zerostack's logger"),
         "deepspeed.utils.groups": _served(
-            "its sequence-parallel getters raise: no global group registry (`engine.topology` "
-            "holds the groups) and no Hugging Face sequence parallelism yet"
+            "the sequence(-data)-parallel getters answer from the last engine "
+            "`deepspeed.initialize` built (DeepSpeed's: from its mpu); the rest is not there"
         ),
         "deepspeed.utils.OnDevice": _no("build under `zero.Init`, or with `with torch.device()`"),
         "deepspeed.utils.set_z3_leaf_modules": _no(
-            "stage 3 gathers each module that owns parameters; no leaf-module grouping"
+            "stage 3 gathers what each module owns, module by module; no leaf-module grouping"
         ),
         "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint": _served(
             "any layout's checkpoint, every tensor checksummed (zerostack.checkpoint."

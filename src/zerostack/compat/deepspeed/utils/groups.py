@@ -1,25 +1,56 @@
-"""``deepspeed.utils.groups``: Transformers and Accelerate ask it for the sequence-parallel group
-when Hugging Face sequence parallelism (DeepSpeed's ALST, ``UlyssesSPAttentionHF``) is on.
+"""``deepspeed.utils.groups``: the sequence-parallel getters Hugging Face ALST code calls after
+``deepspeed.initialize`` (ArcticTraining, DeepSpeed's own ALST tests, trainers built on them)::
 
-zerostack keeps no global group registry (``engine.topology`` holds every group), and does not
-serve ALST yet, so these getters say so instead of answering for a group that does not exist.
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu)
+    group = groups._get_sequence_parallel_group()
+
+DeepSpeed answers from the ``mpu`` the last ``initialize`` was given; zerostack answers from the
+grid of the last engine ``deepspeed.initialize`` built (:func:`_set_grid`), its 'sp' axis (with
+ring attention, every sp rank: Ulysses' and the ring's). With no engine, or sp 1, the world
+size is 1 and the rank 0, as DeepSpeed's without an mpu; asking for the group then is a
+``KeyError``, as DeepSpeed's is.
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-def _no_registry(name: str):
-    def getter(*args, **kwargs):
-        raise RuntimeError(
-            f"deepspeed.utils.groups.{name}: zerostack keeps no global group registry and does "
-            f"not serve Hugging Face sequence parallelism (ALST) yet; its groups are on "
-            f"engine.topology"
-        )
-
-    getter.__name__ = name
-    return getter
+_GRID: Any = None  # the Topology of the last engine deepspeed.initialize built
 
 
-_get_sequence_parallel_group = _no_registry("_get_sequence_parallel_group")
-_get_sequence_parallel_world_size = _no_registry("_get_sequence_parallel_world_size")
-_get_sequence_parallel_rank = _no_registry("_get_sequence_parallel_rank")
+def _set_grid(topology: Any) -> None:
+    global _GRID
+    _GRID = topology
+
+
+def _sp() -> Any:
+    return _GRID if _GRID is not None and _GRID.sp > 1 else None
+
+
+def _get_sequence_parallel_world_size() -> int:
+    return _sp().sp if _sp() is not None else 1
+
+
+def _get_sequence_parallel_rank() -> int:
+    return _sp().rank("sp") if _sp() is not None else 0
+
+
+def _get_sequence_parallel_group():
+    if _sp() is None:
+        raise KeyError("No sequence parallel group found: no engine with sequence_parallel_size "
+                       "> 1 was initialized")
+    return _sp().group("sp")
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _GRID.dp if _GRID is not None else 1
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _GRID.dp_rank if _GRID is not None else 0
+
+
+def _get_sequence_data_parallel_group():
+    if _GRID is None:
+        raise KeyError("No sequence data parallel group found: no engine was initialized")
+    return _GRID.group("dp")  # the dp axis counts the sp ranks
