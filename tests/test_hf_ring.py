@@ -134,8 +134,16 @@ CASES = [  # world (= sp), ring, packed
 
 @pytest.mark.parametrize("world,ring,packed", CASES)
 def test_alst_with_ring_matches_single_process_training_at_zero_3(world, ring, packed):
-    ref = _reference(packed)
-    for rank_out in run_distributed(_alst, world, args=(ring, 3, packed)):
+    _compare(run_distributed(_alst, world, args=(ring, 3, packed)), _reference(packed))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_ring_matches_at_the_other_zero_stages_gradient_norm_included(stage):
+    _compare(run_distributed(_alst, 2, args=(2, stage, True)), _reference(True))
+
+
+def _compare(results, ref):
+    for rank_out in results:
         for step, ((state, norm, loss), (want, want_norm, want_loss)) in enumerate(
             zip(rank_out, ref, strict=True)
         ):
