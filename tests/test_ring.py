@@ -100,6 +100,15 @@ class _Silent:
         raise AssertionError("communicated before refusing")
 
 
+def test_the_default_tile_keeps_a_tiles_scores_within_4_mib():
+    from zerostack.sequence.ring import _auto_tile
+
+    for b, h, want in [(1, 8, 256), (1, 4, 512), (2, 4, 256), (1, 32, 128), (8, 64, 32)]:
+        assert _auto_tile(b, h) == want, (b, h)
+        assert b * h * want * want * 4 <= 4 * 2**20 < b * h * (2 * want) ** 2 * 4, (b, h)
+    assert _auto_tile(128, 128) == 16  # the floor: no smaller tiles, whatever the heads
+
+
 def test_bad_inputs_are_refused_before_any_communication():
     axis = cf.Axis("sp", comm=_Silent())
     q, kv = torch.zeros(1, 4, 8, 2), torch.zeros(1, 2, 8, 2)
@@ -275,7 +284,7 @@ def _ring_documents(rank, world, causal, tile):
     return [y.detach(), *(t.grad for t in mine)]
 
 
-@pytest.mark.parametrize("world,tile", [(1, 1024), (2, 1024), (4, 1024), (2, 3), (4, 3)])
+@pytest.mark.parametrize("world,tile", [(1, None), (2, None), (4, None), (2, 3), (4, 3)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_documents_attend_only_within_themselves(world, tile, causal):
     """With ``document_ids`` a query sees the keys of its own document only (and, causal, none

@@ -17,9 +17,10 @@ the keys and values move on to the next rank. Per attention it sends k and v ``w
 times (``2 * b * h_kv * S/world * d`` elements each time); backward sends k, v and the fp32
 gradients of k and v ``world - 1`` times and the gradients once more, which brings them home.
 Saved for backward: q, k, v, the output and the fp32 log-sum-exp of each row, no probabilities.
-Scores are made ``tile`` x ``tile`` positions at a time (per head), so the transient memory of a
-step is bounded whatever the shard's length, and tiles wholly above the causal diagonal are
-skipped. The exchange is blocking (no overlap of communication with compute).
+Scores are made ``tile`` x ``tile`` positions at a time (by default the largest power of two
+that keeps one tile's fp32 scores, over the batch and heads, within 4 MiB), so the transient
+memory of a step is bounded whatever the shard's length, and tiles wholly above the causal
+diagonal are skipped. The exchange is blocking (no overlap of communication with compute).
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def _blocks(rank: int, src: int, world: int, n: int, causal: bool) -> list[Block
     if src < rank:  # src's early chunk precedes both of ours, its late chunk follows both
         return [(every, early, False)]
     return [(late, every, False)]  # our late chunk follows both of src's, our early one neither
+
+
+TILE_ELEMENTS = 2**20
+"""A score tile's elements over the batch and heads by default: 4 MiB in fp32."""
+
+
+def _auto_tile(b: int, h: int) -> int:
+    """The largest power of two ``t`` with ``b * h * t * t <= TILE_ELEMENTS`` (at least 16)."""
+    side = math.isqrt(max(1, TILE_ELEMENTS // (b * h)))
+    return max(16, 1 << (side.bit_length() - 1))
 
 
 def _split(blocks: list[Block], tile: int):
@@ -275,7 +286,7 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
-    tile: int = 1024,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence, which lies in shards
     on the ranks of ``axis``; returns this rank's rows, [b, h, s_local, d], in q's dtype.
@@ -287,10 +298,13 @@ def ring_attention(
     works (zigzag too). ``scale`` defaults to ``1 / sqrt(d)``. ``document_ids`` ([b, s_local]
     integers, this rank's tokens' documents) packs several documents in a row: a query sees
     only the keys of its own document; they travel with the keys. Scores are made ``tile`` x
-    ``tile`` positions at a time. The arithmetic is fp32 whatever the inputs' dtype. Inputs
-    that do not fit are a ``ValueError`` before any communication.
+    ``tile`` positions at a time (None: a tile's fp32 scores within 4 MiB). The arithmetic is
+    fp32 whatever the inputs' dtype. Inputs that do not fit are a ``ValueError`` before any
+    communication.
     """
     _check(q, k, v, axis.size, causal, document_ids)
+    if tile is None:
+        tile = _auto_tile(q.shape[0], q.shape[1])
     if not isinstance(tile, int) or tile < 1:
         raise ValueError(f"ring_attention: tile must be a positive number of positions, got "
                          f"{tile!r}")
