@@ -4,7 +4,7 @@ tiled MLP and logits loss and CPU activation checkpoints, and DeepSpeed 0.19.8's
 tiled) on the same model and budget when its peer venv is there (../shared/PEERS.md, at .peers);
 then tokens/s of each at one common length.
 
-    python benchmarks/long_context.py                          # every side, budget 48 MiB
+    python benchmarks/long_context.py                          # every side, budget 128 MiB
     python benchmarks/long_context.py --sides plain,ulysses4_alst,ring4_alst --budget-mib 32
 
 Each side is its own torchrun launch; zerostack's and DeepSpeed's run the same script, the ALST
@@ -15,13 +15,14 @@ adapter, ``initialize(mpu=...)``, the loss weighted by labelled tokens over the 
 ``gradient_checkpointing_enable()`` and ``"cpu_checkpointing": true``, zerostack only).
 
 The memory of a length: the peak, over one forward and backward, of the bytes of tensor storage
-made during them and still alive, on the rank where it is largest, less that peak at the
-shortest length (``base_mib``: the gathered ZeRO-3 weights and their gradients, which any length
-takes). It is counted where torch hands out storage (a ``TorchDispatchMode`` sees every op's
-outputs; a storage's bytes are freed when torch frees it), not by the library measured:
-activations saved for backward, the logits, attention's transients alike. What CPU
+made during them and still alive, on the rank where it is largest: activations saved for
+backward, the logits, attention's transients, and what any length takes (gathered ZeRO-3
+weights, gradients, buffers made in the step; ``base_mib``, the peak at the shortest length).
+Memory held before the step (the weights' shards, optimizer state) is not in it. It is counted
+where torch hands out storage (a ``TorchDispatchMode`` sees every op's outputs; a storage's bytes
+are freed when torch frees it), not by the library measured. What CPU
 checkpointing puts in host memory (``zerostack.checkpointing.host_empty``) is not counted: on a
-GPU it is not the device's. Lengths double from ``--start`` while the peak stays within the
+GPU it is not the device's. Lengths double from ``--first-len`` while the peak stays within the
 budget, then a bisection finds the longest to 1/8 of the last doubling.
 
 On this machine the ranks share 2 cores, so the tokens/s compare the sides' arithmetic and
@@ -69,7 +70,8 @@ LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 256, 1024, 8, 4, 8192  # vocab 
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops make while the mode is on and torch has not yet freed, and
-    their peak; storages in ``skip`` (host memory) are left out."""
+    their peak; storages in ``skip`` (host memory) and those of an op's own arguments (views,
+    in-place and out= results: made before) are left out."""
 
     def __init__(self, skip: set[int]) -> None:
         super().__init__()
@@ -81,12 +83,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output on an argument's storage (a view, an in-place or out= op) is not new memory
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"}  # fmt: skip
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
             key = st.data_ptr()
-            if not key or key in self.seen or key in self.skip:
+            if not key or key in self.seen or key in self.skip or key in given:
                 continue
             self.seen.add(key)
             self.live += st.nbytes()
@@ -98,8 +103,8 @@ class LiveBytes(TorchDispatchMode):
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated: " + ", ".join(SIDES))
-    p.add_argument("--budget-mib", type=float, default=48.0)
-    p.add_argument("--start", type=int, default=256, help="first length tried (global tokens)")
+    p.add_argument("--budget-mib", type=float, default=128.0)
+    p.add_argument("--first-len", type=int, default=256, help="first length tried (global tokens)")
     p.add_argument("--max-len", type=int, default=65536)
     p.add_argument("--common", type=int, default=2048, help="length of the tokens/s runs")
     p.add_argument("--steps", type=int, default=3, help="timed steps at --common")
@@ -176,6 +181,8 @@ def _child(args) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3}}  # fmt: skip
+    if impl == "deepspeed":  # its ZeRO refuses torch's SGD without this
+        cfg["zero_allow_untested_optimizer"] = True
     if cpu:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
@@ -229,11 +236,11 @@ def _child(args) -> None:
     unit = 64 * sp  # lengths stay divisible by 2 * ring and by sp
     budget = args.budget_mib * 2**20
     step(unit, None)  # first-step allocations (optimizer state, buffers) are not a length's
-    base = peak(unit)  # what any length takes: gathered ZeRO-3 weights, their gradients
+    base = peak(unit)  # what any length takes: gathered ZeRO-3 weights, their gradients, buffers
     seen: dict[int, int] = {}
-    good, bad, length = None, None, max(unit, args.start // unit * unit)
+    good, bad, length = None, None, max(unit, args.first_len // unit * unit)
     while length <= args.max_len:
-        seen[length] = peak(length) - base
+        seen[length] = peak(length)
         if seen[length] > budget:
             bad = length
             break
@@ -243,7 +250,7 @@ def _child(args) -> None:
             mid = (good + bad) // 2 // unit * unit
             if mid in (good, bad):
                 break
-            seen[mid] = peak(mid) - base
+            seen[mid] = peak(mid)
             good, bad = (mid, bad) if seen[mid] <= budget else (good, mid)
     common = args.common // unit * unit
     step(common, None)
@@ -261,8 +268,10 @@ def _child(args) -> None:
             "first_over": bad, "peaks_mib": {str(k): _mib(v) for k, v in sorted(seen.items())},
             "common_length": common, "tokens_per_s": round(common / seconds, 1),
         }), flush=True)  # fmt: skip
-    if hasattr(engine, "destroy"):
-        engine.destroy()
+    if impl == "deepspeed":  # a gloo thread can abort DeepSpeed's interpreter exit (PEERS.md)
+        sys.stdout.flush()
+        os._exit(0)
+    engine.destroy()
 
 
 class _nothing:
@@ -289,8 +298,11 @@ def main(argv=None) -> dict:
         if impl == "deepspeed" and not os.path.exists(PEERS):
             results[side] = {"skipped": f"no DeepSpeed peer venv at {PEERS} (../shared/PEERS.md)"}
             continue
-        python = PEERS if impl == "deepspeed" else sys.executable
-        results[side] = torchrun(__file__, ranks, [*sys.argv[1:], "--side", side], env,
+        python, side_env = sys.executable, env
+        if impl == "deepspeed":  # its venv's ninja first: two ninjas rebuild its ops each time
+            python = PEERS
+            side_env = {**env, "PATH": os.path.dirname(PEERS) + os.pathsep + env["PATH"]}
+        results[side] = torchrun(__file__, ranks, [*sys.argv[1:], "--side", side], side_env,
                                  args.side_timeout, python=python)  # fmt: skip
         print(f"{side}: {json.dumps(results[side])}", file=sys.stderr, flush=True)
     base = results.get("plain", {}).get("longest")
