@@ -5,7 +5,7 @@ tiled) on the same model and budget when its peer venv is there (../shared/PEERS
 then tokens/s of each at one common length.
 
     python benchmarks/long_context.py                          # every side, budget 128 MiB
-    python benchmarks/long_context.py --sides plain,ulysses4_alst,ring4_alst --budget-mib 32
+    python benchmarks/long_context.py --sides plain,ulysses4_alst,ring4_alst --budget-mib 96
 
 Each side is its own torchrun launch; zerostack's and DeepSpeed's run the same script, the ALST
 tutorial's code with the import changed (``register_with_transformers``, the data loader
