@@ -11,8 +11,9 @@ Each side is its own torchrun launch; zerostack's and DeepSpeed's run the same s
 tutorial's code with the import changed (``register_with_transformers``, the data loader
 adapter, ``initialize(mpu=...)``, the loss weighted by labelled tokens over the sp ranks; tiled:
 ``TiledMLP`` patched into the Llama MLP as ArcticTraining's ``enable_tiled_mlp_compute`` does and
-``TiledFusedLogitsLoss`` over the base model's hidden states; CPU checkpoints:
-``gradient_checkpointing_enable()`` and ``"cpu_checkpointing": true``, zerostack only).
+``TiledFusedLogitsLoss`` over the base model's hidden states; checkpoints:
+``gradient_checkpointing_enable()``, and to keep them in host memory ``"cpu_checkpointing":
+true``, zerostack only: DeepSpeed's key does not reach a Hugging Face model's checkpoints).
 
 The memory of a length: the peak, over one forward and backward, of the bytes of tensor storage
 made during them and still alive, on the rank where it is largest: activations saved for
@@ -49,21 +50,25 @@ from _bench import emit, torchrun  # noqa: E402  benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers", "bin", "python")
-# name: (ranks, sp, ring, tiled MLP and loss, CPU checkpoints, implementation)
+# name: (ranks, sp, ring, tiled MLP and loss, activation checkpoints, implementation); the
+# checkpoints: "" none, "device" the layers' (Hugging Face's gradient checkpointing, torch's
+# checkpoint), "host" the same kept in host memory (zerostack's cpu_checkpointing)
 SIDES = {
-    "plain": (1, 1, 1, False, False, "zerostack"),
-    "plain_alst": (1, 1, 1, True, True, "zerostack"),
-    "ulysses2": (2, 2, 1, False, False, "zerostack"),
-    "ring2": (2, 2, 2, False, False, "zerostack"),
-    "ulysses4": (4, 4, 1, False, False, "zerostack"),
-    "ring4": (4, 4, 4, False, False, "zerostack"),
-    "ulysses2_ring2": (4, 4, 2, False, False, "zerostack"),
-    "ulysses4_tiled": (4, 4, 1, True, False, "zerostack"),
-    "ulysses4_alst": (4, 4, 1, True, True, "zerostack"),
-    "ring4_alst": (4, 4, 4, True, True, "zerostack"),
-    "ulysses2_ring2_alst": (4, 4, 2, True, True, "zerostack"),
-    "deepspeed_ulysses4": (4, 4, 1, False, False, "deepspeed"),
-    "deepspeed_ulysses4_tiled": (4, 4, 1, True, False, "deepspeed"),
+    "plain": (1, 1, 1, False, "", "zerostack"),
+    "plain_alst": (1, 1, 1, True, "host", "zerostack"),
+    "ulysses2": (2, 2, 1, False, "", "zerostack"),
+    "ring2": (2, 2, 2, False, "", "zerostack"),
+    "ulysses4": (4, 4, 1, False, "", "zerostack"),
+    "ring4": (4, 4, 4, False, "", "zerostack"),
+    "ulysses2_ring2": (4, 4, 2, False, "", "zerostack"),
+    "ulysses4_tiled": (4, 4, 1, True, "", "zerostack"),
+    "ulysses4_tiled_ckpt": (4, 4, 1, True, "device", "zerostack"),
+    "ulysses4_alst": (4, 4, 1, True, "host", "zerostack"),
+    "ring4_alst": (4, 4, 4, True, "host", "zerostack"),
+    "ulysses2_ring2_alst": (4, 4, 2, True, "host", "zerostack"),
+    "deepspeed_ulysses4": (4, 4, 1, False, "", "deepspeed"),
+    "deepspeed_ulysses4_tiled": (4, 4, 1, True, "", "deepspeed"),
+    "deepspeed_ulysses4_tiled_ckpt": (4, 4, 1, True, "device", "deepspeed"),
 }
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 256, 1024, 8, 4, 8192  # vocab / hidden: 32
 
@@ -162,7 +167,7 @@ def _child(args) -> None:
     if tiled:
         _tile_mlps(ulysses_sp)
     host: set[int] = set()
-    if cpu:  # what cpu_checkpointing keeps in host memory is not the device's
+    if cpu == "host":  # what cpu_checkpointing keeps in host memory is not the device's
         from zerostack import activation_checkpointing
 
         real = activation_checkpointing.host_empty
@@ -185,6 +190,7 @@ def _child(args) -> None:
         cfg["zero_allow_untested_optimizer"] = True
     if cpu:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cpu == "host":
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     mpu = None
     if sp > 1:
@@ -262,7 +268,7 @@ def _child(args) -> None:
     seconds = (time.perf_counter() - t0) / args.steps
     if rank == 0:
         print(json.dumps({
-            "ranks": ranks, "sp": sp, "ring": ring, "tiled": tiled, "cpu_checkpoints": cpu,
+            "ranks": ranks, "sp": sp, "ring": ring, "tiled": tiled, "checkpoints": cpu,
             "impl": impl, "base_mib": _mib(base), "longest": good,
             "longest_peak_mib": _mib(seen.get(good)),
             "first_over": bad, "peaks_mib": {str(k): _mib(v) for k, v in sorted(seen.items())},
@@ -308,11 +314,11 @@ def main(argv=None) -> dict:
     base = results.get("plain", {}).get("longest")
     ratios = {s: round(r["longest"] / base, 2) for s, r in results.items()
               if base and r.get("longest")}  # fmt: skip
-    ds = results.get("deepspeed_ulysses4_tiled", {}).get("longest")
+    ds = results.get("deepspeed_ulysses4_tiled_ckpt", {}).get("longest")
     out = {"budget_mib": args.budget_mib, "model": {"layers": LAYERS, "hidden": HIDDEN,
            "ffn": FFN, "heads": HEADS, "kv_heads": KV_HEADS, "vocab": VOCAB},
            "sides": results, "longest_over_plain": ratios,
-           "over_deepspeed_tiled": {s: round(r["longest"] / ds, 2) for s, r in results.items()
+           "over_deepspeed_tiled_ckpt": {s: round(r["longest"] / ds, 2) for s, r in results.items()
                                     if ds and r.get("longest")}}  # fmt: skip
     return emit(out, args.out)
 
