@@ -250,7 +250,10 @@ def _child(args) -> None:
         if seen[length] > budget:
             bad = length
             break
-        good, length = length, length * 2
+        good, longer = length, min(length * 2, args.max_len // unit * unit)  # at most --max-len
+        if longer <= length:
+            break
+        length = longer
     if good is not None and bad is not None:
         for _ in range(3):
             mid = (good + bad) // 2 // unit * unit
