@@ -85,3 +85,25 @@ def slowest_rank(times: list[float]) -> tuple[list[float], float]:
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     return t.tolist(), round(rss.item() / 1024, 1)  # ru_maxrss is KiB on Linux
+
+
+def deepspeed_api(impl: str, root: str):
+    """(deepspeed module, its ``runtime.sequence_parallel.ulysses_sp``) for one side of a
+    DeepSpeed script run both ways: DeepSpeed's own (``impl == "deepspeed"``, gloo started), or
+    zerostack's under DeepSpeed's names (``root``'s ``src`` put on the path when not installed)."""
+    import os
+
+    if impl == "deepspeed":
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        return deepspeed, ulysses_sp
+    try:
+        import zerostack.compat.deepspeed as deepspeed
+    except ImportError:
+        sys.path.insert(0, os.path.join(root, "src"))
+        import zerostack.compat.deepspeed as deepspeed
+    from zerostack.compat.deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    return deepspeed, ulysses_sp

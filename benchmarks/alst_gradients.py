@@ -37,7 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import emit, torchrun  # noqa: E402  benchmarks/_bench.py
+from _bench import deepspeed_api, emit, torchrun  # noqa: E402  benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers", "bin", "python")
@@ -78,29 +78,11 @@ def _norm(tensors) -> float:
     return math.sqrt(sum(t.double().pow(2).sum().item() for t in tensors))
 
 
-def _api(impl: str):
-    """(deepspeed module, ulysses_sp module): DeepSpeed's, or zerostack's under its names."""
-    if impl == "deepspeed":
-        import deepspeed
-        from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        return deepspeed, ulysses_sp
-    try:
-        import zerostack.compat.deepspeed as deepspeed
-    except ImportError:
-        sys.path.insert(0, os.path.join(ROOT, "src"))
-        import zerostack.compat.deepspeed as deepspeed
-    from zerostack.compat.deepspeed.runtime.sequence_parallel import ulysses_sp
-
-    return deepspeed, ulysses_sp
-
-
 def _child(args) -> None:
     import torch.distributed.nn  # differentiable all_gather
 
     impl, zero = SIDES[args.side]
-    deepspeed, ulysses_sp = _api(impl)
+    deepspeed, ulysses_sp = deepspeed_api(impl, ROOT)
     utils = importlib.import_module(deepspeed.__name__ + ".utils")
     groups = utils.groups
     model = _model()

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import emit, torchrun  # noqa: E402  benchmarks/_bench.py
+from _bench import deepspeed_api, emit, torchrun  # noqa: E402  benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers", "bin", "python")
@@ -119,24 +119,6 @@ def _args(argv=None):
     return p.parse_args(argv)
 
 
-def _api(impl: str):
-    """(deepspeed module, ulysses_sp module): DeepSpeed's, or zerostack's under its names."""
-    if impl == "deepspeed":
-        import deepspeed
-        from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        return deepspeed, ulysses_sp
-    try:
-        import zerostack.compat.deepspeed as deepspeed
-    except ImportError:
-        sys.path.insert(0, os.path.join(ROOT, "src"))
-        import zerostack.compat.deepspeed as deepspeed
-    from zerostack.compat.deepspeed.runtime.sequence_parallel import ulysses_sp
-
-    return deepspeed, ulysses_sp
-
-
 def _tile_mlps(ulysses_sp) -> None:
     """ArcticTraining's enable_tiled_mlp_compute: the Llama MLP as a TiledMLP, one tile per
     ``hidden`` positions of the rank's shard."""
@@ -161,7 +143,7 @@ def _logits_loss(model, x, y):
 
 def _child(args) -> None:
     ranks, sp, ring, tiled, cpu, impl = SIDES[args.side]
-    deepspeed, ulysses_sp = _api(impl)
+    deepspeed, ulysses_sp = deepspeed_api(impl, ROOT)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if tiled:
