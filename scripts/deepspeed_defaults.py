@@ -48,8 +48,9 @@ optimizer.params.adam_w_mode optimizer.params.amsgrad optimizer.params.betas
 optimizer.params.dampening optimizer.params.eps optimizer.params.lr optimizer.params.momentum
 optimizer.params.nesterov optimizer.params.torch_adam optimizer.params.weight_decay optimizer.type
 pipeline.activation_checkpoint_interval pipeline.partition pipeline.schedule pipeline.seed_layers
-pipeline.stages pipeline.virtual_stages prescale_gradients scheduler.params.cos_min_ratio
-scheduler.params.last_batch_iteration scheduler.params.total_num_steps
+pipeline.stages pipeline.virtual_stages prescale_gradients ring_parallel_size
+scheduler.params.cos_min_ratio scheduler.params.last_batch_iteration
+scheduler.params.total_num_steps
 scheduler.params.warmup_max_lr scheduler.params.warmup_min_lr scheduler.params.warmup_min_ratio
 scheduler.params.warmup_num_steps scheduler.params.warmup_type scheduler.type seed
 sequence_parallel_size steps_per_print tensor_parallel.autotp_size tensorboard.enabled

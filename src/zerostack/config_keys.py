@@ -134,7 +134,6 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "pipeline": _works("stages, partition, seed_layers, activation_checkpoint_interval"),
     "activation_checkpointing": _works("CPU, partitioned and contiguous checkpoints"),
     "sequence_parallel_size": _works("Ulysses sequence parallelism over neighbouring dp ranks"),
-    "ring_parallel_size": _works("ring attention among the sequence-parallel ranks (zerostack's)"),
     "data_parallel_size": _no_effect(
         "the data-parallel size is world size / tp / pp / sequence_parallel_size",
         lambda v: v is not None,

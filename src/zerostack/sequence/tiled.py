@@ -7,22 +7,19 @@
 A per-token function over a long sequence makes an intermediate far larger than its input and
 output: the MLP's ``[b, s, ffn]`` hidden, the ``[b, s, vocab]`` logits. Run over ``shards``
 slices ("tiles") of the sequence, one tile's intermediate is alive at a time. Forward keeps no
-graph; backward runs each tile again and takes its gradient (the loss takes its gradients
-during forward, as DeepSpeed's does, and backward only scales them).
+graph; backward runs each tile again (the loss takes its gradients in forward, as DeepSpeed's).
 
 How these differ from DeepSpeed's, by design:
 
-- The parameters ``fn`` uses are inputs of the autograd Function (``compute_params`` and the
-  parameters of the module passed as ``self`` or in ``kwargs_to_pass``), so their gradients are
-  returned once per backward and accumulated by autograd once: ``.grad`` is summed into and a
-  post-accumulate-grad hook (zerostack's ZeRO reducers) fires once, not once per tile.
-  DeepSpeed accumulates per tile and flags ``ds_grad_is_ready``; that flag is not needed here.
+- The parameters ``fn`` uses (``compute_params``, and those of ``self`` or ``kwargs_to_pass``)
+  are inputs of the autograd Function: autograd accumulates their gradients once per backward,
+  and a post-accumulate-grad hook (ZeRO's reducers) fires once, not per tile (DeepSpeed's flag
+  ``ds_grad_is_ready`` is not needed).
 - Tiles are ``torch.tensor_split``'s: exactly ``shards`` of them, the first ``n % shards`` one
   position longer. DeepSpeed's ``ceil(n / shards)`` steps can make fewer tiles (or an empty
   one) while its ``"mean"`` still divides by ``shards``. ``shards`` outside ``1..n`` is an error.
-- ``TiledFusedLogitsLoss``'s ``"mean"`` is the mean over every counted token (see its
-  docstring), its parameter gradients are scaled by the incoming gradient, and nothing reaches
-  ``.grad`` before backward.
+- ``TiledFusedLogitsLoss``'s ``"mean"`` is over every counted token (see its docstring), and
+  its parameter gradients, scaled by the incoming gradient, reach ``.grad`` in backward only.
 """
 
 from __future__ import annotations
@@ -361,10 +358,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     forward, unscaled, which ArcticTraining's ``loss / good_tokens`` use is reported to inflate.
     Under ``torch.no_grad`` (or with nothing requiring grad) only the loss is computed.
 
-    ZeRO-3: list in ``compute_params`` every parameter ``fn`` reads (DeepSpeed asks the same);
-    they are gathered once for all the tiles, and their gradients reach ZeRO's reducers in
-    backward, once. (The loss runs outside any module's forward, so nothing else gathers them
-    for the tiles.)
+    ZeRO-3: list in ``compute_params`` every parameter ``fn`` reads (as DeepSpeed asks); they
+    are gathered once for all the tiles (no module's forward runs around the loss to do it).
 
     Example::
 
