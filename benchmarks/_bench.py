@@ -107,3 +107,21 @@ def deepspeed_api(impl: str, root: str):
     from zerostack.compat.deepspeed.runtime.sequence_parallel import ulysses_sp
 
     return deepspeed, ulysses_sp
+
+
+def run_side(script: str, nproc: int, argv: list[str], side: str, impl: str, peers: str,
+             timeout: float) -> dict:
+    """One side of a benchmark run both ways: ``script --side side`` on ``nproc`` ranks, under
+    DeepSpeed's peer venv (``peers``, its python; its ninja first on PATH, as two ninjas rebuild
+    its ops each time) when ``impl`` is "deepspeed", else this interpreter; a DeepSpeed side
+    without the venv is ``{"skipped": ...}``."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    python = sys.executable
+    if impl == "deepspeed":
+        if not os.path.exists(peers):
+            return {"skipped": f"no DeepSpeed peer venv at {peers} (../shared/PEERS.md)"}
+        python = peers
+        env["PATH"] = os.path.dirname(peers) + os.pathsep + env["PATH"]
+    return torchrun(script, nproc, [*argv, "--side", side], env, timeout, python=python)

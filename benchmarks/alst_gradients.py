@@ -37,7 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import deepspeed_api, emit, torchrun  # noqa: E402  benchmarks/_bench.py
+from _bench import deepspeed_api, emit, run_side  # noqa: E402  benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers", "bin", "python")
@@ -221,19 +221,13 @@ def main(argv=None) -> dict:
             refs[scale] = _reference(scale)
         return refs[scale]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     results = {}
     for side in args.sides.split(","):
         impl, zero = SIDES[side]
-        if impl == "deepspeed" and not os.path.exists(PEERS):
-            results[side] = {"skipped": f"no DeepSpeed peer venv at {PEERS} (../shared/PEERS.md)"}
+        got = run_side(__file__, SP, sys.argv[1:], side, impl, PEERS, args.side_timeout)
+        if "skipped" in got:
+            results[side] = got
             continue
-        python, side_env = sys.executable, env
-        if impl == "deepspeed":  # its venv's ninja first: two ninjas rebuild its ops each time
-            python = PEERS
-            side_env = {**env, "PATH": os.path.dirname(PEERS) + os.pathsep + env["PATH"]}
-        got = torchrun(__file__, SP, [*sys.argv[1:], "--side", side], side_env,
-                       args.side_timeout, python=python)  # fmt: skip
         if impl == "deepspeed" and zero == "z0" and "error" in got:
             got = {"not_run": f"DeepSpeed refuses stage 0 here: {got['error']}"}
         results[side] = _compare(got, ref)

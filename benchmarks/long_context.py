@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import deepspeed_api, emit, torchrun  # noqa: E402  benchmarks/_bench.py
+from _bench import deepspeed_api, emit, run_side  # noqa: E402  benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers", "bin", "python")
@@ -283,19 +283,11 @@ def main(argv=None) -> dict:
     if args.side:
         _child(args)
         return {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     results = {}
     for side in args.sides.split(","):
         ranks, *_, impl = SIDES[side]
-        if impl == "deepspeed" and not os.path.exists(PEERS):
-            results[side] = {"skipped": f"no DeepSpeed peer venv at {PEERS} (../shared/PEERS.md)"}
-            continue
-        python, side_env = sys.executable, env
-        if impl == "deepspeed":  # its venv's ninja first: two ninjas rebuild its ops each time
-            python = PEERS
-            side_env = {**env, "PATH": os.path.dirname(PEERS) + os.pathsep + env["PATH"]}
-        results[side] = torchrun(__file__, ranks, [*sys.argv[1:], "--side", side], side_env,
-                                 args.side_timeout, python=python)  # fmt: skip
+        results[side] = run_side(__file__, ranks, sys.argv[1:], side, impl, PEERS,
+                                 args.side_timeout)  # fmt: skip
         print(f"{side}: {json.dumps(results[side])}", file=sys.stderr, flush=True)
     base = results.get("plain", {}).get("longest")
     ratios = {s: round(r["longest"] / base, 2) for s, r in results.items()

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..zero.init import GatheredParameters  # ZeRO-3: compute_params whole while the tiles run
+
 IGNORE_INDEX = -100
 _REDUCTIONS = (None, "mean", "sum")
 
@@ -376,8 +378,6 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         params = _params(compute_params, [self], exclude=[x])
         if not (torch.is_grad_enabled() and (x.requires_grad or params)):
             return _tiled_loss(fn, self, x, y, mask, shards, output_reduction, False, [])[0]
-        from ..zero.init import GatheredParameters  # ZeRO-3: whole while the tiles run
-
         with GatheredParameters(list(compute_params or ())):
             return super().apply(fn, self, x, y, mask, shards, compute_params, output_reduction,
                                  *params)  # fmt: skip
