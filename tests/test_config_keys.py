@@ -4,10 +4,13 @@ refused with a one-line ConfigError naming it and saying why."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import typing
 
+import pydantic
 import pytest
 import torch
 from common import batch, tiny_gpt
@@ -16,6 +19,7 @@ from distributed import run_distributed
 import zerostack
 from zerostack.config import ConfigError, ZeroStackConfig, load_config
 from zerostack.config_keys import (
+    DEEPSPEED_IGNORES_UNKNOWN,
     DEEPSPEED_KEYS,
     NESTED_NO_EFFECT,
     NO_EFFECT,
@@ -363,3 +367,102 @@ def test_at_initialize_warning_level_and_memory_line():
         else:
             assert warnings == []
         assert out["later"] == []
+
+
+# --- keys DeepSpeed ignores, under deepspeed.initialize ----------------------------------------
+
+UNKNOWN_GOLDEN = json.load(
+    open(os.path.join(ROOT, "tests", "golden", "deepspeed_unknown_keys.json"))
+)
+
+
+def _blocks(model, prefix=""):
+    """The dotted paths of a config model's nested blocks."""
+    for name, field in model.model_fields.items():
+        for kind in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
+                yield prefix + name
+                yield from _blocks(kind, prefix + name + ".")
+
+
+def test_where_deepspeed_ignores_unknown_keys_is_measured_on_deepspeed():
+    assert UNKNOWN_GOLDEN["deepspeed_version"] == "0.19.8"
+    assert UNKNOWN_GOLDEN["command"].startswith("DS_ACCELERATOR=cpu .peers/bin/python scripts/")
+    probed = UNKNOWN_GOLDEN["blocks"]
+    ignores = {block for block, seen in probed.items() if seen["deepspeed"] == "ignored"}
+    assert DEEPSPEED_IGNORES_UNKNOWN == ignores
+    # every block of zerostack's config and every DeepSpeed block without a field was probed
+    ours = {b for b in _blocks(ZeroStackConfig) if b not in {"watchdog", "loss_spike"}}
+    theirs = {k for k, entry in DEEPSPEED_KEYS.items() if entry.kind is dict}
+    assert ours | theirs <= set(probed)
+
+
+TRL_KEYS = {  # trl/models/utils.py prepare_deepspeed, for a hidden size of 32
+    "zero_optimization.reduce_bucket_size": 1024,
+    "zero_optimization.stage3_param_persistence_threshold": 320,
+    "zero_optimization.stage3_prefetch_bucket_size": 921.6,
+}
+
+
+def test_as_deepspeed_ignores_what_deepspeed_ignores_and_names_it():
+    cfg = {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 3},
+        **TRL_KEYS,
+        "activation_checkpointing": {"partition_activations": False, "not_a_key": 1},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}, "legacy_fusion": False},
+    }
+    before = json.dumps(cfg, sort_keys=True)
+    loaded = load_config(cfg, unknown_keys="as_deepspeed")
+    assert json.dumps(cfg, sort_keys=True) == before  # the caller's dict is left as it was
+    assert set(loaded.ignored_keys) == {
+        *TRL_KEYS,
+        "activation_checkpointing.not_a_key",
+        "optimizer.legacy_fusion",
+    }
+    assert loaded.zero_optimization.stage == 3 and loaded.optimizer.params.lr == 0.1
+    # natively every one is an error, named
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    for key in TRL_KEYS:
+        assert f"{key}: unknown key" in str(err.value)
+    assert load_config({"train_batch_size": 2}).ignored_keys == ()
+
+
+@pytest.mark.parametrize(
+    "block", ["zero_optimization", "zero_optimization.offload_optimizer", "fp16", "bf16"]
+)
+def test_as_deepspeed_still_refuses_where_deepspeed_refuses(block):
+    cfg: dict = {"train_batch_size": 2, "zero_optimization": {"stage": 2}}
+    inner = cfg
+    for part in block.split("."):
+        inner = inner.setdefault(part, {})
+    inner["stage3_prefetch_bucket_sise"] = 1
+    with pytest.raises(ConfigError, match=rf"^{block}\.stage3_prefetch_bucket_sise: unknown key"):
+        load_config(cfg, unknown_keys="as_deepspeed")
+
+
+def _facade_and_native(rank, world):
+    import zerostack.compat.deepspeed as deepspeed
+
+    records = _Records()
+    logging.getLogger("zerostack").addHandler(records)
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config={**cfg, **TRL_KEYS})
+    try:
+        zerostack.initialize(model=tiny_gpt(), config={**cfg, **TRL_KEYS})
+        native = "accepted"
+    except ConfigError as exc:
+        native = str(exc)
+    warned = [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
+    return {"stage": engine.zero_optimization_stage(), "native": native, "warned": warned}
+
+
+def test_deepspeed_initialize_warns_and_zerostack_initialize_refuses():
+    for rank, out in enumerate(run_distributed(_facade_and_native, 2)):
+        assert out["native"].startswith("zero_optimization.reduce_bucket_size: unknown key")
+        expected = (
+            "config keys neither zerostack nor DeepSpeed 0.19.8 knows, ignored as DeepSpeed "
+            "ignores them (zerostack.initialize refuses them): " + ", ".join(TRL_KEYS)
+        )
+        assert out["warned"] == ([expected] if rank == 0 else [])

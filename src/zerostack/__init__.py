@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from . import activation_checkpointing, checkpointing, utils, zero
 from .comm import Comm, CommLog
-from .compat.deepspeed import initialize  # DeepSpeed's: the engine has DeepSpeed's accessors
+
+# DeepSpeed's call and engine accessors; unknown keys refused (deepspeed.initialize warns)
+from .compat.deepspeed import native_initialize as initialize
 from .config import ConfigError, ZeroStackConfig, load_config
 from .core.version import __version__ as __version__
 from .engine import Engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -291,6 +291,7 @@ def initialize(
     config_params=None,
     topology: Topology | None = None,
     engine_type: type[Engine] = Engine,
+    unknown_keys: Literal["refuse", "as_deepspeed"] = "refuse",
 ):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -302,7 +303,9 @@ def initialize(
     engine): parameters sharded as the stage says, no fp32 masters, and ``backward``/``step``
     refuse; ``load_checkpoint`` reads the weights of any checkpoint. ``engine_type``: the
     engine class built (``zerostack.initialize`` builds DeepSpeed's, with its own accessors:
-    :mod:`zerostack.compat.deepspeed.runtime.engine`).
+    :mod:`zerostack.compat.deepspeed.runtime.engine`). ``unknown_keys``: what a key nobody
+    knows does (:func:`~zerostack.config.load_config`): refused, or, for ``deepspeed.initialize``
+    served by zerostack, ignored with a warning where DeepSpeed ignores it.
     """
     if model is None:
         raise ValueError("model: initialize needs a model")
@@ -310,7 +313,7 @@ def initialize(
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
-    cfg = load_config(config)
+    cfg = load_config(config, unknown_keys=unknown_keys)
     if dist_init_required is not False:
         init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))
     # a refusal on some ranks only (a pipeline stage's layers) is every rank's (validate.agreed)

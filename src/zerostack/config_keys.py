@@ -311,8 +311,43 @@ def warn_pageable_offload(cfg, device, rank: int) -> None:
             )
 
 
+DEEPSPEED_IGNORES_UNKNOWN = frozenset(
+    {
+        "",
+        "activation_checkpointing",
+        "aio",
+        "autotuning",
+        "checkpoint",
+        "checkpoint.parallel_write",
+        "data_efficiency",
+        "data_types",
+        "expert_parallel",
+        "flops_profiler",
+        "optimizer",
+        "pipeline",
+        "scheduler",
+        "timers",
+        "torch_autocast",
+    }
+)
+"""The blocks (``""``: the top level) where DeepSpeed 0.19.8 ignores a key it does not know:
+they are read key by key, where ``zero_optimization``, ``fp16``, ``bf16``, ``tensor_parallel``,
+the monitors, ``comms_logger``, ``compile`` and ``hybrid_engine`` are pydantic models that refuse
+one, and ``optimizer.params`` / ``scheduler.params`` are keyword arguments. Under ``deepspeed.
+initialize`` such a key is left out with a warning (:func:`zerostack.config.load_config`'s
+``unknown_keys``). Measured on DeepSpeed itself: ``scripts/deepspeed_unknown_keys.py``, held to
+this set by tests/test_config_keys.py."""
+
+
 def warn_no_effect(cfg, rank: int) -> None:
-    """One warning on rank 0 naming the keys ``cfg`` sets that have no effect in zerostack."""
+    """One warning on rank 0 naming the keys ``cfg`` sets that have no effect in zerostack, and
+    one naming those left out because DeepSpeed ignores them too."""
+    if cfg.ignored_keys and rank == 0:
+        log.warning(
+            "config keys neither zerostack nor DeepSpeed 0.19.8 knows, ignored as DeepSpeed "
+            "ignores them (zerostack.initialize refuses them): %s",
+            ", ".join(cfg.ignored_keys),
+        )
     settings = no_effect_settings(cfg)
     if settings and rank == 0:
         log.warning(

@@ -1,13 +1,15 @@
 """Reading a config: a dict, a JSON file or JSON text, with duplicate keys refused."""
 
+import copy
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     ValidationError,
 )
 
+from ..config_keys import DEEPSPEED_IGNORES_UNKNOWN
 from .base import (
     ConfigError,
     _config_error,
@@ -34,9 +36,18 @@ def _parse_json(text: str, source: str = "") -> Any:
         raise ConfigError(f"config: not valid JSON{source}: {exc}") from None
 
 
-def load_config(config: Any) -> ZeroStackConfig:
+def load_config(
+    config: Any, *, unknown_keys: Literal["refuse", "as_deepspeed"] = "refuse"
+) -> ZeroStackConfig:
     """Validate ``config``: a dict, a ZeroStackConfig (returned as is), a path to a JSON file
-    (str or os.PathLike) or JSON text (a str starting with "{"). Raises only ConfigError."""
+    (str or os.PathLike) or JSON text (a str starting with "{"). Raises only ConfigError.
+
+    ``unknown_keys="as_deepspeed"`` (``deepspeed.initialize`` served by zerostack): a key no one
+    knows, in a block where DeepSpeed 0.19.8 ignores such keys (the top level, ``optimizer``,
+    ``activation_checkpointing``, ...: :data:`~zerostack.config_keys.DEEPSPEED_IGNORES_UNKNOWN`),
+    is left out and named in :attr:`ZeroStackConfig.ignored_keys`, for ``initialize`` to warn
+    about; where DeepSpeed refuses one (``zero_optimization``, ``fp16``, ...), it is refused
+    here too. The default refuses every unknown key."""
     if isinstance(config, ZeroStackConfig):
         return config
     typed = getattr(config, "typed", None)  # engine.config (a ConfigView) is its typed config
@@ -47,10 +58,36 @@ def load_config(config: Any) -> ZeroStackConfig:
             "config: no config given; pass config=dict, a JSON file path or a JSON string"
         )
     config = read_config(config)
-    try:
-        return ZeroStackConfig.model_validate(config)
-    except ValidationError as exc:
-        raise _config_error(exc) from None
+    ignored: list[str] = []
+    while True:
+        try:
+            cfg = ZeroStackConfig.model_validate(config)
+            break
+        except ValidationError as exc:
+            drop = [e["loc"] for e in exc.errors() if unknown_keys != "refuse" and _ignorable(e)]
+            if not drop:
+                raise _config_error(exc) from None
+            config = copy.deepcopy(config) if not ignored else config
+            for loc in drop:
+                block = config
+                for part in loc[:-1]:
+                    block = block[part]
+                del block[loc[-1]]
+                ignored.append(".".join(str(part) for part in loc))
+    cfg._ignored = tuple(ignored)
+    return cfg
+
+
+def _ignorable(err: Any) -> bool:
+    """Whether a validation error is an unknown key in a block DeepSpeed reads without
+    refusing unknown keys."""
+    ctx = err.get("ctx") or {}
+    unknown = err["type"] == "extra_forbidden" or (
+        err["type"] == "zerostack" and str(ctx.get("msg", "")).startswith("unknown key")
+    )
+    loc = err["loc"]
+    block = ".".join(str(part) for part in loc[:-1])
+    return unknown and all(isinstance(p, str) for p in loc) and block in DEEPSPEED_IGNORES_UNKNOWN
 
 
 def read_config(config: Any) -> dict:

@@ -7,6 +7,7 @@ from pydantic import (
     AliasChoices,
     BeforeValidator,
     Field,
+    PrivateAttr,
     ValidationError,
     model_validator,
 )
@@ -223,6 +224,14 @@ class ZeroStackConfig(_Model):
         if refusal is not None:  # "auto": checked once the stage is chosen (build_strategy)
             _fail(refusal[1], *refusal[0])
         return self
+
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        """Keys left out as DeepSpeed leaves them out (``load_config(...,
+        unknown_keys="as_deepspeed")``), as dotted paths; ``initialize`` warns about them."""
+        return self._ignored
 
     @property
     def model_dtype(self) -> str:

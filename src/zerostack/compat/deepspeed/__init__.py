@@ -62,13 +62,25 @@ LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "li
 
 
 @functools.wraps(_compose.initialize)
-def initialize(*args, **kwargs):
+def native_initialize(*args, **kwargs):
+    """``zerostack.initialize``: DeepSpeed's call, its engine accessors, and every key nobody
+    knows refused (see :func:`initialize` for ``deepspeed.initialize``)."""
     kwargs.setdefault("engine_type", DeepSpeedEngine)
     out = _compose.initialize(*args, **kwargs)
     from .utils import groups  # what ALST code asks for the sp group next
 
     groups._set_grid(out[0].topology)
     return out
+
+
+@functools.wraps(_compose.initialize)
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` served by zerostack: as ``zerostack.initialize``, but a config
+    key neither knows, in a block where DeepSpeed 0.19.8 ignores such keys (the top level:
+    TRL's ``"zero_optimization.reduce_bucket_size"``), is ignored with one warning naming it,
+    as DeepSpeed ignores it; where DeepSpeed refuses one, it is refused."""
+    kwargs.setdefault("unknown_keys", "as_deepspeed")
+    return native_initialize(*args, **kwargs)
 
 
 def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):

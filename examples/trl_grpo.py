@@ -1,0 +1,127 @@
+"""TRL's ``GRPOTrainer`` written for DeepSpeed, run on zerostack with no edit.
+
+    torchrun --nproc_per_node 2 -m zerostack.as_deepspeed examples/trl_grpo.py \
+        --deepspeed ds_config.json --out runs/trl_grpo
+
+A plain TRL script (``GRPOConfig(deepspeed=...)``): it never imports zerostack. With real
+DeepSpeed installed instead, ``torchrun examples/trl_grpo.py ...`` runs the same script on
+DeepSpeed (tests/golden/trl.json holds those figures). The policy is a tiny Llama from a config;
+the tokenizer is built here (a word-level vocabulary of 64 tokens); nothing is downloaded.
+Generation is ``model.generate`` (no vLLM); with ``--beta`` above 0 the reference model goes
+through TRL's ``prepare_deepspeed``. The reward counts the completion's tokens that are even
+numbers, so it is learnable and the same for every engine.
+
+Rank 0 prints ``RESULT`` and a JSON object at the end: ``"logs"``, for each step, the Trainer's
+logged loss, grad norm, reward, its spread and (with ``--beta``) the KL.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file (JSON)")
+parser.add_argument("--out", default="runs/trl_grpo")
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--beta", type=float, default=0.1, help="KL weight; 0: no reference model")
+parser.add_argument("--lr", type=float, default=1e-2)
+args = parser.parse_args()
+
+if args.deepspeed and not torch.cuda.is_available() and "WORLD_SIZE" in os.environ:
+    # CPU only: Accelerate finds no backend for DeepSpeed without an accelerator and would make
+    # a world of one; give it gloo before the config (not needed on GPUs).
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    cpu_state = {"accelerator_config": {"use_configured_state": True}}
+else:
+    cpu_state = {}
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [str(i) for i in range(61)]
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the numbers 0-60, built in process."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    out.padding_side = "left"
+    return out
+
+
+def even_numbers(completions, **kwargs) -> list[float]:
+    """The share of a completion's words that are even numbers."""
+    out = []
+    for text in completions:
+        words = text.split()
+        out.append(sum(w.isdigit() and int(w) % 2 == 0 for w in words) / max(len(words), 1))
+    return out
+
+
+class Record(TrainerCallback):
+    """The Trainer's own logs, one entry per step."""
+
+    KEYS = ("loss", "grad_norm", "reward", "reward_std", "kl")
+
+    def __init__(self) -> None:
+        self.logs = []
+
+    def on_log(self, _args, state, _control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.logs.append({"step": state.global_step, **{k: logs.get(k) for k in self.KEYS}})
+
+
+prompts = [" ".join(str((7 * i + j) % 61) for j in range(4)) for i in range(16)]
+training_args = GRPOConfig(
+    output_dir=args.out,
+    deepspeed=args.deepspeed,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    max_steps=args.steps,
+    learning_rate=args.lr,
+    lr_scheduler_type="constant",
+    beta=args.beta,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    seed=0,
+    use_cpu=not torch.cuda.is_available(),
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    **cpu_state,
+)
+# The initial model, written once as a local "pretrained" folder: TRL loads the policy and the
+# reference model from it (under ZeRO-3, each built sharded: zero.Init).
+init = os.path.join(args.out, "init")
+with training_args.main_process_first(desc="the initial model"):
+    if training_args.process_index == 0 and not os.path.exists(os.path.join(init, "config.json")):
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=len(WORDS), max_position_embeddings=64,
+            pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        )
+        LlamaForCausalLM(config).save_pretrained(init)
+record = Record()
+trainer = GRPOTrainer(
+    model=init,
+    reward_funcs=even_numbers,
+    args=training_args,
+    train_dataset=Dataset.from_dict({"prompt": prompts}),
+    processing_class=tokenizer(),
+    callbacks=[record],
+)
+trainer.train()
+if training_args.process_index == 0:
+    print("RESULT " + json.dumps({"logs": record.logs}), flush=True)
