@@ -31,6 +31,10 @@ parser.add_argument("--out", default="runs/trl_grpo")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--beta", type=float, default=0.1, help="KL weight; 0: no reference model")
 parser.add_argument("--lr", type=float, default=1e-2)
+parser.add_argument("--optim", default="adamw_torch", help="the Trainer's optimizer")
+parser.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping")
+parser.add_argument("--no_gradient_checkpointing", action="store_true", help="TRL's default is on")
+parser.add_argument("--fp32", action="store_true", help="TRL's default is bf16")
 args = parser.parse_args()
 
 if args.deepspeed and not torch.cuda.is_available() and "WORLD_SIZE" in os.environ:
@@ -59,8 +63,12 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return out
 
 
+SAMPLED: list[str] = []  # this rank's completions, in order
+
+
 def even_numbers(completions, **kwargs) -> list[float]:
     """The share of a completion's words that are even numbers."""
+    SAMPLED.extend(completions)
     out = []
     for text in completions:
         words = text.split()
@@ -90,6 +98,10 @@ training_args = GRPOConfig(
     max_completion_length=6,
     max_steps=args.steps,
     learning_rate=args.lr,
+    optim=args.optim,
+    max_grad_norm=args.max_grad_norm,
+    gradient_checkpointing=not args.no_gradient_checkpointing,
+    bf16=not args.fp32,
     lr_scheduler_type="constant",
     beta=args.beta,
     logging_steps=1,
@@ -124,4 +136,4 @@ trainer = GRPOTrainer(
 )
 trainer.train()
 if training_args.process_index == 0:
-    print("RESULT " + json.dumps({"logs": record.logs}), flush=True)
+    print("RESULT " + json.dumps({"logs": record.logs, "completions": SAMPLED}), flush=True)

@@ -70,6 +70,11 @@ CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
 SPIKE_ERR = "tests/test_loss_spike.py::test_a_spike_that_cannot_roll_back_is_every_ranks_error"
 
+LEAF = "tests/test_leaf_modules.py::test_a_leaf_moe_block_is_one_gather_and_trains_as_one_process"
+TRL_HOOKS = "tests/test_trl.py::test_hooks_taken_off_and_put_back_with_trls_functions"
+T_FACADE_KEYS = (
+    "tests/test_config_keys.py::test_deepspeed_initialize_warns_and_zerostack_initialize_refuses"
+)
 T_RAISED = (
     "tests/test_watchdog.py::test_the_verdict_and_the_traceback_reach_the_log_when_a_rank_raises"
 )
@@ -2250,8 +2255,8 @@ MUTANTS = [
         "empty_partition_cache releases nothing",
         "zero/coordinator.py",
         "        self._drop_inflight()\n        self._drop_kept()\n"
-        "        self.gathers.drop_secondaries()\n\n    @_eager\n    def _begin_pass",
-        "        pass\n\n    @_eager\n    def _begin_pass",
+        "        self.gathers.drop_secondaries()\n\n    @eager\n    def _begin_pass",
+        "        pass\n\n    @eager\n    def _begin_pass",
         (LIVE,),
     ),
     Mutant(
@@ -3444,7 +3449,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage 3's gather hooks are traced into the compiled graphs",
-        "zero/coordinator.py",
+        "zero/module_hooks.py",
         "    return torch.compiler.disable(fn, recursive=True)",
         "    return fn",
         (f"{T_COMPILE}[3-fp32]",),
@@ -3458,8 +3463,8 @@ MUTANTS = [
     ),
     Mutant(
         "stage 3's linear is traced under compile (its backward reads the weight as saved)",
-        "zero/coordinator.py",
-        "@_eager  # its backward reads the weight parameter as it is then",
+        "zero/module_hooks.py",
+        "@eager  # its backward reads the weight parameter as it is then",
         "# its backward reads the weight parameter as it is then",
         (f"{T_COMPILE_VARIANTS}[ckpt-3]",),
     ),
@@ -3469,6 +3474,97 @@ MUTANTS = [
         "    if engine.compile_report is not None:",
         "    if False:",
         ("tests/test_compile.py::test_what_compile_refuses_is_named",),
+    ),
+    Mutant(
+        "TRL's add_hooks puts no hook back (stage 3 trains on released parameters)",
+        "compat/deepspeed/runtime/zero/parameter_offload.py",
+        "        _alive(self._coordinator).hooks.attach()",
+        "        pass",
+        (TRL_HOOKS,),
+    ),
+    Mutant(
+        "putting the hooks back leaves a borrowed parameter's read ungathered",
+        "zero/module_hooks.py",
+        "            m._parameters = _GatherOnRead(m._parameters, c)\n",
+        "            m._parameters = dict(m._parameters)\n",
+        (TRL_HOOKS,),
+    ),
+    Mutant(
+        "taking the hooks off keeps stage 3's linear on the plain module",
+        "zero/module_hooks.py",
+        "_linear_forward:\n                    del m.forward",
+        "_linear_forward:\n                    pass",
+        (TRL_HOOKS,),
+    ),
+    Mutant(
+        "the coordinator's trace cannot be invalidated",
+        "zero/coordinator.py",
+        "        self.order = RecordedOrder()\n\n    def grad_arrived",
+        "        pass\n\n    def grad_arrived",
+        (TRL_HOOKS,),
+    ),
+    Mutant(
+        "clearing ds_active_sub_modules also drops GatheredParameters' hold",
+        "zero/params.py",
+        "        self._state.active -= self._state.by_modules\n",
+        "        self._state.active = 0\n",
+        ("tests/test_trl.py::test_clearing_a_parameters_active_modules_leaves_other_holders",),
+    ),
+    Mutant(
+        "deepspeed.initialize refuses the unknown keys DeepSpeed ignores (TRL's ZeRO-3 keys)",
+        "compat/deepspeed/__init__.py",
+        '    kwargs.setdefault("unknown_keys", "as_deepspeed")',
+        '    kwargs.setdefault("unknown_keys", "refuse")',
+        (T_FACADE_KEYS, "tests/test_trl.py::test_trl_logs_equal_deepspeeds[grpo_zero3]"),
+    ),
+    Mutant(
+        "unknown keys are ignored where DeepSpeed refuses them too",
+        "config/load.py",
+        "all(isinstance(p, str) for p in loc) and block in DEEPSPEED_IGNORES_UNKNOWN",
+        "all(isinstance(p, str) for p in loc)",
+        ("tests/test_config_keys.py::test_as_deepspeed_still_refuses_where_deepspeed_refuses",),
+    ),
+    Mutant(
+        "the unknown keys left out are not named",
+        "config_keys.py",
+        "    if cfg.ignored_keys and rank == 0:",
+        "    if False:",
+        (T_FACADE_KEYS,),
+    ),
+    Mutant(
+        "zerostack.initialize ignores unknown keys as deepspeed.initialize does",
+        "__init__.py",
+        "from .compat.deepspeed import native_initialize as initialize",
+        "from .compat.deepspeed import initialize",
+        (T_FACADE_KEYS,),
+    ),
+    Mutant(
+        "stage 3 ignores the leaf flag: experts gathered one by one (ranks routed differently)",
+        "zero/coordinator.py",
+        "from .leaves import z3_leaf_module\n",
+        "def z3_leaf_module(m):\n    return False\n\n\n",
+        (f"{LEAF}[call]",),
+    ),
+    Mutant(
+        "a leaf's unit holds only its own parameters, not its descendants'",
+        "zero/coordinator.py",
+        "                ps = list(dict.fromkeys(m.parameters()))\n",
+        "                ps = ps\n",
+        (f"{LEAF}[call]",),
+    ),
+    Mutant(
+        "initialize ignores zero_optimization.leaf_module",
+        "compose.py",
+        "    apply_leaf_config(model, cfg.zero_optimization.leaf_module)",
+        "    pass",
+        (f"{LEAF}[config]",),
+    ),
+    Mutant(
+        "a leaf class given by its short name matches nothing",
+        "zero/leaves.py",
+        "    return wanted in (cls.__name__, f\"{cls.__module__}.{cls.__qualname__}\")",
+        "    return wanted == f\"{cls.__module__}.{cls.__qualname__}\"",
+        ("tests/test_leaf_modules.py::test_the_leaf_flags",),
     ),
 ]
 

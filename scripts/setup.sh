@@ -14,3 +14,5 @@ python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
 # tests/test_hf.py, test_hf_trainer.py, test_deepspeed_name.py, examples/hf_*.py
 python -m pip install -q "transformers==5.24.0" "peft==0.21.2" "accelerate==1.16.0" \
     "lightning==2.6.6"
+# TRL's trainers (extra trl), pinned: tests/test_trl.py, examples/trl_*.py
+python -m pip install -q "trl==1.16.0" "datasets==5.2.0"

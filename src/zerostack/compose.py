@@ -38,6 +38,7 @@ from .topology import Topology
 from .validate import agreed, validate
 from .watchdog import start_watchdog
 from .world import default_timeout, init_distributed
+from .zero.leaves import apply_leaf_config
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
@@ -327,6 +328,7 @@ def initialize(
         topo, validate, cfg, model, topo, optimizer=optimizer, lr_scheduler=lr_scheduler
     )
     cfg, forward_only = resolved.config, resolved.forward_only
+    apply_leaf_config(model, cfg.zero_optimization.leaf_module)  # stage 3's leaf modules
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
     opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)

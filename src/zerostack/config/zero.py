@@ -157,6 +157,37 @@ def _check_implemented(zero: "ZeroConfig") -> None:
             _fail(f"{offload.device!r} is not implemented yet", f"{name}.device")
 
 
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""``zero_optimization.leaf_module.classes`` by default (DeepSpeed 0.19.8's)."""
+
+
+def _one_or_list(v: Any) -> Any:
+    return [v] if isinstance(v, str) else v
+
+
+class LeafModuleConfig(_Model):
+    """``zero_optimization.leaf_module``: the modules stage 3 gathers and releases as one unit,
+    their descendants included (:mod:`zerostack.zero.leaves`). ``initialize`` flags them at
+    every stage (only stage 3 reads the flag), as DeepSpeed does."""
+
+    classes: Annotated[list[str], BeforeValidator(_one_or_list)] = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_CLASSES)
+    )
+    """Class names (``"MixtralSparseMoeBlock"``, or qualified) whose instances are leaves;
+    DeepSpeed's default: Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse MoE blocks."""
+    names: Annotated[list[str], BeforeValidator(_one_or_list)] = Field(default_factory=list)
+    """Module names, as ``model.named_modules()`` gives them (a name that matches nothing is
+    warned about)."""
+    name_suffixes: Annotated[list[str], BeforeValidator(_one_or_list)] = Field(
+        default_factory=list
+    )
+    """Ends of module names (``"mlp.experts"``; one that matches nothing is warned about)."""
+
+
 class ZeroConfig(_Model):
     """The ``zero_optimization`` block."""
 
@@ -258,6 +289,8 @@ class ZeroConfig(_Model):
     the ranks per node), and the backward all-gathers within those ranks instead of over all of
     dp: parameter bytes / this size more memory while a forward's parameters await their
     backward. 1: off. Must divide the data-parallel size."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3's leaf modules (gathered as one unit); see :class:`LeafModuleConfig`."""
     offload_optimizer: OffloadConfig | None = None
     """Offload optimizer state (stages 1-3)."""
     offload_param: OffloadConfig | None = None

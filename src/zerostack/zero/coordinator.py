@@ -37,46 +37,50 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
-from .linear import linear_saving_weight
+from .leaves import z3_leaf_module
+from .module_hooks import ModuleHooks, eager
 from .param_swap import ParamSwapper, ResidentPieces
-from .params import StorageMeter, Subgroup, is_sharded, release
+from .params import ShardState, StorageMeter, Subgroup, release
 from .unit_gather import Gatherer, UnitGather
-
-
-def _eager(fn):
-    """A hook run eagerly under torch.compile: the graph breaks around it (it posts collectives
-    and changes what the module's parameters hold), as DeepSpeed marks its ZeRO-3 hooks."""
-    return torch.compiler.disable(fn, recursive=True)
-
-
-@_eager  # its backward reads the weight parameter as it is then: traced, a graph would not
-def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear_saving_weight(x, module.weight, module.bias)
-
-
-class _GatherOnRead(dict):
-    """A module's ``_parameters``: reading a released parameter during a forward pass gathers it
-    for the unit running (see ``ParamCoordinator._borrow``)."""
-
-    def __init__(self, params: dict, coordinator: ParamCoordinator) -> None:
-        super().__init__(params)
-        self.coordinator = coordinator
-
-    def __getitem__(self, name: str):
-        p = super().__getitem__(name)
-        if self.coordinator._running and is_sharded(p) and not p._zs.gathered:
-            self.coordinator._borrow(p)
-        return p
-
-    def __reduce__(self):  # a copy of the module holds a plain dict, not the engine
-        return dict, (dict(self),)
-
 
 PREFETCH_UNITS = 2
 """The default prefetch, in units of the largest one: what is gathered ahead of the running
 module when ``stage3_prefetch_bucket_size`` is not given. Two keep the gathers ahead on a
 GPT block's unequal modules (a 0.26M projection before a 1M MLP): at 25M parameters, dp 2 on
 the CPU, 1.07 s a step against 1.12 s with one (``benchmarks/floor.py``)."""
+
+
+def _hold(st: ShardState) -> None:
+    """A running module holds the parameter gathered."""
+    st.active += 1
+    st.by_modules += 1
+
+
+def _unhold(st: ShardState) -> None:
+    """A module is done with the parameter (unless its holds were cleared meanwhile:
+    ``param.ds_active_sub_modules.clear()``)."""
+    if st.by_modules > 0:
+        st.by_modules -= 1
+        st.active -= 1
+
+
+def hooked_modules(root: nn.Module) -> list[nn.Module]:
+    """The modules stage 3 hooks, each a unit: every module but those under a leaf
+    (:mod:`.leaves`), in ``root.modules()``'s order."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def walk(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        out.append(m)
+        if not z3_leaf_module(m):
+            for child in m.children():
+                walk(child)
+
+    walk(root)
+    return out
 
 
 def _numel(params: list[nn.Parameter]) -> int:
@@ -144,23 +148,25 @@ class ParamCoordinator:
         self.units: list[list[nn.Parameter]] = []
         self._units_of: dict[nn.Parameter, list[int]] = {}
         self.owner: dict[nn.Parameter, int] = {}
-        module.register_forward_pre_hook(self._begin_pass, prepend=True)
         # Every module is a unit, one without parameters of its own too (as DeepSpeed hooks
         # every module): a forward reading a child's parameter directly (an MLP handing its
         # linears' weights to a tiled compute) then borrows it in any module called alone.
-        for m in module.modules():
+        self.module, self.modules = module, hooked_modules(module)  # unit u is modules[u]
+        for m in self.modules:
             ps = list(dict.fromkeys(m.parameters(recurse=False)))
-            m._parameters = _GatherOnRead(m._parameters, self)
+            if z3_leaf_module(m):  # one unit for the leaf and everything under it
+                ps = list(dict.fromkeys(m.parameters()))
+                for p in ps:
+                    p.ds_z3_leaf_module = m
             u = len(self.units)
             self.units.append(ps)
             for p in ps:
                 self.owner.setdefault(p, u)
                 self._units_of.setdefault(p, []).append(u)
-            m.register_forward_pre_hook(partial(self._pre_forward, u))
-            m.register_forward_hook(partial(self._post_forward, u))
-        for m in module.modules():  # see linear_saving_weight
-            if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
-                m.forward = partial(_linear_forward, m)
+        # the hooks that gather and release around each module (taken off and put back by RL
+        # code: compat's parameter_offload)
+        self.hooks = ModuleHooks(self)
+        self.hooks.attach()
         if prefetch_numel is None:  # the next units' gathers overlap this one's compute
             prefetch_numel = PREFETCH_UNITS * max((_numel(ps) for ps in self.units), default=0)
         self.prefetch_numel = prefetch_numel
@@ -173,6 +179,11 @@ class ParamCoordinator:
         self._kept: set[nn.Parameter] = set()  # released by their units, kept for a reuse
         self.prefetched = 0  # units whose gather was launched ahead of need (for tests, reports)
         self.live_numel = self.peak_live_numel = 0  # elements gathered (not persistent) now, peak
+
+    def forget_order(self) -> None:
+        """Drop the recorded order: the next training pass records it anew (DeepSpeed's
+        ``_invalidate_trace``; prefetch resumes from the pass after it)."""
+        self.order = RecordedOrder()
 
     def grad_arrived(self, p: nn.Parameter) -> None:
         """``p`` has its gradient: release each unit holding it that waits for nothing else."""
@@ -199,7 +210,7 @@ class ParamCoordinator:
         self._drop_kept()
         self.gathers.drop_secondaries()
 
-    @_eager
+    @eager
     def _begin_pass(self, module, args) -> None:
         self._drop_inflight()
         self._drop_kept()
@@ -227,7 +238,7 @@ class ParamCoordinator:
             if p._zs.kept:  # its unit holds it again; the next release decides anew
                 p._zs.kept = False
                 self._kept.discard(p)
-            p._zs.active += 1
+            _hold(p._zs)
 
     def _plan_prefetch(self, u: int, exclude: set) -> list[nn.Parameter]:
         """Parameters of the units that come next in the recorded order, within the budget."""
@@ -273,7 +284,7 @@ class ParamCoordinator:
         reused = self._reused_soon()
         for p in self.units[u]:
             st = p._zs
-            st.active -= 1
+            _unhold(st)
             if st.gathered:
                 continue
             if p in reused:
@@ -319,7 +330,7 @@ class ParamCoordinator:
                 self._free(p)
         self._kept.clear()
 
-    @_eager
+    @eager
     def _borrow(self, p: nn.Parameter) -> None:
         """``p`` is read in the forward of the innermost running unit, which does not hold it:
         gather it for the rest of that forward, and make it that unit's for every later gather
@@ -334,14 +345,14 @@ class ParamCoordinator:
             pending = self.gathers.launch([p], training=False)
             self._count([p], +1)
         pending.resolve()
-        p._zs.active += 1
+        _hold(p._zs)
 
-    @_eager
+    @eager
     def _pre_forward(self, u: int, module, args) -> None:
         self._gather(u)
         self._running.append(u)
 
-    @_eager
+    @eager
     def _post_forward(self, u: int, module, args, output) -> None:
         self._running.pop()
         self._release(u)

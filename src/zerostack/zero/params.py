@@ -59,6 +59,7 @@ class ShardState:
     piece: torch.Tensor  # this rank's piece of the flattened, padded parameter
     persistent: bool = False  # small parameters stay gathered (stage3_param_persistence_threshold)
     active: int = 0  # how many gathers hold it (a tied parameter can be held by two modules)
+    by_modules: int = 0  # of those, modules running with it (not GatheredParameters)
     kept: bool = False  # released by its unit but kept whole for a reuse soon (max_reuse_distance)
     held_bytes: int = 0  # bytes of the gathered copy, while there is one
     master: torch.Tensor | None = None  # fp32 view into the group's master shard (engine)
@@ -100,14 +101,39 @@ class ZeroParamStatus(enum.Enum):
 _ds_ids = itertools.count()
 
 
+class ActiveUses:
+    """``param.ds_active_sub_modules``: the modules now holding a stage-3 parameter gathered,
+    as DeepSpeed's set of them is read and cleared (TRL clears it before taking the hooks off);
+    here they are counted (``ShardState.by_modules``), not named."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    def __len__(self) -> int:
+        return self._state.by_modules
+
+    def __bool__(self) -> bool:
+        return self._state.by_modules > 0
+
+    def clear(self) -> None:
+        """No module holds the parameter any more: it is released as soon as nothing else
+        (``GatheredParameters``, persistence, a reuse soon) keeps it."""
+        self._state.active -= self._state.by_modules
+        self._state.by_modules = 0
+
+    def __repr__(self) -> str:
+        return f"ActiveUses({self._state.by_modules})"
+
+
 def _mark_ds(p: nn.Parameter, state: ShardState) -> None:
-    """DeepSpeed's attributes on a stage-3 parameter, which Transformers and PEFT read
+    """DeepSpeed's attributes on a stage-3 parameter, which Transformers, PEFT and TRL read
     (``ds_shape`` and ``ds_numel`` for the real size of a parameter whose ``shape`` is empty)."""
     p.ds_id = next(_ds_ids)
     p.ds_shape = state.shape
     p.ds_numel = state.numel
     p.ds_persist = False
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    p.ds_active_sub_modules = ActiveUses(state)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -175,6 +175,9 @@ class Stage3(Stage3State, StepSequence):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
     # ----------------------------------------------------------------------------- gathering
+    def coordinator(self) -> ParamCoordinator:
+        return self.coord
+
     def release_gathered(self) -> None:
         """Release the parameters gathered ahead of use or kept for a reuse."""
         self.coord.release_gathered()

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .coordinator import ParamCoordinator
 
 
 def tally(held, by_device: bool = False) -> dict:
@@ -180,6 +183,10 @@ class FlatBuffers(Protocol):
 class Pieces(Protocol):
     """What stage 3 offers besides: each parameter is cut into pieces, one per rank of its
     axis (``p._zs``: dp, or dp x ep for what every ep rank holds)."""
+
+    def coordinator(self) -> ParamCoordinator:
+        """The gathers around each module: their hooks (which RL code takes off and puts back)
+        and the recorded order."""
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""

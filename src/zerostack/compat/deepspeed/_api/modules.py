@@ -106,6 +106,16 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.runtime.zero.partition_parameters": _served(
             "what Transformers swaps; an identity: zero.Init does not patch tensor constructors"
         ),
+        "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus": _served(
+            "a stage-3 parameter's `ds_status` (AVAILABLE while gathered, NOT_AVAILABLE)"
+        ),
+        "deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload": _served(
+            "`engine.optimizer.parameter_offload` at stage 3: `module`, `forward_hooks` (their "
+            "handles; `[]` takes the rest off), `backward_hooks` (empty: backward's gathers "
+            "hang on the forward's outputs), `param_coordinator.is_invalid_trace()` / "
+            "`_invalidate_trace()`, `_register_deepspeed_module(module)` (every hook back); "
+            "parameters' `ds_active_sub_modules` and modules' `ds_external_parameters()`"
+        ),
     },
     "deepspeed.comm": {
         **{
@@ -156,9 +166,23 @@ MODULES: dict[str, dict[str, Api]] = {
             "`deepspeed.initialize` built (DeepSpeed's: from its mpu); the rest is not there"
         ),
         "deepspeed.utils.OnDevice": _no("build under `zero.Init`, or with `with torch.device()`"),
-        "deepspeed.utils.set_z3_leaf_modules": _no(
-            "stage 3 gathers what each module owns, module by module; no leaf-module grouping"
-        ),
+        **{
+            f"deepspeed.utils.{name}": _served(
+                "DeepSpeed's flag (`module._z3_leaf`); stage 3 gathers a leaf and all under it "
+                "as one unit (zerostack.zero.leaves)"
+            )
+            for name in (
+                "set_z3_leaf_modules",
+                "unset_z3_leaf_modules",
+                "get_z3_leaf_modules",
+                "z3_leaf_module",
+                "z3_leaf_parameter",
+                "set_z3_leaf_module",
+                "set_z3_leaf_modules_by_name",
+                "set_z3_leaf_modules_by_suffix",
+            )
+        },
+        "deepspeed.utils.RepeatingLoader": _served("DeepSpeed's (also runtime.dataloader's)"),
         "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint": _served(
             "any layout's checkpoint, every tensor checksummed (zerostack.checkpoint."
             "full_state_dict)"
@@ -235,11 +259,13 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.runtime.base_optimizer.DeepSpeedOptimizer": _served(
             "a class nothing is an instance of: optimizers are torch's"
         ),
-        "deepspeed.runtime.utils.move_to_device": _no("use torch's `.to(device)`"),
-        "deepspeed.runtime.utils.see_memory_usage": _no("use `engine.memory_breakdown()`"),
-        "deepspeed.runtime.dataloader.RepeatingLoader": _no(
-            "`engine.train_batch()` repeats the loader itself"
+        "deepspeed.runtime.utils.move_to_device": _served(
+            "DeepSpeed's; a leaf that is not a tensor is returned as it is (DeepSpeed raises)"
         ),
+        "deepspeed.runtime.utils.see_memory_usage": _served(
+            "DeepSpeed's lines on rank 0 with force=True; the host's figure from /proc/meminfo"
+        ),
+        "deepspeed.runtime.dataloader.RepeatingLoader": _served("DeepSpeed's"),
         "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _no(
             "`zerostack launch` reads `.deepspeed_env` (or DS_ENV_FILE), then `.zerostack_env`"
         ),

@@ -1,6 +1,7 @@
-"""``deepspeed.runtime``: the engine class, the schedules, the optimizer base class and ZeRO-3's
-model-construction module, at DeepSpeed's paths."""
+"""``deepspeed.runtime``: the engine class, the schedules, the optimizer base class, ZeRO-3's
+model-construction module and parameter hooks, the helpers scripts import (``utils``,
+``dataloader``), at DeepSpeed's paths."""
 
-from . import base_optimizer, engine, lr_schedules, zero
+from . import base_optimizer, dataloader, engine, lr_schedules, utils, zero
 
-__all__ = ["base_optimizer", "engine", "lr_schedules", "zero"]
+__all__ = ["base_optimizer", "dataloader", "engine", "lr_schedules", "utils", "zero"]

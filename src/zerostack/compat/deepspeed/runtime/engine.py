@@ -19,6 +19,8 @@ from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_mode
 from zerostack.engine import Engine
 from zerostack.zero.strategy import Pieces
 
+from .zero.parameter_offload import DeepSpeedZeRoOffload
+
 
 class LossScale(float):
     """``engine.loss_scale``: the current loss scale, a number (zerostack's spelling, also
@@ -38,6 +40,14 @@ class LossScale(float):
 class DeepSpeedEngine(Engine):
     """The engine ``initialize`` returns: :class:`~zerostack.engine.Engine` plus DeepSpeed's
     own accessors (see the module)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if isinstance(self.zero, Pieces) and self.optimizer is not None:
+            # DeepSpeed's stage-3 optimizer holds the parameter hooks; RL code reaches them as
+            # engine.optimizer.parameter_offload (TRL's remove_hooks / add_hooks)
+            offload = DeepSpeedZeRoOffload(self.module, self.zero.coordinator())
+            self.optimizer.parameter_offload = offload
 
     # ------------------------------------------------------------------ where, how big
     @property

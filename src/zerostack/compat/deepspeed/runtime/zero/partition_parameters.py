@@ -1,6 +1,7 @@
 """``deepspeed.runtime.zero.partition_parameters``: what Transformers' ZeRO-3 model construction
 reaches into (``prevent_arange_dtype_change`` swaps ``zero_wrapper_for_fp_tensor_constructor``
-and compares against ``_orig_torch_arange``).
+and compares against ``_orig_torch_arange``), and ``ZeroParamStatus``, which TRL and OpenRLHF
+compare a parameter's ``ds_status`` with.
 
 DeepSpeed's ``zero.Init`` patches torch's tensor constructors to cast and place every new
 tensor; zerostack's wraps module construction and leaves tensor constructors alone, so the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from zerostack.zero import GatheredParameters, Init
+from zerostack.zero.params import ZeroParamStatus
 
 from ...accelerator import get_accelerator
 
@@ -26,6 +28,7 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_devi
 __all__ = [
     "GatheredParameters",
     "Init",
+    "ZeroParamStatus",
     "_orig_torch_arange",
     "get_accelerator",
     "zero_wrapper_for_fp_tensor_constructor",
