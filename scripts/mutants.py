@@ -71,6 +71,10 @@ CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
 SPIKE_ERR = "tests/test_loss_spike.py::test_a_spike_that_cannot_roll_back_is_every_ranks_error"
 
 LEAF = "tests/test_leaf_modules.py::test_a_leaf_moe_block_is_one_gather_and_trains_as_one_process"
+EXTERNAL = (
+    "tests/test_leaf_modules.py::test_a_registered_external_parameter_is_gathered_with_its_user"
+)
+T_ACCESSORS = "tests/test_ds_runtime_helpers.py::test_engine_accessors_answer_as_deepspeeds"
 TRL_HOOKS = "tests/test_trl.py::test_hooks_taken_off_and_put_back_with_trls_functions"
 T_FACADE_KEYS = (
     "tests/test_config_keys.py::test_deepspeed_initialize_warns_and_zerostack_initialize_refuses"
@@ -188,9 +192,8 @@ MUTANTS = [
     Mutant(
         "ZeRO-3 hooks only modules with parameters of their own (an MLP called alone borrows none)",
         "zero/coordinator.py",
-        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n",
-        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n"
-        "            if not ps and m is not module:\n                continue\n",
+        "        out.append(m)\n",
+        "        if list(m.parameters(recurse=False)) or m is root:\n            out.append(m)\n",
         (f"{HFL}[2-2-3]",),
     ),
     Mutant(
@@ -964,9 +967,8 @@ MUTANTS = [
     Mutant(
         "stage-3 root module not a unit",
         "zero/coordinator.py",
-        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n",
-        "            ps = list(dict.fromkeys(m.parameters(recurse=False)))\n"
-        "            if m is module:\n                continue\n",
+        "        out.append(m)\n",
+        "        if m is not root:\n            out.append(m)\n",
         (f"{E}[2-root]",),
     ),
     Mutant(
@@ -3548,8 +3550,8 @@ MUTANTS = [
     Mutant(
         "a leaf's unit holds only its own parameters, not its descendants'",
         "zero/coordinator.py",
-        "                ps = list(dict.fromkeys(m.parameters()))\n",
-        "                ps = ps\n",
+        "            ps = list(dict.fromkeys(m.parameters()))\n",
+        "            ps = ps\n",
         (f"{LEAF}[call]",),
     ),
     Mutant(
@@ -3565,6 +3567,36 @@ MUTANTS = [
         "    return wanted in (cls.__name__, f\"{cls.__module__}.{cls.__qualname__}\")",
         "    return wanted == f\"{cls.__module__}.{cls.__qualname__}\"",
         ("tests/test_leaf_modules.py::test_the_leaf_flags",),
+    ),
+    Mutant(
+        "register_external_parameter before initialize records nothing",
+        "zero/module_hooks.py",
+        '    module.__dict__.setdefault("_zs_external", {})[id(parameter)] = parameter',
+        "    pass",
+        (f"{EXTERNAL}[before]",),
+    ),
+    Mutant(
+        "register_external_parameter after initialize leaves the unit as it was",
+        "zero/module_hooks.py",
+        "        coordinator.adopt(units[0], parameter)",
+        "        pass",
+        (f"{EXTERNAL}[after]",),
+    ),
+    Mutant(
+        "the optimizer's overflow reports every step as skipped",
+        "compat/deepspeed/runtime/engine.py",
+        "        self.optimizer.overflow = not report.applied",
+        "        self.optimizer.overflow = True",
+        (T_ACCESSORS,),
+    ),
+    Mutant(
+        "_consolidated_16bit_state_dict hands the weights to every rank",
+        "compat/deepspeed/runtime/engine.py",
+        "        out = consolidated_16bit(self.run, exclude_frozen_parameters)\n"
+        "        return out if self.global_rank == 0 else None\n\n    def _zero3",
+        "        out = consolidated_16bit(self.run, exclude_frozen_parameters)\n"
+        "        return out\n\n    def _zero3",
+        (T_ACCESSORS,),
     ),
 ]
 

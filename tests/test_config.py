@@ -169,6 +169,15 @@ def test_defaults_match_deepspeed():
         "elastic_checkpoint": False,
         "ignore_unused_parameters": True,
         "load_from_fp32_weights": True,
+        "leaf_module": {  # DeepSpeed 0.19.8's MoE blocks
+            "classes": [
+                "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+            ],
+            "names": [],
+            "name_suffixes": [],
+        },
         "zero_quantized_weights": False,  # ZeRO++: DeepSpeed's defaults, off
         "zero_quantized_gradients": False,
         "zero_quantized_gradients_bits": 8,  # zerostack's key: qgZ's value width

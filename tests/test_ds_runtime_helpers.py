@@ -42,3 +42,58 @@ def test_repeating_loader_starts_again_when_the_loader_ends():
     assert iter(it) is it
     got = [next(it).tolist() for _ in range(5)]
     assert got == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+
+
+# --- the engine accessors DeepSpeed's users read (scripts/census/deepspeed_census.json) ---------
+
+
+def _accessors(rank, world):
+    from common import batch, tiny_gpt
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config=cfg)
+    overflow = [engine.optimizer.overflow]
+    for step, scale in enumerate([1.0, float("nan"), 1.0]):  # the second step is skipped
+        x, y = batch(step, 2 * world)
+        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]) * scale
+        engine.backward(loss)
+        engine.step()
+        overflow.append(engine.optimizer.overflow)
+    full = engine._consolidated_16bit_state_dict()
+    out = {
+        "dp_rank": engine.get_data_parallel_rank(),
+        "dp_group_size": torch.distributed.get_world_size(engine.data_parallel_group),
+        "sp_group": engine.get_sequence_parallel_group(),
+        "tp": (engine.mp_world_size, engine.get_tensor_parallel_rank()),
+        "mom": engine.get_mom(),
+        "clip": engine.gradient_clipping(),
+        "optimizer_name": engine.optimizer_name(),
+        "offload": (engine.zero_offload_optimizer(), engine.zero_offload_param()),
+        "overflow": overflow,
+        "full": None if full is None else {k: tuple(v.shape) for k, v in full.items()},
+        "shapes": {k: tuple(p.ds_shape) for k, p in engine.module.named_parameters()},
+    }
+    return out
+
+
+def test_engine_accessors_answer_as_deepspeeds():
+    from distributed import run_distributed
+
+    for rank, out in enumerate(run_distributed(_accessors, 2)):
+        assert out["dp_rank"] == rank and out["dp_group_size"] == 2
+        assert out["sp_group"] is None and out["tp"] == (1, 0)
+        assert out["mom"] == [0.9] and out["clip"] == 0.5 and out["optimizer_name"] == "sgd"
+        assert out["offload"] == (None, None)
+        assert out["overflow"] == [False, False, True, False]
+        if rank == 0:  # the whole weights on rank 0, None elsewhere
+            assert out["full"] is not None
+            assert {k: out["full"][k] for k in out["shapes"]} == out["shapes"]
+        else:
+            assert out["full"] is None

@@ -717,7 +717,13 @@ def _two_engines(rank, world):
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
-    own = [n for n in vars(DeepSpeedEngine) if not n.startswith("__")]
+    own = [  # DeepSpeedEngine's and its compat mixins' (EngineQueries)
+        n
+        for cls in DeepSpeedEngine.__mro__
+        if cls.__module__.startswith("zerostack.compat.")
+        for n in vars(cls)
+        if not n.startswith("__")
+    ]
     native, *_ = native_initialize(model=tiny_gpt(), config=config)
     ds, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
     out = (

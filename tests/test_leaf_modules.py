@@ -166,3 +166,79 @@ def test_the_leaf_flags():
     assert found == [ex.up for ex in model.moe.experts] and missing == ["zzz"]
     with pytest.raises(TypeError, match="types or class names"):
         set_z3_leaf_modules(model, [3])
+
+
+# --- register_external_parameter: a parameter reached without an attribute read --------------
+
+
+class ListHead(nn.Module):
+    """An output layer that holds the embedding's weight in a plain list: its forward never
+    reads it as a module attribute, so stage 3 cannot see the read without registration."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.tied = [weight]
+        self.bias = nn.Parameter(torch.zeros(V))
+
+    def forward(self, h):
+        return F.linear(h, self.tied[0], self.bias)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, register: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, D)
+        self.mix = nn.Linear(D, D)
+        self.head = ListHead(self.embed.weight)
+        if register == "before":  # as Transformers' models call it, while being built
+            zerostack.zero.register_external_parameter(self.head, self.embed.weight)
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mix(self.embed(x))))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _external(rank, world, register: str):
+    model = TiedLM(register)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerostack.initialize(model=model, config=cfg)
+    if register == "after":
+        zerostack.zero.register_external_parameter(model.head, model.embed.weight)
+    for step in range(STEPS):
+        x, y = _batch(step, 2 * world)
+        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+    borrowed = [p is model.embed.weight for _, p in model.head.ds_external_parameters()]
+    return {"weights": engine.full_state_dict(), "borrowed": borrowed}
+
+
+@pytest.mark.parametrize("register", ["before", "after"])
+def test_a_registered_external_parameter_is_gathered_with_its_user(register):
+    model = TiedLM("none")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _batch(step, 4)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for out in run_distributed(_external, 2, args=(register,)):
+        assert out["borrowed"] == [True]
+        for name, value in model.state_dict().items():
+            assert torch.allclose(out["weights"][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_registering_refuses_what_is_not_a_parameter():
+    model = TiedLM("none")
+    with pytest.raises(RuntimeError, match="not a torch.nn.Parameter"):
+        zerostack.zero.register_external_parameter(model.head, torch.zeros(2))
+    zerostack.zero.register_external_parameter(model.head, model.embed.weight)
+    zerostack.zero.unregister_external_parameter(model.head, model.embed.weight)
+    with pytest.raises(RuntimeError, match="not a registered external parameter"):
+        zerostack.zero.unregister_external_parameter(model.head, model.embed.weight)

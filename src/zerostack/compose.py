@@ -312,8 +312,8 @@ def initialize(
         raise ValueError("model: initialize needs a model")
     if config is None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    if config is None and args is not None:  # DeepSpeed's add_config_arguments' flags
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     cfg = load_config(config, unknown_keys=unknown_keys)
     if dist_init_required is not False:
         init_distributed(timeout=default_timeout(watchdog=cfg.watchdog))

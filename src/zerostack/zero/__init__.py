@@ -4,6 +4,13 @@
 """
 
 from .init import GatheredParameters, Init
+from .module_hooks import register_external_parameter, unregister_external_parameter
 from .params import StorageMeter
 
-__all__ = ["GatheredParameters", "Init", "StorageMeter"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "StorageMeter",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]

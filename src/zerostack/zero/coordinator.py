@@ -83,6 +83,25 @@ def hooked_modules(root: nn.Module) -> list[nn.Module]:
     return out
 
 
+def make_units(c: ParamCoordinator) -> None:
+    """Each of ``c.modules``' unit: its own parameters (a leaf's: all under it), each
+    parameter's owner (the first unit holding it: a tied parameter is reduced once) and units.
+    Every module is a unit, one without parameters of its own too (as DeepSpeed hooks every
+    module): a forward reading a child's parameter directly (an MLP handing its linears'
+    weights to a tiled compute) then borrows it in any module called alone."""
+    for m in c.modules:
+        ps = list(dict.fromkeys(m.parameters(recurse=False)))
+        if z3_leaf_module(m):  # one unit for the leaf and everything under it
+            ps = list(dict.fromkeys(m.parameters()))
+            for p in ps:
+                p.ds_z3_leaf_module = m
+        u = len(c.units)
+        c.units.append(ps)
+        for p in ps:
+            c.owner.setdefault(p, u)
+            c._units_of.setdefault(p, []).append(u)
+
+
 def _numel(params: list[nn.Parameter]) -> int:
     return sum(p._zs.numel for p in params if not p._zs.persistent)
 
@@ -148,21 +167,8 @@ class ParamCoordinator:
         self.units: list[list[nn.Parameter]] = []
         self._units_of: dict[nn.Parameter, list[int]] = {}
         self.owner: dict[nn.Parameter, int] = {}
-        # Every module is a unit, one without parameters of its own too (as DeepSpeed hooks
-        # every module): a forward reading a child's parameter directly (an MLP handing its
-        # linears' weights to a tiled compute) then borrows it in any module called alone.
         self.module, self.modules = module, hooked_modules(module)  # unit u is modules[u]
-        for m in self.modules:
-            ps = list(dict.fromkeys(m.parameters(recurse=False)))
-            if z3_leaf_module(m):  # one unit for the leaf and everything under it
-                ps = list(dict.fromkeys(m.parameters()))
-                for p in ps:
-                    p.ds_z3_leaf_module = m
-            u = len(self.units)
-            self.units.append(ps)
-            for p in ps:
-                self.owner.setdefault(p, u)
-                self._units_of.setdefault(p, []).append(u)
+        make_units(self)
         # the hooks that gather and release around each module (taken off and put back by RL
         # code: compat's parameter_offload)
         self.hooks = ModuleHooks(self)
@@ -171,6 +177,9 @@ class ParamCoordinator:
             prefetch_numel = PREFETCH_UNITS * max((_numel(ps) for ps in self.units), default=0)
         self.prefetch_numel = prefetch_numel
         self._bwd_need = [sum(p in trainable for p in ps) for ps in self.units]
+        for u, m in enumerate(self.modules):  # registered before initialize (module_hooks)
+            for p in getattr(m, "_zs_external", {}).values():
+                self.adopt(u, p)
         self._bwd_held: dict[int, int] = {}  # unit -> gradients it still waits for
         self._running: list[int] = []  # units whose forward is in progress, innermost last
         self.order = RecordedOrder()  # the first training pass's, followed by later ones
@@ -330,16 +339,20 @@ class ParamCoordinator:
                 self._free(p)
         self._kept.clear()
 
+    def adopt(self, u: int, p: nn.Parameter) -> None:
+        """Make ``p`` unit ``u``'s too (gathered with it, forward and backward): read in its
+        forward, or registered (DeepSpeed's ``register_external_parameter``)."""
+        if u not in self._units_of[p]:
+            self.units[u].append(p)
+            self._units_of[p].append(u)
+            self._bwd_need[u] += p in self._trainable
+
     @eager
     def _borrow(self, p: nn.Parameter) -> None:
         """``p`` is read in the forward of the innermost running unit, which does not hold it:
         gather it for the rest of that forward, and make it that unit's for every later gather
         (forward and backward) too."""
-        u = self._running[-1]
-        if u not in self._units_of[p]:
-            self.units[u].append(p)
-            self._units_of[p].append(u)
-            self._bwd_need[u] += p in self._trainable
+        self.adopt(self._running[-1], p)
         pending = self._inflight.pop(p, None)
         if pending is None:
             pending = self.gathers.launch([p], training=False)

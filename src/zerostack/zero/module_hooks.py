@@ -81,6 +81,37 @@ class _NoneBorrowed:
         return []
 
 
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's: ``module``'s forward uses ``parameter``, which another module owns, so stage
+    3 gathers it with ``module``, forward and backward. A parameter read as ``other.weight``
+    during a forward is gathered there without this; it is for one reached another way (kept in
+    a list, handed in). Before ``initialize`` it is recorded; after, it joins the unit at once."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    module.__dict__.setdefault("_zs_external", {})[id(parameter)] = parameter
+    borrowed = module.__dict__.get("ds_external_parameters")
+    coordinator = borrowed.coordinator() if isinstance(borrowed, _Borrowed) else None
+    if coordinator is not None:
+        units = [u for u, m in enumerate(coordinator.modules) if m is module]
+        if not units:
+            raise ValueError(
+                f"register_external_parameter: the {type(module).__name__} is inside a leaf "
+                "module, whose unit gathers only what lies under it"
+            )
+        coordinator.adopt(units[0], parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's: undo :func:`register_external_parameter` before ``initialize`` (after it,
+    the unit keeps gathering the parameter, as it does one its forward read)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    externals = module.__dict__.get("_zs_external", {})
+    if id(parameter) not in externals:
+        raise RuntimeError("Parameter is not a registered external parameter of module.")
+    del externals[id(parameter)]
+
+
 class ModuleHooks:
     """The coordinator's hold on its modules (unit ``u`` is ``coordinator.modules[u]``)."""
 

@@ -21,6 +21,7 @@ libraries use. Anything else under ``deepspeed.`` is a ``ModuleNotFoundError`` o
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 
@@ -31,7 +32,7 @@ from zerostack.core.version import __version__ as _zerostack_version
 from zerostack.world import init_distributed
 
 from ..serve import ServedName, serve
-from . import accelerator, checkpoint, ops, runtime, utils
+from . import accelerator, checkpoint, launcher, ops, runtime, utils
 from .accelerator import get_accelerator
 from .runtime.engine import DeepSpeedEngine
 from .utils.logging import log_dist, logger
@@ -83,6 +84,22 @@ def initialize(*args, **kwargs):
     return native_initialize(*args, **kwargs)
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's: a "DeepSpeed" group of ``--deepspeed`` (a flag for the script's own use),
+    ``--deepspeed_config PATH`` (which ``initialize(args=...)`` reads) and their deprecated
+    ``--deepscale`` spellings. Returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (a flag for the script; no effect on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="deprecated: --deepspeed_config")
+    return parser
+
+
 def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):
     """DeepSpeed's AutoTP entry point. zerostack splits the model at ``initialize``, from the
     config's ``tensor_parallel.autotp_size``: this checks that the config says ``tp_size`` and
@@ -126,6 +143,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DeepSpeedConfigError",
+    "add_config_arguments",
     "DeepSpeedEngine",
     "accelerator",
     "activation_checkpointing",
@@ -136,6 +154,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "install",
+    "launcher",
     "log_dist",
     "logger",
     "ops",

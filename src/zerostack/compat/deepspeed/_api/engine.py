@@ -20,6 +20,10 @@ ENGINES: dict[str, dict[str, Api]] = {
                 get_batch_info global_steps global_samples micro_steps skipped_steps global_rank
                 local_rank world_size dp_world_size device module lr_scheduler
                 training_dataloader was_step_applied destroy train eval zero_grad
+                _consolidated_16bit_state_dict data_parallel_group get_data_parallel_rank
+                get_tensor_parallel_rank get_model_parallel_rank mp_world_size get_mom
+                gradient_clipping steps_per_print wall_clock_breakdown zero_offload_optimizer
+                zero_offload_param optimizer_name
             """.split()
         },
         f"{ENGINE}.backward": _works(
@@ -35,7 +39,8 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{ENGINE}.no_sync": _works("refused at stages 2-3, as DeepSpeed"),
         f"{ENGINE}.loss_scale": _works("the current scale; called, DeepSpeed's configured one"),
         f"{ENGINE}.optimizer": _different(
-            "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper)"
+            "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper), with "
+            "DeepSpeed's `overflow` and, at stage 3, `parameter_offload` set on it"
         ),
         f"{ENGINE}.config": _works(
             "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"
@@ -59,20 +64,10 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{ENGINE}.load_module_state_dict": _no(
             "use `load_checkpoint` or `module.load_state_dict`"
         ),
-        f"{ENGINE}.get_mom": _no("read `engine.optimizer.param_groups`"),
         f"{ENGINE}.get_type": _no("read `engine.optimizer.param_groups`"),
-        f"{ENGINE}.gradient_clipping": _no(_CFG),
-        f"{ENGINE}.steps_per_print": _no(_CFG),
         f"{ENGINE}.communication_data_type": _no(_CFG),
-        f"{ENGINE}.zero_offload_optimizer": _no(_CFG),
-        f"{ENGINE}.zero_offload_param": _no(_CFG),
-        f"{ENGINE}.wall_clock_breakdown": _no(_CFG),
         f"{ENGINE}.mpu": _no("`engine.topology` holds the process groups"),
-        f"{ENGINE}.mp_world_size": _no("`engine.topology.tp`"),
-        f"{ENGINE}.get_data_parallel_rank": _no("`engine.topology.dp_rank`"),
-        f"{ENGINE}.get_tensor_parallel_rank": _no('`engine.topology.rank("tp")`'),
-        f"{ENGINE}.get_model_parallel_rank": _no('`engine.topology.rank("tp")`'),
-        f"{ENGINE}.get_sequence_parallel_group": _no('`engine.topology.group("sp")`'),
+        f"{ENGINE}.get_sequence_parallel_group": _works("None when sequence_parallel_size is 1"),
         f"{ENGINE}.basic_optimizer": _no("`engine.optimizer` is the torch optimizer"),
         f"{ENGINE}.client_optimizer": _no("`engine.optimizer` is the torch optimizer"),
         f"{ENGINE}.client_lr_scheduler": _no("`engine.lr_scheduler`"),

@@ -45,8 +45,9 @@ MODULES: dict[str, dict[str, Api]] = {
             "`0.19.8+zerostack.<version>`: the API level, a local label (`zerostack.__version__` "
             "is zerostack's own)"
         ),
-        "deepspeed.add_config_arguments": _no(
-            "not provided: add `--deepspeed_config` yourself; `initialize(args=...)` reads it"
+        "deepspeed.add_config_arguments": _served(
+            "DeepSpeed's flags (`--deepspeed`, `--deepspeed_config`, the deprecated "
+            "`--deepscale*`); `initialize(args=...)` reads the config's path"
         ),
         "deepspeed.get_accelerator": _served("the device calls the libraries make, over torch"),
         "deepspeed.ops": _served("DeepSpeedCPUAdam and FusedAdam; " + _NO_OPS),
@@ -74,10 +75,11 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.zero.ZeroParamStatus": _different(
             "not re-exported by zerostack.zero", "zerostack.zero.params.ZeroParamStatus"
         ),
-        "deepspeed.zero.register_external_parameter": _no(
-            "not needed: a parameter read as `module.weight` in another module's forward is "
-            "gathered there"
+        "deepspeed.zero.register_external_parameter": _works(
+            "before or after initialize; a parameter read as `module.weight` in another "
+            "module's forward is gathered there without it"
         ),
+        "deepspeed.zero.unregister_external_parameter": _works("before initialize"),
         "deepspeed.zero.TiledLinear": _no("no tiled layers: stage 3 gathers one module at a time"),
         "deepspeed.zero.TiledLinearReturnBias": _no("no tiled layers"),
         "deepspeed.zero.unwrap_model_for_generation": _no(
@@ -266,8 +268,8 @@ MODULES: dict[str, dict[str, Api]] = {
             "DeepSpeed's lines on rank 0 with force=True; the host's figure from /proc/meminfo"
         ),
         "deepspeed.runtime.dataloader.RepeatingLoader": _served("DeepSpeed's"),
-        "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _no(
-            "`zerostack launch` reads `.deepspeed_env` (or DS_ENV_FILE), then `.zerostack_env`"
+        "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _served(
+            "DS_ENV_FILE or `.deepspeed_env`, which `zerostack launch` reads, then `.zerostack_env`"
         ),
         "deepspeed.moe.layer.MoE": _different(
             "ep_size > 1 at ZeRO stages 0-2 (not 3); no tutel, no expert tensor parallelism"

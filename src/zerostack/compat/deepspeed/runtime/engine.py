@@ -11,33 +11,28 @@ are ``engine.topology``, ``engine.batch``, ``engine.update``, ``engine.window`` 
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
 from zerostack.engine import Engine
 from zerostack.zero.strategy import Pieces
 
+from .engine_queries import EngineQueries, LossScale
 from .zero.parameter_offload import DeepSpeedZeRoOffload
 
 
-class LossScale(float):
-    """``engine.loss_scale``: the current loss scale, a number (zerostack's spelling, also
-    DeepSpeed's ``engine.optimizer.loss_scale``). Called, ``engine.loss_scale()``, it is
-    DeepSpeed's engine method: the configured static scale, ``fp16.loss_scale`` (0 means dynamic
-    scaling; the current scale is then ``engine._get_optimizer_loss_scale()``)."""
+class _Overflow:
+    """``engine.optimizer.overflow``: whether the last optimizer step was skipped for a
+    non-finite gradient, as DeepSpeed's ZeRO and fp16 optimizers say (Accelerate's
+    ``step_was_skipped`` reads it)."""
 
-    def __new__(cls, value: float, static: float = 0.0) -> LossScale:
-        out = super().__new__(cls, value)
-        out.static = float(static)
-        return out
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+        optimizer.overflow = False
 
-    def __call__(self) -> float:
-        return self.static
+    def after_step(self, report) -> None:
+        self.optimizer.overflow = not report.applied
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(EngineQueries, Engine):
     """The engine ``initialize`` returns: :class:`~zerostack.engine.Engine` plus DeepSpeed's
     own accessors (see the module)."""
 
@@ -48,46 +43,8 @@ class DeepSpeedEngine(Engine):
             # engine.optimizer.parameter_offload (TRL's remove_hooks / add_hooks)
             offload = DeepSpeedZeRoOffload(self.module, self.zero.coordinator())
             self.optimizer.parameter_offload = offload
-
-    # ------------------------------------------------------------------ where, how big
-    @property
-    def device(self) -> torch.device:
-        return self.topology.device
-
-    @property
-    def global_rank(self) -> int:
-        return self.topology.global_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel replicas (different batches): the dp axis over sequence_parallel_size,
-        as DeepSpeed counts it."""
-        return self.topology.data_parallel_size
-
-    def train_batch_size(self) -> int:
-        return self.batch[0]
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch[1]
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch[2]
-
-    def get_batch_info(self) -> tuple[int, int, int]:
-        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
-        return self.batch
-
-    def is_first_stage(self) -> bool:
-        """Whether this rank runs the first pipeline stage (without a pipeline: True)."""
-        return self.runner.is_first_stage
-
-    def is_last_stage(self) -> bool:
-        """Whether this rank runs the last pipeline stage (without a pipeline: True)."""
-        return self.runner.is_last_stage
+        if self.optimizer is not None:
+            self.add_callback(_Overflow(self.optimizer))
 
     # ------------------------------------------------------------------ the last step
     def was_step_applied(self) -> bool:
@@ -108,44 +65,6 @@ class DeepSpeedEngine(Engine):
         whatever ``gradient_accumulation_steps`` says: set it before each micro-step, as in
         DeepSpeed. The loss is still divided by ``gradient_accumulation_steps``."""
         self.window.set_boundary(is_boundary)
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def loss_scale(self) -> LossScale:
-        """The current loss scale; ``engine.loss_scale()`` is DeepSpeed's ``fp16.loss_scale``."""
-        return LossScale(self.loss_scaler.loss_scale, self.config.fp16.loss_scale)
-
-    def _get_optimizer_loss_scale(self) -> float:
-        """The current loss scale (DeepSpeed's name)."""
-        return self.loss_scaler.loss_scale
-
-    def dynamic_loss_scale(self) -> bool:
-        return self.config.fp16.loss_scale == 0
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def zero_optimization_stage(self) -> int:
-        """The configured ZeRO stage."""
-        return self.config.zero_optimization.stage
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -228,6 +147,13 @@ class DeepSpeedEngine(Engine):
                 if not p.requires_grad:
                     sd.pop(prefix + name, None)
         return sd
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """DeepSpeed's (Accelerate calls it under tensor parallelism): the whole model state dict
+        in the 16-bit dtype on global rank 0 (None on the others), tensor-parallel slices joined,
+        at any stage. A collective: every rank calls it."""
+        out = consolidated_16bit(self.run, exclude_frozen_parameters)
+        return out if self.global_rank == 0 else None
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
         """DeepSpeed's: at ZeRO stage 3, the whole model state dict in the 16-bit dtype, on the
