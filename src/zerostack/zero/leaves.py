@@ -130,10 +130,8 @@ def apply_leaf_config(model: nn.Module, leaf_cfg) -> list[nn.Module]:
         matched.update((id(m), m) for m in found)
         if missing:
             log.warning("zero_optimization.leaf_module.name_suffixes: no match for %s", missing)
-    customized = leaf_cfg.model_fields_set - (
-        set() if tuple(leaf_cfg.classes) != DEFAULT_LEAF_CLASSES else {"classes"}
-    )
-    if not matched and customized:
+    customized = leaf_cfg.names or leaf_cfg.name_suffixes
+    if not matched and (customized or tuple(leaf_cfg.classes) != DEFAULT_LEAF_CLASSES):
         log.warning("zero_optimization.leaf_module matches no module; no leaves")
     return list(matched.values())
 
