@@ -3598,6 +3598,13 @@ MUTANTS = [
         "        return out\n\n    def _zero3",
         (T_ACCESSORS,),
     ),
+    Mutant(
+        "initialize(args=...) ignores the deprecated --deepscale_config",
+        "compose.py",
+        ' or getattr(args, "deepscale_config", None)',
+        "",
+        ("tests/test_ds_runtime_helpers.py::test_add_config_arguments_and_initialize_reading_them",),
+    ),
 ]
 
 

@@ -97,3 +97,35 @@ def test_engine_accessors_answer_as_deepspeeds():
             assert {k: out["full"][k] for k in out["shapes"]} == out["shapes"]
         else:
             assert out["full"] is None
+
+
+def _from_args(rank, world, path):
+    import argparse
+
+    from common import tiny_gpt
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepscale", "--deepscale_config", path])
+    engine, *_ = deepspeed.initialize(args=args, model=tiny_gpt())
+    return engine.train_micro_batch_size_per_gpu()
+
+
+def test_add_config_arguments_and_initialize_reading_them(tmp_path):
+    import argparse
+    import json
+
+    from distributed import run_distributed
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (
+        True, "ds.json", False, None,
+    )
+    assert parser.parse_args([]).deepspeed is False
+    path = tmp_path / "ds.json"  # the deprecated spelling still names the config, as DeepSpeed's
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    assert run_distributed(_from_args, 1, args=(str(path),)) == [3]
