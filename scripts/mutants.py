@@ -3605,6 +3605,23 @@ MUTANTS = [
         "",
         ("tests/test_ds_runtime_helpers.py::test_add_config_arguments_and_initialize_reading_them",),
     ),
+    Mutant(
+        "RepeatingLoader stops when the loader ends",
+        "compat/deepspeed/runtime/dataloader.py",
+        "            self.data_iter = iter(self.loader)\n            return next(self.data_iter)",
+        "            raise",
+        ("tests/test_ds_runtime_helpers.py::test_repeating_loader_starts_again_when_the_loader_ends",),
+    ),
+    Mutant(
+        "move_to_device leaves what the criterion accepts where it was",
+        "compat/deepspeed/runtime/utils.py",
+        "        item.data = item.to(device).data\n",
+        "        pass\n",
+        (
+            "tests/test_ds_runtime_helpers.py::"
+            "test_move_to_device_moves_in_place_what_the_criterion_accepts",
+        ),
+    ),
 ]
 
 
