@@ -74,6 +74,10 @@ LEAF = "tests/test_leaf_modules.py::test_a_leaf_moe_block_is_one_gather_and_trai
 EXTERNAL = (
     "tests/test_leaf_modules.py::test_a_registered_external_parameter_is_gathered_with_its_user"
 )
+T_OFFLOAD_ROUND = (
+    "tests/test_offload_states.py::"
+    "test_offloaded_states_leave_the_device_and_training_continues_bit_for_bit"
+)
 T_ACCESSORS = "tests/test_ds_runtime_helpers.py::test_engine_accessors_answer_as_deepspeeds"
 TRL_HOOKS = "tests/test_trl.py::test_hooks_taken_off_and_put_back_with_trls_functions"
 T_FACADE_KEYS = (
@@ -208,8 +212,10 @@ MUTANTS = [
         "validate.py",
         "            and not model_checkpointed_layers(model)):  # fmt: skip",
         "            and False):  # fmt: skip",
-        ("tests/test_hf_long.py::test_cpu_checkpointing_on_a_model_that_checkpoints_nothing_is_"
-         "refused",),
+        (
+            "tests/test_hf_long.py::test_cpu_checkpointing_on_a_model_that_checkpoints_nothing_is_"
+            "refused",
+        ),
     ),
     Mutant(
         "HF ring: packed rows are taken for one running sequence (no document ids)",
@@ -378,7 +384,7 @@ MUTANTS = [
         "a refusal on one rank is not handed to the others (they wait in the engine)",
         "validate.py",
         '    refusals = [r for r in _posted(str(mine) if mine else "", grid) if r]',
-        '    refusals = [str(mine)] if mine else []',
+        "    refusals = [str(mine)] if mine else []",
         (f"{PIPE}::test_a_refusal_on_one_stage_is_every_stages",),
     ),
     Mutant(
@@ -414,14 +420,18 @@ MUTANTS = [
         "models/gpt_tp.py",
         "        sum_grads_over_tp(mlp, topology)",
         "        pass",
-        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",),
+        (
+            f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",
+        ),
     ),
     Mutant(
         "Megatron SP beside experts: the tp parts' auxiliary losses summed, not averaged",
         "models/gpt.py",
         "                aux = aux / topo.tp",
         "                aux = aux",
-        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",),
+        (
+            f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[1-True]",
+        ),
     ),
     Mutant(
         "Megatron SP beside experts under a pipeline: a block's side loss not divided by tp",
@@ -554,7 +564,9 @@ MUTANTS = [
         "pipeline/executor.py",
         "            loss = out.float() if side is None else out.float() + side.float()",
         "            loss = out.float()",
-        (f"{MOE}::test_expert_parallel_gpt_under_a_pipeline_matches_single_process[interleaved-3]",),
+        (
+            f"{MOE}::test_expert_parallel_gpt_under_a_pipeline_matches_single_process[interleaved-3]",
+        ),
     ),
     Mutant(
         "a pipeline stage at ep > 1 loads the first experts, not its own",
@@ -617,7 +629,9 @@ MUTANTS = [
         "models/gpt.py",
         "        if self.cfg.moe_every:  # the load-balancing losses of this forward's MoE blocks",
         "        if self.cfg.moe_every and topo is None:",
-        (f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[2-False]",),
+        (
+            f"{MOE}::test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process[2-False]",
+        ),
     ),
     Mutant(
         "the deepspeed distribution is not found (the libraries think DeepSpeed is absent)",
@@ -1398,15 +1412,16 @@ MUTANTS = [
     Mutant(
         "memory by device: stages 0-2 put every buffer on the compute device",
         "zero/flat_state.py",
-        "                    yield kind, t.device.type, t.nbytes",
-        "                    yield kind, self.comm.topo.device.type, t.nbytes",
+        "            yield kind, t.device.type, t.nbytes",
+        "            yield kind, self.comm.topo.device.type, t.nbytes",
         (T_APART,),
     ),
     Mutant(
         "memory by device: stage 3's masters counted where the parameters compute",
         "zero/stage3_state.py",
-        '                yield "master", g.master.device.type, g.master.nbytes',
-        '                yield "master", device, g.master.nbytes',
+        "            yield kind, t.device.type, t.nbytes\n        for p in self._owner:",
+        '            yield kind, device if kind == "master" else t.device.type, t.nbytes\n'
+        "        for p in self._owner:",
         (T_APART,),
     ),
     Mutant(
@@ -2101,9 +2116,7 @@ MUTANTS = [
         "        self.micro_steps += 1  # before the count: an automatic save keeps whole windows\n"
         "        if boundary:\n"
         "            self.after_step.count()",
-        "        if boundary:\n"
-        "            self.after_step.count()\n"
-        "        self.micro_steps += 1",
+        "        if boundary:\n            self.after_step.count()\n        self.micro_steps += 1",
         (
             "tests/test_auto_resume.py::test_a_killed_rank_restarts_and_resumes_exactly[stage2-forward]",
         ),
@@ -3417,8 +3430,8 @@ MUTANTS = [
     Mutant(
         "memory_breakdown leaves out the buffers the pool keeps",
         "zero/flat_state.py",
-        '            yield "scratch", t.device.type, t.nbytes',
-        "            pass",
+        "        scratch = list(self.buffers.kept())",
+        "        scratch = []",
         (T_CENSUS2,),
     ),
     Mutant(
@@ -3564,8 +3577,8 @@ MUTANTS = [
     Mutant(
         "a leaf class given by its short name matches nothing",
         "zero/leaves.py",
-        "    return wanted in (cls.__name__, f\"{cls.__module__}.{cls.__qualname__}\")",
-        "    return wanted == f\"{cls.__module__}.{cls.__qualname__}\"",
+        '    return wanted in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")',
+        '    return wanted == f"{cls.__module__}.{cls.__qualname__}"',
         ("tests/test_leaf_modules.py::test_the_leaf_flags",),
     ),
     Mutant(
@@ -3603,14 +3616,18 @@ MUTANTS = [
         "compose.py",
         ' or getattr(args, "deepscale_config", None)',
         "",
-        ("tests/test_ds_runtime_helpers.py::test_add_config_arguments_and_initialize_reading_them",),
+        (
+            "tests/test_ds_runtime_helpers.py::test_add_config_arguments_and_initialize_reading_them",
+        ),
     ),
     Mutant(
         "RepeatingLoader stops when the loader ends",
         "compat/deepspeed/runtime/dataloader.py",
         "            self.data_iter = iter(self.loader)\n            return next(self.data_iter)",
         "            raise",
-        ("tests/test_ds_runtime_helpers.py::test_repeating_loader_starts_again_when_the_loader_ends",),
+        (
+            "tests/test_ds_runtime_helpers.py::test_repeating_loader_starts_again_when_the_loader_ends",
+        ),
     ),
     Mutant(
         "move_to_device leaves what the criterion accepts where it was",
@@ -3621,6 +3638,43 @@ MUTANTS = [
             "tests/test_ds_runtime_helpers.py::"
             "test_move_to_device_moves_in_place_what_the_criterion_accepts",
         ),
+    ),
+    Mutant(
+        "reload_states gives the storage back its size but not its bytes",
+        "zero/state_offload.py",
+        "                whole.copy_(parked.host, non_blocking=non_blocking)\n",
+        "                pass\n",
+        (T_OFFLOAD_ROUND,),
+    ),
+    Mutant(
+        "offload_states leaves the optimizer's moments on the device",
+        "zero/state_offload.py",
+        "                    yield StateKind.optim_states, t",
+        "                    pass",
+        (T_OFFLOAD_ROUND,),
+    ),
+    Mutant(
+        "the forward guard is not taken off at reload_states",
+        "zero/state_offload.py",
+        "            self._guard.remove()\n",
+        "            pass\n",
+        (T_OFFLOAD_ROUND,),
+    ),
+    Mutant(
+        "a storage shared with a kind left out moves anyway",
+        "zero/state_offload.py",
+        "            if not kinds <= include:",
+        "            if not kinds & include:",
+        (
+            "tests/test_offload_states.py::test_a_storage_moves_only_when_every_kind_on_it_is_asked_for",
+        ),
+    ),
+    Mutant(
+        "step runs while the states are in host memory",
+        "compat/deepspeed/runtime/engine.py",
+        '        self.states.require_resident("step")\n',
+        "",
+        (T_OFFLOAD_ROUND,),
     ),
 ]
 

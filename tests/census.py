@@ -71,6 +71,7 @@ class Storage:
     roles: set[str]
     path: str  # how the walk first reached it ("gc..." when only gc found it)
     category: str = "other"
+    device: str = "cpu"  # the device type of the first tensor met on it (cuda under vcuda)
 
 
 @dataclasses.dataclass
@@ -82,6 +83,14 @@ class Census:
         out = dict.fromkeys(CATEGORIES, 0)
         for s in self.storages.values():
             out[s.category] += s.nbytes
+        return out
+
+    def on(self, device: str) -> dict[str, int]:
+        """:attr:`bytes` of the storages on ``device`` ("cuda", "cpu") alone."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for s in self.storages.values():
+            if s.device == device:
+                out[s.category] += s.nbytes
         return out
 
     @property
@@ -250,7 +259,9 @@ def _take_once(engine, module, optimizer, skip: set[int]) -> Census:
         if isinstance(obj, torch.Tensor):
             ptr, nbytes = _storage(obj)
             if ptr and ptr not in skip:
-                s = found.setdefault(ptr, Storage(nbytes, obj.dtype, set(), path))
+                s = found.setdefault(
+                    ptr, Storage(nbytes, obj.dtype, set(), path, device=obj.device.type)
+                )
                 s.roles.add(role)
                 if role == "opt_param":
                     s.dtype = obj.dtype
@@ -292,9 +303,7 @@ def held_at_grad_hooks(engine, before: Baseline, train, steps: int, path_has) ->
         calls[0] += 1
         if probing[0] and calls[0] % 3 == 0:
             c = take(engine, exclude=before, settle=0)
-            seen.append(
-                sum(s.nbytes for s in c.storages.values() if wanted(s.path))
-            )
+            seen.append(sum(s.nbytes for s in c.storages.values() if wanted(s.path)))
 
     for p in engine.module.parameters():
         p.register_post_accumulate_grad_hook(probe)

@@ -43,6 +43,8 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
   touches the one a copy from the device still fills, is refused, as the race it would be on a
   GPU. From or into pageable memory CUDA waits for the stream first: a host wait, ``("stream",
   "pageable ...")``, whatever ``non_blocking`` says.
+- ``UntypedStorage.resize_`` of a cuda storage gives its bytes back to the allocator's count (or
+  takes them): FSDP2 and ``offload_states`` free device memory this way, their tensors kept.
 - ``Topology.device`` is cuda:0; ``torch.cuda.is_available()`` stays False,
   and the few ``torch.cuda`` calls that only wait (``synchronize``, ``current_device``) answer as
   a device with nothing in flight. The allocator's figures (``memory_allocated``,
@@ -141,7 +143,8 @@ def _tag(t: torch.Tensor, state: str | bool, op=None) -> None:
     if key not in _TAGS:  # untagged when the storage goes: its address will be reused
         storage = t.untyped_storage()
         nbytes = storage.nbytes() if state == GPU else 0
-        weakref.finalize(storage, _forget, key, nbytes)
+        weakref.finalize(storage, _forget, key)
+        _SIZES[key] = nbytes
         MEMORY.allocate(nbytes)
     _TAGS[key] = state
 
@@ -164,10 +167,27 @@ class _Memory:
 MEMORY = _Memory()
 
 
-def _forget(key: int, nbytes: int) -> None:
+_SIZES: dict[int, int] = {}  # the device bytes each tagged storage counts in MEMORY
+
+
+def _forget(key: int) -> None:
     _TAGS.pop(key, None)
     _freed(key)
-    MEMORY.allocated -= nbytes
+    MEMORY.allocated -= _SIZES.pop(key, 0)
+
+
+def _resize(self, nbytes: int):
+    """``UntypedStorage.resize_``: a device storage's bytes go back to the allocator, or come
+    from it (FSDP2 and ``offload_states`` free storage this way, their tensors kept)."""
+    key = self._cdata
+    out = _STORAGE_RESIZE(self, nbytes)
+    if _TAGS.get(key) == GPU:
+        MEMORY.allocate(nbytes - _SIZES.get(key, 0))
+        _SIZES[key] = nbytes
+    return out
+
+
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
 
 
 def _where(t: torch.Tensor) -> str:
@@ -808,6 +828,7 @@ def virtual_cuda():
         # NCCL writes on its stream (gloo's fast paths run in the plain CPU tests)
         (gloo, "_gloo", lambda group: False),
         (zerostack_pinned, "can_pin", lambda: True),
+        (torch.UntypedStorage, "resize_", _resize),
         (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", lambda self, *a, **k: pinned(self)),
         (topology.Topology, "device", property(lambda self: CUDA)),
@@ -867,3 +888,4 @@ def virtual_cuda():
         _NCCL.clear()
         _CURRENT.stream = None
         MEMORY.allocated = MEMORY.peak = 0
+        _SIZES.clear()

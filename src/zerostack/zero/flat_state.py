@@ -142,6 +142,13 @@ class FlatState:
 
     def held(self):
         """``(kind, device type, bytes)`` of every buffer :meth:`memory_breakdown` counts."""
+        for kind, t in self.state_tensors():
+            yield kind, t.device.type, t.nbytes
+
+    def state_tensors(self):
+        """``(kind, tensor)`` of every buffer this rank keeps between steps: ``params`` (the
+        flat compute-dtype buffers and frozen parameters), ``grads``, ``master`` (separate
+        fp32 masters only) and ``scratch`` (bucket buffers kept for the next backward)."""
         params = [fg.params_flat for fg in self.groups]
         params += [p for p in self.module.parameters() if p not in self._where]
         grads = [buf for fg in self.groups for buf in (fg.grads_flat, fg.grad_shard)]
@@ -151,9 +158,9 @@ class FlatState:
             base = self.groups[st.group].params_flat
             if not base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes:
                 masters.append(st.master)
-        for kind, tensors in (("params", params), ("grads", grads), ("master", masters)):
+        scratch = list(self.buffers.kept())  # bucket-sized buffers kept for the next backward
+        kinds = {"params": params, "grads": grads, "master": masters, "scratch": scratch}
+        for kind, tensors in kinds.items():
             for t in tensors:
                 if t is not None:
-                    yield kind, t.device.type, t.nbytes
-        for t in self.buffers.kept():  # bucket-sized buffers kept for the next backward
-            yield "scratch", t.device.type, t.nbytes
+                    yield kind, t

@@ -168,20 +168,30 @@ class Stage3State:
 
     def held(self):
         """``(kind, device type, bytes)`` of every buffer :meth:`memory_breakdown` counts."""
+        device = self.comm.topo.device.type
+        for kind, t in self.state_tensors(gathered=False):
+            yield kind, t.device.type, t.nbytes
+        for p in self._owner:  # gathered copies held right now, on the compute device
+            yield "params", device, p._zs.held_bytes
+
+    def state_tensors(self, gathered: bool = True):
+        """``(kind, tensor)`` of every buffer this rank keeps between steps: ``params`` (the
+        pieces in memory, and with ``gathered`` the whole values of the parameters gathered
+        now: persistent ones, and those kept or in use), ``grads`` (gradient shards) and
+        ``master`` (separate fp32 masters)."""
         if not self.param_swapper.offloads:
             pieces = [g.pieces for g in self.groups]
             pieces += [p._zs.piece for p in self._owner if p not in self._trainable]
         else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
             pieces = [p._zs.piece for p in self._owner if p._zs.piece.stride() != (0,)]
+        if gathered:
+            pieces += [p.data for p in self._owner if p._zs.gathered]
         for t in pieces:
-            yield "params", t.device.type, t.nbytes
-        device = self.comm.topo.device.type
-        for p in self._owner:  # gathered copies held right now, on the compute device
-            yield "params", device, p._zs.held_bytes
+            yield "params", t
         for g in self.groups:  # in files the masters hold no storage between steps
             if self.store.in_memory and (
                 g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
             ):
-                yield "master", g.master.device.type, g.master.nbytes
+                yield "master", g.master
             if g.grad_shard is not None:
-                yield "grads", g.grad_shard.device.type, g.grad_shard.nbytes
+                yield "grads", g.grad_shard

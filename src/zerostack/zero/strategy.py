@@ -166,6 +166,10 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
     def held(self) -> Iterator[tuple[str, str, int]]:
         """``(kind, device type, bytes)`` of each buffer :meth:`memory_breakdown` counts."""
 
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(kind, tensor)`` of each buffer kept between steps (params, grads, master,
+        scratch): what ``engine.offload_states()`` moves off the device."""
+
     def close(self) -> None:
         """Release what lives outside the process (NVMe files)."""
 
@@ -217,4 +221,3 @@ class StepSequence:
             self.scale_grads(coef)
         self.step_optimizer(optimizer)
         self.after_step()
-

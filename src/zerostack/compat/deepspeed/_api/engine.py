@@ -72,8 +72,10 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{ENGINE}.client_optimizer": _no("`engine.optimizer` is the torch optimizer"),
         f"{ENGINE}.client_lr_scheduler": _no("`engine.lr_scheduler`"),
         f"{ENGINE}.deepspeed_io": _no("`initialize(training_data=...)` builds the loader"),
-        f"{ENGINE}.offload_states": _no("offload is set in the config, for the whole run"),
-        f"{ENGINE}.reload_states": _no("offload is set in the config, for the whole run"),
+        f"{ENGINE}.offload_states": _works(
+            "include, device (cpu), pin_memory, non_blocking; stages 0-3; views kept, bytes moved"
+        ),
+        f"{ENGINE}.reload_states": _works("training continues bit for bit"),
         f"{ENGINE}.load_universal_checkpoint": _no(
             "any checkpoint loads on any ZeRO stage, dp, tp or pp size: no separate format"
         ),

@@ -11,12 +11,18 @@ are ``engine.topology``, ``engine.batch``, ``engine.update``, ``engine.window`` 
 
 from __future__ import annotations
 
+import logging
+
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
 from zerostack.engine import Engine
+from zerostack.zero.state_offload import StateOffload
 from zerostack.zero.strategy import Pieces
 
 from .engine_queries import EngineQueries, LossScale
+from .zero.offload_config import OffloadDeviceEnum
 from .zero.parameter_offload import DeepSpeedZeRoOffload
+
+log = logging.getLogger("zerostack")
 
 
 class _Overflow:
@@ -45,6 +51,46 @@ class DeepSpeedEngine(EngineQueries, Engine):
             self.optimizer.parameter_offload = offload
         if self.optimizer is not None:
             self.add_callback(_Overflow(self.optimizer))
+        self.states = StateOffload(self.module, self.zero, self.optimizer)
+
+    # ------------------------------------------------------------------ RL colocation
+    def offload_states(
+        self, include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False
+    ) -> None:
+        """DeepSpeed's: move the training states off the device into host memory while
+        something else uses it (an inference engine generating), until :meth:`reload_states`.
+        ``include``: the :class:`OffloadStateTypeEnum` kinds to move (None: all of them);
+        ``device``: only ``cpu`` (``none`` warns and does nothing, ``nvme`` is refused, as in
+        DeepSpeed). Meanwhile forward is refused while the parameters are away, and backward,
+        step and checkpoints while anything is (:mod:`zerostack.zero.state_offload`)."""
+        if self.optimizer is None:
+            raise RuntimeError("offload_states: this engine has no optimizer (forward only)")
+        device = OffloadDeviceEnum(getattr(device, "value", device))
+        if device == OffloadDeviceEnum.none:
+            log.warning("offload_states: device 'none': nothing moved")
+            return
+        if device == OffloadDeviceEnum.nvme:
+            raise ValueError("offload_states: device 'nvme' is not supported (DeepSpeed: cpu)")
+        self.states.offload(include, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking=False) -> None:
+        """DeepSpeed's: bring back what :meth:`offload_states` moved; training continues bit
+        for bit as if it never left."""
+        if self.optimizer is None:
+            raise RuntimeError("reload_states: this engine has no optimizer (forward only)")
+        self.states.reload(non_blocking=non_blocking)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        self.states.require_resident("backward")
+        return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    backward.__doc__ = Engine.backward.__doc__
+
+    def step(self) -> None:
+        self.states.require_resident("step")
+        super().step()
+
+    step.__doc__ = Engine.step.__doc__
 
     # ------------------------------------------------------------------ the last step
     def was_step_applied(self) -> bool:
@@ -83,6 +129,7 @@ class DeepSpeedEngine(EngineQueries, Engine):
         ``async_save`` (None: the config's ``checkpoint.async_save``): copy the state to host
         memory and write it in the background (:mod:`zerostack.checkpoint.async_save`);
         :meth:`wait_for_checkpoint` waits for it. Any save first waits for a pending one."""
+        self.states.require_resident("save_checkpoint")
         return self.checkpoints.save(
             save_dir,
             tag,
@@ -118,6 +165,7 @@ class DeepSpeedEngine(EngineQueries, Engine):
         ``state_dict`` is the checkpoint's, shaped as this rank's module holds them (its
         tensor-parallel slices; at stage 3 the module's parameters are gathered while it runs),
         and what it leaves in the module becomes the fp32 masters."""
+        self.states.require_resident("load_checkpoint")
         return self.checkpoints.load(  # once a pending background save has completed
             load_dir,
             tag,
