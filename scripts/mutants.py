@@ -78,6 +78,10 @@ T_OFFLOAD_ROUND = (
     "tests/test_offload_states.py::"
     "test_offloaded_states_leave_the_device_and_training_continues_bit_for_bit"
 )
+T_OFFLOAD_INPUTS = (
+    "tests/test_offload_activations.py::"
+    "test_hidden_states_leave_the_device_and_gradients_are_unchanged"
+)
 T_ACCESSORS = "tests/test_ds_runtime_helpers.py::test_engine_accessors_answer_as_deepspeeds"
 TRL_HOOKS = "tests/test_trl.py::test_hooks_taken_off_and_put_back_with_trls_functions"
 T_FACADE_KEYS = (
@@ -3675,6 +3679,27 @@ MUTANTS = [
         '        self.states.require_resident("step")\n',
         "",
         (T_OFFLOAD_ROUND,),
+    ),
+    Mutant(
+        "the checkpoint-inputs context offloads every saved tensor, not the marked ones",
+        "activation_checkpointing/offload_inputs.py",
+        "        if not self.unmark(t) or t.device.type",
+        "        if t.device.type",
+        (T_OFFLOAD_INPUTS,),
+    ),
+    Mutant(
+        "the checkpoint-inputs context keeps none of the last inputs on the device",
+        "activation_checkpointing/offload_inputs.py",
+        "        while len(self.recent) > self.keep_last:",
+        "        while len(self.recent) > 0:",
+        (T_OFFLOAD_INPUTS,),
+    ),
+    Mutant(
+        "the layer marker stays installed after the context",
+        "activation_checkpointing/offload_inputs.py",
+        "                    _remove_marker()\n",
+        "                    pass\n",
+        (T_OFFLOAD_INPUTS,),
     ),
 ]
 

@@ -32,9 +32,6 @@ GAPS = {
     "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention": "no compiled kernels",
     "deepspeed.ops.op_builder.AsyncIOBuilder": "no compiled ops: the NVMe store's own I/O",
     "deepspeed.ops.op_builder.GDSBuilder": "no compiled ops: the NVMe store's own I/O",
-    "deepspeed.runtime.activation_checkpointing.offload_activations."
-    "get_checkpoint_hidden_states_offloading_ctx_manager": "ALST tutorial: not yet served "
-    "(activation_checkpointing.cpu_checkpointing does the offload)",
     "deepspeed.utils.groups.initialize": "MoE tutorial's expert groups: the grid makes them",
     # Accelerate
     "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad": "issue 54: DeepSpeed's other optimizers",

@@ -56,6 +56,9 @@ ALIASES = {
     )
 }
 """``deepspeed.<name>`` (and its submodules) served by zerostack's module of that name."""
+ALIASES["deepspeed.runtime.activation_checkpointing.checkpointing"] = (
+    "zerostack.activation_checkpointing"  # DeepSpeed's module path of the same thing
+)
 
 _LATER = {"moe", "pipe", "profiling", "sequence"}  # imported on first use, as attributes too
 LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric")

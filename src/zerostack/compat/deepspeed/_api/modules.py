@@ -79,7 +79,6 @@ MODULES: dict[str, dict[str, Api]] = {
             "before or after initialize; a parameter read as `module.weight` in another "
             "module's forward is gathered there without it"
         ),
-        "deepspeed.zero.unregister_external_parameter": _works("before initialize"),
         "deepspeed.zero.TiledLinear": _no("no tiled layers: stage 3 gathers one module at a time"),
         "deepspeed.zero.TiledLinearReturnBias": _no("no tiled layers"),
         "deepspeed.zero.unwrap_model_for_generation": _no(
@@ -107,6 +106,12 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.runtime.zero.partition_parameters": _served(
             "what Transformers swaps; an identity: zero.Init does not patch tensor constructors"
+        ),
+        "deepspeed.runtime.zero.partition_parameters.register_external_parameter": _served(
+            "`deepspeed.zero.register_external_parameter`"
+        ),
+        "deepspeed.runtime.zero.partition_parameters.unregister_external_parameter": _served(
+            "before initialize (after it, the module's unit keeps gathering the parameter)"
         ),
         "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus": _served(
             "a stage-3 parameter's `ds_status` (AVAILABLE while gathered, NOT_AVAILABLE)"
@@ -268,6 +273,19 @@ MODULES: dict[str, dict[str, Api]] = {
             "DeepSpeed's lines on rank 0 with force=True; the host's figure from /proc/meminfo"
         ),
         "deepspeed.runtime.dataloader.RepeatingLoader": _served("DeepSpeed's"),
+        "deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum": _served(
+            "the kinds `engine.offload_states(include=...)` moves; DeepSpeed's values"
+        ),
+        "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum": _served(
+            "`none`, `cpu`, `nvme` (offload_states takes `cpu`)"
+        ),
+        "deepspeed.runtime.activation_checkpointing.offload_activations."
+        "get_checkpoint_hidden_states_offloading_ctx_manager": _different(
+            "the hidden states of layers under torch's non-reentrant checkpoint go to host "
+            "memory, the last `keep_last_count` kept; copies on the current stream, so "
+            "`use_streams`, `max_fwd_stash_count`, `max_cpu_buffer_pool_count` change nothing",
+            "zerostack.activation_checkpointing.offload_inputs.offload_checkpoint_inputs",
+        ),
         "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": _served(
             "DS_ENV_FILE or `.deepspeed_env`, which `zerostack launch` reads, then `.zerostack_env`"
         ),

@@ -1,7 +1,23 @@
 """``deepspeed.runtime``: the engine class, the schedules, the optimizer base class, ZeRO-3's
 model-construction module and parameter hooks, the helpers scripts import (``utils``,
-``dataloader``), at DeepSpeed's paths."""
+``dataloader``), activation checkpointing, at DeepSpeed's paths."""
 
-from . import base_optimizer, dataloader, engine, lr_schedules, utils, zero
+from . import (
+    activation_checkpointing,
+    base_optimizer,
+    dataloader,
+    engine,
+    lr_schedules,
+    utils,
+    zero,
+)
 
-__all__ = ["base_optimizer", "dataloader", "engine", "lr_schedules", "utils", "zero"]
+__all__ = [
+    "activation_checkpointing",
+    "base_optimizer",
+    "dataloader",
+    "engine",
+    "lr_schedules",
+    "utils",
+    "zero",
+]

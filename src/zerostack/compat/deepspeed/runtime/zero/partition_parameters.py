@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from zerostack.zero import GatheredParameters, Init
+from zerostack.zero.module_hooks import register_external_parameter, unregister_external_parameter
 from zerostack.zero.params import ZeroParamStatus
 
 from ...accelerator import get_accelerator
@@ -28,6 +29,8 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_devi
 __all__ = [
     "GatheredParameters",
     "Init",
+    "register_external_parameter",
+    "unregister_external_parameter",
     "ZeroParamStatus",
     "_orig_torch_arange",
     "get_accelerator",
