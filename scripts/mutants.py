@@ -2803,7 +2803,7 @@ MUTANTS = [
     Mutant(
         "stage 2: a pooled staging buffer's padding not zeroed",
         "zero/grad_buffers.py",
-        "staging[max(rng.stop for _, rng in st.ranges) - st.bucket.start :].zero_()",
+        "staging[end - st.bucket.start :].zero_()",
         "staging[st.bucket.numel :].zero_()",
         (T_POISON,),
     ),
@@ -3700,6 +3700,23 @@ MUTANTS = [
         "                    _remove_marker()\n",
         "                    pass\n",
         (T_OFFLOAD_INPUTS,),
+    ),
+    Mutant(
+        "zero.Init draws Hugging Face's initial weights where from_pretrained switched that off",
+        "zero/hf_init.py",
+        '    if getattr(original, "__qualname__", "") != "PreTrainedModel.init_weights":',
+        "    if False:",
+        (
+            "tests/test_hf.py::"
+            "test_zero_init_draws_nothing_where_transformers_switched_initialisation_off",
+        ),
+    ),
+    Mutant(
+        "stage 2 stages an empty optimizer group's bucket by its parameters' end",
+        "zero/grad_buffers.py",
+        "        end = max((rng.stop for _, rng in st.ranges), default=st.bucket.start)",
+        "        end = max(rng.stop for _, rng in st.ranges)",
+        ("tests/test_frozen.py::test_an_empty_optimizer_group_trains_as_one_process",),
     ),
 ]
 

@@ -185,3 +185,31 @@ def test_frozen_parameters_save_load_and_consolidate_at_every_stage(tmp_path):
     assert "emb.weight: slices cover 0 of elements" in dp2["no_emb"], dp2["no_emb"]
     for n in FROZEN:  # a bf16 run's frozen weights load into fp32 as the bf16 values they were
         assert torch.equal(dp1["bf16_s3"][0][n], initial[n].detach().to(torch.bfloat16).float())
+
+
+def _empty_group(rank, world, stage):
+    """The Hugging Face Trainer's optimizer for a LoRA model: a weight-decay group holding every
+    trainable parameter and a no-decay group left empty (no trainable bias or norm)."""
+    model = tiny(0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": trained, "weight_decay": 0.0}, {"params": [], "weight_decay": 0.0}]
+    cfg = {"train_micro_batch_size_per_gpu": B // world, "zero_optimization": {"stage": stage}}
+    engine, *_ = zerostack.initialize(
+        model=model, optimizer=torch.optim.SGD(groups, lr=0.5), config=cfg
+    )
+    per = B // world
+    for step in range(STEPS):
+        x, y = _batch(step)
+        engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def test_an_empty_optimizer_group_trains_as_one_process():
+    """SGD without clipping at dp 2, stages 0-3, against one process (stage 2 once failed on
+    the empty group's bucket, which holds only padding)."""
+    want = run_distributed(_empty_group, 1, args=(0,))[0]
+    for stage in range(4):
+        for got in run_distributed(_empty_group, 2, args=(stage,)):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)

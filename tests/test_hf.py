@@ -323,3 +323,24 @@ def test_example_trains_saves_and_reloads(argv, tmp_path):
     engine_loss, reloaded = float(found.group(1)), float(found.group(2))
     assert abs(engine_loss - reloaded) <= 1e-3 * engine_loss
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def _draws_under_no_init(rank, world):
+    from hf_models import hf_config
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    torch.manual_seed(42)
+    want = torch.rand(2)
+    torch.manual_seed(42)
+    with no_init_weights(), zerostack.zero.Init(topology=Topology.build()):
+        # as from_pretrained builds it: the weights are loaded next, not drawn
+        AutoModelForCausalLM.from_config(hf_config("llama"))
+    return torch.equal(torch.rand(2), want)
+
+
+def test_zero_init_draws_nothing_where_transformers_switched_initialisation_off():
+    """``from_pretrained`` under ZeRO-3 enters ``no_init_weights`` and then ``zero.Init``: no
+    random number may be drawn, or what the script draws next (a LoRA's initial weights)
+    differs from DeepSpeed's and from a plain run (TRL's SFT with PEFT once did)."""
+    assert run_distributed(_draws_under_no_init, 2) == [True, True]

@@ -280,7 +280,8 @@ class ShardedGrads(GradBuffer):
         each parameter's range is written when its gradient arrives (:meth:`_zero_missing`
         zeroes those that did not)."""
         staging = self.flat.buffers.take(st.bucket.numel, self.flat.reduce_dtype, device)
-        staging[max(rng.stop for _, rng in st.ranges) - st.bucket.start :].zero_()
+        end = max((rng.stop for _, rng in st.ranges), default=st.bucket.start)  # an empty group
+        staging[end - st.bucket.start :].zero_()
         return staging
 
     def _zero_missing(self, st) -> None:

@@ -55,12 +55,16 @@ def init_weights_gathered(model: nn.Module, gathered) -> None:
 
 def patch_init_weights(gathered):
     """Route ``PreTrainedModel.init_weights`` to :func:`init_weights_gathered` with
-    ``gathered``; returns the undo."""
+    ``gathered``, unless something has switched it off; returns the undo."""
     hf = transformers_loaded()
     if hf is None:
         return lambda: None
     cls = hf.PreTrainedModel
     original = cls.__dict__["init_weights"]
+    if getattr(original, "__qualname__", "") != "PreTrainedModel.init_weights":
+        # switched off (``from_pretrained`` enters transformers' ``no_init_weights`` before
+        # ``zero.Init``: the weights are loaded, not drawn): leave it off, drawing nothing
+        return lambda: None
 
     def init_weights(model: nn.Module) -> None:
         init_weights_gathered(model, gathered)
