@@ -6,7 +6,8 @@
 A plain TRL script (``GRPOConfig(deepspeed=...)``): it never imports zerostack. With real
 DeepSpeed installed instead, ``torchrun examples/trl_grpo.py ...`` runs the same script on
 DeepSpeed (tests/golden/trl.json holds those figures). The policy is a tiny Llama from a config;
-the tokenizer is built here (a word-level vocabulary of 64 tokens); nothing is downloaded.
+the tokenizer is built here (examples/_tiny_hf.py, a word-level vocabulary of 64 tokens);
+nothing is downloaded.
 Generation is ``model.generate`` (no vLLM); with ``--beta`` above 0 the reference model goes
 through TRL's ``prepare_deepspeed``. The reward counts the completion's tokens that are even
 numbers, so it is learnable and the same for every engine.
@@ -17,12 +18,10 @@ logged loss, grad norm, reward, its spread and (with ``--beta``) the KL.
 
 import argparse
 import json
-import os
 
 import torch
+from _tiny_hf import Record, cpu_state, initial_model, tokenizer
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 parser = argparse.ArgumentParser()
@@ -36,32 +35,7 @@ parser.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clip
 parser.add_argument("--no_gradient_checkpointing", action="store_true", help="TRL's default is on")
 parser.add_argument("--fp32", action="store_true", help="TRL's default is bf16")
 args = parser.parse_args()
-
-if args.deepspeed and not torch.cuda.is_available() and "WORLD_SIZE" in os.environ:
-    # CPU only: Accelerate finds no backend for DeepSpeed without an accelerator and would make
-    # a world of one; give it gloo before the config (not needed on GPUs).
-    from accelerate import PartialState
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    cpu_state = {"accelerator_config": {"use_configured_state": True}}
-else:
-    cpu_state = {}
-
-WORDS = ["<pad>", "<eos>", "<unk>"] + [str(i) for i in range(61)]
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the numbers 0-60, built in process."""
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    out.padding_side = "left"
-    return out
-
+state = cpu_state(args.deepspeed)
 
 SAMPLED: list[str] = []  # this rank's completions, in order
 
@@ -74,19 +48,6 @@ def even_numbers(completions, **kwargs) -> list[float]:
         words = text.split()
         out.append(sum(w.isdigit() and int(w) % 2 == 0 for w in words) / max(len(words), 1))
     return out
-
-
-class Record(TrainerCallback):
-    """The Trainer's own logs, one entry per step."""
-
-    KEYS = ("loss", "grad_norm", "reward", "reward_std", "kl")
-
-    def __init__(self) -> None:
-        self.logs = []
-
-    def on_log(self, _args, state, _control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.logs.append({"step": state.global_step, **{k: logs.get(k) for k in self.KEYS}})
 
 
 prompts = [" ".join(str((7 * i + j) % 61) for j in range(4)) for i in range(16)]
@@ -111,23 +72,11 @@ training_args = GRPOConfig(
     use_cpu=not torch.cuda.is_available(),
     dataloader_num_workers=0,
     disable_tqdm=True,
-    **cpu_state,
+    **state,
 )
-# The initial model, written once as a local "pretrained" folder: TRL loads the policy and the
-# reference model from it (under ZeRO-3, each built sharded: zero.Init).
-init = os.path.join(args.out, "init")
-with training_args.main_process_first(desc="the initial model"):
-    if training_args.process_index == 0 and not os.path.exists(os.path.join(init, "config.json")):
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=len(WORDS), max_position_embeddings=64,
-            pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        )
-        LlamaForCausalLM(config).save_pretrained(init)
-record = Record()
+record = Record(("loss", "grad_norm", "reward", "reward_std", "kl"))
 trainer = GRPOTrainer(
-    model=init,
+    model=initial_model(training_args, args.out),
     reward_funcs=even_numbers,
     args=training_args,
     train_dataset=Dataset.from_dict({"prompt": prompts}),
