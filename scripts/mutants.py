@@ -3718,6 +3718,44 @@ MUTANTS = [
         "        end = max(rng.stop for _, rng in st.ranges)",
         ("tests/test_frozen.py::test_an_empty_optimizer_group_trains_as_one_process",),
     ),
+    Mutant(
+        "Lion interpolates with beta2 where the update takes beta1",
+        "optim/lion.py",
+        "                p.add_(torch.sign(m * beta1 + g * (1 - beta1)), alpha=-lr)",
+        "                p.add_(torch.sign(m * beta2 + g * (1 - beta2)), alpha=-lr)",
+        ("tests/test_ds_optimizers.py",),
+    ),
+    Mutant(
+        "Lion's weight decay scales with the learning rate squared",
+        "optim/lion.py",
+        "                    p.mul_(1 - lr * wd)",
+        "                    p.mul_(1 - lr * lr * wd)",
+        ("tests/test_ds_optimizers.py",),
+    ),
+    Mutant(
+        "the optimizer's cur_scale stays the initial loss scale",
+        "compat/deepspeed/runtime/engine.py",
+        "        self.optimizer.cur_scale = float(self.state.loss_scaler.loss_scale)",
+        "        pass",
+        ("tests/test_ds_runtime_helpers.py::test_the_optimizers_cur_scale_is_the_loss_scale_now",),
+    ),
+    Mutant(
+        "the engine does not hand what it lacks to its module",
+        "compat/deepspeed/runtime/engine.py",
+        "            if module is None or name.startswith(\"__\"):",
+        "            if True:",
+        ("tests/test_ds_runtime_helpers.py::test_what_the_engine_lacks_is_its_modules",),
+    ),
+    Mutant(
+        "DeepSpeedConfig resolves the batch for one rank whatever the mpu says",
+        "compat/deepspeed/runtime/config.py",
+        "        batch = cfg.resolve_batch(dp)",
+        "        batch = cfg.resolve_batch(1)",
+        (
+            "tests/test_ds_runtime_helpers.py::"
+            "test_deepspeed_config_resolves_the_batch_as_initialize_does",
+        ),
+    ),
 ]
 
 

@@ -123,9 +123,153 @@ def test_add_config_arguments_and_initialize_reading_them(tmp_path):
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
     assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (
-        True, "ds.json", False, None,
+        True,
+        "ds.json",
+        False,
+        None,
     )
     assert parser.parse_args([]).deepspeed is False
     path = tmp_path / "ds.json"  # the deprecated spelling still names the config, as DeepSpeed's
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
     assert run_distributed(_from_args, 1, args=(str(path),)) == [3]
+
+
+# --- the rest of the census's names: config, monitor, groups, seeds, the engine's fallbacks ---
+
+
+def _scales(rank, world):
+    from common import batch, tiny_gpt
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {
+            "enabled": True,
+            "initial_scale_power": 4,
+            "loss_scale_window": 100,
+            "hysteresis": 1,
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config=cfg)
+    scales = [engine.optimizer.cur_scale]
+    for step, factor in enumerate([1.0, float("inf")]):  # the second overflows: scale halves
+        x, y = batch(step, 2 * world)
+        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]) * factor)
+        engine.step()
+        scales.append(engine.optimizer.cur_scale)
+    return scales
+
+
+def test_the_optimizers_cur_scale_is_the_loss_scale_now():
+    """DeepSpeed's Megatron tutorial logs ``optimizer.cur_scale``."""
+    from distributed import run_distributed
+
+    assert run_distributed(_scales, 2) == [[16.0, 16.0, 8.0]] * 2
+
+
+def test_deepspeed_config_resolves_the_batch_as_initialize_does():
+    from zerostack.compat.deepspeed.runtime.config import LAMB_OPTIMIZER, DeepSpeedConfig
+
+    cfg = DeepSpeedConfig(
+        {
+            "train_batch_size": 12,
+            "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "adamw", "params": {"lr": 3e-4}},
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+            "not_a_deepspeed_key": 1,  # ignored with a warning, as deepspeed.initialize does
+        }
+    )
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (12, 4)
+    assert cfg.gradient_accumulation_steps == 3 and LAMB_OPTIMIZER == "lamb"
+    assert (cfg.zero_enabled, cfg.zero_optimization_stage) == (True, 2)
+    assert (cfg.fp16_enabled, cfg.bfloat16_enabled) == (False, True)
+    assert cfg.optimizer_name == "adamw" and cfg.optimizer_params["lr"] == 3e-4
+    assert cfg.scheduler_name is None and cfg.typed.ignored_keys == ("not_a_deepspeed_key",)
+
+    class Mpu:  # an mpu's data-parallel size decides, as in DeepSpeed
+        def get_data_parallel_world_size(self):
+            return 3
+
+    on_three = DeepSpeedConfig({"train_batch_size": 12, "gradient_accumulation_steps": 2}, Mpu())
+    assert on_three.train_micro_batch_size_per_gpu == 2
+
+
+def test_monitor_master_writes_a_scripts_events_where_the_config_says(tmp_path):
+    """DeepSpeed's monitor tutorial: MonitorMaster(DeepSpeedConfig(...).monitor_config)."""
+    from zerostack.compat.deepspeed.monitor.monitor import MonitorMaster
+    from zerostack.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+    csv = {"enabled": True, "output_path": str(tmp_path), "job_name": "cifar"}
+    monitor = MonitorMaster(
+        DeepSpeedConfig({"train_batch_size": 4, "csv_monitor": csv}).monitor_config
+    )
+    monitor.write_events([("Train/Samples/loss", 2.5, 8), ("Train/Samples/loss", 2.0, 16)])
+    monitor.close()
+    rows = (tmp_path / "cifar" / "Train_Samples_loss.csv").read_text().splitlines()
+    assert rows[1:] == ["8,2.5", "16,2.0"]
+    assert not MonitorMaster(DeepSpeedConfig({"train_batch_size": 4}).monitor_config).enabled
+
+
+def test_groups_initialize_is_deprecated_and_does_nothing():
+    from zerostack.compat.deepspeed.utils import groups
+
+    assert groups.initialize(ep_size=2) is None
+    import pytest
+
+    with pytest.raises(ValueError, match="ep_size must be an integer >= 1, got 0"):
+        groups.initialize(ep_size=0)
+
+
+def test_set_random_seed_seeds_python_numpy_and_torch():
+    import random
+
+    import numpy
+
+    from zerostack.compat.deepspeed.runtime.utils import set_random_seed
+
+    def draw():
+        return random.random(), float(numpy.random.rand()), float(torch.rand(()))
+
+    set_random_seed(2**40 + 7)  # above numpy's 32 bits: reduced, as DeepSpeed does
+    first = draw()
+    set_random_seed(2**40 + 7)
+    assert draw() == first
+
+
+def _through(rank, world):
+    from common import tiny_gpt
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    model = tiny_gpt()
+    model.describe = lambda: "the module's own method"
+    engine, *_ = deepspeed.initialize(model=model, config={"train_batch_size": 2 * world})
+    try:
+        _ = engine.no_such_thing
+    except AttributeError as e:
+        missing = str(e)
+    return engine.describe(), engine.cfg is model.cfg, engine.train_batch_size(), missing
+
+
+def test_what_the_engine_lacks_is_its_modules():
+    """DeepSpeed's engine hands unknown attributes to its module (DeepSpeed-Chat calls
+    ``engine.gradient_checkpointing_enable()``); its own come first."""
+    from distributed import run_distributed
+
+    for said, same, tbs, missing in run_distributed(_through, 2):
+        assert said == "the module's own method" and same and tbs == 4
+        assert (
+            missing
+            == "'DeepSpeedEngine' object has no attribute 'no_such_thing', nor has its module"
+        )
+
+
+def test_deepspeed_version_is_a_version():
+    from packaging.version import Version
+
+    import zerostack.compat.deepspeed as deepspeed
+
+    assert Version(deepspeed.version) >= Version("0.19.8")

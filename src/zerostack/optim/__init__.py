@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from .cpu_adam import CPUAdam
+from .lion import Lion
 from .lr_schedules import SCHEDULERS, build_lr_scheduler
 
-__all__ = ["SCHEDULERS", "CPUAdam", "build_lr_scheduler", "build_optimizer"]
+__all__ = ["SCHEDULERS", "CPUAdam", "Lion", "build_lr_scheduler", "build_optimizer"]
 
 
 def _fused_ok(groups: list[dict]) -> bool:

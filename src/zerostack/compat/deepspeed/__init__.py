@@ -32,14 +32,16 @@ from zerostack.core.version import __version__ as _zerostack_version
 from zerostack.world import init_distributed
 
 from ..serve import ServedName, serve
-from . import accelerator, checkpoint, launcher, ops, runtime, utils
+from . import accelerator, checkpoint, launcher, monitor, ops, runtime, utils
 from .accelerator import get_accelerator
+from .runtime.config import DeepSpeedConfig
 from .runtime.engine import DeepSpeedEngine
 from .utils.logging import log_dist, logger
 
 API_LEVEL = "0.19.8"
 """The DeepSpeed release whose API this tree implements."""
 __version__ = f"{API_LEVEL}+zerostack.{_zerostack_version}"
+version = __version__  # DeepSpeed's ``deepspeed.version`` (OpenRLHF compares it)
 __version_major__, __version_minor__, __version_patch__ = (int(v) for v in API_LEVEL.split("."))
 
 ALIASES = {
@@ -145,6 +147,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "add_config_arguments",
     "DeepSpeedEngine",
@@ -160,9 +163,11 @@ __all__ = [
     "launcher",
     "log_dist",
     "logger",
+    "monitor",
     "ops",
     "runtime",
     "tp_model_init",
     "utils",
+    "version",
     "zero",
 ]

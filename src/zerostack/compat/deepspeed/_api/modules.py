@@ -34,10 +34,20 @@ MODULES: dict[str, dict[str, Api]] = {
             "the engine `initialize` returns for a PipelineModule",
             "zerostack.pipeline.PipelineEngine",
         ),
-        "deepspeed.DeepSpeedConfig": _different(
-            "a typed pydantic model; `load_config(dict or path)` builds it",
-            "zerostack.ZeroStackConfig",
+        "deepspeed.DeepSpeedConfig": _served(
+            "`DeepSpeedConfig(config, mpu=None)`: checked as `initialize` checks it, batch sizes "
+            "resolved; DeepSpeed's attribute names (`.typed`: zerostack.ZeroStackConfig)"
         ),
+        "deepspeed.runtime.config.DeepSpeedConfig": _served("`deepspeed.DeepSpeedConfig`"),
+        "deepspeed.runtime.config.LAMB_OPTIMIZER": _served("DeepSpeed's optimizer-name constants"),
+        "deepspeed.version": _served("`deepspeed.__version__`"),
+        "deepspeed.monitor.monitor.MonitorMaster": _served(
+            "`MonitorMaster(ds_config.monitor_config)`: the config's monitors, on global rank 0"
+        ),
+        "deepspeed.utils.groups.initialize": _served(
+            "deprecated in DeepSpeed: does nothing (the MoE layers' ep_size makes the groups)"
+        ),
+        "deepspeed.runtime.utils.set_random_seed": _served("random, NumPy and torch, as DeepSpeed"),
         "deepspeed.DeepSpeedConfigError": _different(
             "one line naming the key and why", "zerostack.ConfigError"
         ),
@@ -233,8 +243,14 @@ MODULES: dict[str, dict[str, Api]] = {
             "torch's Adam with DeepSpeed's arguments (decoupled decay when adam_w_mode)"
         ),
         "deepspeed.ops.lamb.FusedLamb": _no("no LAMB: optimizer types are Adam, AdamW, SGD"),
-        "deepspeed.ops.lion.DeepSpeedCPULion": _no("no Lion: pass a torch optimizer"),
-        "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad": _no("no CPU Adagrad: pass a torch optimizer"),
+        "deepspeed.ops.lion.DeepSpeedCPULion": _served(
+            "zerostack.optim.Lion (torch code) with DeepSpeed's arguments; equal to DeepSpeed's "
+            "kernel within 1e-6"
+        ),
+        "deepspeed.ops.lion.FusedLion": _served("zerostack.optim.Lion with DeepSpeed's arguments"),
+        "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad": _served(
+            "torch's Adagrad with DeepSpeed's arguments (`amsgrad=True` refused)"
+        ),
         "deepspeed.runtime.lr_schedules.WarmupLR": _different(
             "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupLR"
         ),

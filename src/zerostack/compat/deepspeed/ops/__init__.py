@@ -1,6 +1,6 @@
 """``deepspeed.ops``: the optimizers Accelerate and DeepSpeed configs name. zerostack has no
-compiled ops: these are torch's optimizers and zerostack's CPU Adam."""
+compiled ops: these are torch's optimizers, zerostack's CPU Adam and its Lion."""
 
-from . import adam
+from . import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]

@@ -28,14 +28,17 @@ log = logging.getLogger("zerostack")
 class _Overflow:
     """``engine.optimizer.overflow``: whether the last optimizer step was skipped for a
     non-finite gradient, as DeepSpeed's ZeRO and fp16 optimizers say (Accelerate's
-    ``step_was_skipped`` reads it)."""
+    ``step_was_skipped`` reads it); and ``engine.optimizer.cur_scale``, the loss scale now (what
+    DeepSpeed's Megatron tutorial logs; 1.0 without fp16)."""
 
-    def __init__(self, optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer, state) -> None:
+        self.optimizer, self.state = optimizer, state  # the engine's TrainState: its scaler
         optimizer.overflow = False
+        optimizer.cur_scale = float(state.loss_scaler.loss_scale)
 
     def after_step(self, report) -> None:
         self.optimizer.overflow = not report.applied
+        self.optimizer.cur_scale = float(self.state.loss_scaler.loss_scale)
 
 
 class DeepSpeedEngine(EngineQueries, Engine):
@@ -50,8 +53,25 @@ class DeepSpeedEngine(EngineQueries, Engine):
             offload = DeepSpeedZeRoOffload(self.module, self.zero.coordinator())
             self.optimizer.parameter_offload = offload
         if self.optimizer is not None:
-            self.add_callback(_Overflow(self.optimizer))
+            self.add_callback(_Overflow(self.optimizer, self.state))
         self.states = StateOffload(self.module, self.zero, self.optimizer)
+
+    def __getattr__(self, name: str):
+        """What the engine lacks, its module's, as DeepSpeed's engine answers it
+        (``engine.gradient_checkpointing_enable()``, a Hugging Face model's ``engine.model``):
+        scripts written for DeepSpeed reach the model through the engine that way."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}', nor has its module"
+            ) from None
 
     # ------------------------------------------------------------------ RL colocation
     def offload_states(

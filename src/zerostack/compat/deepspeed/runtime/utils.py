@@ -1,5 +1,5 @@
 """``deepspeed.runtime.utils``: the helpers DeepSpeed's tutorials and ALST scripts import
-(``move_to_device``, ``see_memory_usage``)."""
+(``move_to_device``, ``see_memory_usage``, ``set_random_seed``)."""
 
 from __future__ import annotations
 
@@ -58,4 +58,16 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     print(f"CPU Virtual Memory:  used = {used:.2f} GB, percent = {percent:.1f}%")
 
 
-__all__ = ["move_to_device", "see_memory_usage"]
+def set_random_seed(seed: int) -> None:
+    """DeepSpeed's: seed Python's ``random``, NumPy's global generator (``seed % 2**32``) and
+    torch's (``seed % 2**63``)."""
+    import random
+
+    import numpy
+
+    random.seed(seed)
+    numpy.random.seed(seed % (2**32))
+    torch.manual_seed(seed % (2**63))
+
+
+__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]

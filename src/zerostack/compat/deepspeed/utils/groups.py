@@ -13,9 +13,24 @@ size is 1 and the rank 0, as DeepSpeed's without an mpu; asking for the group th
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 _GRID: Any = None  # the Topology of the last engine deepspeed.initialize built
+log = logging.getLogger("zerostack")
+
+
+def initialize(ep_size: int = 1, mpu=None) -> None:
+    """DeepSpeed's deprecated call ("model training code does not need to call this anymore":
+    its MoE tutorial). Nothing to do: the expert groups come from the MoE layers' ``ep_size``
+    when ``initialize`` builds the grid, which checks they agree."""
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"groups.initialize: ep_size must be an integer >= 1, got {ep_size!r}")
+    log.info(
+        "deepspeed.utils.groups.initialize(ep_size=%d): deprecated in DeepSpeed; the MoE "
+        "layers' ep_size makes the groups at initialize",
+        ep_size,
+    )
 
 
 def _set_grid(topology: Any) -> None:
@@ -37,8 +52,10 @@ def _get_sequence_parallel_rank() -> int:
 
 def _get_sequence_parallel_group():
     if _sp() is None:
-        raise KeyError("No sequence parallel group found: no engine with sequence_parallel_size "
-                       "> 1 was initialized")
+        raise KeyError(
+            "No sequence parallel group found: no engine with sequence_parallel_size "
+            "> 1 was initialized"
+        )
     return _sp().group("sp")
 
 
