@@ -82,6 +82,9 @@ T_OFFLOAD_INPUTS = (
     "tests/test_offload_activations.py::"
     "test_hidden_states_leave_the_device_and_gradients_are_unchanged"
 )
+T_DS_RESUME = (
+    "tests/test_deepspeed_checkpoints.py::test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses"
+)
 T_ACCESSORS = "tests/test_ds_runtime_helpers.py::test_engine_accessors_answer_as_deepspeeds"
 TRL_HOOKS = "tests/test_trl.py::test_hooks_taken_off_and_put_back_with_trls_functions"
 T_FACADE_KEYS = (
@@ -3755,6 +3758,44 @@ MUTANTS = [
             "tests/test_ds_runtime_helpers.py::"
             "test_deepspeed_config_resolves_the_batch_as_initialize_does",
         ),
+    ),
+    Mutant(
+        "a DeepSpeed stage-3 parameter joined from the ranks' pieces in the wrong order",
+        "checkpoint/deepspeed_read.py",
+        "for f in flats])[:n]",
+        "for f in flats[::-1]])[:n]",
+        (T_DS_RESUME,),
+    ),
+    Mutant(
+        "a DeepSpeed stage 1-2 group joined from the ranks' partitions in the wrong order",
+        "checkpoint/deepspeed_read.py",
+        "                flat = torch.cat([rank[g].float() for rank in parts])",
+        "                flat = torch.cat([rank[g].float() for rank in parts[::-1]])",
+        (T_DS_RESUME,),
+    ),
+    Mutant(
+        "DeepSpeed's optimizer moments read from the fp32 partition",
+        "checkpoint/deepspeed_read.py",
+        "        if kind == \"master\":\n            key =",
+        "        if True:\n            key =",
+        (T_DS_RESUME,),
+    ),
+    Mutant(
+        "a DeepSpeed .pt file unpickled with its classes' code",
+        "checkpoint/deepspeed_read.py",
+        "            return torch.load(path, map_location=\"cpu\", weights_only=True, mmap=True)",
+        "            return torch.load(path, map_location=\"cpu\", weights_only=False, mmap=True)",
+        (
+            "tests/test_deepspeed_checkpoints.py::"
+            "test_a_class_off_the_allow_list_is_refused_before_anything_loads",
+        ),
+    ),
+    Mutant(
+        "DeepSpeed's client state left behind",
+        "checkpoint/deepspeed_read.py",
+        "            \"client_state\": {k: v for k, v in m.items() if k not in _KNOWN},",
+        "            \"client_state\": {},",
+        (T_DS_RESUME,),
     ),
 ]
 

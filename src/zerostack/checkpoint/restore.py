@@ -21,6 +21,7 @@ from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
+from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder
 from .errors import CheckpointError
 from .state import (
     FORMAT,
@@ -65,6 +66,12 @@ class _Reader:
             if k.startswith("buffer/")
         }
 
+    def kinds(self) -> list[str]:
+        """The optimizer moments the checkpoint holds (besides ``master``)."""
+        files = self.manifest["files"]
+        found = {k.split("/")[0] for rec in files for k in rec["sha256"]}
+        return sorted(found - {"master", "rng", "buffer"})
+
     def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
         """Copy elements ``[lo, hi)`` of ``name``'s saved ``kind`` (the slice written by tp rank
         ``tp_rank``; None for a whole parameter) to ``dest[offset:]``; returns how many."""
@@ -108,13 +115,18 @@ class _Reader:
         return t
 
 
-def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
+def tag_folder(load_dir: str, tag=None) -> str:
+    """The folder of ``tag`` (None: the one ``latest`` names) under ``load_dir``."""
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.exists(latest):
             raise CheckpointError(f"{latest}: no such file (no complete checkpoint; pass tag=)")
         tag = open(latest).read().strip()
-    folder = os.path.join(load_dir, str(tag))
+    return os.path.join(load_dir, str(tag))
+
+
+def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
+    folder = tag_folder(load_dir, tag)
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: missing (not a complete checkpoint)")
@@ -213,8 +225,13 @@ def _load(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ):
-    folder, manifest = read_manifest(load_dir, tag)
-    reader = _Reader(folder, manifest)
+    folder = tag_folder(load_dir, tag)
+    if is_deepspeed_folder(folder):  # DeepSpeed wrote it: read as zerostack's own
+        reader = DeepSpeedReader(folder, gas=run.config["gradient_accumulation_steps"])
+    else:
+        folder, manifest = read_manifest(load_dir, tag)
+        reader = _Reader(folder, manifest)
+    manifest = reader.manifest
     saved = manifest["params"]
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
     # model's values; with load_module_strict=False so do those it simply lacks.
@@ -244,10 +261,7 @@ def _load(
     saved_tp = reader.saved_tp
     opt = run.optimizer
     with_state = load_optimizer_states and not load_module_only and opt is not None
-    keys = sorted(
-        {k.split("/")[0] for rec in manifest["files"] for k in rec["sha256"]}
-        - {"master", "rng", "buffer"}
-    )
+    keys = reader.kinds()
 
     def read(dest, p, kind: str, lo: int, hi: int, a: int) -> None:
         """Elements ``[lo, hi)`` of ``p``'s saved ``kind`` (this rank's tp slice) to ``dest[a:]``;

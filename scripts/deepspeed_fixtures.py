@@ -1,0 +1,167 @@
+"""Checkpoint folders written by real DeepSpeed 0.19.8, committed as test data
+(tests/fixtures/deepspeed/<case>/), and the losses DeepSpeed trains on after it saved them
+(tests/fixtures/deepspeed/expected.json): so CI, with no DeepSpeed, checks that zerostack
+resumes DeepSpeed's folders with DeepSpeed's next losses.
+
+    # in the peer environment (../shared/PEERS.md), every case:
+    DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_fixtures.py --engine deepspeed
+
+Each case runs the same script on 2 gloo ranks (``torchrun``): a tiny Hugging Face GPT-2
+(seeded), AdamW and WarmupLR from the config, micro-batch 2 per rank, seeded token batches;
+3 steps, ``save_checkpoint(dir, client_state={"epoch": 7})``, 2 more steps. It records every
+step's loss on each rank. ``--engine zerostack`` runs the same script under zerostack (the
+losses before the save must equal DeepSpeed's: the folders hold the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "deepspeed")
+SAVE_AT, STEPS, MICRO, WORLD = 3, 5, 2, 2
+
+CASES = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_bf16": {"stage": 2, "bf16": True},
+    "zero3_bf16": {"stage": 3, "bf16": True},
+}
+
+
+def ds_config(stage: int, bf16: bool = False) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4},
+        },
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def model():
+    """The tiny GPT-2 every case trains (seeded)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return GPT2LMHeadModel(cfg)
+
+
+def tokens(step: int, rank: int, world: int = WORLD):
+    """This rank's micro-batch of global batch ``step`` (the same global batch at any world)."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 64, (MICRO * WORLD, 12), generator=g)
+    per = MICRO * WORLD // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def train(stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None):
+    """Run in each rank: DeepSpeed's loop; returns this rank's losses."""
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = ds_config(stage, bf16)
+    cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
+    engine, *_ = deepspeed.initialize(model=model(), config=cfg)
+    if load is not None:
+        engine.load_checkpoint(load)
+    losses = []
+    for step in steps:
+        x = tokens(step, rank, world).to(engine.device)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+        if step + 1 == SAVE_AT and load is None:
+            engine.save_checkpoint(out, client_state={"epoch": 7})
+    return losses
+
+
+def _child(args) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    case = CASES[args.case]
+    losses = train(case["stage"], case.get("bf16", False), args.out)
+    with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(losses, f)
+
+
+def run_case(name: str, engine: str, out: str) -> list[list[float]]:
+    """Each rank's losses of one case, its folder written to ``out``."""
+    runner = ["-m", "zerostack.as_deepspeed"] if engine == "zerostack" else []
+    with tempfile.TemporaryDirectory() as results:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(WORLD), *runner, __file__, "--child", "--case", name, "--out", out,
+               "--results", results]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        paths = [os.path.join(results, f"rank{r}.json") for r in range(WORLD)]
+        if not all(os.path.exists(p) for p in paths):
+            raise RuntimeError(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
+        return [json.load(open(p)) for p in paths]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["deepspeed", "zerostack"], default="deepspeed")
+    parser.add_argument("-k", default="")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    expected_path = os.path.join(FIXTURES, "expected.json")
+    old = json.load(open(expected_path)) if os.path.exists(expected_path) else {}
+    expected = old.get("cases", {})
+    for name in [n for n in CASES if args.k in n]:
+        with tempfile.TemporaryDirectory() as tmp:
+            losses = run_case(name, args.engine, tmp)
+            print(name, args.engine, losses, flush=True)
+            if args.engine == "deepspeed":
+                dest = os.path.join(FIXTURES, name)
+                shutil.rmtree(dest, ignore_errors=True)
+                # the folder as DeepSpeed wrote it, less the copies of its own scripts
+                shutil.copytree(tmp, dest, ignore=shutil.ignore_patterns("*.py"))
+                expected[name] = {"config": ds_config(**CASES[name]), "losses": losses}
+    if args.engine == "deepspeed":
+        import deepspeed
+        import torch
+        import transformers
+
+        record = {
+            "command": "DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_fixtures.py "
+            "--engine deepspeed",
+            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__},  # fmt: skip
+            "save_at": SAVE_AT,
+            "cases": expected,
+        }
+        with open(expected_path, "w") as f:
+            f.write(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""Reading a checkpoint folder DeepSpeed wrote (``engine.save_checkpoint`` of DeepSpeed 0.14-0.19,
+ZeRO stages 1-3, fp32 or bf16), as :mod:`.restore` reads zerostack's own: a
+:class:`DeepSpeedReader` answers what :class:`~.restore._Reader` answers (each parameter's fp32
+value and optimizer moments by element range, buffers, and a manifest of zerostack's shape with
+the counters, loss scale, LR schedule, optimizer groups and client state), so a DeepSpeed folder
+resumes on any ZeRO stage and dp size zerostack runs.
+
+DeepSpeed's folder (``<dir>/latest`` names the tag)::
+
+    global_step3/
+      mp_rank_00_model_states.pt                  stages 0-2: the module's state dict (compute
+                                                  dtype), param_shapes, shared (tied) and frozen
+                                                  parameters, LR schedule, counters, and the
+                                                  client state's keys at the top level
+      zero_pp_rank_<r>_mp_rank_00_model_states.pt stage 3: the same per rank, parameters empty
+      [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+                                                  rank r's flat fp32 partition of each group
+                                                  (stages 1-2: single_partition_of_fp32_groups,
+                                                  stage 3: fp32_flat_groups) and the base
+                                                  optimizer's state over the same partition
+
+Stages 1-2 cut each group's flat buffer (parameters back to back, after each the padding in
+``param_alignment_paddings``) into equal consecutive partitions, one per rank; stage 3 cuts each
+parameter into ``ceil(numel / world)``-element pieces, rank r's piece of every parameter back to
+back in its partition. The moments (``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``) are
+laid out as the fp32 partition they belong to.
+
+Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weights_only=True)``
+and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
+each read into a plain stand-in; any other class is refused, naming it and the file, before any
+state is touched. Not read yet: pipeline layer files, MoE expert files, universal checkpoints,
+tensor-parallel slices (``mp_rank_01``...), fp16's loss scaler beyond its scale.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import math
+import os
+import pickle
+import re
+
+import torch
+
+from .errors import CheckpointError
+
+
+class _LossScaler:
+    """DeepSpeed's ``LossScaler`` / ``DynamicLossScaler`` as pickled: its attributes, no code."""
+
+
+class _ZeroStageEnum(enum.IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class _FragmentAddress:
+    """DeepSpeed's ``fragment_address`` (a dataclass: ``numel``, ``start``) as pickled."""
+
+ALLOWED = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _LossScaler,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _LossScaler,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _ZeroStageEnum,
+    "deepspeed.utils.tensor_fragment.fragment_address": _FragmentAddress,
+}
+"""The DeepSpeed classes its checkpoints hold (read in its save code: the loss scaler object,
+the ZeRO stage, stage 1-2's per-rank slice map), each read into a stand-in."""
+
+_KNOWN = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
+    "ds_version", "autoep_layers", "iteration",
+}  # fmt: skip
+"""The model-states keys DeepSpeed writes itself; any other top-level key is client state."""
+
+
+def load_pickle(path: str) -> dict:
+    """``torch.load`` of a DeepSpeed ``.pt`` file without executing code (see the module)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing (DeepSpeed's folder lists it)")
+    try:
+        with torch.serialization.safe_globals([(c, n) for n, c in ALLOWED.items()]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else str(exc).splitlines()[0]
+        raise CheckpointError(
+            f"{path}: holds {what}, which is not on the allow-list of DeepSpeed classes "
+            f"zerostack reads (refused: loading never unpickles code)"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({exc})") from None
+
+
+def is_deepspeed_folder(folder: str) -> bool:
+    """Whether ``folder`` (a tag's) is DeepSpeed's: its model-states files, no manifest."""
+    return bool(glob.glob(os.path.join(folder, "*mp_rank_*_model_states.pt")))
+
+
+def _files(folder: str, pattern: str) -> list[str]:
+    def rank(path: str) -> int:
+        return int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
+
+    return sorted(glob.glob(os.path.join(folder, pattern)), key=rank)
+
+
+class DeepSpeedReader:
+    """A DeepSpeed tag folder, read as :class:`~.restore._Reader` reads zerostack's."""
+
+    saved_tp = 1
+    specs: dict = {}
+    sha: dict = {}
+
+    def __init__(self, folder: str, gas: int = 1) -> None:
+        self.folder, self.gas = folder, gas
+        optim = _files(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+        if not optim:
+            raise CheckpointError(
+                f"{folder}: a DeepSpeed folder without ZeRO optimizer states (stage 0, or a "
+                "pipeline's layer files): not read yet"
+            )
+        self.optim = [load_pickle(p)["optimizer_state_dict"] for p in optim]
+        first = self.optim[0]
+        self.stage = int(first["zero_stage"])
+        world = first["partition_count"]
+        world = max(world) if isinstance(world, list) else int(world)
+        if world != len(optim):
+            raise CheckpointError(
+                f"{folder}: {len(optim)} optimizer-state files, DeepSpeed's partition count "
+                f"says {world} (an incomplete or mixed folder)"
+            )
+        self.world = world
+        name = "mp_rank_00_model_states.pt"
+        self.model_file = os.path.join(folder, name if self.stage < 3 else f"zero_pp_rank_0_{name}")
+        self.model = load_pickle(self.model_file)
+        self.shapes = [dict(g) for g in self.model["param_shapes"]]
+        self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
+                     for o in self.optim]  # fmt: skip
+        self._flat: dict[str, dict[str, torch.Tensor]] = {}  # kind -> name -> full value
+        self.buffers = {n: "module" for n in self.model.get("buffer_names", [])}
+        self.manifest = self._manifest()
+
+    # ------------------------------------------------------------------ values
+    def kinds(self) -> list[str]:
+        """The optimizer moments the folder holds (besides ``master``)."""
+        state = self.base[0]["state"]
+        first = state[next(iter(state))] if state else {}
+        return sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+
+    def _partitions(self, kind: str) -> list[list[torch.Tensor]]:
+        """Per rank, its flat partition of each group (sub-group at stage 3) for ``kind``."""
+        if kind == "master":
+            key = "single_partition_of_fp32_groups" if self.stage < 3 else "fp32_flat_groups"
+            return [list(o[key]) for o in self.optim]
+        return [[b["state"][i][kind] for i in sorted(b["state"])] for b in self.base]
+
+    def _values(self, kind: str) -> dict[str, torch.Tensor]:
+        """Every trained parameter's whole flat value of ``kind`` (fp32), computed once."""
+        if kind in self._flat:
+            return self._flat[kind]
+        parts, out = self._partitions(kind), {}
+        if self.stage < 3:
+            pads = self.optim[0].get("param_alignment_paddings")
+            for g, shapes in enumerate(self.shapes):
+                flat = torch.cat([rank[g].float() for rank in parts])
+                offset = 0
+                for i, (name, shape) in enumerate(shapes.items()):
+                    n = math.prod(shape)
+                    out[name] = flat[offset : offset + n]
+                    offset += n + (pads[g][i] if pads is not None else 0)
+                if offset > flat.numel():
+                    raise CheckpointError(f"{self.folder}: group {g} holds {flat.numel()} "
+                                          f"elements, its parameters {offset}")  # fmt: skip
+        else:
+            flats = [torch.cat([t.float() for t in rank]) for rank in parts]
+            offset = 0
+            for shapes in self.shapes:
+                for name, shape in shapes.items():
+                    n = math.prod(shape)
+                    piece = -(-n // self.world)
+                    out[name] = torch.cat([f[offset : offset + piece] for f in flats])[:n]
+                    offset += piece
+            if offset != flats[0].numel():
+                raise CheckpointError(f"{self.folder}: a partition holds {flats[0].numel()} "
+                                      f"elements, its parameters' pieces {offset}")  # fmt: skip
+        self._flat[kind] = out
+        return out
+
+    def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
+        values = self._values(kind).get(name)
+        if values is None:  # a frozen parameter: its value only, from the module's states
+            if kind != "master" or name not in self._frozen():
+                return 0
+            values = self._frozen()[name]
+        dest[offset : offset + hi - lo].copy_(values[lo:hi])
+        return hi - lo
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        shape = self.manifest["params"][name]
+        flat = self._values(kind).get(name)
+        if flat is None:
+            flat = self._frozen()[name]
+        return flat.reshape(shape).clone()
+
+    def get(self, file: str, key: str) -> torch.Tensor:
+        return self.model["module"][key.split("/", 1)[1]]
+
+    def _frozen(self) -> dict[str, torch.Tensor]:
+        frozen = self.model.get("frozen_param_shapes") or {}
+        if frozen and self.stage == 3:
+            raise CheckpointError(f"{self.model_file}: frozen parameters at ZeRO-3: not read yet")
+        return {n: self.model["module"][n].float().reshape(-1) for n in frozen}
+
+    # ------------------------------------------------------------------ the manifest
+    def _manifest(self) -> dict:
+        m = self.model
+        params = {n: list(s) for shapes in self.shapes for n, s in shapes.items()}
+        params.update({n: list(s) for n, s in (m.get("frozen_param_shapes") or {}).items()})
+        groups = []
+        for g, hyper in enumerate(self.base[0]["param_groups"]):
+            state = self.base[0]["state"].get(g, {})
+            step = state.get("step")
+            groups.append({
+                "hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
+                "step": float(step) if step is not None else None,
+            })  # fmt: skip
+        scaler = self.optim[0].get("loss_scaler")
+        scale = {k: v for k, v in vars(scaler).items()} if scaler is not None else {}
+        return {
+            "params": params,
+            "aliases": dict(m.get("shared_params") or {}),
+            "layout": {"tp": 1, "world_size": -1},  # DeepSpeed keeps no RNG states
+            "tp_specs": {},
+            "files": [],
+            "excluded": [],
+            "optimizer_groups": groups,
+            "counters": {
+                "global_steps": int(m["global_steps"]),
+                "global_samples": int(m["global_samples"]),
+                "skipped_steps": int(m.get("skipped_steps", 0)),
+                "micro_steps": int(m["global_steps"]) * self.gas,  # at a window's boundary
+            },
+            "loss_scaler": scale,
+            "data_sampler": None,
+            "lr_scheduler": m.get("lr_scheduler"),
+            "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
+        }

@@ -1,0 +1,128 @@
+"""DeepSpeed's checkpoint folders resume under zerostack: folders real DeepSpeed 0.19.8 wrote
+(tests/fixtures/deepspeed/, from scripts/deepspeed_fixtures.py: a tiny GPT-2, AdamW and WarmupLR
+from the config, 2 ranks, saved after 3 steps) load with ``engine.load_checkpoint(dir)`` at the
+same layout and at another ZeRO stage and dp size, and the next two losses are DeepSpeed's own
+continuing from the same folder (recorded beside it): within 1e-6 in fp32, 1e-5 in bf16 (its
+arithmetic rounds at other points: from scratch the two engines' bf16 losses differ by 2e-5).
+Nothing is unpickled: a class off the allow-list is refused naming it, and a truncated file or a
+missing rank's file is a one-line error naming the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from distributed import run_distributed
+
+import zerostack.compat.deepspeed as deepspeed
+from zerostack.checkpoint import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import deepspeed_fixtures as fx  # noqa: E402
+
+EXPECTED = json.load(open(os.path.join(fx.FIXTURES, "expected.json")))
+CASES = EXPECTED["cases"]
+
+
+def _resume(rank, world, case, stage):
+    bf16 = "bf16" in case
+    cfg = fx.ds_config(stage, bf16)
+    cfg["train_micro_batch_size_per_gpu"] = fx.MICRO * fx.WORLD // world
+    engine, *_ = deepspeed.initialize(model=fx.model(), config=cfg)
+    path, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
+    counters = (engine.global_steps, engine.global_samples, engine.get_lr())
+    losses = []
+    for step in range(fx.SAVE_AT, fx.STEPS):
+        x = fx.tokens(step, rank, world)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    return os.path.basename(path), client, counters, losses
+
+
+def _next(case: str) -> list[list[float]]:
+    return [r[fx.SAVE_AT :] for r in CASES[case]["losses"]]
+
+
+def test_the_fixtures_are_deepspeeds():
+    assert EXPECTED["versions"]["deepspeed"] == "0.19.8"
+    assert EXPECTED["command"].startswith("DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_")
+    assert set(CASES) == set(fx.CASES)
+    for case in CASES:
+        assert open(os.path.join(fx.FIXTURES, case, "latest")).read().strip() == "global_step3"
+
+
+@pytest.mark.parametrize("case", list(fx.CASES))
+def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
+    tol = 1e-5 if "bf16" in case else 1e-6
+    got = run_distributed(_resume, fx.WORLD, args=(case, fx.CASES[case]["stage"]))
+    for (tag, client, counters, losses), want in zip(got, _next(case), strict=True):
+        assert tag == "global_step3" and client == {"epoch": 7}
+        assert counters[:2] == (3, 12)
+        # WarmupLR's lr after 3 steps (last_batch_iteration 2): 1e-2 * log(3) / log(4)
+        assert counters[2] == pytest.approx([1e-2 * math.log(3) / math.log(4)], rel=1e-12)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("case, stage, world", [("zero2", 3, 2), ("zero3", 1, 1), ("zero1", 2, 1)])
+def test_a_deepspeed_folder_resumes_on_another_stage_and_dp_size(case, stage, world):
+    """At dp 1 one rank trains on the whole batch: its loss is the mean of the two ranks'."""
+    got = run_distributed(_resume, world, args=(case, stage))
+    want = torch.tensor(_next(case))
+    losses = torch.tensor([r[3] for r in got])
+    if world == 1:
+        losses, want = losses[0], want.mean(0)
+    torch.testing.assert_close(losses, want, rtol=1e-6, atol=0)
+
+
+def _load_only(rank, world, folder):
+    engine, *_ = deepspeed.initialize(model=fx.model(), config=fx.ds_config(2))
+    try:
+        engine.load_checkpoint(folder)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _copy(tmp_path, case: str = "zero2") -> str:
+    folder = str(tmp_path / case)
+    shutil.copytree(os.path.join(fx.FIXTURES, case), folder)
+    return folder
+
+
+def test_a_class_off_the_allow_list_is_refused_before_anything_loads(tmp_path):
+    import argparse
+
+    folder = _copy(tmp_path)
+    path = os.path.join(folder, "global_step3", "mp_rank_00_model_states.pt")
+    state = torch.load(path, weights_only=False)  # the test's own file: written just now
+    state["args"] = argparse.Namespace(lr=1.0)  # what older scripts put in client state
+    torch.save(state, path)
+    (message,) = run_distributed(_load_only, 1, args=(folder,))
+    assert message == (
+        f"{path}: holds argparse.Namespace, which is not on the allow-list of DeepSpeed classes "
+        "zerostack reads (refused: loading never unpickles code)"
+    )
+
+
+def test_a_truncated_or_missing_file_is_named(tmp_path):
+    folder = _copy(tmp_path)
+    path = os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    (message,) = run_distributed(_load_only, 1, args=(folder,))
+    assert message.startswith(f"{path}: not a readable checkpoint file (")
+    os.remove(path)
+    (message,) = run_distributed(_load_only, 1, args=(folder,))
+    assert message == (
+        f"{os.path.dirname(path)}: 1 optimizer-state files, DeepSpeed's partition count says 2 "
+        "(an incomplete or mixed folder)"
+    )
