@@ -126,3 +126,27 @@ def test_a_truncated_or_missing_file_is_named(tmp_path):
         f"{os.path.dirname(path)}: 1 optimizer-state files, DeepSpeed's partition count says 2 "
         "(an incomplete or mixed folder)"
     )
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3", "zero2_bf16"])
+def test_zero_to_fp32_reads_a_deepspeed_folder(case):
+    """zerostack's ``deepspeed.utils.zero_to_fp32`` (and ``zerostack.checkpoint.full_state_dict``)
+    turn DeepSpeed's folder into the fp32 weights: at stages 1-2 in fp32 exactly the module
+    DeepSpeed saved beside them, the tied head under its own name too; in bf16 the masters,
+    which round to that module's bf16 weights; at stage 3, zero2's (the same run)."""
+    from zerostack.compat.deepspeed.utils.zero_to_fp32 import (
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
+
+    got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(fx.FIXTURES, case))
+    ref_case = "zero2" if case == "zero3" else case
+    module = os.path.join(fx.FIXTURES, ref_case, "global_step3", "mp_rank_00_model_states.pt")
+    saved = torch.load(module, weights_only=True)["module"]  # tensors only: no class to allow
+    assert set(got) == set(saved)
+    assert got["lm_head.weight"] is got["transformer.wte.weight"]
+    for name, want in saved.items():
+        if case == "zero3":  # another run of the same script: within fp32 round-off
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
+        else:
+            assert got[name].dtype == torch.float32
+            assert torch.equal(got[name].to(want.dtype), want), name

@@ -19,7 +19,7 @@ import torch
 
 from .client_state import from_manifest
 from .errors import CheckpointError
-from .restore import _Reader, read_manifest
+from .restore import open_reader
 
 _DTYPES = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2)}
 
@@ -28,8 +28,8 @@ def consolidate(ckpt_dir: str, out: str, *, tag=None, dtype: torch.dtype = torch
     """Write the full weights (and buffers) of the checkpoint in ``ckpt_dir`` to ``out``."""
     if dtype not in _DTYPES:
         raise ValueError(f"consolidate: dtype {dtype} is not float32 or bfloat16")
-    folder, manifest = read_manifest(ckpt_dir, tag)
-    reader = _Reader(folder, manifest)
+    folder, reader = open_reader(ckpt_dir, tag)
+    manifest = reader.manifest
     code, width = _DTYPES[dtype]
     header, offset, order = {}, 0, []
     entries = list(manifest["params"].items())
@@ -70,13 +70,13 @@ def full_state_dict(ckpt_dir: str, *, tag=None, exclude_frozen: bool = False) ->
     tied weights under each of their names, as the module's ``state_dict``), and the buffers in
     their own dtype. ``exclude_frozen``: leave out parameters saved with
     ``requires_grad=False``. Every tensor is checked against its sha256 as it is read."""
-    folder, manifest = read_manifest(ckpt_dir, tag)
+    folder, reader = open_reader(ckpt_dir, tag)
+    manifest = reader.manifest
     if exclude_frozen and "frozen" not in manifest:
         raise CheckpointError(
             f"{folder}: the manifest does not record which parameters were frozen (an older "
             f"checkpoint); save with exclude_frozen_parameters=True to leave them out"
         )
-    reader = _Reader(folder, manifest)
     skip = set(manifest.get("frozen", [])) if exclude_frozen else set()
     out = {name: reader.full(name) for name in manifest["params"] if name not in skip}
     for alias, name in manifest["aliases"].items():
@@ -90,4 +90,5 @@ def full_state_dict(ckpt_dir: str, *, tag=None, exclude_frozen: bool = False) ->
 def read_client_state(ckpt_dir: str, *, tag=None, pickled: bool = False):
     """The ``client_state`` the checkpoint was saved with, tensors checked; pickled values only
     with ``pickled`` (see :mod:`.client_state`). No engine or process group needed."""
-    return from_manifest(*read_manifest(ckpt_dir, tag), pickled)
+    folder, reader = open_reader(ckpt_dir, tag)
+    return from_manifest(folder, reader.manifest, pickled)

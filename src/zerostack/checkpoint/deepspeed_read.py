@@ -3,7 +3,9 @@ ZeRO stages 1-3, fp32 or bf16), as :mod:`.restore` reads zerostack's own: a
 :class:`DeepSpeedReader` answers what :class:`~.restore._Reader` answers (each parameter's fp32
 value and optimizer moments by element range, buffers, and a manifest of zerostack's shape with
 the counters, loss scale, LR schedule, optimizer groups and client state), so a DeepSpeed folder
-resumes on any ZeRO stage and dp size zerostack runs.
+resumes on any ZeRO stage and dp size zerostack runs, and ``zerostack consolidate`` and the
+served ``zero_to_fp32`` turn it into whole fp32 weights (:func:`~.restore.open_reader` opens
+either kind of folder).
 
 DeepSpeed's folder (``<dir>/latest`` names the tag)::
 
@@ -239,6 +241,7 @@ class DeepSpeedReader:
             "tp_specs": {},
             "files": [],
             "excluded": [],
+            "frozen": list(m.get("frozen_param_shapes") or {}),
             "optimizer_groups": groups,
             "counters": {
                 "global_steps": int(m["global_steps"]),

@@ -136,6 +136,17 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
+def open_reader(load_dir: str, tag=None, gas: int = 1):
+    """``(folder, reader)`` of the checkpoint ``tag`` (None: ``latest``'s) in ``load_dir``:
+    zerostack's own, or a folder DeepSpeed wrote (:mod:`.deepspeed_read`), read alike;
+    ``gas``: the accumulation steps of the run loading it (DeepSpeed counts no micro-steps)."""
+    folder = tag_folder(load_dir, tag)
+    if is_deepspeed_folder(folder):
+        return folder, DeepSpeedReader(folder, gas=gas)
+    folder, manifest = read_manifest(load_dir, tag)
+    return folder, _Reader(folder, manifest)
+
+
 def load(run, load_dir: str, tag=None, custom_load_fn=None, **options):
     """Load a checkpoint into ``run`` (any ZeRO stage, dp size); returns (path, client_state),
     or (None, None) when ``tag`` is None and ``load_dir`` has no ``latest`` file (as DeepSpeed).
@@ -225,12 +236,7 @@ def _load(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ):
-    folder = tag_folder(load_dir, tag)
-    if is_deepspeed_folder(folder):  # DeepSpeed wrote it: read as zerostack's own
-        reader = DeepSpeedReader(folder, gas=run.config["gradient_accumulation_steps"])
-    else:
-        folder, manifest = read_manifest(load_dir, tag)
-        reader = _Reader(folder, manifest)
+    folder, reader = open_reader(load_dir, tag, gas=run.config["gradient_accumulation_steps"])
     manifest = reader.manifest
     saved = manifest["params"]
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
