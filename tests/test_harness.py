@@ -129,6 +129,9 @@ def test_dead_rank_fails_naming_it():
 
 
 def _raises_on_zero_hangs_on_one(rank, world):
+    # both past the group's set-up first: on a loaded machine rank 0 could otherwise fail and
+    # tear its side down while rank 1 still connects, and rank 1 would fail instead of hanging
+    dist.barrier()
     if rank == 0:
         raise KeyError("first failure")
     time.sleep(120)
