@@ -33,10 +33,11 @@ CASES = {
     "zero3": {"stage": 3},
     "zero2_bf16": {"stage": 2, "bf16": True},
     "zero3_bf16": {"stage": 3, "bf16": True},
+    "zero2_frozen": {"stage": 2, "frozen": True},
 }
 
 
-def ds_config(stage: int, bf16: bool = False) -> dict:
+def ds_config(stage: int, bf16: bool = False, frozen: bool = False) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -52,15 +53,20 @@ def ds_config(stage: int, bf16: bool = False) -> dict:
     return cfg
 
 
-def model():
-    """The tiny GPT-2 every case trains (seeded)."""
+def model(frozen: bool = False):
+    """The tiny GPT-2 every case trains (seeded); ``frozen``: its position embedding and first
+    block's MLP kept frozen (``requires_grad=False``), as a partly frozen fine-tune."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
-    return GPT2LMHeadModel(cfg)
+    out = GPT2LMHeadModel(cfg)
+    if frozen:
+        out.transformer.wpe.requires_grad_(False)
+        out.transformer.h[0].mlp.requires_grad_(False)
+    return out
 
 
 def tokens(step: int, rank: int, world: int = WORLD):
@@ -73,14 +79,18 @@ def tokens(step: int, rank: int, world: int = WORLD):
     return x[rank * per : (rank + 1) * per]
 
 
-def train(stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None):
+def train(
+    stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None, frozen=False
+):
     """Run in each rank: DeepSpeed's loop; returns this rank's losses."""
     import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = ds_config(stage, bf16)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
-    engine, *_ = deepspeed.initialize(model=model(), config=cfg)
+    net = model(frozen)
+    params = [p for p in net.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     if load is not None:
         engine.load_checkpoint(load)
     losses = []
@@ -100,7 +110,8 @@ def _child(args) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     case = CASES[args.case]
-    losses = train(case["stage"], case.get("bf16", False), args.out)
+    frozen = case.get("frozen", False)
+    losses = train(case["stage"], case.get("bf16", False), args.out, frozen=frozen)
     with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(losses, f)
 

@@ -3797,6 +3797,13 @@ MUTANTS = [
         "            \"client_state\": {},",
         (T_DS_RESUME,),
     ),
+    Mutant(
+        "a frozen parameter in a DeepSpeed folder loads as zeros",
+        "checkpoint/deepspeed_read.py",
+        'n: self.model["module"][n].float().reshape(-1) for n in frozen',
+        'n: torch.zeros(self.model["module"][n].numel()) for n in frozen',
+        (f"{T_DS_RESUME}[zero2_frozen]",),
+    ),
 ]
 
 

@@ -32,10 +32,12 @@ CASES = EXPECTED["cases"]
 
 
 def _resume(rank, world, case, stage):
-    bf16 = "bf16" in case
+    bf16, frozen = "bf16" in case, "frozen" in case
     cfg = fx.ds_config(stage, bf16)
     cfg["train_micro_batch_size_per_gpu"] = fx.MICRO * fx.WORLD // world
-    engine, *_ = deepspeed.initialize(model=fx.model(), config=cfg)
+    net = fx.model(frozen)
+    params = [p for p in net.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     path, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
     counters = (engine.global_steps, engine.global_samples, engine.get_lr())
     losses = []

@@ -144,7 +144,8 @@ class DeepSpeedReader:
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
         self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
                      for o in self.optim]  # fmt: skip
-        self._flat: dict[str, dict[str, torch.Tensor]] = {}  # kind -> name -> full value
+        # kind ("frozen": the frozen parameters) -> name -> whole flat fp32 value, made once
+        self._flat: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers = {n: "module" for n in self.model.get("buffer_names", [])}
         self.manifest = self._manifest()
 
@@ -214,10 +215,17 @@ class DeepSpeedReader:
         return self.model["module"][key.split("/", 1)[1]]
 
     def _frozen(self) -> dict[str, torch.Tensor]:
-        frozen = self.model.get("frozen_param_shapes") or {}
-        if frozen and self.stage == 3:
-            raise CheckpointError(f"{self.model_file}: frozen parameters at ZeRO-3: not read yet")
-        return {n: self.model["module"][n].float().reshape(-1) for n in frozen}
+        """Frozen parameters' values (fp32, flat), read from the module's states once."""
+        if "frozen" not in self._flat:
+            frozen = self.model.get("frozen_param_shapes") or {}
+            if frozen and self.stage == 3:
+                raise CheckpointError(
+                    f"{self.model_file}: frozen parameters at ZeRO-3: not read yet"
+                )
+            self._flat["frozen"] = {
+                n: self.model["module"][n].float().reshape(-1) for n in frozen
+            }
+        return self._flat["frozen"]
 
     # ------------------------------------------------------------------ the manifest
     def _manifest(self) -> dict:
