@@ -9,7 +9,8 @@
 A tiny next-token model built in ``configure_model`` (so ZeRO-3 builds it sharded), random
 tokens, AdamW or SGD with a step schedule, ``accumulate_grad_batches``; with ``--save DIR``,
 ``ModelCheckpoint`` saves at the end of every epoch, ``--resume PATH`` continues from one, and
-``--validate PATH`` only evaluates one (a fresh process). After ``fit``, ``trainer.validate``
+``--validate PATH`` only evaluates one (a fresh process), ``--weights FILE`` (a DeepSpeed
+strategy) saves the weights the run ended with. After ``fit``, ``trainer.validate``
 gives the validation loss. Rank 0 prints ``RESULT`` and a JSON object: the loss of each
 micro-batch (the mean over the ranks), the validation loss and the step reached.
 """
@@ -36,6 +37,7 @@ parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_c
 parser.add_argument("--save", help="ModelCheckpoint's folder (a checkpoint each epoch)")
 parser.add_argument("--resume", help="fit from this checkpoint")
 parser.add_argument("--validate", help="only validate this checkpoint")
+parser.add_argument("--weights", help="after fit, rank 0 saves the whole weights here (torch)")
 args = parser.parse_args()
 
 if args.strategy.startswith("zerostack"):
@@ -129,5 +131,12 @@ else:
     trainer.fit(model, train, ckpt_path=args.resume)
     val_loss = trainer.validate(model, val)[0]["val_loss"]
     result = {"losses": model.losses, "val_loss": val_loss, "step": trainer.global_step}
+    if args.weights:  # the weights the run ended with, whole (gathered at ZeRO-3)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            if trainer.is_global_zero:
+                whole = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+                torch.save(whole, args.weights)
 if trainer.is_global_zero:
     print("RESULT " + json.dumps(result), flush=True)

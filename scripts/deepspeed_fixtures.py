@@ -34,10 +34,13 @@ CASES = {
     "zero2_bf16": {"stage": 2, "bf16": True},
     "zero3_bf16": {"stage": 3, "bf16": True},
     "zero2_frozen": {"stage": 2, "frozen": True},
+    "zero3_sgd": {"stage": 3, "sgd": True},
 }
 
 
-def ds_config(stage: int, bf16: bool = False, frozen: bool = False) -> dict:
+def ds_config(stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False) -> dict:
+    """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
+    arithmetic is torch's, in place of AdamW)."""
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -50,6 +53,9 @@ def ds_config(stage: int, bf16: bool = False, frozen: bool = False) -> dict:
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if sgd:
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+        cfg["zero_allow_untested_optimizer"] = True
     return cfg
 
 
@@ -80,13 +86,16 @@ def tokens(step: int, rank: int, world: int = WORLD):
 
 
 def train(
-    stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None, frozen=False
+    stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None, frozen=False,
+    deepspeed=None, sgd=False,
 ):
-    """Run in each rank: DeepSpeed's loop; returns this rank's losses."""
-    import deepspeed
+    """Run in each rank: DeepSpeed's loop; returns this rank's losses. ``deepspeed``: the
+    module to run it with (None: ``import deepspeed``)."""
+    if deepspeed is None:
+        import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = ds_config(stage, bf16)
+    cfg = ds_config(stage, bf16, sgd=sgd)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
     net = model(frozen)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -111,18 +120,24 @@ def _child(args) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     case = CASES[args.case]
     frozen = case.get("frozen", False)
-    losses = train(case["stage"], case.get("bf16", False), args.out, frozen=frozen)
+    steps = range(SAVE_AT, STEPS) if args.load else range(STEPS)
+    losses = train(case["stage"], case.get("bf16", False), args.out, steps, args.load,
+                   frozen=frozen, sgd=case.get("sgd", False))  # fmt: skip
     with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(losses, f)
 
 
-def run_case(name: str, engine: str, out: str) -> list[list[float]]:
-    """Each rank's losses of one case, its folder written to ``out``."""
+def run_case(
+    name: str, engine: str, out: str, load: str | None = None, python: str = sys.executable
+) -> list[list[float]]:
+    """Each rank's losses of one case, its folder written to ``out``; with ``load``, the steps
+    after the save, resumed from the folder ``load`` (``python``: the interpreter to run)."""
     runner = ["-m", "zerostack.as_deepspeed"] if engine == "zerostack" else []
+    resume = ["--load", load] if load else []
     with tempfile.TemporaryDirectory() as results:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(WORLD), *runner, __file__, "--child", "--case", name, "--out", out,
-               "--results", results]  # fmt: skip
+               "--results", results, *resume]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         paths = [os.path.join(results, f"rank{r}.json") for r in range(WORLD)]
@@ -139,6 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args)

@@ -26,9 +26,6 @@ GAPS = {
     "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention": "no compiled kernels",
     "deepspeed.ops.op_builder.AsyncIOBuilder": "no compiled ops: the NVMe store's own I/O",
     "deepspeed.ops.op_builder.GDSBuilder": "no compiled ops: the NVMe store's own I/O",
-    # Lightning
-    "deepspeed.utils.zero_to_fp32.get_model_state_file": "issue 51: DeepSpeed's checkpoint files",
-    "deepspeed.utils.zero_to_fp32.get_optim_files": "issue 51: DeepSpeed's checkpoint files",
 }
 """What TRL, Accelerate, Transformers, Lightning and DeepSpeed's tutorials use that does not work
 yet, and why. It may only shrink."""

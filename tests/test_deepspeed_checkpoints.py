@@ -33,7 +33,7 @@ CASES = EXPECTED["cases"]
 
 def _resume(rank, world, case, stage):
     bf16, frozen = "bf16" in case, "frozen" in case
-    cfg = fx.ds_config(stage, bf16)
+    cfg = fx.ds_config(stage, bf16, sgd="sgd" in case)
     cfg["train_micro_batch_size_per_gpu"] = fx.MICRO * fx.WORLD // world
     net = fx.model(frozen)
     params = [p for p in net.parameters() if p.requires_grad]

@@ -179,3 +179,45 @@ def test_the_names_are_registered(tmp_path):
     assert offload["offload_param"] == offload["offload_optimizer"] == {"device": "cpu"}
     with pytest.raises(FileNotFoundError, match="not a ZeroStackStrategy checkpoint"):
         ZeroStackStrategy().load_checkpoint(str(tmp_path))
+
+
+CONVERT = """
+import sys
+from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_lightnings_converter_reads_a_deepspeed_stage_3_checkpoint_made_under_the_runner(
+    tmp_path,
+):
+    """Lightning's documented ``convert_zero_checkpoint_to_fp32_state_dict`` (it reads
+    DeepSpeed's files with ``deepspeed.utils.zero_to_fp32``'s helpers and ``torch.load``), run
+    under the runner on the last checkpoint of a ``deepspeed_stage_3`` run, gives the weights
+    the run ended with, bit for bit, and keeps Lightning's own state beside them."""
+    import subprocess
+
+    import torch
+    from hf_trainer_runs import _torchrun
+    from lightning_runs import SCRIPT
+
+    save, weights = tmp_path / "ckpt", tmp_path / "weights.pt"
+    args = ["--strategy", "deepspeed_stage_3", "--optimizer", "adamw", "--save", str(save),
+            "--weights", str(weights)]  # fmt: skip
+    _torchrun("zerostack", SCRIPT, args, timeout=300)
+    last = save / "epoch=1-step=4.ckpt"
+    assert (last / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+    script = tmp_path / "convert.py"
+    script.write_text(CONVERT)
+    out = tmp_path / "lightning_model.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "zerostack.as_deepspeed", str(script), str(last), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    want = torch.load(weights, weights_only=True)
+    assert sorted(got["state_dict"]) == sorted(want)
+    for k in want:
+        assert torch.equal(got["state_dict"][k], want[k]), k
+    assert got["epoch"] == 1 and got["global_step"] == 4

@@ -52,6 +52,10 @@ class _LossScaler:
     """DeepSpeed's ``LossScaler`` / ``DynamicLossScaler`` as pickled: its attributes, no code."""
 
 
+class _DynamicLossScaler(_LossScaler):
+    """DeepSpeed's ``DynamicLossScaler`` as pickled (fp16's)."""
+
+
 class _ZeroStageEnum(enum.IntEnum):
     disabled = 0
     optimizer_states = 1
@@ -65,7 +69,7 @@ class _FragmentAddress:
 
 ALLOWED = {
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": _LossScaler,
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _LossScaler,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DynamicLossScaler,
     "deepspeed.runtime.zero.config.ZeroStageEnum": _ZeroStageEnum,
     "deepspeed.utils.tensor_fragment.fragment_address": _FragmentAddress,
 }
@@ -101,7 +105,10 @@ def load_pickle(path: str) -> dict:
 
 
 def is_deepspeed_folder(folder: str) -> bool:
-    """Whether ``folder`` (a tag's) is DeepSpeed's: its model-states files, no manifest."""
+    """Whether ``folder`` (a tag's) is DeepSpeed's: its model-states files and no zerostack
+    manifest (a folder zerostack wrote with DeepSpeed's files beside its own is zerostack's)."""
+    if os.path.exists(os.path.join(folder, "manifest.json")):
+        return False
     return bool(glob.glob(os.path.join(folder, "*mp_rank_*_model_states.pt")))
 
 

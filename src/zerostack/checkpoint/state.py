@@ -37,6 +37,7 @@ import shutil
 import torch.distributed as dist
 
 from . import client_state as client
+from . import deepspeed_write
 from .errors import CheckpointError
 from .shard import (
     collect_shard,
@@ -110,6 +111,7 @@ def save(
     ``exclude_frozen``: leave out the parameters with ``requires_grad=False`` (the manifest
     lists them under ``excluded``; a load keeps the model's values for them)."""
     tag = str(tag) if tag is not None else f"global_step{run.global_steps}"
+    given_state = client_state
     client_state, client_payload = split_client_state(run, client_state)
     final = os.path.join(save_dir, tag)
     folder = os.path.join(save_dir, f".{tag}.incomplete")
@@ -130,12 +132,50 @@ def save(
     error = None
     if rank == 0:  # the manifest, then the rename, then latest: each step atomic
         try:
-            latest_dir = save_dir if save_latest else None
-            _publish(run, folder, final, tag, client_state, latest_dir, client_record)
+            _write_manifest(run, folder, tag, client_state, client_record)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if deepspeed_write.wanted(run):  # DeepSpeed's files, from the shards written
+        _fail_together(run, error, folder, final)
+        error = _deepspeed_files(run, folder, save_dir, given_state, exclude_frozen)
+    if rank == 0 and error is None:
+        try:
+            _publish(folder, final, tag, save_dir if save_latest else None)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
     _fail_together(run, error, folder, final)  # rank 0's failure ends every rank, no barrier
     return final
+
+
+def _deepspeed_files(run, folder: str, save_dir: str, client_state, exclude_frozen) -> str | None:
+    """Every rank writes DeepSpeed's files of its dp rank (:mod:`.deepspeed_write`); rank 0
+    adds their sha256 to the manifest and places ``zero_to_fp32.py``. Returns this rank's
+    error (None: none)."""
+    from .restore import _Reader
+
+    try:
+        manifest = json.loads(open(os.path.join(folder, MANIFEST)).read())
+        reader = _Reader(folder, manifest)
+        mine = deepspeed_write.write(run, folder, manifest, client_state, reader, exclude_frozen)
+        error = None
+    except Exception as exc:
+        mine, error = {}, f"{type(exc).__name__}: {exc}"
+    everyone = _gather_dicts(run.comm, mine)
+    if run.global_rank == 0 and error is None:
+        try:
+            manifest["deepspeed_files"] = {k: v for d in everyone for k, v in sorted(d.items())}
+            _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
+            deepspeed_write.place_script(save_dir)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return error
+
+
+def _gather_dicts(comm, mine: dict) -> list[dict]:
+    """Every rank's ``mine`` (JSON), on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    return [json.loads(t) for t in comm.all_gather_strings(json.dumps(mine))]
 
 
 def _fail_together(run, error: str | None, folder: str, final: str) -> None:
@@ -162,11 +202,8 @@ def split_client_state(run, client_state) -> tuple[object, client.Payload]:
         raise CheckpointError(str(exc)) from None
 
 
-def _publish(
-    run, folder: str, final: str, tag: str, client_state, latest_dir, client_record=None
-) -> None:
-    """Rank 0, once every shard is written: the manifest, the folder renamed into place, and
-    ``latest`` (in ``latest_dir``; None leaves it) replaced."""
+def _write_manifest(run, folder: str, tag: str, client_state, client_record=None) -> None:
+    """Rank 0, once every shard is written: the manifest from every rank's record."""
     records = [
         json.loads(open(os.path.join(folder, f"rank{r:05d}.json")).read())
         for r in range(run.world_size)
@@ -175,6 +212,11 @@ def _publish(
     _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
     for r in range(run.world_size):
         os.remove(os.path.join(folder, f"rank{r:05d}.json"))
+
+
+def _publish(folder: str, final: str, tag: str, latest_dir) -> None:
+    """Rank 0, once the folder is complete: renamed into place, and ``latest`` (in
+    ``latest_dir``; None leaves it) replaced."""
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(folder, final)

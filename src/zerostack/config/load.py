@@ -58,6 +58,7 @@ def load_config(
             "config: no config given; pass config=dict, a JSON file path or a JSON string"
         )
     config = read_config(config)
+    given = copy.deepcopy(config)
     ignored: list[str] = []
     while True:
         try:
@@ -75,6 +76,7 @@ def load_config(
                 del block[loc[-1]]
                 ignored.append(".".join(str(part) for part in loc))
     cfg._ignored = tuple(ignored)
+    cfg._given, cfg._served = given, unknown_keys == "as_deepspeed"
     return cfg
 
 

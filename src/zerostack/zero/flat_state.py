@@ -45,6 +45,10 @@ class FlatState:
         (replicated, stage 0)."""
         return self.sharded_state or self.rank == 0
 
+    def group_params(self) -> list[list[nn.Parameter]]:
+        """Each optimizer group's trained parameters, in the group's order."""
+        return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]
+
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""

@@ -66,6 +66,13 @@ class Stage3State:
         self.store.write_state(master, optimizer, values)
         self._write_pieces(self._group_of[master], values["master"])
 
+    def group_params(self) -> list[list[nn.Parameter]]:
+        """Each optimizer group's trained parameters, in the group's order."""
+        out: list[list[nn.Parameter]] = [[] for _ in range(max(g.index for g in self.groups) + 1)]
+        for g in self.groups:
+            out[g.index].extend(g.params)
+        return out
+
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (padding excluded)."""

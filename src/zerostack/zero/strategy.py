@@ -106,6 +106,9 @@ class CheckpointView(Protocol):
     def masters(self) -> list[nn.Parameter]:
         """The optimizer's master tensors."""
 
+    def group_params(self) -> list[list[nn.Parameter]]:
+        """Each optimizer group's trained parameters, in the group's order."""
+
     def owned_slices(self) -> Iterator[tuple]:
         """``(param, lo, hi, master, a, b)``: elements ``[lo, hi)`` of the flattened parameter
         are ``master[a:b]`` on this rank."""

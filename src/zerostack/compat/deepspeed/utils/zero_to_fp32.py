@@ -8,8 +8,10 @@ every tensor checked against its sha256 as it is read).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 
 import torch
 
@@ -113,6 +115,31 @@ def convert_zero_checkpoint_to_state_dict(
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
         _atomic_write(os.path.join(output_dir, f"{name}.index.json"), text)
     logger.info(f"wrote {len(state)} tensors in {len(shards)} file(s) to {output_dir}")
+
+
+def get_model_state_file(checkpoint_dir, zero_stage) -> str:
+    """The model-states file of DeepSpeed's files in a tag folder (``checkpoint_dir``; zerostack
+    writes them beside its own under the DeepSpeed facade): ``mp_rank_00_model_states.pt`` at
+    ZeRO stages 0-2, rank 0's ``zero_pp_rank_0_mp_rank_00_model_states.pt`` at stage 3."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    name = "mp_rank_00_model_states.pt"
+    if int(zero_stage) == 3:
+        name = "zero_pp_rank_0_" + name
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """DeepSpeed's optimizer-state files in a tag folder, in dp rank order."""
+    found = glob.glob(os.path.join(checkpoint_dir, "*_optim_states.pt"))
+    if not found:
+        raise FileNotFoundError(f"can't find '*_optim_states.pt' files in directory "
+                                f"'{checkpoint_dir}'")  # fmt: skip
+    return sorted(found, key=lambda p: [int(t) if t.isdigit() else t
+                                        for t in re.split(r"(\d+)", p)])  # fmt: skip
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):

@@ -1,0 +1,404 @@
+"""Writing DeepSpeed's files beside zerostack's (``checkpoint.deepspeed_files``), so DeepSpeed
+0.19's ``load_checkpoint``, the ``zero_to_fp32.py`` placed in the save folder and Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict`` read a folder zerostack wrote, as they read the
+folder DeepSpeed writes for the same run (the layout is :mod:`.deepspeed_read`'s).
+
+The tag folder keeps zerostack's files and manifest; zerostack loads from those (each tensor's
+sha256 checked, any layout), and the manifest lists DeepSpeed's files with their sha256
+(``deepspeed_files``). They are written inside the incomplete folder, after zerostack's shards and
+manifest and before the rename, so the save stays atomic: DeepSpeed's files exist complete or
+not at all. Each rank writes DeepSpeed's files of its own dp rank, reading the values it needs
+from zerostack's shards in the same folder (:class:`~.restore._Reader`, every tensor checked): no
+collective, whatever ZeRO stage or dp cut wrote the shards.
+
+What DeepSpeed writes, and so what is written here (read in DeepSpeed 0.19.8's
+``engine._save_checkpoint`` / ``_save_zero_checkpoint`` and the ZeRO optimizers'
+``state_dict``):
+
+- stages 1-2: each group's trained parameters back to back, padded at the end to a multiple
+  of ``2 x dp`` elements, cut into ``dp`` equal partitions; rank r's fp32 partition without the
+  padding (``single_partition_of_fp32_groups``), its optimizer state over the whole partition
+  (``base_optimizer_state``), and its slice map (``param_slice_mappings``);
+- stage 3: each parameter cut into ``ceil(numel / dp)``-element pieces (the last padded), rank
+  r's pieces of each sub-group back to back (``fp32_flat_groups``) and the optimizer state
+  over them;
+- the optimizer state as DeepSpeed's optimizer for the config keeps it (``FusedAdam``,
+  ``DeepSpeedCPUAdam`` with offload: its group keys, an integer ``step``), else as torch's.
+
+DeepSpeed's classes in these pickles (the loss scaler, the ZeRO stage, the slice map's
+``fragment_address``) are written by name from stand-ins (:class:`_Pickler`), so no DeepSpeed
+is needed to write them, and the pickles hold nothing else of zerostack's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import os
+import pickle
+from collections import OrderedDict
+
+import torch
+
+from .deepspeed_read import (
+    _DynamicLossScaler,
+    _FragmentAddress,
+    _LossScaler,
+    _ZeroStageEnum,
+)
+from .errors import CheckpointError
+
+log = logging.getLogger("zerostack")
+
+VERSION = "0.19.8"  # the DeepSpeed API level the files are written for
+SCRIPT = "zero_to_fp32.py"
+
+_NAMES = {
+    _LossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    _DynamicLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    _ZeroStageEnum: ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    _FragmentAddress: ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
+
+
+class _Pickler(pickle._Pickler):
+    """torch.save's pickler writing each stand-in class under DeepSpeed's name (no import of
+    that name is tried: DeepSpeed need not be installed)."""
+
+    def save_global(self, obj, name=None):
+        where = _NAMES.get(obj)
+        if where is None:
+            return super().save_global(obj, name)
+        self.write(pickle.GLOBAL + f"{where[0]}\n{where[1]}\n".encode())
+        self.memoize(obj)
+
+
+class _PickleModule:
+    Pickler = _Pickler
+    Unpickler = pickle.Unpickler
+
+
+def refusal(cfg, topo, stage: int) -> str | None:
+    """Why DeepSpeed's files cannot be written for this run (None: they can)."""
+    zero, parts = cfg.zero_optimization, []
+    if stage == 0:
+        parts.append("ZeRO stage 0")
+    if cfg.fp16.enabled:
+        parts.append("fp16 (its loss scaler's state)")
+    sizes = {a: getattr(topo, a) for a in ("tp", "pp", "ep", "sp")}
+    parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
+    if zero.round_robin_gradients:
+        parts.append("zero_optimization.round_robin_gradients")
+    if zero.elastic_checkpoint:
+        parts.append("zero_optimization.elastic_checkpoint")
+    if cfg.checkpoint.async_save:
+        parts.append("checkpoint.async_save")
+    if not parts:
+        return None
+    return f"{', '.join(parts)}: DeepSpeed's files are not written for it yet"
+
+
+def wanted(run) -> bool:
+    """Whether this save writes DeepSpeed's files: ``checkpoint.deepspeed_files``, or when it
+    is unset, under the facade where the layout allows (else a warning, once per engine, says
+    why the folder holds zerostack's files only)."""
+    cfg = run.config
+    asked = cfg.checkpoint.deepspeed_files
+    if asked is not None:
+        return asked
+    if not cfg.served_as_deepspeed:
+        return False
+    stage = cfg.zero_optimization.stage
+    why = "a forward-only engine" if run.optimizer is None else refusal(cfg, run.topology, stage)
+    if why and run.global_rank == 0 and not getattr(run, "_warned_deepspeed_files", False):
+        log.warning("checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
+                    "set checkpoint.deepspeed_files false to silence this)", why)  # fmt: skip
+        run._warned_deepspeed_files = True
+    return why is None
+
+
+# ---------------------------------------------------------------------------- the optimizer
+def _optimizer_kind(cfg) -> str:
+    """Which optimizer DeepSpeed builds for the config: its state is kept as that class keeps
+    it. "fused": FusedAdam, "cpu": DeepSpeedCPUAdam, "torch": a torch optimizer (or the
+    client's, which DeepSpeed keeps as it is)."""
+    spec = cfg.optimizer
+    if spec is None or spec.type not in ("Adam", "AdamW") or spec.params.torch_adam:
+        return "torch"
+    off = cfg.zero_optimization.offload_optimizer
+    return "cpu" if off is not None and off.device in ("cpu", "nvme") else "fused"
+
+
+def _group(kind: str, hyper: dict, index: list[int]) -> dict:
+    if kind == "torch":
+        return {**hyper, "params": index}
+    out = {"lr": hyper["lr"], "bias_correction": True, "betas": tuple(hyper["betas"]),
+           "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]}  # fmt: skip
+    if kind == "cpu":
+        out["amsgrad"] = hyper.get("amsgrad", False)
+    else:
+        out["step"] = 0  # FusedAdam keeps the count per tensor, 0 here
+    return {**out, "params": index}
+
+
+def _state(kind: str, step, values: dict) -> dict:
+    """One flat tensor's optimizer state: its moments, and the step count where the optimizer
+    keeps one (torch's as a tensor, DeepSpeed's Adams as an int); empty before any step."""
+    if step is None:
+        return values if any(v.any() for v in values.values()) else {}
+    if kind == "torch":
+        return {"step": torch.tensor(float(step)), **values}
+    return {"step": int(step), **values}
+
+
+# ---------------------------------------------------------------------------- the files
+def write(run, folder: str, manifest: dict, client_state, reader, exclude_frozen: bool) -> dict:
+    """This rank's DeepSpeed files into ``folder`` (zerostack's shards and ``manifest`` are
+    there, read through ``reader``); returns ``{file: sha256}`` of what it wrote."""
+    cfg, rank, dp = run.config, run.global_rank, run.world_size
+    stage = cfg.zero_optimization.stage
+    names = {p: n for n, p in run.module.named_parameters()}
+    groups = [[names[p] for p in ps] for ps in run.zero.group_params()]
+    given = cfg.given
+    kind = _optimizer_kind(cfg)
+    moments = reader.kinds()
+    hyper = [g["hyper"] for g in manifest["optimizer_groups"]]
+    steps = [g["step"] for g in manifest["optimizer_groups"]]
+    shapes = {n: torch.Size(s) for n, s in manifest["params"].items()}
+    build = _stages_1_2 if stage < 3 else _stage_3
+    optim = build(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp)
+    optim = {"zero_stage": _ZeroStageEnum(stage), "loss_scaler": _scaler(manifest),
+             "dynamic_loss_scale": False, "overflow": False, **optim}  # fmt: skip
+    if stage < 3:
+        optim = {k: optim[k] for k in _ORDER_1_2}
+    prefix = "bf16_" if cfg.bf16.enabled else ""
+    written = {}
+    name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    written[name] = _save(folder, name, {"optimizer_state_dict": optim, "ds_config": given,
+                                         "ds_version": VERSION})  # fmt: skip
+    if stage == 3 or rank == 0:
+        model = _model_states(run, manifest, groups, shapes, client_state, exclude_frozen,
+                              reader, given)  # fmt: skip
+        name = (f"zero_pp_rank_{rank}_" if stage == 3 else "") + "mp_rank_00_model_states.pt"
+        written[name] = _save(folder, name, model)
+    return written
+
+
+_ORDER_1_2 = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
+              "base_optimizer_state", "single_partition_of_fp32_groups", "zero_stage",
+              "group_paddings", "param_alignment_paddings", "partition_count", "ds_version",
+              "param_slice_mappings")  # fmt: skip
+
+
+def _scaler(manifest: dict) -> _LossScaler:
+    out = _LossScaler()
+    out.__dict__.update(cur_scale=float(manifest["loss_scaler"].get("cur_scale", 1.0)),
+                        dynamic=False)  # fmt: skip
+    return out
+
+
+def _stages_1_2(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp) -> dict:
+    """DeepSpeed's stage 1-2 optimizer file of dp rank ``rank``."""
+    fp32, paddings, states, maps, counts, aligns = [], [], {}, [], [], []
+    for g, group in enumerate(groups):
+        numels = [math.prod(shapes[n]) for n in group]
+        total = sum(numels)
+        align = 2 * dp
+        size = -(-total // align) * align // dp
+        lo = rank * size
+        padding = size if total <= lo else max(0, lo + size - total)
+        values = {k: torch.zeros(size) for k in ["master", *moments]}
+        slices, offset = OrderedDict(), 0
+        for n, numel in zip(group, numels, strict=True):
+            x, y = max(offset, lo), min(offset + numel, lo + size)
+            if x < y:
+                for k, dest in values.items():
+                    got = reader.fill(dest, n, k, None, x - offset, y - offset, x - lo)
+                    if k == "master" and got != y - x:
+                        raise CheckpointError(f"{n}: {got} of {y - x} elements in the shards")
+                slices[n] = _address(y - x, x - lo)
+            offset += numel
+        fp32.append(values.pop("master")[: size - padding].clone())
+        states[g] = _state(kind, steps[g], values)
+        paddings.append(padding)
+        maps.append(slices)
+        counts.append(dp)
+        aligns.append([0] * len(group))
+    base = {"state": {g: s for g, s in states.items() if s},
+            "param_groups": [_group(kind, h, [g]) for g, h in enumerate(hyper)]}  # fmt: skip
+    return {
+        "clip_grad": float(run.config["gradient_clipping"]),
+        "base_optimizer_state": base,
+        "single_partition_of_fp32_groups": fp32,
+        "group_paddings": paddings,
+        "param_alignment_paddings": aligns,
+        "partition_count": counts,
+        "ds_version": VERSION,
+        "param_slice_mappings": maps,
+    }
+
+
+def _address(numel: int, start: int) -> _FragmentAddress:
+    out = _FragmentAddress()
+    out.__dict__.update(numel=numel, start=start)
+    return out
+
+
+def _sub_groups(numels: list[int], dp: int, limit: int) -> list[list[int]]:
+    """DeepSpeed's stage 3 sub-groups: runs of parameters whose pieces reach ``limit``."""
+    pieces = [-(-n // dp) for n in numels]
+    if limit >= sum(pieces):
+        return [list(range(len(numels)))]
+    out, run, size = [], [], 0
+    for i, piece in enumerate(pieces):
+        run.append(i)
+        size += piece
+        if size >= limit or i == len(pieces) - 1:
+            out.append(run)
+            run, size = [], 0
+    return out
+
+
+def _stage_3(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp) -> dict:
+    """DeepSpeed's stage 3 optimizer file of dp rank ``rank``."""
+    limit = run.config.zero_optimization.sub_group_size
+    flats, states, param_groups = [], {}, []
+    for g, group in enumerate(groups):
+        numels = [math.prod(shapes[n]) for n in group]
+        index = []
+        for sub in _sub_groups(numels, dp, limit):
+            size = sum(-(-numels[i] // dp) for i in sub)
+            values = {k: torch.zeros(size) for k in ["master", *moments]}
+            offset = 0
+            for i in sub:
+                piece = -(-numels[i] // dp)
+                lo, hi = min(rank * piece, numels[i]), min((rank + 1) * piece, numels[i])
+                for k, dest in values.items():
+                    got = reader.fill(dest, group[i], k, None, lo, hi, offset)
+                    if k == "master" and got != hi - lo:
+                        raise CheckpointError(f"{group[i]}: {got} of {hi - lo} elements")
+                offset += piece
+            flats.append(values.pop("master"))
+            states[len(flats) - 1] = _state(kind, steps[g], values)
+            index.append(len(flats) - 1)
+        param_groups.append(_group(kind, hyper[g], index))
+    return {
+        "partition_count": dp,
+        "optimizer_state_dict": {"state": {i: s for i, s in states.items() if s},
+                                 "param_groups": param_groups},  # fmt: skip
+        "fp32_flat_groups": flats,
+    }
+
+
+def _model_states(run, manifest, groups, shapes, client_state, exclude_frozen, reader, given):
+    """DeepSpeed's model-states file: rank 0's at stages 1-2, each rank's at stage 3."""
+    stage, rank, dp = run.config.zero_optimization.stage, run.global_rank, run.world_size
+    module = OrderedDict((k, v.detach().cpu().clone()) for k, v in run.module.state_dict().items())
+    trained = {n for g in groups for n in g}
+    frozen = [n for n, _ in run.module.named_parameters() if n not in trained]
+    if exclude_frozen:
+        for n in frozen:
+            module.pop(n, None)
+    dtype = run.precision.compute_dtype
+    shapes_out, fragments = None, None
+    if stage >= 2 and not exclude_frozen:
+        shapes_out, fragments = OrderedDict(), OrderedDict()
+        for n in frozen:
+            shapes_out[n] = shapes[n]
+            value = reader.full(n).to(dtype)
+            if stage == 3:
+                numel = value.numel()
+                piece = -(-numel // dp)
+                flat = torch.zeros(piece, dtype=dtype)
+                lo, hi = min(rank * piece, numel), min((rank + 1) * piece, numel)
+                flat[: hi - lo] = value.reshape(-1)[lo:hi]
+                value = flat
+            fragments[n] = value
+    shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}
+    out = {
+        "module": module,
+        "buffer_names": _buffer_names(run.module),
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, shapes[n]) for n in g) for g in groups],
+        "frozen_param_shapes": shapes_out,
+        "shared_params": shared,
+        "frozen_param_fragments": fragments,
+        "lr_scheduler": manifest["lr_scheduler"],
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": manifest["counters"]["skipped_steps"],
+        "global_steps": manifest["counters"]["global_steps"],
+        "global_samples": manifest["counters"]["global_samples"],
+        "dp_world_size": dp,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": given,
+        "ds_version": VERSION,
+    }
+    if "checkpoint_parallel_dimensions" in (client_state or {}):
+        raise CheckpointError("client_state: 'checkpoint_parallel_dimensions' is DeepSpeed's own "
+                              "key in its model-states file")  # fmt: skip
+    out.update(client_state or {})
+    return out
+
+
+def _buffer_names(module) -> list[str]:
+    """The persistent buffers' names, as DeepSpeed lists them (module by module)."""
+    out = []
+
+    def walk(m, prefix: str) -> None:
+        for name, buf in m.named_buffers(recurse=False):
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out.append(prefix + name)
+        for name, child in m.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(module, "")
+    return out
+
+
+def _save(folder: str, name: str, obj) -> str:
+    """``torch.save`` of ``obj`` to ``folder/name`` (DeepSpeed's names by :class:`_Pickler`),
+    written whole then renamed; returns its sha256."""
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_module=_PickleModule)
+    data = buf.getvalue()
+    path = os.path.join(folder, name)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def place_script(save_dir: str) -> None:
+    """``zero_to_fp32.py`` in ``save_dir``, as DeepSpeed places its own there: it runs
+    zerostack's (``zerostack.compat.deepspeed.utils.zero_to_fp32``) where zerostack is installed,
+    else DeepSpeed's, with the same arguments."""
+    path = os.path.join(save_dir, SCRIPT)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(_SCRIPT_TEXT)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+
+
+_SCRIPT_TEXT = '''#!/usr/bin/env python
+"""Whole fp32 weights from a checkpoint in this folder, placed here by zerostack as DeepSpeed
+places its zero_to_fp32.py: python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization]
+Runs zerostack's converter where zerostack is installed, else DeepSpeed's (both read the
+folder: it holds DeepSpeed's files beside zerostack's)."""
+import runpy
+
+try:
+    import zerostack.compat.deepspeed.utils.zero_to_fp32  # noqa: F401
+    NAME = "zerostack.compat.deepspeed.utils.zero_to_fp32"
+except ImportError:
+    NAME = "deepspeed.utils.zero_to_fp32"
+runpy.run_module(NAME, run_name="__main__", alter_sys=True)
+'''
