@@ -35,10 +35,13 @@ CASES = {
     "zero3_bf16": {"stage": 3, "bf16": True},
     "zero2_frozen": {"stage": 2, "frozen": True},
     "zero3_sgd": {"stage": 3, "sgd": True},
+    "zero2_odd": {"stage": 2, "odd": True},
 }
 
 
-def ds_config(stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False) -> dict:
+def ds_config(
+    stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False
+) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW)."""
     cfg = {
@@ -59,14 +62,17 @@ def ds_config(stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = 
     return cfg
 
 
-def model(frozen: bool = False):
+def model(frozen: bool = False, odd: bool = False):
     """The tiny GPT-2 every case trains (seeded); ``frozen``: its position embedding and first
-    block's MLP kept frozen (``requires_grad=False``), as a partly frozen fine-tune."""
+    block's MLP kept frozen (``requires_grad=False``), as a partly frozen fine-tune; ``odd``:
+    width 30 and 63 tokens, so its 24,930 parameters are no multiple of 2 x dp and DeepSpeed pads
+    the flat group (``group_paddings``)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    width, vocab = (30, 63) if odd else (32, 64)
+    cfg = GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=vocab, n_positions=16)
     cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
     out = GPT2LMHeadModel(cfg)
     if frozen:
@@ -75,19 +81,19 @@ def model(frozen: bool = False):
     return out
 
 
-def tokens(step: int, rank: int, world: int = WORLD):
+def tokens(step: int, rank: int, world: int = WORLD, odd: bool = False):
     """This rank's micro-batch of global batch ``step`` (the same global batch at any world)."""
     import torch
 
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, 64, (MICRO * WORLD, 12), generator=g)
+    x = torch.randint(0, 63 if odd else 64, (MICRO * WORLD, 12), generator=g)
     per = MICRO * WORLD // world
     return x[rank * per : (rank + 1) * per]
 
 
 def train(
     stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None, frozen=False,
-    deepspeed=None, sgd=False,
+    deepspeed=None, sgd=False, odd=False,
 ):
     """Run in each rank: DeepSpeed's loop; returns this rank's losses. ``deepspeed``: the
     module to run it with (None: ``import deepspeed``)."""
@@ -97,14 +103,14 @@ def train(
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = ds_config(stage, bf16, sgd=sgd)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
-    net = model(frozen)
+    net = model(frozen, odd)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     if load is not None:
         engine.load_checkpoint(load)
     losses = []
     for step in steps:
-        x = tokens(step, rank, world).to(engine.device)
+        x = tokens(step, rank, world, odd).to(engine.device)
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
@@ -121,8 +127,9 @@ def _child(args) -> None:
     case = CASES[args.case]
     frozen = case.get("frozen", False)
     steps = range(SAVE_AT, STEPS) if args.load else range(STEPS)
+    flags = {k: case.get(k, False) for k in ("sgd", "odd")}
     losses = train(case["stage"], case.get("bf16", False), args.out, steps, args.load,
-                   frozen=frozen, sgd=case.get("sgd", False))  # fmt: skip
+                   frozen=frozen, **flags)  # fmt: skip
     with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(losses, f)
 

@@ -110,7 +110,9 @@ def main(argv=None) -> int:
             results[case] = check(case, args.zerostack_python, tmp)
         print(case, json.dumps({k: v for k, v in results[case].items()
                                 if k != "deepspeed_resumes"}), flush=True)  # fmt: skip
-    if args.write:
+    if args.write:  # the cases run now replace theirs; the others stay
+        old = json.load(open(args.write)) if os.path.exists(args.write) else {"cases": {}}
+        results = {**old["cases"], **results}
         record = {
             "command": "DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_roundtrip.py "
             "--zerostack-python .venv/bin/python --write tests/golden/deepspeed_roundtrip.json",

@@ -163,6 +163,8 @@ T_LT_RESUME = f"{LT}::test_native_strategy_resumes_and_validates_its_checkpoints
 T_LT_DS = f"{LT}::test_deepspeed_strategy_under_the_runner_equals_deepspeed[stage3_gas2_sgd]"
 T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
+DW = "tests/test_deepspeed_write.py"
+T_DS_WRITE = f"{DW}::test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit"
 
 MUTANTS = [
     Mutant(
@@ -3803,6 +3805,105 @@ MUTANTS = [
         'n: self.model["module"][n].float().reshape(-1) for n in frozen',
         'n: torch.zeros(self.model["module"][n].numel()) for n in frozen',
         (f"{T_DS_RESUME}[zero2_frozen]",),
+    ),
+    Mutant(
+        "DeepSpeed's stage 1-2 moments written one element off their partition",
+        "checkpoint/deepspeed_write.py",
+        "        states[g] = _state(kind, steps[g], values)",
+        "        states[g] = _state(kind, steps[g], {k: v.roll(1) for k, v in values.items()})",
+        (f"{T_DS_WRITE}[zero2]",),
+    ),
+    Mutant(
+        "DeepSpeed's fp32 partition written with its padding",
+        "checkpoint/deepspeed_write.py",
+        'fp32.append(values.pop("master")[: size - padding].clone())',
+        'fp32.append(values.pop("master").clone())',
+        (f"{T_DS_WRITE}[zero2_odd]",),
+    ),
+    Mutant(
+        "DeepSpeed's group padding counted on no rank",
+        "checkpoint/deepspeed_write.py",
+        "        padding = size if total <= lo else max(0, lo + size - total)",
+        "        padding = 0",
+        (f"{T_DS_WRITE}[zero2_odd]",),
+    ),
+    Mutant(
+        "DeepSpeed's loss scaler left out of the optimizer file",
+        "checkpoint/deepspeed_write.py",
+        '"loss_scaler": _scaler(manifest),',
+        '"loss_scaler": None,',
+        (f"{T_DS_WRITE}[zero1]",),
+    ),
+    Mutant(
+        "a stand-in class pickled under zerostack's name, which DeepSpeed cannot read",
+        "checkpoint/deepspeed_write.py",
+        "        where = _NAMES.get(obj)",
+        "        where = None",
+        (f"{T_DS_WRITE}[zero3]",),
+    ),
+    Mutant(
+        "DeepSpeed's stage 3 pieces written in the other rank's file",
+        "checkpoint/deepspeed_write.py",
+        "lo, hi = min(rank * piece, numels[i]), min((rank + 1) * piece, numels[i])",
+        "lo, hi = min((dp - 1 - rank) * piece, numels[i]), min((dp - rank) * piece, numels[i])",
+        (f"{T_DS_WRITE}[zero3_sgd]",),
+    ),
+    Mutant(
+        "DeepSpeed's Adam step count written as torch's tensor",
+        "checkpoint/deepspeed_write.py",
+        '    return {"step": int(step), **values}',
+        '    return {"step": torch.tensor(float(step)), **values}',
+        (f"{T_DS_WRITE}[zero2_bf16]",),
+    ),
+    Mutant(
+        "the slice map's start counted from the group, not the rank's partition",
+        "checkpoint/deepspeed_write.py",
+        "slices[n] = _address(y - x, x - lo)",
+        "slices[n] = _address(y - x, x)",
+        (f"{T_DS_WRITE}[zero2]",),
+    ),
+    Mutant(
+        "tied parameters left out of DeepSpeed's model states",
+        "checkpoint/deepspeed_write.py",
+        'shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}',
+        "shared = {}",
+        (f"{T_DS_WRITE}[zero1]",),
+    ),
+    Mutant(
+        "DeepSpeed's files never written under the facade",
+        "checkpoint/deepspeed_write.py",
+        "    return why is None",
+        "    return False",
+        (f"{T_DS_WRITE}[zero1]",),
+    ),
+    Mutant(
+        "a layout DeepSpeed's files cannot describe let through",
+        "checkpoint/deepspeed_write.py",
+        "    if stage == 0:\n",
+        "    if False:\n",
+        (f"{DW}::test_deepspeed_files_where_they_cannot_be_written_are_refused",),
+    ),
+    Mutant(
+        "an optimizer group's parameters in another order",
+        "zero/flat_state.py",
+        "return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]",
+        "return [[p for g in flats for p in self.groups[g].params][::-1] for flats in self._of_group]",
+        (f"{T_DS_WRITE}[zero1]",),
+    ),
+    Mutant(
+        "stage 3's optimizer groups' parameters in another order",
+        "zero/stage3_state.py",
+        "            out[g.index].extend(g.params)",
+        "            out[g.index].extend(g.params[::-1])",
+        (f"{T_DS_WRITE}[zero3]",),
+    ),
+    Mutant(
+        "Lightning's converter finds no model-states file at ZeRO-3",
+        "compat/deepspeed/utils/zero_to_fp32.py",
+        '        name = "zero_pp_rank_0_" + name',
+        "        pass",
+        ("tests/test_lightning.py::test_lightnings_converter_reads_a_deepspeed_stage_3_"
+         "checkpoint_made_under_the_runner",),
     ),
 ]
 
