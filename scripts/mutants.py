@@ -3871,14 +3871,14 @@ MUTANTS = [
     ),
     Mutant(
         "DeepSpeed's files never written under the facade",
-        "checkpoint/deepspeed_write.py",
+        "checkpoint/deepspeed_layout.py",
         "    return why is None",
         "    return False",
         (f"{T_DS_WRITE}[zero1]",),
     ),
     Mutant(
         "a layout DeepSpeed's files cannot describe let through",
-        "checkpoint/deepspeed_write.py",
+        "checkpoint/deepspeed_layout.py",
         "    if stage == 0:\n",
         "    if False:\n",
         (f"{DW}::test_deepspeed_files_where_they_cannot_be_written_are_refused",),
@@ -3887,7 +3887,8 @@ MUTANTS = [
         "an optimizer group's parameters in another order",
         "zero/flat_state.py",
         "return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]",
-        "return [[p for g in flats for p in self.groups[g].params][::-1] for flats in self._of_group]",
+        "return [[p for g in flats for p in self.groups[g].params][::-1]"
+        " for flats in self._of_group]",
         (f"{T_DS_WRITE}[zero1]",),
     ),
     Mutant(
@@ -3896,6 +3897,52 @@ MUTANTS = [
         "            out[g.index].extend(g.params)",
         "            out[g.index].extend(g.params[::-1])",
         (f"{T_DS_WRITE}[zero3]",),
+    ),
+    Mutant(
+        "convert: a tied weight's second name written into the Hugging Face shards",
+        "checkpoint/convert.py",
+        "    entries = [Entry(n, dtype, tuple(s)) for n, s in _params(reader)]",
+        "    entries = [Entry(n, dtype, tuple(s)) for n, s in _params(reader)]\n"
+        "    entries += [Entry(a, dtype, tuple(reader.manifest['params'][n]))\n"
+        "                for a, n in reader.manifest['aliases'].items()]",
+        ("tests/test_convert.py::test_to_hf_bf16_and_one_file",),
+    ),
+    Mutant(
+        "convert: every Hugging Face shard written past its size",
+        "checkpoint/convert.py",
+        "        if shards[-1] and size + e.nbytes > max_shard_size:",
+        "        if False:",
+        ("tests/test_convert.py::test_to_hf_shards_load_with_from_pretrained_bit_for_bit",),
+    ),
+    Mutant(
+        "convert: the optimizer moments left out of zerostack's format",
+        "checkpoint/convert.py",
+        '        for kind in ["master"] + ([] if name in frozen else kinds):',
+        '        for kind in ["master"]:',
+        ("tests/test_convert.py::test_to_zerostack_from_deepspeed_resumes_with_deepspeeds_losses",),
+    ),
+    Mutant(
+        "convert: DeepSpeed's files cut for the source's dp size whatever --world says",
+        "checkpoint/convert.py",
+        "    layout = layout_of_checkpoint(reader, dp=world, stage=stage)",
+        "    layout = layout_of_checkpoint(reader, stage=stage)",
+        ("tests/test_convert.py::test_to_deepspeed_on_another_dp_size_and_stage_resumes",),
+    ),
+    Mutant(
+        "convert: DCP written with each parameter's master in place of its moments",
+        "checkpoint/convert.py",
+        "            t = reader.full(name, kind)\n            bar.add",
+        "            t = reader.full(name)\n            bar.add",
+        ("tests/test_convert.py::test_to_dcp_reads_back_every_weight_and_moment",),
+    ),
+    Mutant(
+        "a checkpoint read back claims fp32 where DeepSpeed's files were bf16",
+        "checkpoint/deepspeed_read.py",
+        '        if os.path.basename(self.optim_files[0]).startswith("bf16_"):\n'
+        '            return "bf16"',
+        '        if False:\n            return "bf16"',
+        ("tests/test_convert.py::test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_"
+         "for_bit[zero2_bf16]",),
     ),
     Mutant(
         "Lightning's converter finds no model-states file at ZeRO-3",

@@ -31,14 +31,15 @@ EXPECTED = json.load(open(os.path.join(fx.FIXTURES, "expected.json")))
 CASES = EXPECTED["cases"]
 
 
-def _resume(rank, world, case, stage):
+def _resume(rank, world, case, stage, folder=None):
+    """Case ``case``'s script resumed from its fixture folder (or ``folder``) at ``stage``."""
     bf16, frozen = "bf16" in case, "frozen" in case
     cfg = fx.ds_config(stage, bf16, sgd="sgd" in case)
     cfg["train_micro_batch_size_per_gpu"] = fx.MICRO * fx.WORLD // world
     net = fx.model(frozen, "odd" in case)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
-    path, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
+    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
     counters = (engine.global_steps, engine.global_samples, engine.get_lr())
     losses = []
     for step in range(fx.SAVE_AT, fx.STEPS):

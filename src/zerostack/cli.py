@@ -167,11 +167,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the .safetensors file to write")
     c.add_argument("--tag", default=None, help="a tag other than the latest")
     c.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
+    from zerostack.checkpoint.convert import add_parser as add_convert
     from zerostack.estimate.command import add_parser as add_estimate
     from zerostack.launcher.runner import add_parser as add_launch
     from zerostack.plan.command import add_parser as add_plan
 
     add_estimate(sub)
+    add_convert(sub)
     add_plan(sub)
     add_launch(sub)
     return p
@@ -357,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {path}")
+    elif args.command == "convert":
+        from zerostack.checkpoint import CheckpointError
+        from zerostack.checkpoint.convert import run_command
+
+        try:
+            return run_command(args)
+        except (CheckpointError, OSError, ValueError) as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -86,7 +86,7 @@ def validate(
 
 def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool) -> None:
     """``checkpoint.deepspeed_files: true`` where DeepSpeed's files cannot be written: refused."""
-    from .checkpoint.deepspeed_write import refusal
+    from .checkpoint.deepspeed_layout import refusal
 
     why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage)
     if cfg.checkpoint.deepspeed_files and why:

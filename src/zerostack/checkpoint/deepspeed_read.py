@@ -1,6 +1,6 @@
 """Reading a checkpoint folder DeepSpeed wrote (``engine.save_checkpoint`` of DeepSpeed 0.14-0.19,
 ZeRO stages 1-3, fp32 or bf16), as :mod:`.restore` reads zerostack's own: a
-:class:`DeepSpeedReader` answers what :class:`~.restore._Reader` answers (each parameter's fp32
+:class:`DeepSpeedReader` answers what :class:`~.reader.ShardReader` answers (each parameter's fp32
 value and optimizer moments by element range, buffers, and a manifest of zerostack's shape with
 the counters, loss scale, LR schedule, optimizer groups and client state), so a DeepSpeed folder
 resumes on any ZeRO stage and dp size zerostack runs, and ``zerostack consolidate`` and the
@@ -120,7 +120,7 @@ def _files(folder: str, pattern: str) -> list[str]:
 
 
 class DeepSpeedReader:
-    """A DeepSpeed tag folder, read as :class:`~.restore._Reader` reads zerostack's."""
+    """A DeepSpeed tag folder, read as :class:`~.reader.ShardReader` reads zerostack's."""
 
     saved_tp = 1
     specs: dict = {}
@@ -134,6 +134,7 @@ class DeepSpeedReader:
                 f"{folder}: a DeepSpeed folder without ZeRO optimizer states (stage 0, or a "
                 "pipeline's layer files): not read yet"
             )
+        self.optim_files = optim
         self.optim = [load_pickle(p)["optimizer_state_dict"] for p in optim]
         first = self.optim[0]
         self.stage = int(first["zero_stage"])
@@ -246,13 +247,15 @@ class DeepSpeedReader:
             groups.append({
                 "hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
                 "step": float(step) if step is not None else None,
+                "params": list(self.shapes[g]) if g < len(self.shapes) else [],
             })  # fmt: skip
         scaler = self.optim[0].get("loss_scaler")
         scale = {k: v for k, v in vars(scaler).items()} if scaler is not None else {}
         return {
             "params": params,
             "aliases": dict(m.get("shared_params") or {}),
-            "layout": {"tp": 1, "world_size": -1},  # DeepSpeed keeps no RNG states
+            "layout": {"tp": 1, "world_size": -1,  # DeepSpeed keeps no RNG states
+                       "dp": self.world, "zero_stage": self.stage, "precision": self._precision()},
             "tp_specs": {},
             "files": [],
             "excluded": [],
@@ -268,4 +271,14 @@ class DeepSpeedReader:
             "data_sampler": None,
             "lr_scheduler": m.get("lr_scheduler"),
             "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
+            "ds_config": m.get("ds_config"),
+            "state_dict_order": list(m["module"]),
         }
+
+    def _precision(self) -> str:
+        """The run's compute dtype, as its files are named (``bf16_``) or its weights kept."""
+        if os.path.basename(self.optim_files[0]).startswith("bf16_"):
+            return "bf16"
+        weights = [t for t in self.model["module"].values() if t.is_floating_point()]
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32") if (
+            weights) else "fp32"

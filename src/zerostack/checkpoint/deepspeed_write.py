@@ -8,7 +8,7 @@ sha256 checked, any layout), and the manifest lists DeepSpeed's files with their
 (``deepspeed_files``). They are written inside the incomplete folder, after zerostack's shards and
 manifest and before the rename, so the save stays atomic: DeepSpeed's files exist complete or
 not at all. Each rank writes DeepSpeed's files of its own dp rank, reading the values it needs
-from zerostack's shards in the same folder (:class:`~.restore._Reader`, every tensor checked): no
+from zerostack's shards in the same folder (:class:`~.reader.ShardReader`, every tensor checked): no
 collective, whatever ZeRO stage or dp cut wrote the shards.
 
 What DeepSpeed writes, and so what is written here (read in DeepSpeed 0.19.8's
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import logging
 import math
 import os
 import pickle
@@ -42,6 +41,7 @@ from collections import OrderedDict
 
 import torch
 
+from .deepspeed_layout import Layout
 from .deepspeed_read import (
     _DynamicLossScaler,
     _FragmentAddress,
@@ -49,8 +49,6 @@ from .deepspeed_read import (
     _ZeroStageEnum,
 )
 from .errors import CheckpointError
-
-log = logging.getLogger("zerostack")
 
 VERSION = "0.19.8"  # the DeepSpeed API level the files are written for
 SCRIPT = "zero_to_fp32.py"
@@ -80,57 +78,7 @@ class _PickleModule:
     Unpickler = pickle.Unpickler
 
 
-def refusal(cfg, topo, stage: int) -> str | None:
-    """Why DeepSpeed's files cannot be written for this run (None: they can)."""
-    zero, parts = cfg.zero_optimization, []
-    if stage == 0:
-        parts.append("ZeRO stage 0")
-    if cfg.fp16.enabled:
-        parts.append("fp16 (its loss scaler's state)")
-    sizes = {a: getattr(topo, a) for a in ("tp", "pp", "ep", "sp")}
-    parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
-    if zero.round_robin_gradients:
-        parts.append("zero_optimization.round_robin_gradients")
-    if zero.elastic_checkpoint:
-        parts.append("zero_optimization.elastic_checkpoint")
-    if cfg.checkpoint.async_save:
-        parts.append("checkpoint.async_save")
-    if not parts:
-        return None
-    return f"{', '.join(parts)}: DeepSpeed's files are not written for it yet"
-
-
-def wanted(run) -> bool:
-    """Whether this save writes DeepSpeed's files: ``checkpoint.deepspeed_files``, or when it
-    is unset, under the facade where the layout allows (else a warning, once per engine, says
-    why the folder holds zerostack's files only)."""
-    cfg = run.config
-    asked = cfg.checkpoint.deepspeed_files
-    if asked is not None:
-        return asked
-    if not cfg.served_as_deepspeed:
-        return False
-    stage = cfg.zero_optimization.stage
-    why = "a forward-only engine" if run.optimizer is None else refusal(cfg, run.topology, stage)
-    if why and run.global_rank == 0 and not getattr(run, "_warned_deepspeed_files", False):
-        log.warning("checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
-                    "set checkpoint.deepspeed_files false to silence this)", why)  # fmt: skip
-        run._warned_deepspeed_files = True
-    return why is None
-
-
 # ---------------------------------------------------------------------------- the optimizer
-def _optimizer_kind(cfg) -> str:
-    """Which optimizer DeepSpeed builds for the config: its state is kept as that class keeps
-    it. "fused": FusedAdam, "cpu": DeepSpeedCPUAdam, "torch": a torch optimizer (or the
-    client's, which DeepSpeed keeps as it is)."""
-    spec = cfg.optimizer
-    if spec is None or spec.type not in ("Adam", "AdamW") or spec.params.torch_adam:
-        return "torch"
-    off = cfg.zero_optimization.offload_optimizer
-    return "cpu" if off is not None and off.device in ("cpu", "nvme") else "fused"
-
-
 def _group(kind: str, hyper: dict, index: list[int]) -> dict:
     if kind == "torch":
         return {**hyper, "params": index}
@@ -154,34 +102,31 @@ def _state(kind: str, step, values: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- the files
-def write(run, folder: str, manifest: dict, client_state, reader, exclude_frozen: bool) -> dict:
-    """This rank's DeepSpeed files into ``folder`` (zerostack's shards and ``manifest`` are
-    there, read through ``reader``); returns ``{file: sha256}`` of what it wrote."""
-    cfg, rank, dp = run.config, run.global_rank, run.world_size
-    stage = cfg.zero_optimization.stage
-    names = {p: n for n, p in run.module.named_parameters()}
-    groups = [[names[p] for p in ps] for ps in run.zero.group_params()]
-    given = cfg.given
-    kind = _optimizer_kind(cfg)
+def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module,
+          client_state, exclude_frozen: bool) -> dict:  # fmt: skip
+    """DeepSpeed's files of dp rank ``rank`` into ``folder``, the values read through
+    ``reader`` (zerostack's shards, or any checkpoint); ``module()`` gives the module's state
+    dict for the model-states file. Returns ``{file: sha256}`` of what it wrote."""
     moments = reader.kinds()
     hyper = [g["hyper"] for g in manifest["optimizer_groups"]]
     steps = [g["step"] for g in manifest["optimizer_groups"]]
     shapes = {n: torch.Size(s) for n, s in manifest["params"].items()}
-    build = _stages_1_2 if stage < 3 else _stage_3
-    optim = build(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp)
-    optim = {"zero_stage": _ZeroStageEnum(stage), "loss_scaler": _scaler(manifest),
+    build = _stages_1_2 if layout.stage < 3 else _stage_3
+    optim = build(layout, reader, shapes, moments, hyper, steps, rank)
+    optim = {"zero_stage": _ZeroStageEnum(layout.stage), "loss_scaler": _scaler(manifest),
              "dynamic_loss_scale": False, "overflow": False, **optim}  # fmt: skip
-    if stage < 3:
+    if layout.stage < 3:
         optim = {k: optim[k] for k in _ORDER_1_2}
-    prefix = "bf16_" if cfg.bf16.enabled else ""
+    prefix = "bf16_" if layout.bf16 else ""
     written = {}
     name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-    written[name] = _save(folder, name, {"optimizer_state_dict": optim, "ds_config": given,
+    written[name] = _save(folder, name, {"optimizer_state_dict": optim,
+                                         "ds_config": layout.config,
                                          "ds_version": VERSION})  # fmt: skip
-    if stage == 3 or rank == 0:
-        model = _model_states(run, manifest, groups, shapes, client_state, exclude_frozen,
-                              reader, given)  # fmt: skip
-        name = (f"zero_pp_rank_{rank}_" if stage == 3 else "") + "mp_rank_00_model_states.pt"
+    if layout.stage == 3 or rank == 0:
+        model = _model_states(layout, rank, manifest, shapes, module, client_state,
+                              exclude_frozen, reader)  # fmt: skip
+        name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + "mp_rank_00_model_states.pt"
         written[name] = _save(folder, name, model)
     return written
 
@@ -199,10 +144,11 @@ def _scaler(manifest: dict) -> _LossScaler:
     return out
 
 
-def _stages_1_2(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp) -> dict:
+def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
     """DeepSpeed's stage 1-2 optimizer file of dp rank ``rank``."""
+    dp, kind = layout.dp, layout.kind
     fp32, paddings, states, maps, counts, aligns = [], [], {}, [], [], []
-    for g, group in enumerate(groups):
+    for g, group in enumerate(layout.groups):
         numels = [math.prod(shapes[n]) for n in group]
         total = sum(numels)
         align = 2 * dp
@@ -229,7 +175,7 @@ def _stages_1_2(run, reader, groups, shapes, moments, kind, hyper, steps, rank, 
     base = {"state": {g: s for g, s in states.items() if s},
             "param_groups": [_group(kind, h, [g]) for g, h in enumerate(hyper)]}  # fmt: skip
     return {
-        "clip_grad": float(run.config["gradient_clipping"]),
+        "clip_grad": layout.clip,
         "base_optimizer_state": base,
         "single_partition_of_fp32_groups": fp32,
         "group_paddings": paddings,
@@ -261,11 +207,11 @@ def _sub_groups(numels: list[int], dp: int, limit: int) -> list[list[int]]:
     return out
 
 
-def _stage_3(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp) -> dict:
+def _stage_3(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
     """DeepSpeed's stage 3 optimizer file of dp rank ``rank``."""
-    limit = run.config.zero_optimization.sub_group_size
+    dp, kind, limit = layout.dp, layout.kind, layout.sub_group_size
     flats, states, param_groups = [], {}, []
-    for g, group in enumerate(groups):
+    for g, group in enumerate(layout.groups):
         numels = [math.prod(shapes[n]) for n in group]
         index = []
         for sub in _sub_groups(numels, dp, limit):
@@ -292,26 +238,23 @@ def _stage_3(run, reader, groups, shapes, moments, kind, hyper, steps, rank, dp)
     }
 
 
-def _model_states(run, manifest, groups, shapes, client_state, exclude_frozen, reader, given):
+def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader):
     """DeepSpeed's model-states file: rank 0's at stages 1-2, each rank's at stage 3."""
-    stage, rank, dp = run.config.zero_optimization.stage, run.global_rank, run.world_size
-    module = OrderedDict((k, v.detach().cpu().clone()) for k, v in run.module.state_dict().items())
-    trained = {n for g in groups for n in g}
-    frozen = [n for n, _ in run.module.named_parameters() if n not in trained]
+    stage, dp = layout.stage, layout.dp
+    module = OrderedDict((k, v.detach().cpu().clone()) for k, v in module().items())
     if exclude_frozen:
-        for n in frozen:
+        for n in layout.frozen:
             module.pop(n, None)
-    dtype = run.precision.compute_dtype
     shapes_out, fragments = None, None
     if stage >= 2 and not exclude_frozen:
         shapes_out, fragments = OrderedDict(), OrderedDict()
-        for n in frozen:
+        for n in layout.frozen:
             shapes_out[n] = shapes[n]
-            value = reader.full(n).to(dtype)
+            value = reader.full(n).to(layout.dtype)
             if stage == 3:
                 numel = value.numel()
                 piece = -(-numel // dp)
-                flat = torch.zeros(piece, dtype=dtype)
+                flat = torch.zeros(piece, dtype=layout.dtype)
                 lo, hi = min(rank * piece, numel), min((rank + 1) * piece, numel)
                 flat[: hi - lo] = value.reshape(-1)[lo:hi]
                 value = flat
@@ -319,9 +262,9 @@ def _model_states(run, manifest, groups, shapes, client_state, exclude_frozen, r
     shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}
     out = {
         "module": module,
-        "buffer_names": _buffer_names(run.module),
+        "buffer_names": list(layout.buffers),
         "optimizer": None,
-        "param_shapes": [OrderedDict((n, shapes[n]) for n in g) for g in groups],
+        "param_shapes": [OrderedDict((n, shapes[n]) for n in g) for g in layout.groups],
         "frozen_param_shapes": shapes_out,
         "shared_params": shared,
         "frozen_param_fragments": fragments,
@@ -334,29 +277,13 @@ def _model_states(run, manifest, groups, shapes, client_state, exclude_frozen, r
         "dp_world_size": dp,
         "mp_world_size": 1,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        "ds_config": given,
+        "ds_config": layout.config,
         "ds_version": VERSION,
     }
     if "checkpoint_parallel_dimensions" in (client_state or {}):
         raise CheckpointError("client_state: 'checkpoint_parallel_dimensions' is DeepSpeed's own "
                               "key in its model-states file")  # fmt: skip
     out.update(client_state or {})
-    return out
-
-
-def _buffer_names(module) -> list[str]:
-    """The persistent buffers' names, as DeepSpeed lists them (module by module)."""
-    out = []
-
-    def walk(m, prefix: str) -> None:
-        for name, buf in m.named_buffers(recurse=False):
-            if buf is not None and name not in m._non_persistent_buffers_set:
-                out.append(prefix + name)
-        for name, child in m.named_children():
-            if child is not None:
-                walk(child, prefix + name + ".")
-
-    walk(module, "")
     return out
 
 

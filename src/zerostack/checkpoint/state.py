@@ -36,9 +36,12 @@ import shutil
 
 import torch.distributed as dist
 
+from ..config.load import given_config
+from ..moe.utils import global_names
 from . import client_state as client
-from . import deepspeed_write
+from . import deepspeed_layout, deepspeed_write
 from .errors import CheckpointError
+from .reader import ShardReader
 from .shard import (
     collect_shard,
     full_shape_of,
@@ -135,7 +138,7 @@ def save(
             _write_manifest(run, folder, tag, client_state, client_record)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-    if deepspeed_write.wanted(run):  # DeepSpeed's files, from the shards written
+    if deepspeed_layout.wanted(run):  # DeepSpeed's files, from the shards written
         _fail_together(run, error, folder, final)
         error = _deepspeed_files(run, folder, save_dir, given_state, exclude_frozen)
     if rank == 0 and error is None:
@@ -151,12 +154,12 @@ def _deepspeed_files(run, folder: str, save_dir: str, client_state, exclude_froz
     """Every rank writes DeepSpeed's files of its dp rank (:mod:`.deepspeed_write`); rank 0
     adds their sha256 to the manifest and places ``zero_to_fp32.py``. Returns this rank's
     error (None: none)."""
-    from .restore import _Reader
-
     try:
         manifest = json.loads(open(os.path.join(folder, MANIFEST)).read())
-        reader = _Reader(folder, manifest)
-        mine = deepspeed_write.write(run, folder, manifest, client_state, reader, exclude_frozen)
+        reader = ShardReader(folder, manifest)
+        layout = deepspeed_layout.layout_of_run(run, manifest)
+        mine = deepspeed_write.write(layout, folder, run.global_rank, manifest, reader,
+                                     run.module.state_dict, client_state, exclude_frozen)
         error = None
     except Exception as exc:
         mine, error = {}, f"{type(exc).__name__}: {exc}"
@@ -249,7 +252,11 @@ def merge_records(records: list[dict]) -> dict:
 def _manifest(run, tag: str, records: list[dict], client_state, client_record=None) -> dict:
     topo, zero_cfg = run.topology, run.config.zero_optimization
     groups = []
-    for g in run.optimizer_groups():  # none for a forward-only engine
+    every = global_names(run.module, topo.rank("ep"))
+    # each group's trained parameters by name, where rank 0 knows them all (no pp or ep)
+    members = [[every[p] for p in ps] for ps in run.zero.group_params()] if (
+        run.optimizer is not None and topo.pp == 1 and topo.ep == 1) else None
+    for i, g in enumerate(run.optimizer_groups()):  # none for a forward-only engine
         step = None
         for m in g["params"]:
             s = run.optimizer.state.get(m, {}).get("step")
@@ -257,7 +264,8 @@ def _manifest(run, tag: str, records: list[dict], client_state, client_record=No
                 step = float(s)
                 break
         hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step})
+        groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step,
+                       "params": members[i] if members is not None else None})  # fmt: skip
     merged = merge_records(records)
     excluded = set(merged["excluded"])
     canonical = {id(p): n for n, p in run.module.named_parameters()}
@@ -289,4 +297,6 @@ def _manifest(run, tag: str, records: list[dict], client_state, client_record=No
         "files": records,
         "client_state": client_state,
         "client_tensors": client_record,
+        "ds_config": json.loads(json.dumps(given_config(run.config), default=repr)),
+        "state_dict_order": deepspeed_layout.state_dict_order(run.module),
     }

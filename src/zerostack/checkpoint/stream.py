@@ -69,7 +69,9 @@ class ShardWriter:
     tensor as :meth:`put` is handed it, in the entries' order. :meth:`close` checks that all
     came and makes the file durable; ``hashes`` has each key's sha256."""
 
-    def __init__(self, path: str, entries: list[Entry]) -> None:
+    def __init__(self, path: str, entries: list[Entry], metadata: dict | None = None) -> None:
+        """``metadata``: the header's ``__metadata__`` (str to str; Hugging Face's loaders want
+        ``{"format": "pt"}``)."""
         self.path = path
         self.entries = entries
         self.hashes: dict[str, str] = {}
@@ -86,6 +88,8 @@ class ShardWriter:
             }
             offset += e.nbytes
         self.size = offset
+        if metadata is not None:
+            header["__metadata__"] = metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         self._next = 0

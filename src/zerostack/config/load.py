@@ -76,8 +76,21 @@ def load_config(
                 del block[loc[-1]]
                 ignored.append(".".join(str(part) for part in loc))
     cfg._ignored = tuple(ignored)
-    cfg._given, cfg._served = given, unknown_keys == "as_deepspeed"
+    cfg._source = (given, unknown_keys == "as_deepspeed")
     return cfg
+
+
+def given_config(cfg: ZeroStackConfig) -> dict:
+    """The config as the user gave it (what DeepSpeed keeps as ``ds_config`` in its checkpoint
+    files): the dict :func:`load_config` read, else the keys set."""
+    if cfg._source[0] is not None:
+        return copy.deepcopy(cfg._source[0])
+    return cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def served_as_deepspeed(cfg: ZeroStackConfig) -> bool:
+    """Whether ``deepspeed.initialize`` (zerostack's facade) read this config."""
+    return cfg._source[1]
 
 
 def _ignorable(err: Any) -> bool:

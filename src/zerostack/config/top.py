@@ -1,6 +1,5 @@
 """The whole config: :class:`ZeroStackConfig`, its cross-block rules and the batch arithmetic."""
 
-import copy
 import math
 from typing import Annotated, Any, Literal
 
@@ -227,29 +226,11 @@ class ZeroStackConfig(_Model):
         return self
 
     _ignored: tuple[str, ...] = PrivateAttr(default=())
-    _given: dict | None = PrivateAttr(default=None)
-    _served: bool = PrivateAttr(default=False)
+    _source: tuple = PrivateAttr(default=(None, False))  # the dict read; by the facade?
 
     def __eq__(self, other: object) -> bool:
-        """The same settings (where they came from, and which keys were ignored, do not count)."""
-        if not isinstance(other, ZeroStackConfig):
-            return NotImplemented
-        return self.to_dict() == other.to_dict()
-
-    __hash__ = None  # type: ignore[assignment]  (mutable, as pydantic's models)
-
-    @property
-    def given(self) -> dict:
-        """The config as the user gave it (what DeepSpeed keeps as ``ds_config`` in its
-        checkpoint files): the dict read, else the keys set."""
-        if self._given is not None:
-            return copy.deepcopy(self._given)
-        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
-
-    @property
-    def served_as_deepspeed(self) -> bool:
-        """Whether ``deepspeed.initialize`` (zerostack's facade) read this config."""
-        return self._served
+        """The same settings (where they came from, and the keys ignored, do not count)."""
+        return isinstance(other, ZeroStackConfig) and self.to_dict() == other.to_dict()
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:

@@ -1,0 +1,190 @@
+"""What DeepSpeed's checkpoint files of a run say besides the values (:class:`Layout`), from a
+run being saved or from a checkpoint read back (``zerostack convert``), and whether a save writes
+them at all (``checkpoint.deepspeed_files``: :func:`wanted`, :func:`refusal`). The files
+themselves are :mod:`.deepspeed_write`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..config.load import given_config, served_as_deepspeed
+from .errors import CheckpointError
+
+log = logging.getLogger("zerostack")
+
+
+def refusal(cfg, topo, stage: int) -> str | None:
+    """Why DeepSpeed's files cannot be written for this run (None: they can)."""
+    zero, parts = cfg.zero_optimization, []
+    if stage == 0:
+        parts.append("ZeRO stage 0")
+    if cfg.fp16.enabled:
+        parts.append("fp16 (its loss scaler's state)")
+    sizes = {a: getattr(topo, a) for a in ("tp", "pp", "ep", "sp")}
+    parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
+    if zero.round_robin_gradients:
+        parts.append("zero_optimization.round_robin_gradients")
+    if zero.elastic_checkpoint:
+        parts.append("zero_optimization.elastic_checkpoint")
+    if cfg.checkpoint.async_save:
+        parts.append("checkpoint.async_save")
+    if not parts:
+        return None
+    return f"{', '.join(parts)}: DeepSpeed's files are not written for it yet"
+
+
+def wanted(run) -> bool:
+    """Whether this save writes DeepSpeed's files: ``checkpoint.deepspeed_files``, or when it
+    is unset, under the facade where the layout allows (else a warning, once per engine, says
+    why the folder holds zerostack's files only)."""
+    cfg = run.config
+    asked = cfg.checkpoint.deepspeed_files
+    if asked is not None:
+        return asked
+    if not served_as_deepspeed(cfg):
+        return False
+    stage = cfg.zero_optimization.stage
+    why = "a forward-only engine" if run.optimizer is None else refusal(cfg, run.topology, stage)
+    if why and run.global_rank == 0 and not getattr(run, "_warned_deepspeed_files", False):
+        log.warning("checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
+                    "set checkpoint.deepspeed_files false to silence this)", why)  # fmt: skip
+        run._warned_deepspeed_files = True
+    return why is None
+
+
+def _optimizer_kind(cfg) -> str:
+    """Which optimizer DeepSpeed builds for the config: its state is kept as that class keeps
+    it. "fused": FusedAdam, "cpu": DeepSpeedCPUAdam, "torch": a torch optimizer (or the
+    client's, which DeepSpeed keeps as it is)."""
+    spec = cfg.optimizer
+    if spec is None or spec.type not in ("Adam", "AdamW") or spec.params.torch_adam:
+        return "torch"
+    off = cfg.zero_optimization.offload_optimizer
+    return "cpu" if off is not None and off.device in ("cpu", "nvme") else "fused"
+
+
+# ---------------------------------------------------------------------------- the layout
+@dataclass(frozen=True)
+class Layout:
+    """What DeepSpeed's files of one checkpoint say besides the values: the ZeRO stage and dp
+    size they are cut for, the precision, the optimizer's kind and config, each optimizer
+    group's trained parameters (in order), the frozen parameters and the buffers."""
+
+    stage: int
+    dp: int
+    bf16: bool
+    kind: str
+    config: dict
+    clip: float
+    sub_group_size: int
+    groups: list
+    frozen: list
+    buffers: list
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def layout_of_run(run, manifest: dict) -> Layout:
+    """The layout of a run's save (its config, its module)."""
+    cfg = run.config
+    groups = [g["params"] for g in manifest["optimizer_groups"]]
+    trained = {n for g in groups for n in g}
+    return Layout(
+        stage=cfg.zero_optimization.stage, dp=run.world_size, bf16=cfg.bf16.enabled,
+        kind=_optimizer_kind(cfg), config=given_config(cfg), clip=float(cfg["gradient_clipping"]),
+        sub_group_size=cfg.zero_optimization.sub_group_size, groups=groups,
+        frozen=[n for n, _ in run.module.named_parameters() if n not in trained],
+        buffers=_buffer_names(run.module),
+    )  # fmt: skip
+
+
+def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None) -> Layout:
+    """The layout of DeepSpeed's files for a checkpoint read back (``zerostack convert``): its
+    own dp size and stage unless given, its config where the checkpoint kept it."""
+    from ..config import load_config
+
+    manifest = reader.manifest
+    saved = manifest["layout"]
+    stage = stage if stage is not None else saved.get("zero_stage", getattr(reader, "stage", 1))
+    dp = dp if dp is not None else saved.get("dp", getattr(reader, "world", 1))
+    if stage not in (1, 2, 3) or dp < 1:
+        raise CheckpointError(f"DeepSpeed's files for ZeRO stage {stage} on {dp} ranks: "
+                              "expected stage 1, 2 or 3 and at least one rank")  # fmt: skip
+    config = manifest.get("ds_config") or {}
+    cfg = load_config(config, unknown_keys="as_deepspeed") if config else None
+    groups = [g.get("params") for g in manifest["optimizer_groups"]]
+    frozen = [n for n in manifest["params"] if n in set(manifest.get("frozen", []))]
+    if None in groups:
+        if len(groups) > 1:
+            raise CheckpointError("the checkpoint does not say which parameters each of its "
+                                  f"{len(groups)} optimizer groups holds (written before "
+                                  "zerostack recorded it)")  # fmt: skip
+        groups = [[n for n in manifest["params"] if n not in set(frozen)]]
+    hyper = manifest["optimizer_groups"][0]["hyper"] if manifest["optimizer_groups"] else {}
+    kind = _optimizer_kind(cfg) if cfg is not None else ("fused" if "betas" in hyper
+                                                             else "torch")  # fmt: skip
+    return Layout(
+        stage=stage, dp=dp, bf16=saved.get("precision") == "bf16", kind=kind, config=config,
+        clip=float(cfg.gradient_clipping if cfg is not None else 1.0),
+        sub_group_size=cfg.zero_optimization.sub_group_size if cfg is not None else 10**9,
+        groups=groups, frozen=frozen, buffers=list(reader.buffers),
+    )  # fmt: skip
+
+
+def module_from_checkpoint(reader, layout: Layout) -> OrderedDict:
+    """The module's state dict as DeepSpeed's model-states file holds it: the weights in the
+    compute dtype (empty at ZeRO-3, where the optimizer files hold them), tied names too."""
+    manifest, out = reader.manifest, {}
+    for name in manifest["params"]:
+        if layout.stage == 3:
+            out[name] = torch.empty(0, dtype=layout.dtype)
+        else:
+            out[name] = reader.full(name).to(layout.dtype)
+    for alias, name in manifest["aliases"].items():
+        out[alias] = out[name]
+    for name, file in reader.buffers.items():
+        out[name] = reader.get(file, f"buffer/{name}")
+    order = [n for n in manifest.get("state_dict_order") or [] if n in out]
+    return OrderedDict((n, out[n]) for n in order + [n for n in out if n not in set(order)])
+
+
+def state_dict_order(module) -> list[str]:
+    """The keys of ``module.state_dict()`` in its order, without making it (at ZeRO-3 that
+    would gather): each module's parameters, then its persistent buffers, then its children."""
+    out: list[str] = []
+
+    def walk(m, prefix: str) -> None:
+        out.extend(prefix + n for n, p in m._parameters.items() if p is not None)
+        out.extend(prefix + n for n, b in m._buffers.items()
+                   if b is not None and n not in m._non_persistent_buffers_set)  # fmt: skip
+        for n, child in m._modules.items():
+            if child is not None:
+                walk(child, prefix + n + ".")
+
+    walk(module, "")
+    return out
+
+
+def _buffer_names(module) -> list[str]:
+    """The persistent buffers' names, as DeepSpeed lists them (module by module)."""
+    out = []
+
+    def walk(m, prefix: str) -> None:
+        for name, buf in m.named_buffers(recurse=False):
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out.append(prefix + name)
+        for name, child in m.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(module, "")
+    return out
+
+
