@@ -312,7 +312,8 @@ def _to_dcp(folder, reader, dst, *, progress, **_) -> Report:
     tmp = os.path.join(dst, f".dcp.incomplete{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1)
+        # a file per tensor: DCP keeps every tensor of a file alive until the file is written
+        writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
         dcp.save(placeholders, storage_writer=writer, planner=_Reading(), no_dist=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

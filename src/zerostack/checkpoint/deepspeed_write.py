@@ -33,7 +33,6 @@ is needed to write them, and the pickles hold nothing else of zerostack's.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import pickle
@@ -289,18 +288,24 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
 
 def _save(folder: str, name: str, obj) -> str:
     """``torch.save`` of ``obj`` to ``folder/name`` (DeepSpeed's names by :class:`_Pickler`),
-    written whole then renamed; returns its sha256."""
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=_PickleModule)
-    data = buf.getvalue()
+    written under a temporary name, made durable and renamed; returns its sha256 (read back
+    from the file: no second copy of it in memory)."""
     path = os.path.join(folder, name)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f, pickle_module=_PickleModule)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return digest.hexdigest()
 
 
 def place_script(save_dir: str) -> None:

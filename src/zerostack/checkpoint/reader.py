@@ -11,11 +11,11 @@ import os
 from collections import defaultdict
 
 import torch
-from safetensors import safe_open
 
 from ..tensor_parallel import join_tensors
 from .errors import CheckpointError
 from .shard import key_of as _key
+from .stream import FileReader
 from .stream import sha256 as _sha256
 
 
@@ -89,8 +89,8 @@ class ShardReader:
         path = os.path.join(self.folder, file)
         try:
             if file not in self._open:
-                self._open[file] = safe_open(path, framework="pt")
-            t = self._open[file].get_tensor(key)
+                self._open[file] = FileReader(path)
+            t = self._open[file].get(key)
         except Exception as exc:  # a damaged header or body
             raise CheckpointError(f"{path}: cannot read {key} ({exc})") from None
         if _sha256(t) != self.sha[file].get(key):

@@ -64,6 +64,38 @@ def sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(raw_bytes(t)).hexdigest()
 
 
+_NAMES = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class FileReader:
+    """Reads a safetensors file's tensors one at a time with plain reads (no memory map, so
+    what was read leaves memory with the tensor and is never counted in the process's RSS)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "rb")
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > os.path.getsize(path):
+            raise ValueError(f"header of {n} bytes in a {os.path.getsize(path)}-byte file")
+        self.header = json.loads(self._file.read(n))
+        self.header.pop("__metadata__", None)
+        self._start = 8 + n
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self.header[key]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=_NAMES[entry["dtype"]])
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else b""
+        if end - begin != len(view):
+            raise ValueError(f"{key}: {end - begin} bytes for a {len(view)}-byte tensor")
+        got = os.preadv(self._file.fileno(), [view], self._start + begin) if view else 0
+        if got != end - begin:
+            raise ValueError(f"{key}: {got} of {end - begin} bytes (the file is truncated)")
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class ShardWriter:
     """Writes ``entries`` to ``path`` as one safetensors file: the header at once, then each
     tensor as :meth:`put` is handed it, in the entries' order. :meth:`close` checks that all
