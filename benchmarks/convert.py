@@ -7,10 +7,11 @@ A zerostack checkpoint is made first (fp32 masters and two Adam moments per para
 drawn from a seeded generator, written by the converter's own zerostack writer from a synthetic
 reader), then converted to each format in a fresh process: ``hf`` (safetensors, 2 GB shards),
 ``zerostack`` (a re-pack), ``deepspeed`` (8 ranks at ZeRO-3) and ``dcp``. Per target: GB
-written, seconds, GB/s, and the process's peak RSS (``getrusage``) beside its RSS before the
-conversion began (its RSS then, not the imports' peak), against the bound the converter promises: one parameter's fp32 state (master
-and moments) plus one output file held in memory (none for ``hf``, ``zerostack`` and ``dcp``,
-which stream; a rank's file for ``deepspeed``). Prints one JSON object.
+written, seconds, GB/s, and the process's peak RSS (``getrusage``) beside its RSS when the
+conversion began (then, not the imports' peak), against the bound the converter promises: one
+parameter's fp32 state (master and moments) plus one output file held in memory (none for
+``hf``, ``zerostack`` and ``dcp``, which stream; a rank's file for ``deepspeed``). Prints one
+JSON object.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def main(argv=None) -> int:
         }
         for to, options in TARGETS.items():
             dst = os.path.join(base, to)
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--to", to, "--src",
-                   os.path.join(base, "src"), "--dst", dst, "--options", json.dumps(options)]  # fmt: skip
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--to", to,
+                   "--src", os.path.join(base, "src"), "--dst", dst,
+                   "--options", json.dumps(options)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
             if done.returncode or not lines:
