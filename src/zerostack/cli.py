@@ -172,8 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     from zerostack.launcher.runner import add_parser as add_launch
     from zerostack.plan.command import add_parser as add_plan
 
-    add_estimate(sub)
     add_convert(sub)
+    add_estimate(sub)
     add_plan(sub)
     add_launch(sub)
     return p

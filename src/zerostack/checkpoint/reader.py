@@ -26,6 +26,7 @@ class ShardReader:
         self.folder, self.manifest = folder, manifest
         self.sha = {rec["file"]: rec["sha256"] for rec in manifest["files"]}
         self._open: dict[str, object] = {}
+        self._checked: set[tuple[str, str]] = set()  # (file, key) read whole and verified
         for rec in manifest["files"]:
             path = os.path.join(folder, rec["file"])
             if not os.path.exists(path):
@@ -63,14 +64,21 @@ class ShardReader:
             x, y = max(lo, slo), min(hi, shi)
             if src_tp != tp_rank or x >= y:
                 continue
-            src = self.get(file, f"{kind}/{_key(name, src_tp, slo)}")
-            dest[offset + x - lo : offset + y - lo].copy_(src[x - slo : y - slo])
+            key = f"{kind}/{_key(name, src_tp, slo)}"
+            if (file, key) in self._checked:  # checked whole once: read just the overlap
+                src = self._range(file, key, x - slo, y - slo)
+            else:
+                src = self.get(file, key)[x - slo : y - slo]
+            dest[offset + x - lo : offset + y - lo].copy_(src)
             covered += y - x
         return covered
 
     def full(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole saved parameter (fp32), its tp slices joined: one parameter in memory."""
         shape, spec = self.manifest["params"][name], self.specs.get(name)
+        whole = [(f, lo, hi) for tp, lo, hi, f in self.index[name] if tp is None]
+        if spec is None and len(whole) == 1 and whole[0][1:] == (0, math.prod(shape)):
+            return self.get(whole[0][0], f"{kind}/{_key(name, None, 0)}").view(shape)
         part = list(shape)
         if spec is not None:
             part[spec[0]] //= self.saved_tp
@@ -95,4 +103,13 @@ class ShardReader:
             raise CheckpointError(f"{path}: cannot read {key} ({exc})") from None
         if _sha256(t) != self.sha[file].get(key):
             raise CheckpointError(f"{path}: checksum mismatch in {key}")
+        self._checked.add((file, key))
         return t
+
+    def _range(self, file: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of a tensor :meth:`get` has checked whole already."""
+        try:
+            return self._open[file].get(key, lo, hi)
+        except Exception as exc:
+            raise CheckpointError(f"{os.path.join(self.folder, file)}: cannot read {key} "
+                                  f"({exc})") from None  # fmt: skip

@@ -80,10 +80,16 @@ class FileReader:
         self.header.pop("__metadata__", None)
         self._start = 8 + n
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """The tensor ``key``; with ``lo``/``hi``, only elements ``[lo, hi)`` of it, flat."""
         entry = self.header[key]
         begin, end = entry["data_offsets"]
-        out = torch.empty(entry["shape"], dtype=_NAMES[entry["dtype"]])
+        dtype, shape = _NAMES[entry["dtype"]], entry["shape"]
+        if lo is not None:
+            if not 0 <= lo <= hi <= math.prod(shape):
+                raise ValueError(f"{key}: elements [{lo}, {hi}) of {math.prod(shape)}")
+            begin, end, shape = begin + lo * dtype.itemsize, begin + hi * dtype.itemsize, [hi - lo]
+        out = torch.empty(shape, dtype=dtype)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else b""
         if end - begin != len(view):
             raise ValueError(f"{key}: {end - begin} bytes for a {len(view)}-byte tensor")
