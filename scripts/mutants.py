@@ -3945,6 +3945,29 @@ MUTANTS = [
          "for_bit[zero2_bf16]",),
     ),
     Mutant(
+        "a checked tensor's element range read from its start",
+        "checkpoint/stream.py",
+        "begin, end, shape = begin + lo * dtype.itemsize, begin + hi * dtype.itemsize, [hi - lo]",
+        "begin, end, shape = begin, begin + (hi - lo) * dtype.itemsize, [hi - lo]",
+        ("tests/test_convert.py::test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_"
+         "bit[zero3_bf16]",),
+    ),
+    Mutant(
+        "a parameter saved whole read back as its master whatever the kind",
+        "checkpoint/reader.py",
+        'return self.get(whole[0][0], f"{kind}/{_key(name, None, 0)}").view(shape)',
+        'return self.get(whole[0][0], f"master/{_key(name, None, 0)}").view(shape)',
+        ("tests/test_convert.py::test_to_dcp_reads_back_every_weight_and_moment",),
+    ),
+    Mutant(
+        "DeepSpeed's model states keep the source's order of tied and frozen names lost",
+        "checkpoint/deepspeed_layout.py",
+        '    order = [n for n in manifest.get("state_dict_order") or [] if n in out]',
+        "    order = []",
+        ("tests/test_convert.py::test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_"
+         "for_bit[zero2_frozen]",),
+    ),
+    Mutant(
         "Lightning's converter finds no model-states file at ZeRO-3",
         "compat/deepspeed/utils/zero_to_fp32.py",
         '        name = "zero_pp_rank_0_" + name',
