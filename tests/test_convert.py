@@ -22,7 +22,6 @@ import pytest
 import torch
 from distributed import run_distributed
 
-import zerostack
 from zerostack.checkpoint import full_state_dict
 from zerostack.checkpoint.convert import convert
 from zerostack.checkpoint.restore import open_reader
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import deepspeed_fixtures as fx  # noqa: E402
 from test_deepspeed_checkpoints import _next, _resume  # noqa: E402
-from test_deepspeed_write import folder_differences  # noqa: E402
+from test_deepspeed_write import _round_trip, folder_differences  # noqa: E402
 
 
 def test_to_hf_shards_load_with_from_pretrained_bit_for_bit(tmp_path):
@@ -79,18 +78,9 @@ def test_to_zerostack_from_deepspeed_resumes_with_deepspeeds_losses(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expect), rtol=1e-6, atol=0)
 
 
-def _native_save(rank, world, case, out):
-    cfg = fx.ds_config(**fx.CASES[case])
-    net = fx.model("frozen" in case, "odd" in case)
-    params = [p for p in net.parameters() if p.requires_grad]
-    engine, *_ = zerostack.initialize(model=net, model_parameters=params, config=cfg)
-    _, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
-    engine.save_checkpoint(out, client_state=client)
-
-
 @pytest.mark.parametrize("case", ["zero1", "zero3_bf16", "zero2_odd", "zero2_frozen"])
 def test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_bit(case, tmp_path):
-    run_distributed(_native_save, fx.WORLD, args=(case, str(tmp_path / "zs")))
+    run_distributed(_round_trip, fx.WORLD, args=(case, str(tmp_path / "zs"), True))
     assert not list((tmp_path / "zs" / "global_step3").glob("*.pt"))  # zerostack's files only
     convert(str(tmp_path / "zs"), str(tmp_path / "ds"), "deepspeed")
     theirs = os.path.join(fx.FIXTURES, case, "global_step3")
@@ -108,6 +98,16 @@ def test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit(case, tm
     assert folder_differences(str(tmp_path / "global_step3"), theirs) == []
 
 
+@pytest.mark.parametrize("case", ["zero2", "zero3_bf16", "zero2_odd"])
+def test_deepspeed_to_zerostack_to_deepspeed_is_deepspeeds_bit_for_bit(case, tmp_path):
+    """Through zerostack's format (each parameter whole, one file) and back, cut again for
+    DeepSpeed's 2 ranks: each rank's piece is read as an element range of the whole tensor."""
+    convert(os.path.join(fx.FIXTURES, case), str(tmp_path / "zs"), "zerostack")
+    convert(str(tmp_path / "zs"), str(tmp_path / "ds"), "deepspeed", world=2)
+    theirs = os.path.join(fx.FIXTURES, case, "global_step3")
+    assert folder_differences(str(tmp_path / "ds" / "global_step3"), theirs) == []
+
+
 def test_to_deepspeed_on_another_dp_size_and_stage_resumes(tmp_path):
     """DeepSpeed's zero2 folder recut for 1 rank at ZeRO-3, then read back at dp 1: the loss is
     the mean of the two ranks' DeepSpeed losses."""
@@ -123,12 +123,16 @@ def test_to_deepspeed_on_another_dp_size_and_stage_resumes(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
 
 
-def test_to_dcp_reads_back_every_weight_and_moment(tmp_path):
+@pytest.mark.parametrize("source", ["deepspeed", "zerostack"])
+def test_to_dcp_reads_back_every_weight_and_moment(source, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    src = os.path.join(fx.FIXTURES, "zero2_frozen")
-    convert(src, str(tmp_path), "dcp")
-    _, reader = open_reader(src)
+    src = original = os.path.join(fx.FIXTURES, "zero2_frozen")
+    if source == "zerostack":  # the same state, each parameter whole in zerostack's format
+        convert(src, str(tmp_path / "zs"), "zerostack")
+        src = str(tmp_path / "zs")
+    convert(src, str(tmp_path / "dcp"), "dcp")
+    _, reader = open_reader(original)  # the values as DeepSpeed wrote them
     frozen = set(reader.manifest["frozen"])
     state = {}
     for name, shape in reader.manifest["params"].items():
@@ -136,7 +140,7 @@ def test_to_dcp_reads_back_every_weight_and_moment(tmp_path):
         if name not in frozen:
             for kind in ("exp_avg", "exp_avg_sq"):
                 state[f"optimizer.state.{name}.{kind}"] = torch.zeros(shape)
-    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     for key, value in state.items():
         if key.startswith("model."):
             kind, name = "master", key[len("model.") :]

@@ -101,11 +101,14 @@ def folder_differences(ours: str, theirs: str, tol: dict | None = None) -> list[
     return out
 
 
-def _round_trip(rank, world, case, out):
+def _round_trip(rank, world, case, out, native=False):
+    """Case ``case``'s fixture loaded and saved at once to ``out`` (under the facade, or with
+    ``native``, ``zerostack.initialize``: zerostack's files only)."""
     cfg = fx.ds_config(**fx.CASES[case])
     net = fx.model("frozen" in case, "odd" in case)
     params = [p for p in net.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
+    init = zerostack.initialize if native else deepspeed.initialize
+    engine, *_ = init(model=net, model_parameters=params, config=cfg)
     _, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
     engine.save_checkpoint(out, client_state=client)
 

@@ -242,6 +242,8 @@ def _to_zerostack(folder, reader, dst, *, progress, **_) -> Report:
                    "slices": [[n, None, 0, math.prod(s)] for n, s in params]}],  # fmt: skip
         "client_state": state,
         "client_tensors": client.write(work, payload),
+        "ds_config": manifest.get("ds_config"),
+        "state_dict_order": manifest.get("state_dict_order"),
     }
     _atomic_write(os.path.join(work, MANIFEST), json.dumps(result, indent=1))
     shutil.rmtree(final, ignore_errors=True)

@@ -30,8 +30,10 @@ laid out as the fp32 partition they belong to.
 Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weights_only=True)``
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
-state is touched. Not read yet: pipeline layer files, MoE expert files, universal checkpoints,
-tensor-parallel slices (``mp_rank_01``...), fp16's loss scaler beyond its scale.
+state is touched. Not read yet: ZeRO stage 0 (the optimizer's state inside the model-states
+file), pipeline layer files, MoE expert files, universal checkpoints, tensor-parallel slices
+(``mp_rank_01``...), fp16's loss scaler beyond its scale. Writing the same layout:
+:mod:`.deepspeed_write`.
 """
 
 from __future__ import annotations
