@@ -266,9 +266,11 @@ def _to_deepspeed(folder, reader, dst, *, world, stage, progress, **_) -> Report
     os.makedirs(work)
     bar = _Progress(layout.dp, progress, "deepspeed ranks")
     written: dict[str, str] = {}
+    def module():  # built only where a model-states file is written (rank 0; each at ZeRO-3)
+        return module_from_checkpoint(reader, layout)
+
     try:
         for rank in range(layout.dp):
-            module = lambda: module_from_checkpoint(reader, layout)  # noqa: E731
             written.update(dw.write(layout, work, rank, manifest, reader, module,
                                     manifest.get("client_state") or {}, False))  # fmt: skip
             bar.add(1)
