@@ -3884,6 +3884,20 @@ MUTANTS = [
         (f"{DW}::test_deepspeed_files_where_they_cannot_be_written_are_refused",),
     ),
     Mutant(
+        "natively, DeepSpeed's files written unasked",
+        "checkpoint/deepspeed_layout.py",
+        "    if not served_as_deepspeed(cfg):\n        return False",
+        "    if False:\n        return False",
+        (f"{DW}::test_natively_only_zerostacks_files_unless_asked",),
+    ),
+    Mutant(
+        "the facade's warning repeated at every save",
+        "checkpoint/deepspeed_layout.py",
+        'and not getattr(run, "_warned_deepspeed_files", False)',
+        "and True",
+        (f"{DW}::test_under_the_facade_a_layout_without_deepspeeds_files_says_so_at_its_first_save",),
+    ),
+    Mutant(
         "an optimizer group's parameters in another order",
         "zero/flat_state.py",
         "return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]",
