@@ -36,14 +36,22 @@ CASES = {
     "zero2_frozen": {"stage": 2, "frozen": True},
     "zero3_sgd": {"stage": 3, "sgd": True},
     "zero2_odd": {"stage": 2, "odd": True},
+    "zero0": {"stage": 0, "clip": 0.0},
+    "zero0_bf16": {"stage": 0, "bf16": True},
+    "zero0_fp16": {"stage": 0, "fp16": True},
+    "zero2_fp16": {"stage": 2, "fp16": True},
+    "zero3_fp16": {"stage": 3, "fp16": True, "clip": 0.0},
 }
 
 
 def ds_config(
-    stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False
+    stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
+    fp16: bool = False, clip: float | None = None,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
-    arithmetic is torch's, in place of AdamW)."""
+    arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
+    the first steps overflow (skipped, the scale halved), so the scaler's state moves;
+    ``clip``: ``gradient_clipping``, None for DeepSpeed's default, 1.0)."""
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -56,6 +64,10 @@ def ds_config(
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
     if sgd:
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
         cfg["zero_allow_untested_optimizer"] = True
@@ -92,18 +104,18 @@ def tokens(step: int, rank: int, world: int = WORLD, odd: bool = False):
 
 
 def train(
-    stage: int, bf16: bool, out: str, steps=range(STEPS), load: str | None = None, frozen=False,
-    deepspeed=None, sgd=False, odd=False,
+    case: dict, out: str, steps=range(STEPS), load: str | None = None, deepspeed=None
 ):
-    """Run in each rank: DeepSpeed's loop; returns this rank's losses. ``deepspeed``: the
-    module to run it with (None: ``import deepspeed``)."""
+    """Run in each rank: DeepSpeed's loop for ``case`` (a :data:`CASES` entry); returns this
+    rank's losses. ``deepspeed``: the module to run it with (None: ``import deepspeed``)."""
     if deepspeed is None:
         import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = ds_config(stage, bf16, sgd=sgd)
+    cfg = ds_config(**case)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
-    net = model(frozen, odd)
+    odd = case.get("odd", False)
+    net = model(case.get("frozen", False), odd)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     if load is not None:
@@ -125,11 +137,14 @@ def _child(args) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     case = CASES[args.case]
-    frozen = case.get("frozen", False)
+    if case.get("fp16") and "zerostack" not in str(deepspeed.__file__):
+        # DeepSpeed's CPU accelerator offers fp16 only where oneDNN computes it; torch's CPU
+        # kernels compute it everywhere, and the files are DeepSpeed's own whichever computes
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
     steps = range(SAVE_AT, STEPS) if args.load else range(STEPS)
-    flags = {k: case.get(k, False) for k in ("sgd", "odd")}
-    losses = train(case["stage"], case.get("bf16", False), args.out, steps, args.load,
-                   frozen=frozen, **flags)  # fmt: skip
+    losses = train(case, args.out, steps, args.load)
     with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(losses, f)
 

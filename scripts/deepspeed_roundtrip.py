@@ -71,28 +71,60 @@ def check(case: str, zs_python: str, tmp: str) -> dict:
         ),
         "vs_zerostack_from_its_folder": max(_rel(a, b) for a, b in zip(ds, zs_own, strict=True)),
     }
+    out["first_loss_vs_zerostack"] = max(
+        abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(ds, zs_own, strict=True)
+    )  # the loaded weights alone
     ours = os.path.join(tmp, "ours.safetensors")
     subprocess.run([zs_python, "-c", CONSOLIDATE, folder, ours], check=True, timeout=300)
     want = load_file(ours)
+    own = os.path.join(fx.FIXTURES, case)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    out["deepspeed_zero_to_fp32"] = _weights_diff(
-        get_fp32_state_dict_from_zero_checkpoint(folder), want
-    )
+    out["deepspeed_zero_to_fp32"] = _tool(get_fp32_state_dict_from_zero_checkpoint, folder,
+                                          own, want)  # fmt: skip
     script = os.path.join(folder, "zero_to_fp32.py")
-    done = subprocess.run([sys.executable, script, folder, os.path.join(tmp, "z2f")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"{case}: zero_to_fp32.py: {done.stderr[-3000:]}")
-    got = torch.load(os.path.join(tmp, "z2f", "pytorch_model.bin"), weights_only=True)
-    out["placed_zero_to_fp32_py"] = _weights_diff(got, want)
+
+    def placed(where: str) -> dict:
+        dest = os.path.join(tmp, "z2f", os.path.basename(os.path.dirname(where + "/")))
+        done = subprocess.run([sys.executable, script, where, dest],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"zero_to_fp32.py: {done.stderr.strip().splitlines()[-1]}")
+        return torch.load(os.path.join(dest, "pytorch_model.bin"), weights_only=True)
+
+    out["placed_zero_to_fp32_py"] = _tool(placed, folder, own, want)
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-    state = convert_zero_checkpoint_to_fp32_state_dict(folder, os.path.join(tmp, "l.pt"))
-    out["lightning_converter"] = _weights_diff(state["state_dict"], want)
-    out["lightning_client_state"] = {k: state[k] for k in ("epoch", "global_steps")
-                                     if k in state}  # fmt: skip
+    def lightning(where: str) -> dict:
+        name = os.path.join(tmp, f"l{len(os.listdir(tmp))}.pt")
+        state = convert_zero_checkpoint_to_fp32_state_dict(where, name)
+        if where == folder:
+            out["lightning_client_state"] = {k: state[k] for k in ("epoch", "global_steps")
+                                             if k in state}  # fmt: skip
+        return state["state_dict"]
+
+    out["lightning_converter"] = _tool(lightning, folder, own, want)
     return out
+
+
+def _tool(run, folder: str, own: str, want: dict):
+    """A tool's weights from zerostack's ``folder`` against zerostack's own consolidation; where
+    the tool refuses DeepSpeed's ``own`` folder of the same case (stage 0: no ZeRO files), it
+    must refuse zerostack's too, and the record says so."""
+    try:
+        run(own)
+        own_error = None
+    except Exception as exc:  # whatever the tool raises on DeepSpeed's own folder
+        own_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    try:
+        got = run(folder)
+    except Exception:
+        if own_error is None:
+            raise
+        return f"refused, as DeepSpeed's own folder ({own_error})"
+    if own_error is not None:
+        raise RuntimeError(f"reads zerostack's folder, not DeepSpeed's own: {own_error}")
+    return _weights_diff(got, want)
 
 
 def main(argv=None) -> int:

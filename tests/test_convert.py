@@ -163,6 +163,6 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         convert(os.path.join(fx.FIXTURES, "zero1"), str(tmp_path / "x"), "safetensors")
     from zerostack.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="ZeRO stage 0 on 2 ranks"):
-        convert(os.path.join(fx.FIXTURES, "zero1"), str(tmp_path / "y"), "deepspeed", stage=0)
+    with pytest.raises(CheckpointError, match="ZeRO stage 4 on 2 ranks"):
+        convert(os.path.join(fx.FIXTURES, "zero1"), str(tmp_path / "y"), "deepspeed", stage=4)
     assert not (tmp_path / "x").exists()

@@ -8,7 +8,8 @@ scripts/deepspeed_fixtures.py):
 
 - round trip, exact: a DeepSpeed folder loaded into zerostack and saved at once gives back
   DeepSpeed's files bit for bit (every key, every non-tensor value, every tensor's dtype, shape
-  and bytes), at ZeRO 1, 2 and 3, fp32 and bf16, with frozen parameters;
+  and bytes), at ZeRO 0, 1, 2 and 3, fp32, bf16 and fp16 (the loss scaler's state), with frozen
+  parameters;
 - the same run: the folder zerostack writes after training the fixture script's 3 steps holds
   DeepSpeed's keys and values, its tensors within the two engines' arithmetic: the second
   moment within 3e-5 relative, because DeepSpeed's Adam kernel forms ``1 - beta2`` in fp32
@@ -17,7 +18,9 @@ scripts/deepspeed_fixtures.py):
   weight that is all update (a bias starting at zero) differs as its update does (measured:
   6.8e-6 on the layer-norm biases, 1.1e-6 on the matrices); with SGD, torch's arithmetic in
   both, 2e-7. In bf16 the two engines' forward passes round at other points (from scratch their
-  losses differ by 2e-5), so bf16 is held to the round trip, which is exact.
+  losses differ by 2e-5), and in both 16-bit precisions DeepSpeed's masters start from the
+  16-bit weights where zerostack's keep the fp32 ones (so in fp16, with the same losses, the
+  masters differ by 4.5e-5): 16 bits are held to the round trip, which is exact.
 
 What DeepSpeed itself does with the folder (resume with the same losses, ``zero_to_fp32.py``) is
 run in the peer environment: scripts/deepspeed_fixtures.py --engine zerostack --check.
@@ -127,11 +130,10 @@ def test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit(case, tmp_path
 
 
 def _train(rank, world, case, out):
-    fx.train(fx.CASES[case]["stage"], "bf16" in case, out, frozen="frozen" in case,
-             deepspeed=deepspeed, sgd="sgd" in case, odd="odd" in case)  # fmt: skip
+    fx.train(fx.CASES[case], out, deepspeed=deepspeed)
 
 
-@pytest.mark.parametrize("case", ["zero1", "zero3", "zero3_sgd", "zero2_odd"])
+@pytest.mark.parametrize("case", ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0"])
 def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     run_distributed(_train, fx.WORLD, args=(case, str(tmp_path)))
     tol = {"exp_avg_sq": 3e-5, "exp_avg": 1e-6, "momentum_buffer": 1e-6,
@@ -164,12 +166,20 @@ def _refused(rank, world, cfg):
         return str(exc)
 
 
+def _unwritable() -> dict:
+    """A layout DeepSpeed's files are not written for (round-robin gradients reorder stage 2's
+    partitions)."""
+    cfg = fx.ds_config(2)
+    cfg["zero_optimization"]["round_robin_gradients"] = True
+    return cfg
+
+
 def test_deepspeed_files_where_they_cannot_be_written_are_refused():
-    cfg = fx.ds_config(0)
+    cfg = _unwritable()
     cfg["checkpoint"] = {"deepspeed_files": True}
     got = run_distributed(_refused, 1, args=(cfg,))[0]
-    assert got == ("checkpoint.deepspeed_files with ZeRO stage 0: DeepSpeed's files are not "
-                   "written for it yet")  # fmt: skip
+    assert got == ("checkpoint.deepspeed_files with zero_optimization.round_robin_gradients: "
+                   "DeepSpeed's files are not written for it yet")  # fmt: skip
 
 
 def _native(rank, world, out):
@@ -199,11 +209,24 @@ def test_real_deepspeed_resumes_and_converts_zerostacks_folders():
     assert set(ROUNDTRIP["cases"]) == set(fx.CASES)
     for case, got in ROUNDTRIP["cases"].items():
         bf16 = "bf16" in case
+        assert got["first_loss_vs_zerostack"] == 0.0, case  # the loaded weights alone
         assert got["vs_zerostack_from_its_folder"] <= (1e-5 if bf16 else 1e-6), case
+        tools = ("deepspeed_zero_to_fp32", "placed_zero_to_fp32_py", "lightning_converter")
+        if fx.CASES[case]["stage"] == 0:
+            # DeepSpeed's tools read ZeRO files only, which no stage 0 folder has, its own
+            # neither: they refuse zerostack's as they refuse DeepSpeed's. From scratch the two
+            # engines' stage 0 runs differ in 16 bits: DeepSpeed's FP16_Optimizer takes one
+            # step with zero gradients at its start (its Adam's count is one ahead), and in
+            # fp16 DeepSpeed 0.19.8 divides the gradients by a loss scale it never applied
+            for tool in tools:
+                assert got[tool].startswith("refused, as DeepSpeed's own folder"), (case, tool)
+            if case != "zero0":
+                continue
         assert got["vs_deepspeed_from_its_folder"] <= (1e-4 if bf16 else 1e-6), case
-        for tool in ("deepspeed_zero_to_fp32", "placed_zero_to_fp32_py", "lightning_converter"):
-            assert got[tool] == 0.0, (case, tool)
-        assert got["lightning_client_state"] == {"epoch": 7}
+        if fx.CASES[case]["stage"] > 0:
+            for tool in tools:
+                assert got[tool] == 0.0, (case, tool)
+            assert got["lightning_client_state"] == {"epoch": 7}
 
 
 def _asked(rank, world, out, native):
@@ -226,7 +249,7 @@ def test_natively_by_the_config_choice_the_same_files_as_under_the_facade(tmp_pa
     assert folder_differences(str(native), str(facade)) == []
 
 
-def _stage0(rank, world, out):
+def _unwritable_saved(rank, world, out):
     import logging
 
     said: list[str] = []
@@ -234,7 +257,7 @@ def _stage0(rank, world, out):
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("zerostack").addHandler(handler)
     net = fx.model()
-    engine, *_ = deepspeed.initialize(model=net, config=fx.ds_config(0))
+    engine, *_ = deepspeed.initialize(model=net, config=_unwritable())
     at_initialize = list(said)
     engine.save_checkpoint(out)
     engine.save_checkpoint(out, tag="again")
@@ -242,9 +265,9 @@ def _stage0(rank, world, out):
 
 
 def test_under_the_facade_a_layout_without_deepspeeds_files_says_so_at_its_first_save(tmp_path):
-    [(at_initialize, said)] = run_distributed(_stage0, 1, args=(str(tmp_path),))
+    [(at_initialize, said)] = run_distributed(_unwritable_saved, 1, args=(str(tmp_path),))
     assert not any(m.startswith("checkpoint:") for m in at_initialize)
-    assert said == ["checkpoint: the folder holds zerostack's files only, not DeepSpeed's (ZeRO "
-                    "stage 0: DeepSpeed's files are not written for it yet; set "
-                    "checkpoint.deepspeed_files false to silence this)"]  # fmt: skip
+    assert said == ["checkpoint: the folder holds zerostack's files only, not DeepSpeed's "
+                    "(zero_optimization.round_robin_gradients: DeepSpeed's files are not written "
+                    "for it yet; set checkpoint.deepspeed_files false to silence this)"]  # fmt: skip
     assert glob.glob(str(tmp_path / "global_step0" / "*.pt")) == []

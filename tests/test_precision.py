@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from common import batch, tiny_gpt
 from distributed import run_distributed
@@ -11,6 +12,7 @@ from zerostack.precision import DynamicLossScaler
 
 
 def test_scaler_hysteresis_halving_floor_and_growth():
+    """DeepSpeed 0.19.8's arithmetic (``DynamicLossScaler.update_scale``)."""
     s = DynamicLossScaler(
         initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=4
     )
@@ -20,14 +22,23 @@ def test_scaler_hysteresis_halving_floor_and_growth():
     assert s.loss_scale == 8
     s.update(overflow=True)
     assert s.loss_scale == 4
-    s.update(overflow=True)  # floor at min_loss_scale
-    assert s.loss_scale == 4
-    for _ in range(2):
+    for _ in range(3):  # the first clean step after an overflow does not count
         s.update(overflow=False)
         assert s.loss_scale == 4
-    s.update(overflow=False)  # third clean step since the last overflow: grow
+    s.update(overflow=False)  # third counted clean step since the last overflow: grow
     assert s.loss_scale == 8
     assert s.cur_hysteresis == 2  # refilled on growth
+    for _ in range(3):  # each further window of clean steps grows it again
+        s.update(overflow=False)
+    assert s.loss_scale == 16
+
+
+def test_scaler_overflow_at_the_floor_ends_the_run():
+    s = DynamicLossScaler(initial_scale_power=3, hysteresis=1, min_loss_scale=4)
+    s.update(overflow=True)
+    assert s.loss_scale == 4
+    with pytest.raises(FloatingPointError, match=r"minimum loss scale \(fp16.min_loss_scale=4\)"):
+        s.update(overflow=True)
 
 
 def test_scaler_state_round_trip():
@@ -72,8 +83,9 @@ def _fp16_overflow(rank, world):
 
 def test_fp16_overflow_skips_step_halves_scale_and_regrows():
     for scales, skipped, changed in run_distributed(_fp16_overflow, 2):
-        # step 0 clean; step 1 overflows (skip, halve); steps 2-4 clean: grows after 3 of them.
-        assert scales == [1024, 512, 512, 512, 1024, 1024]
+        # step 0 clean; step 1 overflows (skip, halve); steps 2-5 clean: the first after an
+        # overflow does not count (DeepSpeed 0.19), so it grows after the next 3.
+        assert scales == [1024, 512, 512, 512, 512, 1024]
         assert skipped == [0, 1, 1, 1, 1, 1]
         assert changed == [True, False, True, True, True, True]
 

@@ -86,8 +86,10 @@ class DynamicLossScaler(LossScaler):
     """DeepSpeed's dynamic loss scaling, same knobs, same arithmetic.
 
     On overflow the step is skipped; the scale halves once ``hysteresis`` overflows have been
-    absorbed (never below ``min_loss_scale``). After ``loss_scale_window`` steps without an overflow
-    the scale doubles and, unless ``consecutive_hysteresis``, the hysteresis budget is refilled.
+    absorbed (never below ``min_loss_scale``; an overflow at that floor ends the run, as
+    DeepSpeed's does). After each ``loss_scale_window`` clean steps since the last overflow, not
+    counting the first, the scale doubles and, unless ``consecutive_hysteresis``, the hysteresis
+    budget is refilled (DeepSpeed 0.19's count: ``stable_interval``).
     """
 
     dynamic = True
@@ -114,6 +116,12 @@ class DynamicLossScaler(LossScaler):
     def update(self, overflow: bool) -> None:
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16: the gradients overflowed at the minimum loss scale "
+                        f"(fp16.min_loss_scale={self.min_scale:g}); the scale cannot go lower. "
+                        "Lower the learning rate, or train in bf16"
+                    )
                 self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1
@@ -121,7 +129,8 @@ class DynamicLossScaler(LossScaler):
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
@@ -139,7 +148,8 @@ class DynamicLossScaler(LossScaler):
         self.cur_scale = float(sd["cur_scale"])
         self.cur_iter = int(sd["cur_iter"])
         self.last_overflow_iter = int(sd["last_overflow_iter"])
-        self.cur_hysteresis = int(sd["cur_hysteresis"])
+        # DeepSpeed's stage 0 fp16 files keep no hysteresis: it restarts from the config
+        self.cur_hysteresis = int(sd.get("cur_hysteresis", self.delayed_shift))
 
 
 def make_loss_scaler(cfg) -> LossScaler:

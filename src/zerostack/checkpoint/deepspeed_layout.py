@@ -21,10 +21,6 @@ log = logging.getLogger("zerostack")
 def refusal(cfg, topo, stage: int) -> str | None:
     """Why DeepSpeed's files cannot be written for this run (None: they can)."""
     zero, parts = cfg.zero_optimization, []
-    if stage == 0:
-        parts.append("ZeRO stage 0")
-    if cfg.fp16.enabled:
-        parts.append("fp16 (its loss scaler's state)")
     sizes = {a: getattr(topo, a) for a in ("tp", "pp", "ep", "sp")}
     parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
     if zero.round_robin_gradients:
@@ -77,7 +73,7 @@ class Layout:
 
     stage: int
     dp: int
-    bf16: bool
+    precision: str
     kind: str
     config: dict
     clip: float
@@ -85,10 +81,35 @@ class Layout:
     groups: list
     frozen: list
     buffers: list
+    scaler: dict
+    """fp16's loss scaler settings as DeepSpeed's ``DynamicLossScaler`` keeps them (``dynamic``:
+    False for a static ``loss_scale``)."""
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+
+
+def _scaler_settings(cfg, saved: dict) -> dict:
+    """DeepSpeed's loss scaler settings: from the config, else from the scaler read back."""
+    if cfg is not None:
+        fp16 = cfg.fp16
+        return {"dynamic": not fp16.loss_scale > 0, "scale_factor": 2.0,
+                "scale_window": fp16.loss_scale_window, "min_scale": fp16.min_loss_scale,
+                "delayed_shift": fp16.hysteresis,
+                "consecutive_hysteresis": fp16.consecutive_hysteresis}  # fmt: skip
+    return {"dynamic": "cur_iter" in saved, "scale_factor": saved.get("scale_factor", 2.0),
+            "scale_window": saved.get("scale_window", 1000),
+            "min_scale": saved.get("min_scale", 1), "delayed_shift": saved.get("delayed_shift", 2),
+            "consecutive_hysteresis": saved.get("consecutive_hysteresis", False)}  # fmt: skip
 
 
 def layout_of_run(run, manifest: dict) -> Layout:
@@ -97,11 +118,11 @@ def layout_of_run(run, manifest: dict) -> Layout:
     groups = [g["params"] for g in manifest["optimizer_groups"]]
     trained = {n for g in groups for n in g}
     return Layout(
-        stage=cfg.zero_optimization.stage, dp=run.world_size, bf16=cfg.bf16.enabled,
+        stage=cfg.zero_optimization.stage, dp=run.world_size, precision=cfg.model_dtype,
         kind=_optimizer_kind(cfg), config=given_config(cfg), clip=float(cfg["gradient_clipping"]),
         sub_group_size=cfg.zero_optimization.sub_group_size, groups=groups,
         frozen=[n for n, _ in run.module.named_parameters() if n not in trained],
-        buffers=_buffer_names(run.module),
+        buffers=_buffer_names(run.module), scaler=_scaler_settings(cfg, {}),
     )  # fmt: skip
 
 
@@ -114,9 +135,9 @@ def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None
     saved = manifest["layout"]
     stage = stage if stage is not None else saved.get("zero_stage", getattr(reader, "stage", 1))
     dp = dp if dp is not None else saved.get("dp", getattr(reader, "world", 1))
-    if stage not in (1, 2, 3) or dp < 1:
+    if stage not in (0, 1, 2, 3) or dp < 1:
         raise CheckpointError(f"DeepSpeed's files for ZeRO stage {stage} on {dp} ranks: "
-                              "expected stage 1, 2 or 3 and at least one rank")  # fmt: skip
+                              "expected stage 0, 1, 2 or 3 and at least one rank")  # fmt: skip
     config = manifest.get("ds_config") or {}
     cfg = load_config(config, unknown_keys="as_deepspeed") if config else None
     groups = [g.get("params") for g in manifest["optimizer_groups"]]
@@ -131,10 +152,11 @@ def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None
     kind = _optimizer_kind(cfg) if cfg is not None else ("fused" if "betas" in hyper
                                                              else "torch")  # fmt: skip
     return Layout(
-        stage=stage, dp=dp, bf16=saved.get("precision") == "bf16", kind=kind, config=config,
+        stage=stage, dp=dp, precision=saved.get("precision", "fp32"), kind=kind, config=config,
         clip=float(cfg.gradient_clipping if cfg is not None else 1.0),
         sub_group_size=cfg.zero_optimization.sub_group_size if cfg is not None else 10**9,
         groups=groups, frozen=frozen, buffers=list(reader.buffers),
+        scaler=_scaler_settings(cfg, manifest["loss_scaler"]),
     )  # fmt: skip
 
 

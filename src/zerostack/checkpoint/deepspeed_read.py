@@ -1,11 +1,10 @@
 """Reading a checkpoint folder DeepSpeed wrote (``engine.save_checkpoint`` of DeepSpeed 0.14-0.19,
-ZeRO stages 1-3, fp32 or bf16), as :mod:`.restore` reads zerostack's own: a
-:class:`DeepSpeedReader` answers what :class:`~.reader.ShardReader` answers (each parameter's fp32
-value and optimizer moments by element range, buffers, and a manifest of zerostack's shape with
-the counters, loss scale, LR schedule, optimizer groups and client state), so a DeepSpeed folder
-resumes on any ZeRO stage and dp size zerostack runs, and ``zerostack consolidate`` and the
-served ``zero_to_fp32`` turn it into whole fp32 weights (:func:`~.restore.open_reader` opens
-either kind of folder).
+ZeRO stages 0-3, fp32, bf16 or fp16), as :mod:`.restore` reads zerostack's own: a reader answers
+what :class:`~.reader.ShardReader` answers (each parameter's fp32 value and optimizer moments by
+element range, buffers, and a manifest of zerostack's shape with the counters, loss scaler, LR
+schedule, optimizer groups and client state), so a DeepSpeed folder resumes on any ZeRO stage
+and dp size zerostack runs, and ``zerostack consolidate`` and the served ``zero_to_fp32`` turn it
+into whole fp32 weights (:func:`~.restore.open_reader` opens either kind of folder).
 
 DeepSpeed's folder (``<dir>/latest`` names the tag)::
 
@@ -13,13 +12,16 @@ DeepSpeed's folder (``<dir>/latest`` names the tag)::
       mp_rank_00_model_states.pt                  stages 0-2: the module's state dict (compute
                                                   dtype), param_shapes, shared (tied) and frozen
                                                   parameters, LR schedule, counters, and the
-                                                  client state's keys at the top level
+                                                  client state's keys at the top level; at
+                                                  stage 0 the optimizer's state too
+                                                  (:mod:`.deepspeed_read0`)
       zero_pp_rank_<r>_mp_rank_00_model_states.pt stage 3: the same per rank, parameters empty
       [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
                                                   rank r's flat fp32 partition of each group
                                                   (stages 1-2: single_partition_of_fp32_groups,
-                                                  stage 3: fp32_flat_groups) and the base
-                                                  optimizer's state over the same partition
+                                                  stage 3: fp32_flat_groups), the base
+                                                  optimizer's state over the same partition, and
+                                                  the loss scaler (fp16's DynamicLossScaler)
 
 Stages 1-2 cut each group's flat buffer (parameters back to back, after each the padding in
 ``param_alignment_paddings``) into equal consecutive partitions, one per rank; stage 3 cuts each
@@ -30,10 +32,8 @@ laid out as the fp32 partition they belong to.
 Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weights_only=True)``
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
-state is touched. Not read yet: ZeRO stage 0 (the optimizer's state inside the model-states
-file), pipeline layer files, MoE expert files, universal checkpoints, tensor-parallel slices
-(``mp_rank_01``...), fp16's loss scaler beyond its scale. Writing the same layout:
-:mod:`.deepspeed_write`.
+state is touched. Not read yet: pipeline layer files, MoE expert files, universal checkpoints,
+tensor-parallel slices (``mp_rank_01``...). Writing the same layouts: :mod:`.deepspeed_write`.
 """
 
 from __future__ import annotations
@@ -114,6 +114,11 @@ def is_deepspeed_folder(folder: str) -> bool:
     return bool(glob.glob(os.path.join(folder, "*mp_rank_*_model_states.pt")))
 
 
+def zero_files(folder: str) -> list[str]:
+    """The ZeRO optimizer-state files of a DeepSpeed tag folder, by rank (none at stage 0)."""
+    return _files(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+
+
 def _files(folder: str, pattern: str) -> list[str]:
     def rank(path: str) -> int:
         return int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
@@ -121,21 +126,104 @@ def _files(folder: str, pattern: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, pattern)), key=rank)
 
 
-class DeepSpeedReader:
-    """A DeepSpeed tag folder, read as :class:`~.reader.ShardReader` reads zerostack's."""
+class Reader:
+    """What every DeepSpeed reader shares: a subclass sets ``model`` (the model-states file's
+    dict), ``model_file``, ``stage``, ``world``, ``shapes`` (per optimizer group, its trained
+    parameters' names and shapes in the group's order) and answers :meth:`_values`,
+    :meth:`kinds`, :meth:`_groups` and :meth:`_scaler`."""
 
     saved_tp = 1
     specs: dict = {}
     sha: dict = {}
 
+    def _start(self) -> None:
+        # kind ("frozen": the frozen parameters) -> name -> whole flat fp32 value, made once
+        self._flat: dict[str, dict[str, torch.Tensor]] = {}
+        self.buffers = {n: "module" for n in self.model.get("buffer_names", [])}
+        self.manifest = self._manifest()
+
+    def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
+        values = self._values(kind).get(name)
+        if values is None:  # a frozen parameter: its value only, from the module's states
+            if kind != "master" or name not in self._frozen():
+                return 0
+            values = self._frozen()[name]
+        dest[offset : offset + hi - lo].copy_(values[lo:hi])
+        return hi - lo
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        shape = self.manifest["params"][name]
+        flat = self._values(kind).get(name)
+        if flat is None:
+            flat = self._frozen()[name]
+        return flat.reshape(shape).clone()
+
+    def get(self, file: str, key: str) -> torch.Tensor:
+        return self.model["module"][key.split("/", 1)[1]]
+
+    def _frozen(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters' values (fp32, flat), read from the module's states once."""
+        if "frozen" not in self._flat:
+            frozen = self.model.get("frozen_param_shapes") or {}
+            if frozen and self.stage == 3:
+                raise CheckpointError(
+                    f"{self.model_file}: frozen parameters at ZeRO-3: not read yet"
+                )
+            self._flat["frozen"] = {
+                n: self.model["module"][n].float().reshape(-1) for n in frozen
+            }
+        return self._flat["frozen"]
+
+    def _manifest(self) -> dict:
+        m = self.model
+        params = {n: list(s) for shapes in self.shapes for n, s in shapes.items()}
+        params.update({n: list(s) for n, s in (m.get("frozen_param_shapes") or {}).items()})
+        groups = [
+            {"hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
+             "step": float(step) if step is not None else None,
+             "params": list(self.shapes[g]) if g < len(self.shapes) else []}
+            for g, (hyper, step) in enumerate(self._groups())
+        ]  # fmt: skip
+        return {
+            "params": params,
+            "aliases": dict(m.get("shared_params") or {}),
+            "layout": {"tp": 1, "world_size": -1,  # DeepSpeed keeps no RNG states
+                       "dp": self.world, "zero_stage": self.stage, "precision": self._precision()},
+            "tp_specs": {},
+            "files": [],
+            "excluded": [],
+            "frozen": list(m.get("frozen_param_shapes") or {}),
+            "optimizer_groups": groups,
+            "counters": {
+                "global_steps": int(m["global_steps"]),
+                "global_samples": int(m["global_samples"]),
+                "skipped_steps": int(m.get("skipped_steps", 0)),
+                "micro_steps": int(m["global_steps"]) * self.gas,  # at a window's boundary
+            },
+            "loss_scaler": self._scaler(),
+            "data_sampler": None,
+            "lr_scheduler": m.get("lr_scheduler"),
+            "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
+            "ds_config": m.get("ds_config"),
+            "state_dict_order": list(m["module"]),
+        }
+
+    def _precision(self) -> str:
+        """The run's compute dtype, as its weights are kept."""
+        weights = [t for t in self.model["module"].values() if t.is_floating_point()]
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32") if (
+            weights) else "fp32"
+
+
+class DeepSpeedReader(Reader):
+    """A DeepSpeed tag folder at ZeRO stages 1-3, read as :class:`~.reader.ShardReader` reads
+    zerostack's."""
+
     def __init__(self, folder: str, gas: int = 1) -> None:
         self.folder, self.gas = folder, gas
-        optim = _files(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+        optim = zero_files(folder)
         if not optim:
-            raise CheckpointError(
-                f"{folder}: a DeepSpeed folder without ZeRO optimizer states (stage 0, or a "
-                "pipeline's layer files): not read yet"
-            )
+            raise CheckpointError(f"{folder}: a DeepSpeed folder without ZeRO optimizer states")
         self.optim_files = optim
         self.optim = [load_pickle(p)["optimizer_state_dict"] for p in optim]
         first = self.optim[0]
@@ -154,10 +242,7 @@ class DeepSpeedReader:
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
         self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
                      for o in self.optim]  # fmt: skip
-        # kind ("frozen": the frozen parameters) -> name -> whole flat fp32 value, made once
-        self._flat: dict[str, dict[str, torch.Tensor]] = {}
-        self.buffers = {n: "module" for n in self.model.get("buffer_names", [])}
-        self.manifest = self._manifest()
+        self._start()
 
     # ------------------------------------------------------------------ values
     def kinds(self) -> list[str]:
@@ -205,82 +290,18 @@ class DeepSpeedReader:
         self._flat[kind] = out
         return out
 
-    def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
-        values = self._values(kind).get(name)
-        if values is None:  # a frozen parameter: its value only, from the module's states
-            if kind != "master" or name not in self._frozen():
-                return 0
-            values = self._frozen()[name]
-        dest[offset : offset + hi - lo].copy_(values[lo:hi])
-        return hi - lo
+    # ------------------------------------------------------------------ the manifest's parts
+    def _groups(self) -> list[tuple[dict, object]]:
+        state = self.base[0]["state"]
+        return [(hyper, state.get(g, {}).get("step"))
+                for g, hyper in enumerate(self.base[0]["param_groups"])]  # fmt: skip
 
-    def full(self, name: str, kind: str = "master") -> torch.Tensor:
-        shape = self.manifest["params"][name]
-        flat = self._values(kind).get(name)
-        if flat is None:
-            flat = self._frozen()[name]
-        return flat.reshape(shape).clone()
-
-    def get(self, file: str, key: str) -> torch.Tensor:
-        return self.model["module"][key.split("/", 1)[1]]
-
-    def _frozen(self) -> dict[str, torch.Tensor]:
-        """Frozen parameters' values (fp32, flat), read from the module's states once."""
-        if "frozen" not in self._flat:
-            frozen = self.model.get("frozen_param_shapes") or {}
-            if frozen and self.stage == 3:
-                raise CheckpointError(
-                    f"{self.model_file}: frozen parameters at ZeRO-3: not read yet"
-                )
-            self._flat["frozen"] = {
-                n: self.model["module"][n].float().reshape(-1) for n in frozen
-            }
-        return self._flat["frozen"]
-
-    # ------------------------------------------------------------------ the manifest
-    def _manifest(self) -> dict:
-        m = self.model
-        params = {n: list(s) for shapes in self.shapes for n, s in shapes.items()}
-        params.update({n: list(s) for n, s in (m.get("frozen_param_shapes") or {}).items()})
-        groups = []
-        for g, hyper in enumerate(self.base[0]["param_groups"]):
-            state = self.base[0]["state"].get(g, {})
-            step = state.get("step")
-            groups.append({
-                "hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
-                "step": float(step) if step is not None else None,
-                "params": list(self.shapes[g]) if g < len(self.shapes) else [],
-            })  # fmt: skip
+    def _scaler(self) -> dict:
         scaler = self.optim[0].get("loss_scaler")
-        scale = {k: v for k, v in vars(scaler).items()} if scaler is not None else {}
-        return {
-            "params": params,
-            "aliases": dict(m.get("shared_params") or {}),
-            "layout": {"tp": 1, "world_size": -1,  # DeepSpeed keeps no RNG states
-                       "dp": self.world, "zero_stage": self.stage, "precision": self._precision()},
-            "tp_specs": {},
-            "files": [],
-            "excluded": [],
-            "frozen": list(m.get("frozen_param_shapes") or {}),
-            "optimizer_groups": groups,
-            "counters": {
-                "global_steps": int(m["global_steps"]),
-                "global_samples": int(m["global_samples"]),
-                "skipped_steps": int(m.get("skipped_steps", 0)),
-                "micro_steps": int(m["global_steps"]) * self.gas,  # at a window's boundary
-            },
-            "loss_scaler": scale,
-            "data_sampler": None,
-            "lr_scheduler": m.get("lr_scheduler"),
-            "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
-            "ds_config": m.get("ds_config"),
-            "state_dict_order": list(m["module"]),
-        }
+        return dict(vars(scaler)) if scaler is not None else {}
 
     def _precision(self) -> str:
         """The run's compute dtype, as its files are named (``bf16_``) or its weights kept."""
         if os.path.basename(self.optim_files[0]).startswith("bf16_"):
             return "bf16"
-        weights = [t for t in self.model["module"].values() if t.is_floating_point()]
-        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32") if (
-            weights) else "fp32"
+        return super()._precision()

@@ -33,7 +33,6 @@ is needed to write them, and the pickles hold nothing else of zerostack's.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import pickle
 from collections import OrderedDict
@@ -41,6 +40,14 @@ from collections import OrderedDict
 import torch
 
 from .deepspeed_layout import Layout
+from .deepspeed_optim import (
+    _ORDER_1_2,
+    VERSION,
+    _scaler,
+    _stage_0,
+    _stage_3,
+    _stages_1_2,
+)
 from .deepspeed_read import (
     _DynamicLossScaler,
     _FragmentAddress,
@@ -49,7 +56,6 @@ from .deepspeed_read import (
 )
 from .errors import CheckpointError
 
-VERSION = "0.19.8"  # the DeepSpeed API level the files are written for
 SCRIPT = "zero_to_fp32.py"
 
 _NAMES = {
@@ -77,29 +83,6 @@ class _PickleModule:
     Unpickler = pickle.Unpickler
 
 
-# ---------------------------------------------------------------------------- the optimizer
-def _group(kind: str, hyper: dict, index: list[int]) -> dict:
-    if kind == "torch":
-        return {**hyper, "params": index}
-    out = {"lr": hyper["lr"], "bias_correction": True, "betas": tuple(hyper["betas"]),
-           "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]}  # fmt: skip
-    if kind == "cpu":
-        out["amsgrad"] = hyper.get("amsgrad", False)
-    else:
-        out["step"] = 0  # FusedAdam keeps the count per tensor, 0 here
-    return {**out, "params": index}
-
-
-def _state(kind: str, step, values: dict) -> dict:
-    """One flat tensor's optimizer state: its moments, and the step count where the optimizer
-    keeps one (torch's as a tensor, DeepSpeed's Adams as an int); empty before any step."""
-    if step is None:
-        return values if any(v.any() for v in values.values()) else {}
-    if kind == "torch":
-        return {"step": torch.tensor(float(step)), **values}
-    return {"step": int(step), **values}
-
-
 # ---------------------------------------------------------------------------- the files
 def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module,
           client_state, exclude_frozen: bool) -> dict:  # fmt: skip
@@ -110,135 +93,39 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
     hyper = [g["hyper"] for g in manifest["optimizer_groups"]]
     steps = [g["step"] for g in manifest["optimizer_groups"]]
     shapes = {n: torch.Size(s) for n, s in manifest["params"].items()}
-    build = _stages_1_2 if layout.stage < 3 else _stage_3
-    optim = build(layout, reader, shapes, moments, hyper, steps, rank)
-    optim = {"zero_stage": _ZeroStageEnum(layout.stage), "loss_scaler": _scaler(manifest),
-             "dynamic_loss_scale": False, "overflow": False, **optim}  # fmt: skip
-    if layout.stage < 3:
-        optim = {k: optim[k] for k in _ORDER_1_2}
-    prefix = "bf16_" if layout.bf16 else ""
-    written = {}
-    name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-    written[name] = _save(folder, name, {"optimizer_state_dict": optim,
-                                         "ds_config": layout.config,
-                                         "ds_version": VERSION})  # fmt: skip
+    written, scaler = {}, manifest["loss_scaler"]
+    if layout.stage == 0:  # no optimizer files: rank 0's model states hold the optimizer
+        if rank > 0:
+            return written
+        optimizer = _stage_0(layout, reader, shapes, moments, hyper, steps, scaler)
+    else:
+        build = _stages_1_2 if layout.stage < 3 else _stage_3
+        optim = build(layout, reader, shapes, moments, hyper, steps, rank)
+        dynamic = layout.fp16 and layout.scaler["dynamic"]
+        # the last step's overflow, which DeepSpeed keeps beside the scaler
+        overflow = dynamic and scaler["last_overflow_iter"] == scaler["cur_iter"] - 1
+        optim = {"zero_stage": _ZeroStageEnum(layout.stage), "loss_scaler": _scaler(layout, scaler),
+                 "dynamic_loss_scale": dynamic, "overflow": overflow, **optim}  # fmt: skip
+        if layout.stage < 3:
+            optim = {k: optim[k] for k in _ORDER_1_2}
+        prefix = "bf16_" if layout.bf16 else ""
+        name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        written[name] = _save(folder, name, {"optimizer_state_dict": optim,
+                                             "ds_config": layout.config,
+                                             "ds_version": VERSION})  # fmt: skip
+        optimizer = None
     if layout.stage == 3 or rank == 0:
         model = _model_states(layout, rank, manifest, shapes, module, client_state,
-                              exclude_frozen, reader)  # fmt: skip
+                              exclude_frozen, reader, optimizer)  # fmt: skip
         name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + "mp_rank_00_model_states.pt"
         written[name] = _save(folder, name, model)
     return written
 
 
-_ORDER_1_2 = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
-              "base_optimizer_state", "single_partition_of_fp32_groups", "zero_stage",
-              "group_paddings", "param_alignment_paddings", "partition_count", "ds_version",
-              "param_slice_mappings")  # fmt: skip
-
-
-def _scaler(manifest: dict) -> _LossScaler:
-    out = _LossScaler()
-    out.__dict__.update(cur_scale=float(manifest["loss_scaler"].get("cur_scale", 1.0)),
-                        dynamic=False)  # fmt: skip
-    return out
-
-
-def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
-    """DeepSpeed's stage 1-2 optimizer file of dp rank ``rank``."""
-    dp, kind = layout.dp, layout.kind
-    fp32, paddings, states, maps, counts, aligns = [], [], {}, [], [], []
-    for g, group in enumerate(layout.groups):
-        numels = [math.prod(shapes[n]) for n in group]
-        total = sum(numels)
-        align = 2 * dp
-        size = -(-total // align) * align // dp
-        lo = rank * size
-        padding = size if total <= lo else max(0, lo + size - total)
-        values = {k: torch.zeros(size) for k in ["master", *moments]}
-        slices, offset = OrderedDict(), 0
-        for n, numel in zip(group, numels, strict=True):
-            x, y = max(offset, lo), min(offset + numel, lo + size)
-            if x < y:
-                for k, dest in values.items():
-                    got = reader.fill(dest, n, k, None, x - offset, y - offset, x - lo)
-                    if k == "master" and got != y - x:
-                        raise CheckpointError(f"{n}: {got} of {y - x} elements in the shards")
-                slices[n] = _address(y - x, x - lo)
-            offset += numel
-        fp32.append(values.pop("master")[: size - padding].clone())
-        states[g] = _state(kind, steps[g], values)
-        paddings.append(padding)
-        maps.append(slices)
-        counts.append(dp)
-        aligns.append([0] * len(group))
-    base = {"state": {g: s for g, s in states.items() if s},
-            "param_groups": [_group(kind, h, [g]) for g, h in enumerate(hyper)]}  # fmt: skip
-    return {
-        "clip_grad": layout.clip,
-        "base_optimizer_state": base,
-        "single_partition_of_fp32_groups": fp32,
-        "group_paddings": paddings,
-        "param_alignment_paddings": aligns,
-        "partition_count": counts,
-        "ds_version": VERSION,
-        "param_slice_mappings": maps,
-    }
-
-
-def _address(numel: int, start: int) -> _FragmentAddress:
-    out = _FragmentAddress()
-    out.__dict__.update(numel=numel, start=start)
-    return out
-
-
-def _sub_groups(numels: list[int], dp: int, limit: int) -> list[list[int]]:
-    """DeepSpeed's stage 3 sub-groups: runs of parameters whose pieces reach ``limit``."""
-    pieces = [-(-n // dp) for n in numels]
-    if limit >= sum(pieces):
-        return [list(range(len(numels)))]
-    out, run, size = [], [], 0
-    for i, piece in enumerate(pieces):
-        run.append(i)
-        size += piece
-        if size >= limit or i == len(pieces) - 1:
-            out.append(run)
-            run, size = [], 0
-    return out
-
-
-def _stage_3(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
-    """DeepSpeed's stage 3 optimizer file of dp rank ``rank``."""
-    dp, kind, limit = layout.dp, layout.kind, layout.sub_group_size
-    flats, states, param_groups = [], {}, []
-    for g, group in enumerate(layout.groups):
-        numels = [math.prod(shapes[n]) for n in group]
-        index = []
-        for sub in _sub_groups(numels, dp, limit):
-            size = sum(-(-numels[i] // dp) for i in sub)
-            values = {k: torch.zeros(size) for k in ["master", *moments]}
-            offset = 0
-            for i in sub:
-                piece = -(-numels[i] // dp)
-                lo, hi = min(rank * piece, numels[i]), min((rank + 1) * piece, numels[i])
-                for k, dest in values.items():
-                    got = reader.fill(dest, group[i], k, None, lo, hi, offset)
-                    if k == "master" and got != hi - lo:
-                        raise CheckpointError(f"{group[i]}: {got} of {hi - lo} elements")
-                offset += piece
-            flats.append(values.pop("master"))
-            states[len(flats) - 1] = _state(kind, steps[g], values)
-            index.append(len(flats) - 1)
-        param_groups.append(_group(kind, hyper[g], index))
-    return {
-        "partition_count": dp,
-        "optimizer_state_dict": {"state": {i: s for i, s in states.items() if s},
-                                 "param_groups": param_groups},  # fmt: skip
-        "fp32_flat_groups": flats,
-    }
-
-
-def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader):
-    """DeepSpeed's model-states file: rank 0's at stages 1-2, each rank's at stage 3."""
+def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader,
+                  optimizer=None):  # fmt: skip
+    """DeepSpeed's model-states file: rank 0's at stages 0-2 (with ``optimizer`` at stage 0),
+    each rank's at stage 3."""
     stage, dp = layout.stage, layout.dp
     module = OrderedDict((k, v.detach().cpu().clone()) for k, v in module().items())
     if exclude_frozen:
@@ -259,11 +146,14 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
                 value = flat
             fragments[n] = value
     shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}
+    param_shapes = [OrderedDict((n, shapes[n]) for n in g) for g in layout.groups]
+    if stage == 0:  # DeepSpeed's stage 0 names none of it
+        param_shapes = shared = None
     out = {
         "module": module,
         "buffer_names": list(layout.buffers),
-        "optimizer": None,
-        "param_shapes": [OrderedDict((n, shapes[n]) for n in g) for g in layout.groups],
+        "optimizer": optimizer,
+        "param_shapes": param_shapes,
         "frozen_param_shapes": shapes_out,
         "shared_params": shared,
         "frozen_param_fragments": fragments,

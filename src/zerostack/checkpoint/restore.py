@@ -19,7 +19,8 @@ from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
-from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder
+from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder, zero_files
+from .deepspeed_read0 import Zero0Reader
 from .errors import CheckpointError
 from .reader import ShardReader as _Reader
 from .state import (
@@ -54,15 +55,25 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
-def open_reader(load_dir: str, tag=None, gas: int = 1):
+def open_reader(load_dir: str, tag=None, gas: int = 1, groups=None):
     """``(folder, reader)`` of the checkpoint ``tag`` (None: ``latest``'s) in ``load_dir``:
     zerostack's own, or a folder DeepSpeed wrote (:mod:`.deepspeed_read`), read alike;
-    ``gas``: the accumulation steps of the run loading it (DeepSpeed counts no micro-steps)."""
+    ``gas``: the accumulation steps of the run loading it (DeepSpeed counts no micro-steps);
+    ``groups``: its trained parameters' names per optimizer group (DeepSpeed's stage 0 files
+    do not name them)."""
     folder = tag_folder(load_dir, tag)
     if is_deepspeed_folder(folder):
-        return folder, DeepSpeedReader(folder, gas=gas)
+        return folder, open_deepspeed(folder, gas, groups)
     folder, manifest = read_manifest(load_dir, tag)
     return folder, _Reader(folder, manifest)
+
+
+def open_deepspeed(folder: str, gas: int = 1, groups: list[list[str]] | None = None):
+    """The reader of DeepSpeed's tag ``folder``: ZeRO stages 1-3 (its optimizer-state files),
+    or stage 0 (the optimizer inside the model-states file, paired with ``groups``)."""
+    if zero_files(folder):
+        return DeepSpeedReader(folder, gas)
+    return Zero0Reader(folder, gas, groups)
 
 
 def load(run, load_dir: str, tag=None, custom_load_fn=None, **options):
@@ -154,13 +165,15 @@ def _load(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ):
-    folder, reader = open_reader(load_dir, tag, gas=run.config["gradient_accumulation_steps"])
+    every = global_names(run.module, run.topology.rank("ep"))  # experts: global index
+    groups = [[every[p] for p in ps] for ps in run.zero.group_params()]
+    gas = run.config["gradient_accumulation_steps"]
+    folder, reader = open_reader(load_dir, tag, gas=gas, groups=groups)
     manifest = reader.manifest
     saved = manifest["params"]
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the
     # model's values; with load_module_strict=False so do those it simply lacks.
     kept = set(manifest.get("excluded", []))
-    every = global_names(run.module, run.topology.rank("ep"))  # experts: global index
     tp, tp_rank = run.topology.tp, run.topology.rank("tp")
     for name in every.values():
         if name in saved or name in kept:

@@ -68,7 +68,8 @@ class Stage3State:
 
     def group_params(self) -> list[list[nn.Parameter]]:
         """Each optimizer group's trained parameters, in the group's order."""
-        out: list[list[nn.Parameter]] = [[] for _ in range(max(g.index for g in self.groups) + 1)]
+        count = max((g.index for g in self.groups), default=-1) + 1  # none: forward-only
+        out: list[list[nn.Parameter]] = [[] for _ in range(count)]
         for g in self.groups:
             out[g.index].extend(g.params)
         return out
