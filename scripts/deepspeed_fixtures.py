@@ -41,12 +41,17 @@ CASES = {
     "zero0_fp16": {"stage": 0, "fp16": True},
     "zero2_fp16": {"stage": 2, "fp16": True},
     "zero3_fp16": {"stage": 3, "fp16": True, "clip": 0.0},
+    "zero2_universal": {"stage": 2, "universal": True},
+    "zero3_universal": {"stage": 3, "universal": True, "clip": 0.0},
 }
+"""``universal``: the saved folder turned into a universal checkpoint by DeepSpeed's
+``ds_to_universal`` (``<tag>_universal``, named by ``latest_universal``); the losses after the
+save are DeepSpeed's resumed from it (``checkpoint.load_universal``)."""
 
 
 def ds_config(
     stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
-    fp16: bool = False, clip: float | None = None,
+    fp16: bool = False, clip: float | None = None, universal: bool = False,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
@@ -68,6 +73,8 @@ def ds_config(
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}
     if clip is not None:
         cfg["gradient_clipping"] = clip
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if sgd:
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
         cfg["zero_allow_untested_optimizer"] = True
@@ -168,6 +175,28 @@ def run_case(
         return [json.load(open(p)) for p in paths]
 
 
+def universal(name: str, folder: str) -> list[list[float]]:
+    """``folder``'s checkpoint turned into DeepSpeed's universal one in place (its tag's own
+    folder then removed: the fixture holds the universal folder alone); returns each rank's
+    losses of the steps after the save, DeepSpeed's resumed from the universal folder."""
+    tag = open(os.path.join(folder, "latest")).read().strip()
+    out = os.path.join(folder, f"{tag}_universal")
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           os.path.join(folder, tag), "--output_folder", out, "--inject_missing_state",
+           "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"{name}: ds_to_universal: {done.stderr[-3000:]}")
+    with open(os.path.join(folder, "latest_universal"), "w") as f:
+        f.write(f"{tag}_universal")
+    shutil.rmtree(os.path.join(folder, tag))
+    os.remove(os.path.join(folder, "latest"))
+    after = run_case(name, "deepspeed", os.path.join(folder, "unused"), load=folder)
+    shutil.rmtree(os.path.join(folder, "unused"), ignore_errors=True)
+    return after
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["deepspeed", "zerostack"], default="deepspeed")
@@ -189,11 +218,17 @@ def main(argv=None) -> int:
             losses = run_case(name, args.engine, tmp)
             print(name, args.engine, losses, flush=True)
             if args.engine == "deepspeed":
+                record = {"config": ds_config(**CASES[name]), "losses": losses}
+                if CASES[name].get("universal"):
+                    record["continuing"] = losses
+                    after = universal(name, tmp)
+                    record["losses"] = [r[:SAVE_AT] + a for r, a in zip(losses, after, strict=True)]
+                    print(name, "resumed from the universal folder", record["losses"])
                 dest = os.path.join(FIXTURES, name)
                 shutil.rmtree(dest, ignore_errors=True)
                 # the folder as DeepSpeed wrote it, less the copies of its own scripts
                 shutil.copytree(tmp, dest, ignore=shutil.ignore_patterns("*.py"))
-                expected[name] = {"config": ds_config(**CASES[name]), "losses": losses}
+                expected[name] = record
     if args.engine == "deepspeed":
         import deepspeed
         import torch

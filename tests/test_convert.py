@@ -92,10 +92,15 @@ def test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_bit(case, tmp_
 @pytest.mark.parametrize("case", list(fx.CASES))
 def test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit(case, tmp_path):
     """DeepSpeed's folder read (:mod:`.deepspeed_read`) and written (:mod:`.deepspeed_write`)
-    back, in one process: every file as DeepSpeed wrote it."""
-    convert(os.path.join(fx.FIXTURES, case), str(tmp_path), "deepspeed")
-    theirs = os.path.join(fx.FIXTURES, case, "global_step3")
-    assert folder_differences(str(tmp_path / "global_step3"), theirs) == []
+    back, in one process: every file as DeepSpeed wrote it; a universal checkpoint (read and
+    written by :mod:`.deepspeed_universal`) every file ``ds_to_universal`` wrote too."""
+    universal = bool(fx.CASES[case].get("universal"))
+    convert(os.path.join(fx.FIXTURES, case), str(tmp_path), "deepspeed", universal=universal)
+    tag = "global_step3_universal" if universal else "global_step3"
+    theirs = os.path.join(fx.FIXTURES, case, tag)
+    assert folder_differences(str(tmp_path / tag), theirs) == []
+    if universal:
+        assert (tmp_path / "latest_universal").read_text() == tag
 
 
 @pytest.mark.parametrize("case", ["zero2", "zero3_bf16", "zero2_odd"])

@@ -52,6 +52,10 @@ def _resume(rank, world, case, stage, folder=None):
     return os.path.basename(path), client, counters, losses
 
 
+def _tag(case: str) -> str:
+    return "global_step3_universal" if fx.CASES[case].get("universal") else "global_step3"
+
+
 def _next(case: str) -> list[list[float]]:
     return [r[fx.SAVE_AT :] for r in CASES[case]["losses"]]
 
@@ -61,7 +65,9 @@ def test_the_fixtures_are_deepspeeds():
     assert EXPECTED["command"].startswith("DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_")
     assert set(CASES) == set(fx.CASES)
     for case in CASES:
-        assert open(os.path.join(fx.FIXTURES, case, "latest")).read().strip() == "global_step3"
+        universal = fx.CASES[case].get("universal")
+        latest = os.path.join(fx.FIXTURES, case, "latest_universal" if universal else "latest")
+        assert open(latest).read().strip() == _tag(case)
 
 
 @pytest.mark.parametrize("case", list(fx.CASES))
@@ -81,7 +87,7 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
     scale = {0: 1.0, 2: 2.0**16}.get(skipped) if "fp16" in case else 1.0
     scale = 2.0**18 if case == "zero0_fp16" else scale
     for (tag, client, counters, losses), want in zip(got, _next(case), strict=True):
-        assert tag == "global_step3" and client == {"epoch": 7}
+        assert tag == _tag(case) and client == {"epoch": 7}
         assert counters[:3] == (3, 12, skipped)
         # WarmupLR's lr after 3 - skipped steps (last_batch_iteration 2 - skipped):
         # 1e-2 * log(3 - skipped) / log(4)

@@ -224,7 +224,6 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": "fp32 masters are always restored from the "
     "checkpoint",
     "checkpoint.tag_validation": "tags are not compared; every rank must pass the same",
-    "checkpoint.load_universal": "checkpoints load on any layout already",
     "checkpoint.use_node_local_storage": "checkpoints go to the one folder given",
     "checkpoint.parallel_write.pipeline_stage": "every rank writes its own file",
     "checkpoint.writer": "safetensors files, one per rank",

@@ -2,7 +2,7 @@
 
     zerostack convert ckpt out --to hf                   # Hugging Face safetensors (sharded)
     zerostack convert ds_ckpt out --to zerostack         # zerostack's own format
-    zerostack convert ckpt out --to deepspeed [--world 8] [--stage 3]
+    zerostack convert ckpt out --to deepspeed [--world 8] [--stage 3] [--universal]
     zerostack convert ckpt out --to dcp                  # torch.distributed.checkpoint
 
 The source is a checkpoint folder (the one holding ``latest``; ``--tag`` for another tag) that
@@ -17,7 +17,9 @@ process group is needed.
   the buffers, and a manifest with the counters, LR schedule, optimizer groups, loss scale and
   client state: it loads on any layout as any zerostack checkpoint does.
 - ``deepspeed``: DeepSpeed 0.19's files (:mod:`.deepspeed_write`) for ``--world`` data-parallel
-  ranks at ZeRO ``--stage`` (default: the source's), ``latest`` and ``zero_to_fp32.py``.
+  ranks at ZeRO ``--stage`` (default: the source's), ``latest`` and ``zero_to_fp32.py``; with
+  ``--universal`` its universal checkpoint instead (:mod:`.deepspeed_universal`: the tag
+  ``<tag>_universal``, named by ``latest_universal``).
 - ``dcp``: ``model.<name>`` (fp32) and ``optimizer.state.<name>.<kind>`` tensors, written by
   ``torch.distributed.checkpoint.save`` with a planner that reads each tensor when the writer
   asks for it.
@@ -91,6 +93,7 @@ def convert(
     max_shard_size: str | int = "5GB",
     world: int | None = None,
     stage: int | None = None,
+    universal: bool = False,
     progress: bool = False,
 ) -> Report:
     """Convert the checkpoint ``tag`` (None: ``latest``'s) in ``src`` to format ``to`` in
@@ -105,7 +108,7 @@ def convert(
     write = {"hf": _to_hf, "zerostack": _to_zerostack, "deepspeed": _to_deepspeed,
              "dcp": _to_dcp}[to]  # fmt: skip
     report = write(folder, reader, dst, dtype=_DTYPES[dtype], max_shard_size=_bytes(max_shard_size),
-                   world=world, stage=stage, progress=progress)  # fmt: skip
+                   world=world, stage=stage, universal=universal, progress=progress)  # fmt: skip
     report.seconds = time.monotonic() - began
     return report
 
@@ -253,14 +256,17 @@ def _to_zerostack(folder, reader, dst, *, progress, **_) -> Report:
 
 
 # ---------------------------------------------------------------------------- DeepSpeed
-def _to_deepspeed(folder, reader, dst, *, world, stage, progress, **_) -> Report:
+def _to_deepspeed(folder, reader, dst, *, world, stage, progress, universal=False, **_) -> Report:
     from . import deepspeed_write as dw
     from .deepspeed_layout import layout_of_checkpoint, module_from_checkpoint
+    from .deepspeed_universal import LATEST_UNIVERSAL, write_universal
     from .state import LATEST, _atomic_write
 
     manifest = reader.manifest
     layout = layout_of_checkpoint(reader, dp=world, stage=stage)
     tag = os.path.basename(os.path.normpath(folder))
+    if universal and not tag.endswith("_universal"):
+        tag = f"{tag}_universal"  # as DeepSpeed's tutorials name ds_to_universal's output
     final, work = os.path.join(dst, tag), os.path.join(dst, f".{tag}.incomplete")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -269,10 +275,12 @@ def _to_deepspeed(folder, reader, dst, *, world, stage, progress, **_) -> Report
     def module():  # built only where a model-states file is written (rank 0; each at ZeRO-3)
         return module_from_checkpoint(reader, layout)
 
+    client = manifest.get("client_state") or {}
     try:
-        for rank in range(layout.dp):
-            written.update(dw.write(layout, work, rank, manifest, reader, module,
-                                    manifest.get("client_state") or {}, False))  # fmt: skip
+        if universal:
+            written.update(write_universal(layout, work, manifest, reader, module, client))
+        for rank in range(layout.dp if not universal else 0):
+            written.update(dw.write(layout, work, rank, manifest, reader, module, client, False))
             bar.add(1)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -281,8 +289,9 @@ def _to_deepspeed(folder, reader, dst, *, world, stage, progress, **_) -> Report
         bar.close()
     shutil.rmtree(final, ignore_errors=True)
     os.replace(work, final)
-    _atomic_write(os.path.join(dst, LATEST), tag)
-    dw.place_script(dst)
+    _atomic_write(os.path.join(dst, LATEST_UNIVERSAL if universal else LATEST), tag)
+    if not universal:
+        dw.place_script(dst)
     size = sum(os.path.getsize(os.path.join(final, f)) for f in written)
     return Report(final, size, len(written))
 
@@ -346,15 +355,17 @@ def add_parser(sub) -> None:
     c.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="hf: the weights'")
     c.add_argument("--max-shard-size", default="5GB", help="hf: the largest file")
     c.add_argument("--world", type=int, default=None, help="deepspeed: dp ranks (the source's)")
-    c.add_argument("--stage", type=int, default=None, choices=[1, 2, 3],
+    c.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="deepspeed: the ZeRO stage (the source's)")  # fmt: skip
+    c.add_argument("--universal", action="store_true",
+                   help="deepspeed: a universal checkpoint, as ds_to_universal writes")  # fmt: skip
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_command(args) -> int:
     report = convert(args.src, args.dst, args.to, tag=args.tag, dtype=args.dtype,
                      max_shard_size=args.max_shard_size, world=args.world, stage=args.stage,
-                     progress=not args.no_progress)  # fmt: skip
+                     universal=args.universal, progress=not args.no_progress)  # fmt: skip
     print(f"wrote {report.tensors} tensors, {report.bytes / 1e9:.3f} GB to {report.path} in "
           f"{report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)")  # fmt: skip
     return 0

@@ -32,8 +32,9 @@ laid out as the fp32 partition they belong to.
 Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weights_only=True)``
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
-state is touched. Not read yet: pipeline layer files, MoE expert files, universal checkpoints,
-tensor-parallel slices (``mp_rank_01``...). Writing the same layouts: :mod:`.deepspeed_write`.
+state is touched. Universal checkpoints: :mod:`.deepspeed_universal`. Not read yet: pipeline
+layer files, MoE expert files, tensor-parallel slices (``mp_rank_01``...). Writing the same
+layouts: :mod:`.deepspeed_write`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
 from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder, zero_files
 from .deepspeed_read0 import Zero0Reader
+from .deepspeed_universal import LATEST_UNIVERSAL, UniversalReader, is_universal_folder
 from .errors import CheckpointError
 from .reader import ShardReader as _Reader
 from .state import (
@@ -34,10 +35,15 @@ from .state import (
 log = logging.getLogger("zerostack")
 
 
-def tag_folder(load_dir: str, tag=None) -> str:
-    """The folder of ``tag`` (None: the one ``latest`` names) under ``load_dir``."""
+def tag_folder(load_dir: str, tag=None, universal: bool = False) -> str:
+    """The folder of ``tag`` (None: the one ``latest`` names; with ``universal``, or where
+    there is no ``latest``, the one DeepSpeed's ``latest_universal`` names if there is one)
+    under ``load_dir``."""
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
+        other = os.path.join(load_dir, LATEST_UNIVERSAL)
+        if os.path.exists(other) and (universal or not os.path.exists(latest)):
+            latest = other
         if not os.path.exists(latest):
             raise CheckpointError(f"{latest}: no such file (no complete checkpoint; pass tag=)")
         tag = open(latest).read().strip()
@@ -55,13 +61,16 @@ def read_manifest(load_dir: str, tag=None) -> tuple[str, dict]:
     return folder, manifest
 
 
-def open_reader(load_dir: str, tag=None, gas: int = 1, groups=None):
+def open_reader(load_dir: str, tag=None, gas: int = 1, groups=None, universal: bool = False):
     """``(folder, reader)`` of the checkpoint ``tag`` (None: ``latest``'s) in ``load_dir``:
     zerostack's own, or a folder DeepSpeed wrote (:mod:`.deepspeed_read`), read alike;
     ``gas``: the accumulation steps of the run loading it (DeepSpeed counts no micro-steps);
     ``groups``: its trained parameters' names per optimizer group (DeepSpeed's stage 0 files
-    do not name them)."""
-    folder = tag_folder(load_dir, tag)
+    do not name them); ``universal``: DeepSpeed's ``checkpoint.load_universal`` (``tag`` None:
+    ``latest_universal``'s where there is one)."""
+    folder = tag_folder(load_dir, tag, universal)
+    if is_universal_folder(folder):
+        return folder, UniversalReader(folder, gas)
     if is_deepspeed_folder(folder):
         return folder, open_deepspeed(folder, gas, groups)
     folder, manifest = read_manifest(load_dir, tag)
@@ -85,8 +94,11 @@ def load(run, load_dir: str, tag=None, custom_load_fn=None, **options):
     rank reads what it needs; if any rank finds a damaged or missing file, every rank raises the
     same error (naming the file) rather than some waiting on the others.
     """
+    universal = run.config.checkpoint.load_universal
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
+        if universal and os.path.isfile(os.path.join(load_dir, LATEST_UNIVERSAL)):
+            latest = os.path.join(load_dir, LATEST_UNIVERSAL)
         missing = _gather_errors(run.comm, None if os.path.isfile(latest) else "missing")
         if len(missing) == run.world_size:
             if run.global_rank == 0:
@@ -168,7 +180,8 @@ def _load(
     every = global_names(run.module, run.topology.rank("ep"))  # experts: global index
     groups = [[every[p] for p in ps] for ps in run.zero.group_params()]
     gas = run.config["gradient_accumulation_steps"]
-    folder, reader = open_reader(load_dir, tag, gas=gas, groups=groups)
+    universal = run.config.checkpoint.load_universal
+    folder, reader = open_reader(load_dir, tag, gas=gas, groups=groups, universal=universal)
     manifest = reader.manifest
     saved = manifest["params"]
     # Parameters the checkpoint left out on purpose (frozen, exclude_frozen_parameters) keep the

@@ -140,7 +140,9 @@ class CheckpointConfig(_Model):
     ] = "Warn"
     """DeepSpeed's check that every rank saves the same tag (no effect)."""
     load_universal: bool = False
-    """DeepSpeed's universal-checkpoint load (no effect: every checkpoint loads on any layout)."""
+    """DeepSpeed's universal-checkpoint load: ``load_checkpoint(dir)`` takes the tag
+    ``latest_universal`` names where there is one (``ds_to_universal``'s output, or ``zerostack
+    convert --to deepspeed --universal``'s). Every checkpoint loads on any layout either way."""
     use_node_local_storage: bool = False
     """DeepSpeed's node-local checkpoint folders (no effect)."""
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)

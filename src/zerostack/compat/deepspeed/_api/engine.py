@@ -76,8 +76,8 @@ ENGINES: dict[str, dict[str, Api]] = {
             "include, device (cpu), pin_memory, non_blocking; stages 0-3; views kept, bytes moved"
         ),
         f"{ENGINE}.reload_states": _works("training continues bit for bit"),
-        f"{ENGINE}.load_universal_checkpoint": _no(
-            "any checkpoint loads on any ZeRO stage, dp, tp or pp size: no separate format"
+        f"{ENGINE}.load_universal_checkpoint": _works(
+            "checkpoint.load_universal: load_checkpoint takes latest_universal's tag"
         ),
         f"{ENGINE}.allreduce_gradients": _no(
             "the boundary's backward reduces the gradients; `step()` waits for it"

@@ -161,5 +161,10 @@ class EngineQueries:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
+    def load_universal_checkpoint(self) -> bool:
+        """``checkpoint.load_universal``: ``load_checkpoint`` takes the tag DeepSpeed's
+        ``latest_universal`` names."""
+        return self.config.checkpoint.load_universal
+
 
 __all__ = ["EngineQueries", "LossScale"]
