@@ -41,6 +41,7 @@ CASES = {
     "zero0_fp16": {"stage": 0, "fp16": True},
     "zero2_fp16": {"stage": 2, "fp16": True},
     "zero3_fp16": {"stage": 3, "fp16": True, "clip": 0.0},
+    "zero3_frozen": {"stage": 3, "frozen": True, "sgd": True, "clip": 0.0},
     "zero2_universal": {"stage": 2, "universal": True},
     "zero3_universal": {"stage": 3, "universal": True, "clip": 0.0},
 }

@@ -3968,6 +3968,13 @@ MUTANTS = [
         ("tests/test_convert.py::test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit[zero2_universal]",),
     ),
     Mutant(
+        "ZeRO-3's frozen pieces joined in the wrong rank order",
+        "checkpoint/deepspeed_read.py",
+        '.float().reshape(-1) for m in ranks])',
+        '.float().reshape(-1) for m in ranks[::-1]])',
+        (f"{T_DS_RESUME}[zero3_frozen]",),
+    ),
+    Mutant(
         "DeepSpeed's files never written under the facade",
         "checkpoint/deepspeed_layout.py",
         "    return why is None",

@@ -100,7 +100,8 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
 
 @pytest.mark.parametrize(
     "case, stage, world",
-    [("zero2", 3, 2), ("zero3", 1, 1), ("zero1", 2, 1), ("zero0", 3, 2), ("zero2_fp16", 0, 1)],
+    [("zero2", 3, 2), ("zero3", 1, 1), ("zero1", 2, 1), ("zero0", 3, 2), ("zero2_fp16", 0, 1),
+     ("zero3_frozen", 2, 1)],
 )
 def test_a_deepspeed_folder_resumes_on_another_stage_and_dp_size(case, stage, world):
     """At dp 1 one rank trains on the whole batch: its loss is the mean of the two ranks'."""

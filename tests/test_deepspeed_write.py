@@ -150,7 +150,9 @@ def _train(rank, world, case, out):
     fx.train(fx.CASES[case], out, deepspeed=deepspeed)
 
 
-@pytest.mark.parametrize("case", ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0"])
+@pytest.mark.parametrize(
+    "case", ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0", "zero3_frozen"]
+)
 def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     run_distributed(_train, fx.WORLD, args=(case, str(tmp_path)))
     tol = {"exp_avg_sq": 3e-5, "exp_avg": 1e-6, "momentum_buffer": 1e-6,

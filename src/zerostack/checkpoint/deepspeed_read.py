@@ -166,14 +166,31 @@ class Reader:
         """Frozen parameters' values (fp32, flat), read from the module's states once."""
         if "frozen" not in self._flat:
             frozen = self.model.get("frozen_param_shapes") or {}
-            if frozen and self.stage == 3:
-                raise CheckpointError(
-                    f"{self.model_file}: frozen parameters at ZeRO-3: not read yet"
-                )
-            self._flat["frozen"] = {
-                n: self.model["module"][n].float().reshape(-1) for n in frozen
-            }
+            if frozen and self.stage == 3:  # each rank's model states hold its pieces
+                self._flat["frozen"] = self._frozen_pieces(frozen)
+            else:
+                self._flat["frozen"] = {
+                    n: self.model["module"][n].float().reshape(-1) for n in frozen
+                }
         return self._flat["frozen"]
+
+    def _frozen_pieces(self, frozen: dict) -> dict[str, torch.Tensor]:
+        """ZeRO-3's frozen parameters whole: rank r's ``ceil(numel / world)``-element piece of
+        each is in its model-states file (``frozen_param_fragments``), the last one padded."""
+        head, name = os.path.split(self.model_file)
+        ranks = [self.model] + [
+            load_pickle(os.path.join(head, name.replace("zero_pp_rank_0_", f"zero_pp_rank_{r}_")))
+            for r in range(1, self.world)
+        ]
+        out = {}
+        for n, shape in frozen.items():
+            numel = math.prod(shape)
+            whole = torch.cat([m["frozen_param_fragments"][n].float().reshape(-1) for m in ranks])
+            if whole.numel() < numel:
+                raise CheckpointError(f"{self.model_file}: {n}: the ranks' pieces hold "
+                                      f"{whole.numel()} of {numel} elements")  # fmt: skip
+            out[n] = whole[:numel]
+        return out
 
     def _manifest(self) -> dict:
         m = self.model
