@@ -42,6 +42,7 @@ CASES = {
     "zero2_fp16": {"stage": 2, "fp16": True},
     "zero3_fp16": {"stage": 3, "fp16": True, "clip": 0.0},
     "zero3_frozen": {"stage": 3, "frozen": True, "sgd": True, "clip": 0.0},
+    "pipe_zero1": {"stage": 1, "pipe": True, "clip": 0.0},
     "zero2_universal": {"stage": 2, "universal": True},
     "zero3_universal": {"stage": 3, "universal": True, "clip": 0.0},
 }
@@ -52,7 +53,7 @@ save are DeepSpeed's resumed from it (``checkpoint.load_universal``)."""
 
 def ds_config(
     stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
-    fp16: bool = False, clip: float | None = None, universal: bool = False,
+    fp16: bool = False, clip: float | None = None, universal: bool = False, pipe: bool = False,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
@@ -76,6 +77,8 @@ def ds_config(
         cfg["gradient_clipping"] = clip
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if pipe:  # the global batch as the other cases': 2 micro-batches of 2 on one dp rank
+        cfg.update(train_micro_batch_size_per_gpu=MICRO * WORLD // 2, gradient_accumulation_steps=2)
     if sgd:
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
         cfg["zero_allow_untested_optimizer"] = True
@@ -111,6 +114,60 @@ def tokens(step: int, rank: int, world: int = WORLD, odd: bool = False):
     return x[rank * per : (rank + 1) * per]
 
 
+def pipe_model(pipeline_module, layer_spec, stages: int = 2):
+    """``pipe`` cases: a tiny residual MLP as DeepSpeed's ``PipelineModule`` over ``stages``
+    stages (6 layers; seeded), MSE loss."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(width), nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + torch.tanh(self.lin(self.norm(x)))
+
+    torch.manual_seed(0)
+    layers = [layer_spec(nn.Linear, 8, 16), *[layer_spec(Block, 16) for _ in range(4)],
+              layer_spec(nn.Linear, 16, 4)]  # fmt: skip
+    return pipeline_module(layers=layers, num_stages=stages, loss_fn=nn.MSELoss(),
+                           partition_method="uniform")  # fmt: skip
+
+
+def pipe_batches(step: int):
+    """``pipe`` cases: global batch ``step``'s 2 micro-batches (inputs, targets) of 2."""
+    import torch
+
+    g = torch.Generator().manual_seed(200 + step)
+    return iter([(torch.randn(MICRO * WORLD // 2, 8, generator=g),
+                  torch.randn(MICRO * WORLD // 2, 4, generator=g)) for _ in range(2)])  # fmt: skip
+
+
+def pipe_classes():
+    """``deepspeed.pipe``'s PipelineModule and LayerSpec: DeepSpeed's, or zerostack's where the
+    ``deepspeed`` name is not installed (a test calling zerostack's facade module directly)."""
+    try:
+        from deepspeed.pipe import LayerSpec, PipelineModule
+    except ImportError:
+        from zerostack.pipe import LayerSpec, PipelineModule
+    return PipelineModule, LayerSpec
+
+
+def _train_pipe(case, out, steps, load, deepspeed) -> list[float]:
+    net = pipe_model(*pipe_classes())
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
+                                      config=ds_config(**case))  # fmt: skip
+    if load is not None:
+        engine.load_checkpoint(load)
+    losses = []
+    for step in steps:
+        losses.append(float(engine.train_batch(data_iter=pipe_batches(step))))
+        if step + 1 == SAVE_AT and load is None:
+            engine.save_checkpoint(out, client_state={"epoch": 7})
+    return losses
+
+
 def train(
     case: dict, out: str, steps=range(STEPS), load: str | None = None, deepspeed=None
 ):
@@ -119,6 +176,8 @@ def train(
     if deepspeed is None:
         import deepspeed
 
+    if case.get("pipe"):
+        return _train_pipe(case, out, steps, load, deepspeed)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = ds_config(**case)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world

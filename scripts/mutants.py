@@ -3802,8 +3802,8 @@ MUTANTS = [
     Mutant(
         "a frozen parameter in a DeepSpeed folder loads as zeros",
         "checkpoint/deepspeed_read.py",
-        'n: self.model["module"][n].float().reshape(-1) for n in frozen',
-        'n: torch.zeros(self.model["module"][n].numel()) for n in frozen',
+        'n: self.weights[n].float().reshape(-1) for n in frozen',
+        'n: torch.zeros(self.weights[n].numel()) for n in frozen',
         (f"{T_DS_RESUME}[zero2_frozen]",),
     ),
     Mutant(
@@ -3973,6 +3973,13 @@ MUTANTS = [
         '.float().reshape(-1) for m in ranks])',
         '.float().reshape(-1) for m in ranks[::-1]])',
         (f"{T_DS_RESUME}[zero3_frozen]",),
+    ),
+    Mutant(
+        "a pipeline stage's partitions read from the first stage's optimizer files",
+        "checkpoint/deepspeed_read.py",
+        "        optim = zero_files(folder, mp)",
+        "        optim = zero_files(folder, 0)",
+        (f"{T_DS_RESUME}[pipe_zero1]",),
     ),
     Mutant(
         "DeepSpeed's files never written under the facade",

@@ -52,6 +52,21 @@ def _resume(rank, world, case, stage, folder=None):
     return os.path.basename(path), client, counters, losses
 
 
+def _resume_pipe(rank, world, case, stage, folder=None, stages=2):
+    """The ``pipe`` case's script resumed from its fixture folder (on ``stages`` pipeline
+    stages: DeepSpeed's had 2)."""
+    cfg = fx.ds_config(**{**fx.CASES[case], "stage": stage})
+    net = fx.pipe_model(*fx.pipe_classes(), stages=stages)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
+                                      config=cfg)  # fmt: skip
+    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
+                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    losses = [float(engine.train_batch(data_iter=fx.pipe_batches(step)))
+              for step in range(fx.SAVE_AT, fx.STEPS)]  # fmt: skip
+    return os.path.basename(path), client, counters, losses
+
+
 def _tag(case: str) -> str:
     return "global_step3_universal" if fx.CASES[case].get("universal") else "global_step3"
 
@@ -80,7 +95,8 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
     if case == "zero0_fp16":  # DeepSpeed 0.19.8's stage 0 fp16 never scales the loss (its
         tol = tol[:1]  # engine.backward scales for ZeRO optimizers only) but divides the
         # gradients by the scale: its next update is not the one zerostack makes
-    got = run_distributed(_resume, fx.WORLD, args=(case, fx.CASES[case]["stage"]))
+    resume = _resume_pipe if fx.CASES[case].get("pipe") else _resume
+    got = run_distributed(resume, fx.WORLD, args=(case, fx.CASES[case]["stage"]))
     # fp16's first two steps overflow (the scale 2^18, then 2^17): DeepSpeed skips them, but at
     # stage 0, where nothing overflows
     skipped = 2 if "fp16" in case and case != "zero0_fp16" else 0
@@ -111,6 +127,15 @@ def test_a_deepspeed_folder_resumes_on_another_stage_and_dp_size(case, stage, wo
     if world == 1:
         losses, want = losses[0], want.mean(0)
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=0)
+
+
+def test_a_deepspeed_pipeline_folder_resumes_on_one_stage():
+    """Its layer files and both stages' optimizer files joined: one rank running all 6 layers
+    continues with DeepSpeed's losses (every stage reports the batch's loss)."""
+    [got] = run_distributed(_resume_pipe, 1, args=("pipe_zero1", 1), kwargs={"stages": 1})
+    want = _next("pipe_zero1")[0]
+    for got_loss, want_loss in zip(got[3], want, strict=True):
+        assert got_loss == pytest.approx(want_loss, rel=1e-6, abs=0)
 
 
 def _load_only(rank, world, folder):

@@ -122,7 +122,11 @@ def _round_trip(rank, world, case, out, native=False):
     engine.save_checkpoint(out, client_state=client)
 
 
-@pytest.mark.parametrize("case", [c for c in fx.CASES if not fx.CASES[c].get("universal")])
+WRITTEN = [c for c in fx.CASES if not fx.CASES[c].get("pipe")]
+"""The cases whose DeepSpeed files zerostack writes (a pipeline's layer files: not yet)."""
+
+
+@pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("universal")])
 def test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit(case, tmp_path):
     run_distributed(_round_trip, fx.WORLD, args=(case, str(tmp_path)))
     folder = tmp_path / "global_step3"
@@ -225,7 +229,7 @@ def test_real_deepspeed_resumes_and_converts_zerostacks_folders():
     exactly, and Lightning's converter keeps the client state."""
     assert ROUNDTRIP["versions"]["deepspeed"] == "0.19.8"
     assert ROUNDTRIP["command"].startswith("DS_ACCELERATOR=cpu .peers/bin/python scripts/")
-    assert set(ROUNDTRIP["cases"]) == set(fx.CASES)
+    assert set(ROUNDTRIP["cases"]) == set(WRITTEN)
     for case, got in ROUNDTRIP["cases"].items():
         bf16 = "bf16" in case
         assert got["first_loss_vs_zerostack"] == 0.0, case  # the loaded weights alone

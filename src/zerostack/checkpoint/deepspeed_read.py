@@ -32,8 +32,9 @@ laid out as the fp32 partition they belong to.
 Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weights_only=True)``
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
-state is touched. Universal checkpoints: :mod:`.deepspeed_universal`. Not read yet: pipeline
-layer files, MoE expert files, tensor-parallel slices (``mp_rank_01``...). Writing the same
+state is touched. Universal checkpoints: :mod:`.deepspeed_universal`; a pipeline's layer files:
+:mod:`.deepspeed_pipe`. Not read yet: MoE expert files, tensor-parallel slices (``mp_rank_01``...
+without layer files). Writing the same
 layouts: :mod:`.deepspeed_write`.
 """
 
@@ -115,9 +116,10 @@ def is_deepspeed_folder(folder: str) -> bool:
     return bool(glob.glob(os.path.join(folder, "*mp_rank_*_model_states.pt")))
 
 
-def zero_files(folder: str) -> list[str]:
-    """The ZeRO optimizer-state files of a DeepSpeed tag folder, by rank (none at stage 0)."""
-    return _files(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+def zero_files(folder: str, mp: int = 0) -> list[str]:
+    """The ZeRO optimizer-state files of a DeepSpeed tag folder's model-parallel rank ``mp``
+    (a pipeline stage), by dp rank (none at stage 0)."""
+    return _files(folder, f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt")
 
 
 def _files(folder: str, pattern: str) -> list[str]:
@@ -136,6 +138,11 @@ class Reader:
     saved_tp = 1
     specs: dict = {}
     sha: dict = {}
+
+    @property
+    def weights(self) -> dict:
+        """The module's state dict as the folder holds it (names as ``module.state_dict()``)."""
+        return self.model["module"]
 
     def _start(self) -> None:
         # kind ("frozen": the frozen parameters) -> name -> whole flat fp32 value, made once
@@ -160,7 +167,7 @@ class Reader:
         return flat.reshape(shape).clone()
 
     def get(self, file: str, key: str) -> torch.Tensor:
-        return self.model["module"][key.split("/", 1)[1]]
+        return self.weights[key.split("/", 1)[1]]
 
     def _frozen(self) -> dict[str, torch.Tensor]:
         """Frozen parameters' values (fp32, flat), read from the module's states once."""
@@ -170,7 +177,7 @@ class Reader:
                 self._flat["frozen"] = self._frozen_pieces(frozen)
             else:
                 self._flat["frozen"] = {
-                    n: self.model["module"][n].float().reshape(-1) for n in frozen
+                    n: self.weights[n].float().reshape(-1) for n in frozen
                 }
         return self._flat["frozen"]
 
@@ -223,12 +230,12 @@ class Reader:
             "lr_scheduler": m.get("lr_scheduler"),
             "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
             "ds_config": m.get("ds_config"),
-            "state_dict_order": list(m["module"]),
+            "state_dict_order": list(self.weights),
         }
 
     def _precision(self) -> str:
         """The run's compute dtype, as its weights are kept."""
-        weights = [t for t in self.model["module"].values() if t.is_floating_point()]
+        weights = [t for t in (self.weights or {}).values() if t.is_floating_point()]
         return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32") if (
             weights) else "fp32"
 
@@ -237,9 +244,11 @@ class DeepSpeedReader(Reader):
     """A DeepSpeed tag folder at ZeRO stages 1-3, read as :class:`~.reader.ShardReader` reads
     zerostack's."""
 
-    def __init__(self, folder: str, gas: int = 1) -> None:
+    def __init__(self, folder: str, gas: int = 1, mp: int = 0, part: bool = False) -> None:
+        """``mp``: which model-parallel rank's files (a pipeline stage's); ``part``: one of
+        several such readers a :class:`~.deepspeed_pipe.PipelineReader` joins (no manifest)."""
         self.folder, self.gas = folder, gas
-        optim = zero_files(folder)
+        optim = zero_files(folder, mp)
         if not optim:
             raise CheckpointError(f"{folder}: a DeepSpeed folder without ZeRO optimizer states")
         self.optim_files = optim
@@ -254,13 +263,16 @@ class DeepSpeedReader(Reader):
                 f"says {world} (an incomplete or mixed folder)"
             )
         self.world = world
-        name = "mp_rank_00_model_states.pt"
+        name = f"mp_rank_{mp:02d}_model_states.pt"
         self.model_file = os.path.join(folder, name if self.stage < 3 else f"zero_pp_rank_0_{name}")
         self.model = load_pickle(self.model_file)
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
         self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
                      for o in self.optim]  # fmt: skip
-        self._start()
+        if part:
+            self._flat = {}
+        else:
+            self._start()
 
     # ------------------------------------------------------------------ values
     def kinds(self) -> list[str]:

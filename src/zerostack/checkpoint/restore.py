@@ -19,6 +19,7 @@ from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
+from .deepspeed_pipe import PipelineReader, layer_files
 from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder, zero_files
 from .deepspeed_read0 import Zero0Reader
 from .deepspeed_universal import LATEST_UNIVERSAL, UniversalReader, is_universal_folder
@@ -78,8 +79,11 @@ def open_reader(load_dir: str, tag=None, gas: int = 1, groups=None, universal: b
 
 
 def open_deepspeed(folder: str, gas: int = 1, groups: list[list[str]] | None = None):
-    """The reader of DeepSpeed's tag ``folder``: ZeRO stages 1-3 (its optimizer-state files),
-    or stage 0 (the optimizer inside the model-states file, paired with ``groups``)."""
+    """The reader of DeepSpeed's tag ``folder``: a pipeline's (layer files), ZeRO stages 1-3
+    (its optimizer-state files), or stage 0 (the optimizer inside the model-states file, paired
+    with ``groups``)."""
+    if layer_files(folder):
+        return PipelineReader(folder, gas)
     if zero_files(folder):
         return DeepSpeedReader(folder, gas)
     return Zero0Reader(folder, gas, groups)
