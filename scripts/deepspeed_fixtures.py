@@ -43,6 +43,7 @@ CASES = {
     "zero3_fp16": {"stage": 3, "fp16": True, "clip": 0.0},
     "zero3_frozen": {"stage": 3, "frozen": True, "sgd": True, "clip": 0.0},
     "pipe_zero1": {"stage": 1, "pipe": True, "clip": 0.0},
+    "moe_zero2": {"stage": 2, "moe": True, "clip": 0.0},
     "zero2_universal": {"stage": 2, "universal": True},
     "zero3_universal": {"stage": 3, "universal": True, "clip": 0.0},
 }
@@ -54,6 +55,7 @@ save are DeepSpeed's resumed from it (``checkpoint.load_universal``)."""
 def ds_config(
     stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
     fp16: bool = False, clip: float | None = None, universal: bool = False, pipe: bool = False,
+    moe: bool = False,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
@@ -154,6 +156,74 @@ def pipe_classes():
     return PipelineModule, LayerSpec
 
 
+def moe_model():
+    """``moe`` cases: an MLP around DeepSpeed's ``MoE`` layer (4 experts over ep 2, top-1, no
+    dropped tokens; seeded); returns (model, its parameter groups as DeepSpeed's MoE tutorial
+    makes them: experts apart)."""
+    import torch
+    from torch import nn
+
+    try:
+        from deepspeed.moe.layer import MoE
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    except ImportError:  # a test calling zerostack's facade module directly
+        from zerostack.moe.layer import MoE
+        from zerostack.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+            expert = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+            self.moe = MoE(hidden_size=16, expert=expert, num_experts=4, ep_size=2, k=1,
+                           min_capacity=2, capacity_factor=2.0, drop_tokens=False)  # fmt: skip
+
+        def forward(self, x):
+            h, aux, _ = self.moe(torch.relu(self.inp(x)))
+            return self.out(h), aux
+
+    torch.manual_seed(0)
+    net = Net()
+    groups = {"params": list(net.parameters()), "name": "dense"}
+    return net, split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def moe_batch(step: int, rank: int, world: int = WORLD):
+    """``moe`` cases: this rank's share of global batch ``step`` (inputs, targets)."""
+    import torch
+
+    g = torch.Generator().manual_seed(300 + step)
+    x, y = torch.randn(MICRO * WORLD, 8, generator=g), torch.randn(MICRO * WORLD, 4, generator=g)
+    per = MICRO * WORLD // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def moe_loss(engine, step: int, rank: int, world: int = WORLD):
+    """``moe`` cases: one forward, MSE plus the router's load-balancing loss."""
+    import torch
+
+    x, y = moe_batch(step, rank, world)
+    out, aux = engine(x)
+    return torch.nn.functional.mse_loss(out, y) + 0.01 * aux
+
+
+def _train_moe(case, out, steps, load, deepspeed) -> list[float]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    net, groups = moe_model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=ds_config(**case))
+    if load is not None:
+        engine.load_checkpoint(load)
+    losses = []
+    for step in steps:
+        loss = moe_loss(engine, step, rank, world)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if step + 1 == SAVE_AT and load is None:
+            engine.save_checkpoint(out, client_state={"epoch": 7})
+    return losses
+
+
 def _train_pipe(case, out, steps, load, deepspeed) -> list[float]:
     net = pipe_model(*pipe_classes())
     engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
@@ -176,8 +246,9 @@ def train(
     if deepspeed is None:
         import deepspeed
 
-    if case.get("pipe"):
-        return _train_pipe(case, out, steps, load, deepspeed)
+    if case.get("pipe") or case.get("moe"):
+        fn = _train_pipe if case.get("pipe") else _train_moe
+        return fn(case, out, steps, load, deepspeed)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = ds_config(**case)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world

@@ -3771,8 +3771,8 @@ MUTANTS = [
     Mutant(
         "a DeepSpeed stage 1-2 group joined from the ranks' partitions in the wrong order",
         "checkpoint/deepspeed_read.py",
-        "                flat = torch.cat([rank[g].float() for rank in parts])",
-        "                flat = torch.cat([rank[g].float() for rank in parts[::-1]])",
+        "flat = torch.cat([rank[g].float() for rank in parts[e::ep]])",
+        "flat = torch.cat([rank[g].float() for rank in parts[e::ep][::-1]])",
         (T_DS_RESUME,),
     ),
     Mutant(
@@ -3980,6 +3980,13 @@ MUTANTS = [
         "        optim = zero_files(folder, mp)",
         "        optim = zero_files(folder, 0)",
         (f"{T_DS_RESUME}[pipe_zero1]",),
+    ),
+    Mutant(
+        "DeepSpeed's experts of every ep rank read from the first ep rank's partitions",
+        "checkpoint/deepspeed_read.py",
+        "flat = torch.cat([rank[g].float() for rank in parts[e::ep]])",
+        "flat = torch.cat([rank[g].float() for rank in parts[::ep]])",
+        (f"{T_DS_RESUME}[moe_zero2]",),
     ),
     Mutant(
         "DeepSpeed's files never written under the facade",

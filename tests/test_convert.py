@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import deepspeed_fixtures as fx  # noqa: E402
 from test_deepspeed_checkpoints import _next, _resume  # noqa: E402
-from test_deepspeed_write import _round_trip, folder_differences  # noqa: E402
+from test_deepspeed_write import WRITTEN, _round_trip, folder_differences  # noqa: E402
 
 
 def test_to_hf_shards_load_with_from_pretrained_bit_for_bit(tmp_path):
@@ -89,7 +89,7 @@ def test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_bit(case, tmp_
     assert (tmp_path / "ds" / "zero_to_fp32.py").exists()
 
 
-@pytest.mark.parametrize("case", [c for c in fx.CASES if not fx.CASES[c].get("pipe")])
+@pytest.mark.parametrize("case", WRITTEN)
 def test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit(case, tmp_path):
     """DeepSpeed's folder read (:mod:`.deepspeed_read`) and written (:mod:`.deepspeed_write`)
     back, in one process: every file as DeepSpeed wrote it; a universal checkpoint (read and

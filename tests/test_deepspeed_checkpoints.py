@@ -67,6 +67,28 @@ def _resume_pipe(rank, world, case, stage, folder=None, stages=2):
     return os.path.basename(path), client, counters, losses
 
 
+def _resume_moe(rank, world, case, stage, folder=None):
+    """The ``moe`` case's script (4 experts over ep 2) resumed from its fixture folder."""
+    net, groups = fx.moe_model()
+    cfg = fx.ds_config(**{**fx.CASES[case], "stage": stage})
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=cfg)
+    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
+                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    losses = []
+    for step in range(fx.SAVE_AT, fx.STEPS):
+        loss = fx.moe_loss(engine, step, rank, world)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return os.path.basename(path), client, counters, losses
+
+
+def _resume_of(case: str):
+    kind = fx.CASES[case]
+    return _resume_pipe if kind.get("pipe") else _resume_moe if kind.get("moe") else _resume
+
+
 def _tag(case: str) -> str:
     return "global_step3_universal" if fx.CASES[case].get("universal") else "global_step3"
 
@@ -95,7 +117,8 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
     if case == "zero0_fp16":  # DeepSpeed 0.19.8's stage 0 fp16 never scales the loss (its
         tol = tol[:1]  # engine.backward scales for ZeRO optimizers only) but divides the
         # gradients by the scale: its next update is not the one zerostack makes
-    resume = _resume_pipe if fx.CASES[case].get("pipe") else _resume
+    kind = fx.CASES[case]
+    resume = _resume_of(case)
     got = run_distributed(resume, fx.WORLD, args=(case, fx.CASES[case]["stage"]))
     # fp16's first two steps overflow (the scale 2^18, then 2^17): DeepSpeed skips them, but at
     # stage 0, where nothing overflows
@@ -108,7 +131,8 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
         # WarmupLR's lr after 3 - skipped steps (last_batch_iteration 2 - skipped):
         # 1e-2 * log(3 - skipped) / log(4)
         lr = 1e-2 * math.log(3 - skipped) / math.log(4)
-        assert counters[3] == pytest.approx([lr], rel=1e-12, abs=0)
+        groups = 2 if kind.get("moe") else 1  # the experts' own group
+        assert counters[3] == pytest.approx([lr] * groups, rel=1e-12, abs=0)
         assert counters[4] == scale
         for got_loss, want_loss, rtol in zip(losses, want, tol, strict=False):  # zero0_fp16: 1
             assert got_loss == pytest.approx(want_loss, rel=rtol, abs=0)
@@ -117,11 +141,11 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
 @pytest.mark.parametrize(
     "case, stage, world",
     [("zero2", 3, 2), ("zero3", 1, 1), ("zero1", 2, 1), ("zero0", 3, 2), ("zero2_fp16", 0, 1),
-     ("zero3_frozen", 2, 1)],
+     ("zero3_frozen", 2, 1), ("moe_zero2", 1, 2)],
 )
 def test_a_deepspeed_folder_resumes_on_another_stage_and_dp_size(case, stage, world):
     """At dp 1 one rank trains on the whole batch: its loss is the mean of the two ranks'."""
-    got = run_distributed(_resume, world, args=(case, stage))
+    got = run_distributed(_resume_of(case), world, args=(case, stage))
     want = torch.tensor(_next(case))
     losses = torch.tensor([r[3] for r in got])
     if world == 1:

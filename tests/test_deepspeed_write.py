@@ -122,8 +122,9 @@ def _round_trip(rank, world, case, out, native=False):
     engine.save_checkpoint(out, client_state=client)
 
 
-WRITTEN = [c for c in fx.CASES if not fx.CASES[c].get("pipe")]
-"""The cases whose DeepSpeed files zerostack writes (a pipeline's layer files: not yet)."""
+WRITTEN = [c for c in fx.CASES if not (fx.CASES[c].get("pipe") or fx.CASES[c].get("moe"))]
+"""The cases whose DeepSpeed files zerostack writes (a pipeline's layer files and MoE expert
+files: not yet)."""
 
 
 @pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("universal")])

@@ -33,8 +33,8 @@ Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weig
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
 state is touched. Universal checkpoints: :mod:`.deepspeed_universal`; a pipeline's layer files:
-:mod:`.deepspeed_pipe`. Not read yet: MoE expert files, tensor-parallel slices (``mp_rank_01``...
-without layer files). Writing the same
+:mod:`.deepspeed_pipe`; MoE expert files: :meth:`DeepSpeedReader._experts`. Not read yet:
+experts at ZeRO-3, tensor-parallel slices (``mp_rank_01``... without layer files). Writing the same
 layouts: :mod:`.deepspeed_write`.
 """
 
@@ -49,6 +49,7 @@ import re
 
 import torch
 
+from ..moe.utils import EXPERTS
 from .errors import CheckpointError
 
 
@@ -85,7 +86,8 @@ _KNOWN = {
     "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
     "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "autoep_layers", "iteration",
+    "ds_version", "autoep_layers", "iteration", "num_experts", "ds_autoep_layers",
+    "universal_checkpoint_info", "folding",
 }  # fmt: skip
 """The model-states keys DeepSpeed writes itself; any other top-level key is client state."""
 
@@ -269,10 +271,46 @@ class DeepSpeedReader(Reader):
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
         self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
                      for o in self.optim]  # fmt: skip
+        self._experts(first["partition_count"])
         if part:
             self._flat = {}
         else:
             self._start()
+
+    # ------------------------------------------------------------------ experts
+    def _experts(self, counts) -> None:
+        """DeepSpeed's MoE: an expert group is cut over the expert-data-parallel ranks only
+        (its partition count below the world's), rank r holding ep rank ``r % ep``'s local
+        experts under local indices; they are named here by their index among all the
+        layer's experts, as zerostack's checkpoints name them, and their weights read from
+        ``layer_<L>_expert_<E>_mp_rank_00_model_states.pt`` (named so already)."""
+        counts = counts if isinstance(counts, list) else [counts] * len(self.shapes)
+        self.local_shapes, self.ep = list(self.shapes), {}
+        self._module = self.model.get("module")
+        for g, count in enumerate(counts):
+            if count < self.world:
+                if self.stage == 3:
+                    raise CheckpointError(f"{self.folder}: MoE experts at ZeRO-3: not read yet")
+                self.ep[g] = self.world // count
+                self.shapes[g] = {self._global(n, e, g): s for e in range(self.ep[g])
+                                  for n, s in self.local_shapes[g].items()}  # fmt: skip
+        if self.ep:
+            self._module = dict(self._module)
+            pattern = os.path.join(self.folder, "layer_*_expert_*_model_states.pt")
+            for path in sorted(glob.glob(pattern)):
+                self._module.update(load_pickle(path))
+
+    def _global(self, name: str, ep_rank: int, g: int) -> str:
+        """Local expert ``l`` of ep rank ``ep_rank``: the layer's ``ep_rank * local + l``."""
+        head, tail = name.split(EXPERTS, 1)
+        local = 1 + max(int(n.split(EXPERTS, 1)[1].split(".", 1)[0])
+                        for n in self.local_shapes[g] if n.startswith(head + EXPERTS))  # fmt: skip
+        index, rest = tail.split(".", 1)
+        return f"{head}{EXPERTS}{ep_rank * local + int(index)}.{rest}"
+
+    @property
+    def weights(self) -> dict:
+        return self._module
 
     # ------------------------------------------------------------------ values
     def kinds(self) -> list[str]:
@@ -294,17 +332,20 @@ class DeepSpeedReader(Reader):
             return self._flat[kind]
         parts, out = self._partitions(kind), {}
         if self.stage < 3:
-            pads = self.optim[0].get("param_alignment_paddings")
-            for g, shapes in enumerate(self.shapes):
-                flat = torch.cat([rank[g].float() for rank in parts])
-                offset = 0
-                for i, (name, shape) in enumerate(shapes.items()):
-                    n = math.prod(shape)
-                    out[name] = flat[offset : offset + n]
-                    offset += n + (pads[g][i] if pads is not None else 0)
-                if offset > flat.numel():
-                    raise CheckpointError(f"{self.folder}: group {g} holds {flat.numel()} "
-                                          f"elements, its parameters {offset}")  # fmt: skip
+            for g, shapes in enumerate(self.local_shapes):
+                ep = self.ep.get(g, 1)  # experts: each ep rank's over its own ranks
+                for e in range(ep):
+                    flat = torch.cat([rank[g].float() for rank in parts[e::ep]])
+                    pads = self.optim[e].get("param_alignment_paddings")
+                    offset = 0
+                    for i, (name, shape) in enumerate(shapes.items()):
+                        n = math.prod(shape)
+                        out[self._global(name, e, g) if g in self.ep else name] = flat[
+                            offset : offset + n]  # fmt: skip
+                        offset += n + (pads[g][i] if pads is not None else 0)
+                    if offset > flat.numel():
+                        raise CheckpointError(f"{self.folder}: group {g} holds {flat.numel()} "
+                                              f"elements, its parameters {offset}")  # fmt: skip
         else:
             flats = [torch.cat([t.float() for t in rank]) for rank in parts]
             offset = 0
