@@ -3989,6 +3989,20 @@ MUTANTS = [
         (f"{T_DS_RESUME}[moe_zero2]",),
     ),
     Mutant(
+        "every pipeline stage's model states written as stage 0's",
+        "checkpoint/deepspeed_write.py",
+        '        name = f"mp_rank_{layout.mp:02d}_model_states.pt"',
+        '        name = "mp_rank_00_model_states.pt"',
+        (f"{T_DS_WRITE}[pipe_zero1]",),
+    ),
+    Mutant(
+        "a pipeline's DeepSpeed files let through at ZeRO-0",
+        "checkpoint/deepspeed_layout.py",
+        "    if topo.pp > 1 and stage != 1:",
+        "    if False:",
+        (f"{DW}::test_a_pipelines_files_are_written_at_zero_1_only",),
+    ),
+    Mutant(
         "DeepSpeed's files never written under the facade",
         "checkpoint/deepspeed_layout.py",
         "    return why is None",

@@ -77,18 +77,18 @@ def validate(
             "layer, so nothing would be kept on the CPU; call model.gradient_checkpointing_enable"
             "() before initialize"
         )
-    _check_deepspeed_files(cfg, topo, stage, forward_only)
+    _check_deepspeed_files(cfg, topo, stage, forward_only, model)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
     return Resolved(cfg, topo, batch, stage, forward_only)
 
 
-def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool) -> None:
+def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, model) -> None:
     """``checkpoint.deepspeed_files: true`` where DeepSpeed's files cannot be written: refused."""
     from .checkpoint.deepspeed_layout import refusal
 
-    why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage)
+    why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage, model)
     if cfg.checkpoint.deepspeed_files and why:
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
 

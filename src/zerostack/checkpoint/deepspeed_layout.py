@@ -18,11 +18,15 @@ from .errors import CheckpointError
 log = logging.getLogger("zerostack")
 
 
-def refusal(cfg, topo, stage: int) -> str | None:
+def refusal(cfg, topo, stage: int, model=None) -> str | None:
     """Why DeepSpeed's files cannot be written for this run (None: they can)."""
     zero, parts = cfg.zero_optimization, []
-    sizes = {a: getattr(topo, a) for a in ("tp", "pp", "ep", "sp")}
+    sizes = {a: getattr(topo, a) for a in ("tp", "ep", "sp")}
     parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
+    if topo.pp > 1 and stage != 1:  # DeepSpeed's pipeline engine takes ZeRO 0-1
+        parts.append(f"pp {topo.pp} at ZeRO stage {stage} (a pipeline's files at ZeRO-1 only)")
+    if topo.pp > 1 and getattr(model, "tied_modules", None):
+        parts.append("tied pipeline layers (TiedLayerSpec)")
     if zero.round_robin_gradients:
         parts.append("zero_optimization.round_robin_gradients")
     if zero.elastic_checkpoint:
@@ -45,7 +49,8 @@ def wanted(run) -> bool:
     if not served_as_deepspeed(cfg):
         return False
     stage = cfg.zero_optimization.stage
-    why = "a forward-only engine" if run.optimizer is None else refusal(cfg, run.topology, stage)
+    why = ("a forward-only engine" if run.optimizer is None
+           else refusal(cfg, run.topology, stage, run.module))  # fmt: skip
     if why and run.global_rank == 0 and not getattr(run, "_warned_deepspeed_files", False):
         log.warning("checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
                     "set checkpoint.deepspeed_files false to silence this)", why)  # fmt: skip
@@ -84,6 +89,10 @@ class Layout:
     scaler: dict
     """fp16's loss scaler settings as DeepSpeed's ``DynamicLossScaler`` keeps them (``dynamic``:
     False for a static ``loss_scale``)."""
+    pp: int = 1
+    """Pipeline stages: each writes its layers' files and its ``mp_rank_<stage>`` files."""
+    mp: int = 0
+    """This rank's pipeline stage (the ``mp_rank`` of its file names)."""
 
     @property
     def bf16(self) -> bool:
@@ -114,15 +123,19 @@ def _scaler_settings(cfg, saved: dict) -> dict:
 
 def layout_of_run(run, manifest: dict) -> Layout:
     """The layout of a run's save (its config, its module)."""
-    cfg = run.config
+    cfg, topo = run.config, run.topology
     groups = [g["params"] for g in manifest["optimizer_groups"]]
+    if topo.pp > 1:  # a stage's own: the manifest names no group's parameters
+        names = {p: n for n, p in run.module.named_parameters()}
+        groups = [[names[p] for p in ps] for ps in run.zero.group_params()]
     trained = {n for g in groups for n in g}
     return Layout(
-        stage=cfg.zero_optimization.stage, dp=run.world_size, precision=cfg.model_dtype,
+        stage=cfg.zero_optimization.stage, dp=topo.dp, precision=cfg.model_dtype,
         kind=_optimizer_kind(cfg), config=given_config(cfg), clip=float(cfg["gradient_clipping"]),
         sub_group_size=cfg.zero_optimization.sub_group_size, groups=groups,
         frozen=[n for n, _ in run.module.named_parameters() if n not in trained],
-        buffers=_buffer_names(run.module), scaler=_scaler_settings(cfg, {}),
+        buffers=_buffer_names(run.module), scaler=_scaler_settings(cfg, {}), pp=topo.pp,
+        mp=topo.rank("pp"),
     )  # fmt: skip
 
 
@@ -133,6 +146,9 @@ def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None
 
     manifest = reader.manifest
     saved = manifest["layout"]
+    if saved.get("pp", 1) > 1 or hasattr(reader, "parts"):
+        raise CheckpointError("a pipeline's checkpoint as DeepSpeed's files: not written by "
+                              "convert yet (the pipeline's own save writes them)")  # fmt: skip
     stage = stage if stage is not None else saved.get("zero_stage", getattr(reader, "stage", 1))
     dp = dp if dp is not None else saved.get("dp", getattr(reader, "world", 1))
     if stage not in (0, 1, 2, 3) or dp < 1:

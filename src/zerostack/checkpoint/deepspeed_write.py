@@ -109,17 +109,33 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
         if layout.stage < 3:
             optim = {k: optim[k] for k in _ORDER_1_2}
         prefix = "bf16_" if layout.bf16 else ""
-        name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        name = f"{prefix}zero_pp_rank_{rank}_mp_rank_{layout.mp:02d}_optim_states.pt"
         written[name] = _save(folder, name, {"optimizer_state_dict": optim,
                                              "ds_config": layout.config,
                                              "ds_version": VERSION})  # fmt: skip
         optimizer = None
     if layout.stage == 3 or rank == 0:
+        if layout.pp > 1:  # the stage's layers in files of their own, the module nowhere else
+            written.update(_layer_files(folder, module()))
+            module = lambda: None  # noqa: E731
         model = _model_states(layout, rank, manifest, shapes, module, client_state,
                               exclude_frozen, reader, optimizer)  # fmt: skip
-        name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + "mp_rank_00_model_states.pt"
+        name = f"mp_rank_{layout.mp:02d}_model_states.pt"
+        name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + name
         written[name] = _save(folder, name, model)
     return written
+
+
+def _layer_files(folder: str, state: dict) -> dict:
+    """A pipeline stage's ``layer_<XX>-model_states.pt``: each layer's state dict under its own
+    names (``3.lin.weight`` is layer 3's ``lin.weight``), as DeepSpeed's ``PipelineModule``
+    saves them from the first dp rank."""
+    layers: dict[int, OrderedDict] = {}
+    for key, value in state.items():
+        index, rest = key.split(".", 1)
+        layers.setdefault(int(index), OrderedDict())[rest] = value.detach().cpu().clone()
+    return {f"layer_{i:02d}-model_states.pt": _save(folder, f"layer_{i:02d}-model_states.pt", sd)
+            for i, sd in sorted(layers.items())}  # fmt: skip
 
 
 def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader,
@@ -127,8 +143,10 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
     """DeepSpeed's model-states file: rank 0's at stages 0-2 (with ``optimizer`` at stage 0),
     each rank's at stage 3."""
     stage, dp = layout.stage, layout.dp
-    module = OrderedDict((k, v.detach().cpu().clone()) for k, v in module().items())
-    if exclude_frozen:
+    module = module()
+    if module is not None:
+        module = OrderedDict((k, v.detach().cpu().clone()) for k, v in module.items())
+    if exclude_frozen and module is not None:
         for n in layout.frozen:
             module.pop(n, None)
     shapes_out, fragments = None, None
@@ -164,8 +182,8 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
         "global_steps": manifest["counters"]["global_steps"],
         "global_samples": manifest["counters"]["global_samples"],
         "dp_world_size": dp,
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "mp_world_size": layout.pp,
+        "checkpoint_parallel_dimensions": {"pp_degree": layout.pp, "tp_degree": 1},
         "ds_config": layout.config,
         "ds_version": VERSION,
     }

@@ -158,7 +158,7 @@ def _deepspeed_files(run, folder: str, save_dir: str, client_state, exclude_froz
         manifest = json.loads(open(os.path.join(folder, MANIFEST)).read())
         reader = ShardReader(folder, manifest)
         layout = deepspeed_layout.layout_of_run(run, manifest)
-        mine = deepspeed_write.write(layout, folder, run.global_rank, manifest, reader,
+        mine = deepspeed_write.write(layout, folder, run.topology.rank("dp"), manifest, reader,
                                      run.module.state_dict, client_state, exclude_frozen)
         error = None
     except Exception as exc:
