@@ -4003,6 +4003,20 @@ MUTANTS = [
         (f"{DW}::test_a_pipelines_files_are_written_at_zero_1_only",),
     ),
     Mutant(
+        "DeepSpeed's expert groups cut over every dp rank, not the ep rank's own",
+        "checkpoint/deepspeed_optim.py",
+        "layout.dp // layout.ep, rank // layout.ep) if g in layout.expert_groups else (",
+        "layout.dp, rank) if g in layout.expert_groups else (",
+        (f"{T_DS_WRITE}[moe_zero2]",),
+    ),
+    Mutant(
+        "an ep rank's experts written under their local index",
+        "checkpoint/deepspeed_write.py",
+        "            number = layout.ep_rank * local + index",
+        "            number = index",
+        (f"{T_DS_WRITE}[moe_zero2]",),
+    ),
+    Mutant(
         "DeepSpeed's files never written under the facade",
         "checkpoint/deepspeed_layout.py",
         "    return why is None",

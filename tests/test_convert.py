@@ -89,7 +89,9 @@ def test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_bit(case, tmp_
     assert (tmp_path / "ds" / "zero_to_fp32.py").exists()
 
 
-@pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("pipe")])
+@pytest.mark.parametrize(
+    "case", [c for c in WRITTEN if not (fx.CASES[c].get("pipe") or fx.CASES[c].get("moe"))]
+)
 def test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit(case, tmp_path):
     """DeepSpeed's folder read (:mod:`.deepspeed_read`) and written (:mod:`.deepspeed_write`)
     back, in one process: every file as DeepSpeed wrote it; a universal checkpoint (read and

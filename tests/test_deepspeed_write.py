@@ -116,17 +116,20 @@ def _round_trip(rank, world, case, out, native=False):
     cfg = fx.ds_config(**fx.CASES[case])
     if fx.CASES[case].get("pipe"):
         net = fx.pipe_model(*fx.pipe_classes())
+    elif fx.CASES[case].get("moe"):
+        net, params = fx.moe_model()
     else:
         net = fx.model("frozen" in case, "odd" in case)
-    params = [p for p in net.parameters() if p.requires_grad]
+    if not fx.CASES[case].get("moe"):
+        params = [p for p in net.parameters() if p.requires_grad]
     init = zerostack.initialize if native else deepspeed.initialize
     engine, *_ = init(model=net, model_parameters=params, config=cfg)
     _, client = engine.load_checkpoint(os.path.join(fx.FIXTURES, case))
     engine.save_checkpoint(out, client_state=client)
 
 
-WRITTEN = [c for c in fx.CASES if not fx.CASES[c].get("moe")]
-"""The cases whose DeepSpeed files zerostack writes (MoE expert files: not yet)."""
+WRITTEN = list(fx.CASES)
+"""The cases whose DeepSpeed files zerostack writes."""
 
 
 @pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("universal")])
@@ -157,9 +160,11 @@ def _train(rank, world, case, out):
     fx.train(fx.CASES[case], out, deepspeed=deepspeed)
 
 
-@pytest.mark.parametrize(
-    "case", ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0", "zero3_frozen", "pipe_zero1"]
-)
+SAME_RUN = ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0", "zero3_frozen", "pipe_zero1",
+            "moe_zero2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SAME_RUN)
 def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     run_distributed(_train, fx.WORLD, args=(case, str(tmp_path)))
     tol = {"exp_avg_sq": 3e-5, "exp_avg": 1e-6, "momentum_buffer": 1e-6,
@@ -167,6 +172,9 @@ def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     tol.update({n: 1e-5 for n in fx.model().state_dict()})  # the names, whatever the width
     tol.update({n: 1e-5 for n in ("weight", "bias", "lin.weight", "lin.bias", "norm.weight",
                                   "norm.bias")})  # a pipeline's layer files  # fmt: skip
+    experts = [n for n in fx.moe_model()[0].state_dict() if "deepspeed_experts.0." in n]
+    tol.update({n.replace(".0.", f".{e}.", 1): 1e-5 for n in experts for e in range(4)})
+    tol.update({n: 1e-5 for n in fx.moe_model()[0].state_dict()})
     ours, theirs = tmp_path / "global_step3", os.path.join(fx.FIXTURES, case, "global_step3")
     assert folder_differences(str(ours), theirs, tol) == []
 
@@ -256,23 +264,23 @@ def test_real_deepspeed_resumes_and_converts_zerostacks_folders():
         assert got["first_loss_vs_zerostack"] == 0.0, case  # the loaded weights alone
         assert got["vs_zerostack_from_its_folder"] <= (1e-5 if bf16 else 1e-6), case
         tools = ("deepspeed_zero_to_fp32", "placed_zero_to_fp32_py", "lightning_converter")
-        pipe = bool(fx.CASES[case].get("pipe"))
-        if fx.CASES[case]["stage"] == 0 or pipe:
-            # DeepSpeed's tools read ZeRO files with the module beside them, which no stage 0
-            # or pipeline folder has, its own neither: they refuse zerostack's as they refuse
-            # DeepSpeed's. From scratch the two engines' stage 0 runs differ in 16 bits:
+        pipe, moe = bool(fx.CASES[case].get("pipe")), bool(fx.CASES[case].get("moe"))
+        if fx.CASES[case]["stage"] == 0 or pipe or moe:
+            # DeepSpeed's tools read ZeRO files with the whole module beside them, which no
+            # stage 0, pipeline or MoE folder has, its own neither: they refuse zerostack's as
+            # they refuse DeepSpeed's. From scratch the two engines' stage 0 runs differ in 16 bits:
             # DeepSpeed's FP16_Optimizer takes one step with zero gradients at its start (its
             # Adam's count is one ahead), and in fp16 DeepSpeed 0.19.8 divides the gradients
             # by a loss scale it never applied
             for tool in tools:
                 assert got[tool].startswith("refused, as DeepSpeed's own folder"), (case, tool)
-            if case not in ("zero0", "pipe_zero1"):
+            if case not in ("zero0", "pipe_zero1", "moe_zero2"):
                 continue
         # the pipeline's model (1,374 parameters, every update large) shows the two Adams'
         # arithmetic more: from scratch their losses after the save differ by 1.03e-6 too
         bound = 1e-4 if bf16 else 1.1e-6 if pipe else 1e-6
         assert got["vs_deepspeed_from_its_folder"] <= bound, case
-        if fx.CASES[case]["stage"] > 0 and not pipe:
+        if fx.CASES[case]["stage"] > 0 and not (pipe or moe):
             for tool in tools:
                 assert got[tool] == 0.0, (case, tool)
             assert got["lightning_client_state"] == {"epoch": 7}

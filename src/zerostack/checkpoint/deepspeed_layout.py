@@ -21,8 +21,11 @@ log = logging.getLogger("zerostack")
 def refusal(cfg, topo, stage: int, model=None) -> str | None:
     """Why DeepSpeed's files cannot be written for this run (None: they can)."""
     zero, parts = cfg.zero_optimization, []
-    sizes = {a: getattr(topo, a) for a in ("tp", "ep", "sp")}
+    sizes = {a: getattr(topo, a) for a in ("tp", "sp")}
     parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
+    if topo.ep > 1 and (stage not in (1, 2) or topo.pp > 1):
+        parts.append(f"ep {topo.ep} at ZeRO stage {stage}, pp {topo.pp} (experts' files at ZeRO "
+                     "1-2 without a pipeline only)")  # fmt: skip
     if topo.pp > 1 and stage != 1:  # DeepSpeed's pipeline engine takes ZeRO 0-1
         parts.append(f"pp {topo.pp} at ZeRO stage {stage} (a pipeline's files at ZeRO-1 only)")
     if topo.pp > 1 and getattr(model, "tied_modules", None):
@@ -93,6 +96,17 @@ class Layout:
     """Pipeline stages: each writes its layers' files and its ``mp_rank_<stage>`` files."""
     mp: int = 0
     """This rank's pipeline stage (the ``mp_rank`` of its file names)."""
+    ep: int = 1
+    """Expert-parallel size: the experts' groups are cut over the ``dp // ep`` ranks of an ep
+    rank, which DeepSpeed's folder names by local index."""
+    ep_rank: int = 0
+    expert_groups: tuple = ()
+    """The optimizer groups that hold experts."""
+    moe_layers: tuple = ()
+    """Each MoE layer in module order: (prefix, num_experts, num_local_experts)."""
+    global_names: dict | None = None
+    """A name in ``groups`` -> the name the checkpoint's reader knows it by (experts: their
+    index among all the layer's experts); None: the same."""
 
     @property
     def bf16(self) -> bool:
@@ -125,18 +139,38 @@ def layout_of_run(run, manifest: dict) -> Layout:
     """The layout of a run's save (its config, its module)."""
     cfg, topo = run.config, run.topology
     groups = [g["params"] for g in manifest["optimizer_groups"]]
-    if topo.pp > 1:  # a stage's own: the manifest names no group's parameters
+    experts: dict = {}
+    if topo.pp > 1 or topo.ep > 1:  # a rank's own: the manifest names no group's parameters
         names = {p: n for n, p in run.module.named_parameters()}
         groups = [[names[p] for p in ps] for ps in run.zero.group_params()]
+        experts = _experts(run, names, groups)
     trained = {n for g in groups for n in g}
     return Layout(
-        stage=cfg.zero_optimization.stage, dp=topo.dp, precision=cfg.model_dtype,
+        stage=cfg.zero_optimization.stage, dp=topo.data_parallel_size, precision=cfg.model_dtype,
         kind=_optimizer_kind(cfg), config=given_config(cfg), clip=float(cfg["gradient_clipping"]),
         sub_group_size=cfg.zero_optimization.sub_group_size, groups=groups,
         frozen=[n for n, _ in run.module.named_parameters() if n not in trained],
         buffers=_buffer_names(run.module), scaler=_scaler_settings(cfg, {}), pp=topo.pp,
-        mp=topo.rank("pp"),
+        mp=topo.rank("pp"), **experts,
     )  # fmt: skip
+
+
+def _experts(run, names: dict, groups: list) -> dict:
+    """The MoE part of a run's layout (see :class:`Layout`), or nothing without experts."""
+    from ..moe.layer import MoE
+    from ..moe.utils import EXPERTS, global_names
+
+    topo = run.topology
+    if topo.ep == 1:
+        return {}
+    known = global_names(run.module, topo.rank("ep"))
+    as_read = {names[p]: n for p, n in known.items()}
+    layers = tuple((prefix, m.num_experts, m.num_local_experts)
+                   for prefix, m in run.module.named_modules() if isinstance(m, MoE))  # fmt: skip
+    expert = {n for n in as_read if EXPERTS in n}
+    return {"ep": topo.ep, "ep_rank": topo.rank("ep"), "moe_layers": layers,
+            "expert_groups": tuple(g for g, ns in enumerate(groups) if set(ns) & expert),
+            "global_names": as_read}  # fmt: skip
 
 
 def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None) -> Layout:
@@ -146,9 +180,10 @@ def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None
 
     manifest = reader.manifest
     saved = manifest["layout"]
-    if saved.get("pp", 1) > 1 or hasattr(reader, "parts"):
-        raise CheckpointError("a pipeline's checkpoint as DeepSpeed's files: not written by "
-                              "convert yet (the pipeline's own save writes them)")  # fmt: skip
+    if saved.get("pp", 1) > 1 or hasattr(reader, "parts") or saved.get("ep", 1) > 1 or (
+            getattr(reader, "ep", None)):  # fmt: skip
+        raise CheckpointError("a pipeline's or experts' checkpoint as DeepSpeed's files: not "
+                              "written by convert yet (the run's own save does)")  # fmt: skip
     stage = stage if stage is not None else saved.get("zero_stage", getattr(reader, "stage", 1))
     dp = dp if dp is not None else saved.get("dp", getattr(reader, "world", 1))
     if stage not in (0, 1, 2, 3) or dp < 1:

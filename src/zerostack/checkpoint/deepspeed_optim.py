@@ -21,8 +21,11 @@ VERSION = "0.19.8"  # the DeepSpeed API level the files are written for
 def _group(kind: str, hyper: dict, index: list[int]) -> dict:
     if kind == "torch":
         return {**hyper, "params": index}
-    out = {"lr": hyper["lr"], "bias_correction": True, "betas": tuple(hyper["betas"]),
-           "eps": hyper["eps"], "weight_decay": hyper["weight_decay"]}  # fmt: skip
+    # the keys DeepSpeed's MoE tutorial gives a group come first (the client's dict, to which
+    # the optimizer adds its defaults)
+    out = {k: hyper[k] for k in ("name", "moe") if k in hyper}
+    out.update(lr=hyper["lr"], bias_correction=True, betas=tuple(hyper["betas"]), eps=hyper["eps"],
+               weight_decay=hyper["weight_decay"])  # fmt: skip
     if kind == "cpu":
         out["amsgrad"] = hyper.get("amsgrad", False)
     else:
@@ -106,14 +109,17 @@ def _stage_0(layout, reader, shapes, moments, hyper, steps, scaler: dict) -> dic
 
 def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
     """DeepSpeed's stage 1-2 optimizer file of dp rank ``rank``."""
-    dp, kind = layout.dp, layout.kind
+    kind, names = layout.kind, layout.global_names or {}
     fp32, paddings, states, maps, counts, aligns = [], [], {}, [], [], []
     for g, group in enumerate(layout.groups):
-        numels = [math.prod(shapes[n]) for n in group]
+        # experts: cut over their ep rank's dp // ep ranks, read under their global names
+        dp, part = (layout.dp // layout.ep, rank // layout.ep) if g in layout.expert_groups else (
+            layout.dp, rank)  # fmt: skip
+        numels = [math.prod(shapes[names.get(n, n)]) for n in group]
         total = sum(numels)
         align = 2 * dp
         size = -(-total // align) * align // dp
-        lo = rank * size
+        lo = part * size
         padding = size if total <= lo else max(0, lo + size - total)
         values = {k: torch.zeros(size) for k in ["master", *moments]}
         slices, offset = OrderedDict(), 0
@@ -121,7 +127,8 @@ def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
             x, y = max(offset, lo), min(offset + numel, lo + size)
             if x < y:
                 for k, dest in values.items():
-                    got = reader.fill(dest, n, k, None, x - offset, y - offset, x - lo)
+                    got = reader.fill(dest, names.get(n, n), k, None, x - offset, y - offset,
+                                      x - lo)  # fmt: skip
                     if k == "master" and got != y - x:
                         raise CheckpointError(f"{n}: {got} of {y - x} elements in the shards")
                 slices[n] = _address(y - x, x - lo)

@@ -39,6 +39,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..moe.utils import EXPERTS
 from .deepspeed_layout import Layout
 from .deepspeed_optim import (
     _ORDER_1_2,
@@ -114,6 +115,10 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
                                              "ds_config": layout.config,
                                              "ds_version": VERSION})  # fmt: skip
         optimizer = None
+    if layout.moe_layers and rank < layout.ep:  # each ep rank's experts, from its first rank
+        state = module()
+        written.update(_expert_files(folder, layout, state))
+        module = lambda: OrderedDict((k, v) for k, v in state.items() if EXPERTS not in k)  # noqa: E731
     if layout.stage == 3 or rank == 0:
         if layout.pp > 1:  # the stage's layers in files of their own, the module nowhere else
             written.update(_layer_files(folder, module()))
@@ -124,6 +129,24 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
         name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + name
         written[name] = _save(folder, name, model)
     return written
+
+
+def _expert_files(folder: str, layout, state: dict) -> dict:
+    """``layer_<L>_expert_<E>_mp_rank_00_model_states.pt``: MoE layer L's expert E (its index
+    among all the layer's experts, as in its keys), as DeepSpeed's ``_save_moe_checkpoint``
+    writes each ep rank's local experts."""
+    out = {}
+    for layer, (prefix, _, local) in enumerate(layout.moe_layers):
+        experts = f"{prefix}.deepspeed_moe.experts" if prefix else "deepspeed_moe.experts"
+        for index in range(local):
+            number = layout.ep_rank * local + index
+            mine = f"{experts}{EXPERTS}{index}."
+            sd = OrderedDict((k.replace(mine, f"{experts}{EXPERTS}{number}."),
+                              v.detach().cpu().clone())
+                             for k, v in state.items() if k.startswith(mine))  # fmt: skip
+            name = f"layer_{layer}_expert_{number}_mp_rank_00_model_states.pt"
+            out[name] = _save(folder, name, sd)
+    return out
 
 
 def _layer_files(folder: str, state: dict) -> dict:
@@ -164,7 +187,10 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
                 value = flat
             fragments[n] = value
     shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}
-    param_shapes = [OrderedDict((n, shapes[n]) for n in g) for g in layout.groups]
+    names = layout.global_names or {}
+    shape = tuple if layout.moe_layers else torch.Size  # as DeepSpeed's MoE save keeps them
+    param_shapes = [OrderedDict((n, shape(shapes[names.get(n, n)])) for n in g)
+                    for g in layout.groups]  # fmt: skip
     if stage == 0:  # DeepSpeed's stage 0 names none of it
         param_shapes = shared = None
     out = {
@@ -187,6 +213,8 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
         "ds_config": layout.config,
         "ds_version": VERSION,
     }
+    if layout.moe_layers:
+        out.update(num_experts=[n for _, n, _ in layout.moe_layers], ds_autoep_layers=None)
     if "checkpoint_parallel_dimensions" in (client_state or {}):
         raise CheckpointError("client_state: 'checkpoint_parallel_dimensions' is DeepSpeed's own "
                               "key in its model-states file")  # fmt: skip

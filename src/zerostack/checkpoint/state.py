@@ -158,7 +158,8 @@ def _deepspeed_files(run, folder: str, save_dir: str, client_state, exclude_froz
         manifest = json.loads(open(os.path.join(folder, MANIFEST)).read())
         reader = ShardReader(folder, manifest)
         layout = deepspeed_layout.layout_of_run(run, manifest)
-        mine = deepspeed_write.write(layout, folder, run.topology.rank("dp"), manifest, reader,
+        rank = run.topology.data_parallel_rank  # DeepSpeed's dp rank (over ep's too)
+        mine = deepspeed_write.write(layout, folder, rank, manifest, reader,
                                      run.module.state_dict, client_state, exclude_frozen)
         error = None
     except Exception as exc:

@@ -155,8 +155,8 @@ class CheckpointConfig(_Model):
     ``load_checkpoint``, its ``zero_to_fp32.py`` and Lightning's converter read. None: yes under
     ``deepspeed.initialize`` (zerostack's facade) where the run's layout allows it (else one
     warning at its first save says why not), no under ``zerostack.initialize``; true where the
-    layout does not allow it (tp/ep/sp, pp other than at ZeRO-1 or with tied layers,
-    round_robin_gradients, elastic_checkpoint, async_save) is refused."""
+    layout does not allow it (tp/sp, pp other than at ZeRO-1 or with tied layers, ep other
+    than at ZeRO 1-2, round_robin_gradients, elastic_checkpoint, async_save) is refused."""
     pickled_client_state: bool = False
     """``save_checkpoint(client_state=...)`` values that are neither JSON nor tensors (objects
     among a Lightning module's hyper-parameters, say) are pickled into their own file, its

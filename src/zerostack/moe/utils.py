@@ -33,8 +33,9 @@ def global_names(module: nn.Module, ep_rank: int) -> dict[nn.Parameter, str]:
 
 def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=None):
     """``param_groups`` with each group's expert parameters moved to a group of their own per
-    expert group name (DeepSpeed's function): same options, ``"moe": True``, and the name
-    ``"<group name>_<expert group name>"``. Every group needs a ``"name"``."""
+    expert group name (DeepSpeed's function): same options, ``"moe": True``, and the expert
+    group's name (``"ep_size_<n>"``, as DeepSpeed 0.19 names it). Every group needs a
+    ``"name"``."""
     if isinstance(param_groups, tuple):
         param_groups = list(param_groups)
     elif isinstance(param_groups, dict):
@@ -53,11 +54,10 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
                 continue
             by_name = moe_groups[group["name"]]
             if p.group_name not in by_name:
-                options = {k: v for k, v in group.items() if k != "params"}
-                by_name[p.group_name] = {
-                    **options,
+                by_name[p.group_name] = {  # the keys in DeepSpeed's order
+                    **group,
+                    "name": p.group_name,
                     "moe": True,
-                    "name": f"{group['name']}_{p.group_name}",
                     "params": [],
                 }
             by_name[p.group_name]["params"].append(p)
