@@ -44,6 +44,7 @@ CASES = {
     "zero3_frozen": {"stage": 3, "frozen": True, "sgd": True, "clip": 0.0},
     "pipe_zero1": {"stage": 1, "pipe": True, "clip": 0.0},
     "moe_zero2": {"stage": 2, "moe": True, "clip": 0.0},
+    "tp2_zero1": {"stage": 1, "tp": 2, "clip": 0.0},
     "zero2_universal": {"stage": 2, "universal": True},
     "zero3_universal": {"stage": 3, "universal": True, "clip": 0.0},
 }
@@ -55,7 +56,7 @@ save are DeepSpeed's resumed from it (``checkpoint.load_universal``)."""
 def ds_config(
     stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
     fp16: bool = False, clip: float | None = None, universal: bool = False, pipe: bool = False,
-    moe: bool = False,
+    moe: bool = False, tp: int = 1,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
@@ -79,12 +80,27 @@ def ds_config(
         cfg["gradient_clipping"] = clip
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if tp > 1:  # DeepSpeed's AutoTP: each tp group reads one batch
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     if pipe:  # the global batch as the other cases': 2 micro-batches of 2 on one dp rank
         cfg.update(train_micro_batch_size_per_gpu=MICRO * WORLD // 2, gradient_accumulation_steps=2)
     if sgd:
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
         cfg["zero_allow_untested_optimizer"] = True
     return cfg
+
+
+def llama():
+    """``tp`` cases: a tiny Hugging Face Llama (seeded; DeepSpeed's AutoTP cuts Llama, not
+    GPT-2, whose kernel-injection policy it insists on)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                      max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(cfg)
 
 
 def model(frozen: bool = False, odd: bool = False):
@@ -250,10 +266,12 @@ def train(
         fn = _train_pipe if case.get("pipe") else _train_moe
         return fn(case, out, steps, load, deepspeed)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tp = case.get("tp", 1)
+    rank, world = rank // tp, world // tp  # the data-parallel rank and size
     cfg = ds_config(**case)
     cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD // world
     odd = case.get("odd", False)
-    net = model(case.get("frozen", False), odd)
+    net = llama() if tp > 1 else model(case.get("frozen", False), odd)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     if load is not None:

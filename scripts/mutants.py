@@ -4017,6 +4017,20 @@ MUTANTS = [
         (f"{T_DS_WRITE}[moe_zero2]",),
     ),
     Mutant(
+        "DeepSpeed's row-parallel AutoTP slices joined along their outputs",
+        "checkpoint/deepspeed_tp.py",
+        "whole = torch.cat(slices, dim=1 if any(p.match(name) for p in self.rows) else 0)",
+        "whole = torch.cat(slices, dim=0)",
+        (f"{T_DS_RESUME}[tp2_zero1]",),
+    ),
+    Mutant(
+        "a non-persistent buffer a checkpoint rightly lacks refused at load",
+        "checkpoint/restore.py",
+        "            if not load_module_strict or name not in persistent:",
+        "            if not load_module_strict:",
+        (f"{T_DS_RESUME}[tp2_zero1]",),
+    ),
+    Mutant(
         "DeepSpeed's files never written under the facade",
         "checkpoint/deepspeed_layout.py",
         "    return why is None",

@@ -128,8 +128,8 @@ def _round_trip(rank, world, case, out, native=False):
     engine.save_checkpoint(out, client_state=client)
 
 
-WRITTEN = list(fx.CASES)
-"""The cases whose DeepSpeed files zerostack writes."""
+WRITTEN = [c for c in fx.CASES if not fx.CASES[c].get("tp")]
+"""The cases whose DeepSpeed files zerostack writes (AutoTP's slices: not yet)."""
 
 
 @pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("universal")])

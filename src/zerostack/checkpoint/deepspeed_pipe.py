@@ -26,6 +26,7 @@ import re
 import torch
 
 from .deepspeed_read import DeepSpeedReader, Reader, load_pickle
+from .deepspeed_tp import mp_ranks
 from .errors import CheckpointError
 
 
@@ -38,8 +39,7 @@ class PipelineReader(Reader):
 
     def __init__(self, folder: str, gas: int = 1) -> None:
         self.folder, self.gas = folder, gas
-        found = glob.glob(os.path.join(folder, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
-        stages = sorted({int(re.search(r"mp_rank_(\d+)_optim", f).group(1)) for f in found})
+        stages = mp_ranks(folder)
         if not stages:
             raise CheckpointError(f"{folder}: a pipeline's folder without ZeRO optimizer states "
                                   "(ZeRO-0): not read yet")  # fmt: skip

@@ -33,8 +33,8 @@ Nothing executes pickled code: the ``.pt`` files are read with ``torch.load(weig
 and an allow-list of the four DeepSpeed classes its save code puts in them (:data:`ALLOWED`),
 each read into a plain stand-in; any other class is refused, naming it and the file, before any
 state is touched. Universal checkpoints: :mod:`.deepspeed_universal`; a pipeline's layer files:
-:mod:`.deepspeed_pipe`; MoE expert files: :meth:`DeepSpeedReader._experts`. Not read yet:
-experts at ZeRO-3, tensor-parallel slices (``mp_rank_01``... without layer files). Writing the same
+:mod:`.deepspeed_pipe`; AutoTP's slices: :mod:`.deepspeed_tp`; MoE expert files:
+:meth:`DeepSpeedReader._experts`. Not read yet: experts at ZeRO-3. Writing the same
 layouts: :mod:`.deepspeed_write`.
 """
 

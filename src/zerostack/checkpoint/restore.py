@@ -19,9 +19,11 @@ from ..moe.utils import EXPERTS, global_names
 from ..tensor_parallel import partition_spec, split_tensor
 from ..zero.init import GatheredParameters
 from .client_state import from_manifest as client_state_of
+from .deepspeed_layout import state_dict_order
 from .deepspeed_pipe import PipelineReader, layer_files
 from .deepspeed_read import DeepSpeedReader, is_deepspeed_folder, zero_files
 from .deepspeed_read0 import Zero0Reader
+from .deepspeed_tp import TensorParallelReader, mp_ranks
 from .deepspeed_universal import LATEST_UNIVERSAL, UniversalReader, is_universal_folder
 from .errors import CheckpointError
 from .reader import ShardReader as _Reader
@@ -84,6 +86,8 @@ def open_deepspeed(folder: str, gas: int = 1, groups: list[list[str]] | None = N
     with ``groups``)."""
     if layer_files(folder):
         return PipelineReader(folder, gas)
+    if len(mp_ranks(folder)) > 1:
+        return TensorParallelReader(folder, gas)
     if zero_files(folder):
         return DeepSpeedReader(folder, gas)
     return Zero0Reader(folder, gas, groups)
@@ -262,9 +266,10 @@ def _load(
                 for m in g["params"]:
                     if m in opt.state:
                         opt.state[m]["step"] = _step_tensor(saved_g["step"], opt.state[m], g, m)
-    for name, buf in run.module.named_buffers():
+    persistent = set(state_dict_order(run.module))  # a non-persistent buffer (Llama's
+    for name, buf in run.module.named_buffers():  # rotary inv_freq) is rebuilt, not saved
         if name not in reader.buffers:
-            if not load_module_strict:
+            if not load_module_strict or name not in persistent:
                 continue
             raise CheckpointError(f"{folder}: no buffer {name!r} in the checkpoint")
         buf.data.copy_(reader.get(reader.buffers[name], f"buffer/{name}"))
