@@ -25,7 +25,7 @@ import re
 
 import torch
 
-from .deepspeed_read import DeepSpeedReader, Reader, load_pickle
+from .deepspeed_read import DeepSpeedReader, JoinedReader, load_pickle
 from .deepspeed_tp import mp_ranks
 from .errors import CheckpointError
 
@@ -34,7 +34,7 @@ def layer_files(folder: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "layer_*-model_states.pt")))
 
 
-class PipelineReader(Reader):
+class PipelineReader(JoinedReader):
     """A DeepSpeed pipeline's tag folder (see the module)."""
 
     def __init__(self, folder: str, gas: int = 1) -> None:
@@ -68,20 +68,11 @@ class PipelineReader(Reader):
     def weights(self) -> dict:
         return self._weights
 
-    def kinds(self) -> list[str]:
-        return self.parts[0].kinds()
-
     def _values(self, kind: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for part in self.parts:
             out.update(part._values(kind))
         return out
-
-    def _groups(self) -> list[tuple[dict, object]]:
-        return self.parts[0]._groups()  # every stage's optimizer has the same groups and step
-
-    def _scaler(self) -> dict:
-        return self.parts[0]._scaler()
 
     def _precision(self) -> str:
         return self.parts[0]._precision() if self.parts[0].weights else super()._precision()

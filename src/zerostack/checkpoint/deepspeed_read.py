@@ -376,3 +376,19 @@ class DeepSpeedReader(Reader):
         if os.path.basename(self.optim_files[0]).startswith("bf16_"):
             return "bf16"
         return super()._precision()
+
+
+class JoinedReader(Reader):
+    """A folder read as several ZeRO folders of one run (a pipeline's stages, AutoTP's tp
+    ranks), ``parts``: the optimizer's kinds, groups and loss scaler are the first's."""
+
+    parts: list
+
+    def kinds(self) -> list[str]:
+        return self.parts[0].kinds()
+
+    def _groups(self) -> list[tuple[dict, object]]:
+        return self.parts[0]._groups()  # every part's optimizer has the same groups and step
+
+    def _scaler(self) -> dict:
+        return self.parts[0]._scaler()

@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from .deepspeed_read import DeepSpeedReader, Reader
+from .deepspeed_read import DeepSpeedReader, JoinedReader
 from .errors import CheckpointError
 
 
@@ -36,7 +36,7 @@ def mp_ranks(folder: str) -> list[int]:
     return sorted({int(re.search(r"mp_rank_(\d+)_optim", f).group(1)) for f in found})
 
 
-class TensorParallelReader(Reader):
+class TensorParallelReader(JoinedReader):
     """A DeepSpeed AutoTP run's tag folder (see the module)."""
 
     def __init__(self, folder: str, gas: int = 1) -> None:
@@ -77,9 +77,6 @@ class TensorParallelReader(Reader):
     def weights(self) -> dict:
         return self._module
 
-    def kinds(self) -> list[str]:
-        return self.parts[0].kinds()
-
     def _values(self, kind: str) -> dict[str, torch.Tensor]:
         if kind in self._flat:
             return self._flat[kind]
@@ -92,12 +89,6 @@ class TensorParallelReader(Reader):
                 out[name] = self._join(name, slices).reshape(-1)
         self._flat[kind] = out
         return out
-
-    def _groups(self) -> list[tuple[dict, object]]:
-        return self.parts[0]._groups()
-
-    def _scaler(self) -> dict:
-        return self.parts[0]._scaler()
 
     def _precision(self) -> str:
         return self.parts[0]._precision()
