@@ -32,6 +32,15 @@ EXPECTED = json.load(open(os.path.join(fx.FIXTURES, "expected.json")))
 CASES = EXPECTED["cases"]
 
 
+def _load(engine, case, folder=None):
+    """Case ``case``'s fixture folder (or ``folder``) loaded: the tag, client state and the
+    counters it set (steps, samples, skipped steps, learning rates, loss scale)."""
+    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
+                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    return os.path.basename(path), client, counters
+
+
 def _resume(rank, world, case, stage, folder=None, tp=None):
     """Case ``case``'s script resumed from its fixture folder (or ``folder``) at ``stage`` (and
     tensor-parallel size ``tp``: the case's unless given)."""
@@ -42,9 +51,7 @@ def _resume(rank, world, case, stage, folder=None, tp=None):
     net = fx.llama() if "tp" in fx.CASES[case] else fx.model("frozen" in case, "odd" in case)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
-    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
-                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    tag, client, counters = _load(engine, case, folder)
     losses = []
     for step in range(fx.SAVE_AT, fx.STEPS):
         x = fx.tokens(step, rank, world, "odd" in case)
@@ -52,7 +59,7 @@ def _resume(rank, world, case, stage, folder=None, tp=None):
         engine.backward(loss)
         engine.step()
         losses.append(loss.float().item())
-    return os.path.basename(path), client, counters, losses
+    return tag, client, counters, losses
 
 
 def _resume_pipe(rank, world, case, stage, folder=None, stages=2):
@@ -62,12 +69,10 @@ def _resume_pipe(rank, world, case, stage, folder=None, stages=2):
     net = fx.pipe_model(*fx.pipe_classes(), stages=stages)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
                                       config=cfg)  # fmt: skip
-    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
-                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    tag, client, counters = _load(engine, case, folder)
     losses = [float(engine.train_batch(data_iter=fx.pipe_batches(step)))
               for step in range(fx.SAVE_AT, fx.STEPS)]  # fmt: skip
-    return os.path.basename(path), client, counters, losses
+    return tag, client, counters, losses
 
 
 def _resume_moe(rank, world, case, stage, folder=None):
@@ -75,16 +80,14 @@ def _resume_moe(rank, world, case, stage, folder=None):
     net, groups = fx.moe_model()
     cfg = fx.ds_config(**{**fx.CASES[case], "stage": stage})
     engine, *_ = deepspeed.initialize(model=net, model_parameters=groups, config=cfg)
-    path, client = engine.load_checkpoint(folder or os.path.join(fx.FIXTURES, case))
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps,
-                engine.get_lr(), engine.loss_scale)  # fmt: skip
+    tag, client, counters = _load(engine, case, folder)
     losses = []
     for step in range(fx.SAVE_AT, fx.STEPS):
         loss = fx.moe_loss(engine, step, rank, world)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return os.path.basename(path), client, counters, losses
+    return tag, client, counters, losses
 
 
 def _resume_of(case: str):
@@ -113,10 +116,11 @@ def test_the_fixtures_are_deepspeeds():
 @pytest.mark.parametrize("case", list(fx.CASES))
 def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
     # the first loss is the loaded weights' alone: 1e-6 everywhere; the second follows one
-    # update from the loaded moments: in bf16 the two engines sum the gradient norm in another
-    # order (6e-8 relative), a few weights round to the next bf16 value, and a loss moves by up
-    # to 2e-5 (from scratch too; a moment or step count off moves it by 1e-4 and more)
-    tol = [1e-6, 2e-5 if "bf16" in case else 1e-6]
+    # update from the loaded moments: 1e-5 in bf16 as before; at stage 0 in bf16 DeepSpeed's
+    # FP16_Optimizer sums the gradient norm as one flat group (6e-8 relative apart from
+    # zerostack's), four weights round to the next bf16 value and a loss moves by 1.6e-5
+    # (measured); a moment or step count off moves it by 1e-4 and more
+    tol = [1e-6, 2e-5 if case == "zero0_bf16" else 1e-5 if "bf16" in case else 1e-6]
     if case == "zero0_fp16":  # DeepSpeed 0.19.8's stage 0 fp16 never scales the loss (its
         tol = tol[:1]  # engine.backward scales for ZeRO optimizers only) but divides the
         # gradients by the scale: its next update is not the one zerostack makes
