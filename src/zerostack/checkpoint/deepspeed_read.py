@@ -287,8 +287,13 @@ class DeepSpeedReader(Reader):
         counts = counts if isinstance(counts, list) else [counts] * len(self.shapes)
         self.local_shapes, self.ep = list(self.shapes), {}
         self._module = self.model.get("module")
+        self._local: dict[int, dict[str, int]] = {}  # group -> MoE layer -> local experts
         for g, count in enumerate(counts):
             if count < self.world:
+                for n in (n for n in self.local_shapes[g] if EXPERTS in n):
+                    head, tail = n.split(EXPERTS, 1)
+                    layer = self._local.setdefault(g, {})
+                    layer[head] = max(layer.get(head, 0), int(tail.split(".", 1)[0]) + 1)
                 if self.stage == 3:
                     raise CheckpointError(f"{self.folder}: MoE experts at ZeRO-3: not read yet")
                 self.ep[g] = self.world // count
@@ -303,10 +308,8 @@ class DeepSpeedReader(Reader):
     def _global(self, name: str, ep_rank: int, g: int) -> str:
         """Local expert ``l`` of ep rank ``ep_rank``: the layer's ``ep_rank * local + l``."""
         head, tail = name.split(EXPERTS, 1)
-        local = 1 + max(int(n.split(EXPERTS, 1)[1].split(".", 1)[0])
-                        for n in self.local_shapes[g] if n.startswith(head + EXPERTS))  # fmt: skip
         index, rest = tail.split(".", 1)
-        return f"{head}{EXPERTS}{ep_rank * local + int(index)}.{rest}"
+        return f"{head}{EXPERTS}{ep_rank * self._local[g][head] + int(index)}.{rest}"
 
     @property
     def weights(self) -> dict:
