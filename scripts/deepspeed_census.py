@@ -107,6 +107,13 @@ def introspect() -> dict:
             cls = getattr(importlib.import_module(module), name)
             found = {*dir(cls), *_self_attributes(cls)} - torch_members
             members[name] = sorted(m for m in found if "__" not in m)
+        engines = [deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine]
+        engine_members = {m for c in engines for m in {*dir(c), *_self_attributes(c)}}
+        engine_members.add("module")  # set as self.__dict__['module'] (engine.py, its 2072)
+        from deepspeed.runtime import config as ds_config
+
+        removed = [*ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS]
+        removed += [f"zero_optimization.{k}" for k in ds_config._REMOVED_ZERO_CONFIG_KEYS]
         keys = dict.fromkeys(sorted(_probe(DeepSpeedConfig)), "DeepSpeedConfig reads it")
         for block, spec in MODELS.items():
             module, name = spec.split(":")
@@ -123,7 +130,12 @@ def introspect() -> dict:
         "member_rule": "dir(cls) and self.X assignments in the DeepSpeed classes of its MRO, "
         "less dir() and vars() of torch.nn.Module() and torch.optim.Optimizer",
         "members": members,
+        "engine_members_rule": "dir(cls) and self.X assignments, torch's included, of "
+        "DeepSpeedEngine and PipelineEngine, and module",
+        "engine_members": sorted(m for m in engine_members if "__" not in m),
         "generic_members": sorted(GENERIC | config_named),
+        "removed_keys_rule": "config blocks DeepSpeedConfig refuses as removed features",
+        "removed_keys": sorted(removed),
         "ds_attribute_rule": "x.ds_* and getattr(x, 'ds_*') in DeepSpeed's source, x not self, "
         "less its module names",
         "ds_attributes": _ds_attributes(package),

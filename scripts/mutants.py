@@ -164,6 +164,9 @@ T_LT_DS = f"{LT}::test_deepspeed_strategy_under_the_runner_equals_deepspeed[stag
 T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 DW = "tests/test_deepspeed_write.py"
+T_DS_SURFACE = (
+    "tests/test_engine_surface.py::test_deepspeed_optimizer_backward_throughput_timer_and_ds_tensor"
+)
 T_DS_WRITE = f"{DW}::test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit"
 
 MUTANTS = [
@@ -2233,8 +2236,8 @@ MUTANTS = [
     Mutant(
         "api table: an entry edited without regenerating the reference page",
         "compat/deepspeed/_api/modules.py",
-        '_no("no fused transformer kernels")',
-        '_no("no fused kernels")',
+        '_no("no kernel injection")',
+        '_no("no kernels injected")',
         ("tests/test_api_surface.py::test_the_reference_table_is_the_generated_one",),
     ),
     # stage 3's gather budget (tests/test_stage3_live.py)
@@ -4148,6 +4151,130 @@ MUTANTS = [
         "        pass",
         ("tests/test_lightning.py::test_lightnings_converter_reads_a_deepspeed_stage_3_"
          "checkpoint_made_under_the_runner",),
+    ),
+    Mutant(
+        "reset_activation_shape forgets the shapes but the stages do not learn them again",
+        "pipeline/executor.py",
+        'run."""\n        self._shapes_known = self.p == 1',
+        'run."""',
+        ("tests/test_pipeline.py::test_reset_activation_shape_lets_the_next_batch_change_shape",),
+    ),
+    Mutant(
+        "a stage-3 parameter's ds_tensor left on its first piece",
+        "zero/params.py",
+        "                p.ds_tensor = value  # DeepSpeed's name for this rank's partition",
+        "                pass",
+        (T_DS_SURFACE,),
+    ),
+    Mutant(
+        "DeepSpeed's optimizer.backward divides by the accumulation steps as engine.backward",
+        "compat/deepspeed/runtime/engine.py",
+        "engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)",
+        "engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=True)",
+        (T_DS_SURFACE,),
+    ),
+    Mutant(
+        "the throughput timer times the warm-up steps",
+        "profiling/throughput.py",
+        "        if self.global_step_count >= self.start_step:",
+        "        if True:",
+        (T_DS_SURFACE,),
+    ),
+    Mutant(
+        "init_inference leaves the model whole at tp 2",
+        "compat/deepspeed/inference/engine.py",
+        "            autotp.parallelize(self.module, self.topology)",
+        "            pass",
+        ("tests/test_init_inference.py::test_two_tp_ranks_give_the_plain_models_logits_and_"
+         "tokens[llama-tp]",),
+    ),
+    Mutant(
+        "init_inference's deprecated mp_size ignored",
+        "compat/deepspeed/inference/engine.py",
+        '        tp["tp_size"] = out["mp_size"]  # deprecated',
+        "        pass  # deprecated",
+        ("tests/test_init_inference.py::test_two_tp_ranks_give_the_plain_models_logits_and_"
+         "tokens[gpt2-mp_size]",),
+    ),
+    Mutant(
+        "init_inference keeps the module's own dtype",
+        "compat/deepspeed/inference/engine.py",
+        '        self.module.to(cfg["dtype"])',
+        "        pass",
+        ("tests/test_init_inference.py::test_one_rank_is_the_plain_model_in_the_dtype_asked",),
+    ),
+    Mutant(
+        "pre-LN BERT layer normalises its input with the pre-MLP norm",
+        "models/bert_layer.py",
+        'mid = x + attention_block(norm(x, "norm_w", "norm_b"))',
+        'mid = x + attention_block(norm(x, "attn_nw", "attn_nb"))',
+        ("tests/test_bert_layer.py::test_pre_ln_matches_modelingpreln_bert_layer_forward_and_"
+         "gradients[False]",),
+    ),
+    Mutant(
+        "BERT layer attention takes the k rows for q",
+        "models/bert_layer.py",
+        "    q, k, v = F.linear(x, qkvw, qkvb)",
+        "    k, q, v = F.linear(x, qkvw, qkvb)",
+        ("tests/test_bert_layer.py::test_post_ln_matches_hugging_face_bert_layer_forward_and_"
+         "gradients[False]",),
+    ),
+    Mutant(
+        "BERT layer adjusts the output init std on every rank",
+        "models/bert_layer.py",
+        "if adjust_init_range and c.local_rank == 0:",
+        "if adjust_init_range:",
+        ("tests/test_bert_layer.py::test_default_initialisation_is_deepspeeds[-1-True-False]",),
+    ),
+    Mutant(
+        "BERT layer drops out under no_grad in training mode",
+        "models/bert_layer.py",
+        "dropout = self.training and torch.is_grad_enabled()",
+        "dropout = self.training",
+        ("tests/test_bert_layer.py::test_dropout_in_training_only_while_autograd_records["
+         "attn_dropout_ratio-False]",),
+    ),
+    Mutant(
+        "evoformer: Q and K swapped",
+        "models/evoformer.py",
+        "heads_first(q),\n        heads_first(k),",
+        "heads_first(k),\n        heads_first(q),",
+        ("tests/test_evoformer.py::test_msa_row_attention_with_mask_and_pair_bias",),
+    ),
+    Mutant(
+        "evoformer: the sum of two biases drops bias1",
+        "models/evoformer.py",
+        "full = bias2 if bias1 is None else bias1 + bias2",
+        "full = bias2",
+        ("tests/test_evoformer.py::test_msa_row_attention_with_mask_and_pair_bias",),
+    ),
+    Mutant(
+        "evoformer: a lone bias1 broadcast over queries, not keys",
+        "models/evoformer.py",
+        "return bias1.reshape(b * n, 1, 1, seq)",
+        "return bias1.reshape(b * n, 1, seq, 1)",
+        ("tests/test_evoformer.py::test_one_bias_or_none[bias1]",),
+    ),
+    Mutant(
+        "aio: file_offset dropped from the parts",
+        "zero/aio.py",
+        "part, offset + i * per, req.path)",
+        "part, i * per, req.path)",
+        ("tests/test_aio.py::test_offsets_place_and_find_each_tensor",),
+    ),
+    Mutant(
+        "aio: wait counts one request",
+        "zero/aio.py",
+        "return len(pending)",
+        "return 1",
+        ("tests/test_aio.py::test_several_requests_in_flight_then_one_wait",),
+    ),
+    Mutant(
+        "aio: short-read check ignores the offset",
+        "zero/aio.py",
+        "if offset + nbytes > size:",
+        "if nbytes > size:",
+        ("tests/test_aio.py::test_a_short_file_is_refused_naming_it",),
     ),
 ]
 

@@ -4,6 +4,7 @@ from its source: runtime/utils.py, runtime/dataloader.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zerostack.compat.deepspeed.runtime.dataloader import RepeatingLoader
@@ -273,3 +274,23 @@ def test_deepspeed_version_is_a_version():
     import zerostack.compat.deepspeed as deepspeed
 
     assert Version(deepspeed.version) >= Version("0.19.8")
+
+
+def test_recursive_getattr_and_setattr_reach_a_submodule_by_its_dotted_name():
+    """DeepSpeed-Chat's LoRA conversion reads and replaces a model's linear layers by name
+    (imported from the deprecated deepspeed.compression.helper, which warns)."""
+    import importlib
+    import sys
+
+    sys.modules.pop("zerostack.compat.deepspeed.compression.helper", None)
+    with pytest.warns(FutureWarning, match="deepspeed.utils.module_utils"):
+        helper = importlib.import_module("zerostack.compat.deepspeed.compression.helper")
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.ReLU())
+    assert helper.recursive_getattr(model, "0.0.weight") is model[0][0].weight
+    new = torch.nn.Linear(2, 3)
+    helper.recursive_setattr(model, "0.0", new)
+    assert model[0][0] is new and helper.recursive_getattr(model, "1") is model[1]
+    helper.recursive_setattr(model, "1", torch.nn.Tanh())
+    assert isinstance(model[1], torch.nn.Tanh)
+    with pytest.raises(AttributeError):
+        helper.recursive_getattr(model, "0.2")

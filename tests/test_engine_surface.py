@@ -751,6 +751,84 @@ def test_deepspeeds_own_accessors_live_on_its_engine_alone():
     assert {"fp16_enabled", "zero_optimization_stage", "save_16bit_model", "loss_scale"} <= set(own)
     assert on_native == [] and missing == []
     # what DeepSpeedEngine overrides: backward and step, refused while offload_states() holds
-    # the states in host memory
+    # the states in host memory; forward and step, which start and stop DeepSpeed's tput_timer
     overridden = [n for n in vars(DeepSpeedEngine) if n in vars(Engine) and n[:2] != "__"]
-    assert sorted(overridden) == ["backward", "step"]
+    assert sorted(overridden) == ["backward", "forward", "step"]
+
+
+class _Ticks:
+    """A clock that moves one second per reading."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        self.t += 1.0
+        return self.t
+
+
+def _optimizer_surface(rank, world):
+    import zerostack.compat.deepspeed as deepspeed
+
+    out = {}
+    for stage in (2, 3):
+        ran = {}
+        for how in ("engine", "optimizer"):
+            engine, optimizer, *_ = deepspeed.initialize(
+                model=Net(0), config=_net_config(world, stage, gas=2, steps_per_print=2)
+            )
+            engine.tput_timer.clock = _Ticks()
+            records, logger = _Records(), logging.getLogger("zerostack")
+            logger.addHandler(records)
+            level = logger.level
+            logger.setLevel(logging.INFO)  # DeepSpeed's logs its lines at info
+            per = B // world // 2
+            for step in range(6):
+                x, y = _data(step)
+                for m in range(2):
+                    lo = (rank * 2 + m) * per
+                    loss = engine(x[lo : lo + per], y[lo : lo + per])
+                    if how == "engine":
+                        engine.backward(loss)
+                    else:  # DeepSpeed's ZeRO optimizer does not divide by the accumulation
+                        optimizer.backward(loss / 2)
+                    engine.step()
+                if step == 3:
+                    engine.tput_timer.update_epoch_count()
+            logger.removeHandler(records)
+            logger.setLevel(level)
+            t = engine.tput_timer
+            ran[how] = {
+                "state": engine.full_state_dict(),
+                "timer": (t.epoch_count, t.micro_step_count, t.global_step_count,
+                          t.avg_samples_per_sec()),
+                "lines": [m for m in records.messages if "RunningAvgSamplesPerSec" in m],
+                "pieces": [p.ds_tensor is p._zs.piece for p in engine.module.parameters()
+                           if hasattr(p, "ds_tensor")],
+                "count": sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel()
+                             for p in engine.module.parameters()),
+            }
+            engine.destroy()
+        out[stage] = ran
+    return out
+
+
+def test_deepspeed_optimizer_backward_throughput_timer_and_ds_tensor():
+    """What DeepSpeed-Chat's and BERT scripts reach for: ``optimizer.backward(loss)`` (the loss
+    not divided by the accumulation steps: divided by the caller it gives engine.backward's
+    weights bit for bit, with SGD); ``engine.tput_timer`` (DeepSpeed's rules: 2 steps of
+    warm-up untimed, a line every ``steps_per_print`` timed steps; with a clock of one second per
+    reading each timed micro-step lasts 1 s, so 2 per step: 16 samples / 2 s); and stage 3's
+    ``p.ds_tensor``, this rank's live piece (DeepSpeed-Chat counts ``ds_numel`` where it is)."""
+    out = run_distributed(_optimizer_surface, 2)[0]
+    for stage, ran in out.items():
+        want = ran["engine"]
+        for k, v in want["state"].items():
+            assert torch.equal(ran["optimizer"]["state"][k], v), (stage, k)
+        assert want["timer"] == (1, 4, 6, B / 2.0), stage
+        assert [m.split(",")[0] for m in want["lines"]] == [  # step 2 is untimed: no line
+            "epoch=0/micro_step=8/global_step=4", "epoch=1/micro_step=4/global_step=6"
+        ]
+        assert "RunningAvgSamplesPerSec=4.0," in want["lines"][-1]
+        assert want["count"] == sum(p.numel() for p in Net(0).parameters())
+        assert want["pieces"] == ([True] * 4 if stage == 3 else []), stage

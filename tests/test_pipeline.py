@@ -315,3 +315,33 @@ def test_only_an_engine_with_a_pipeline_is_a_pipeline_engine():
     assert run_distributed(_plain_engine, 1) == [(False, True, True)]
     with pytest.raises(TypeError, match="builds it for a PipelineModule"):
         PipelineEngine()
+
+
+def _reshaped(rank, world):
+    import zerostack.compat.deepspeed as deepspeed
+
+    topo = Topology.build(pp=2)
+    model = PipelineModule(gpt_layers(CFG), topology=topo, loss_fn=GPTLoss(topo))
+    load_plain_state(model, tiny_gpt(cfg=CFG).state_dict(), CFG)
+    engine, *_ = deepspeed.initialize(model=model, config=_config(B // GAS, 0))
+    plain, out = tiny_gpt(cfg=CFG), []
+    for step, block in enumerate((16, 8, 16)):
+        x, y = batch(step, B, block)
+        engine.reset_activation_shape()
+        got = engine.eval_batch(iter([(x[i::GAS], y[i::GAS]) for i in range(GAS)])).item()
+        with torch.no_grad():
+            out.append((got, plain(x, y).item()))
+    x, y = batch(3, B, 8)
+    engine.reset_activation_shape()
+    got = engine.train_batch(iter([(x[i::GAS], y[i::GAS]) for i in range(GAS)])).item()
+    with torch.no_grad():
+        out.append((got, plain(x, y).item()))
+    return out
+
+
+def test_reset_activation_shape_lets_the_next_batch_change_shape():
+    """DeepSpeed's ``engine.reset_activation_shape()`` (its variable-batch example calls it
+    before each batch): the stages learn the boundary shapes again, so batches of 16, 8 and 16
+    tokens each give one process's loss (the stages would refuse the second otherwise)."""
+    for got, want in run_distributed(_reshaped, 2)[1]:
+        assert abs(got - want) <= 1e-5 * abs(want)

@@ -8,7 +8,8 @@ dtype).
 A receiver must size its buffer before it posts the batch, so the shape and dtype of the activation
 crossing each boundary is learnt once, before the first stream: micro-batch 0 goes forward through
 every virtual stage in turn (no grad, eval mode), each activation behind a small header (see
-:meth:`PipelineExecutor.learn_shapes`). A later activation of another shape is an error. Gradients
+:meth:`PipelineExecutor.learn_shapes`). A later activation of another shape is an error (until
+:meth:`PipelineExecutor.forget_shapes`: DeepSpeed's ``reset_activation_shape``). Gradients
 need no header: they have the shape of the activation the receiver sent. (Sending the header
 inside the schedule's own batch would split the batch in two rounds, the header's then the
 payload's, which the simulator does not model: with interleaved 1F1B and one micro-batch, rank 0's
@@ -165,6 +166,10 @@ class PipelineExecutor:
             elif not isinstance(ins, ReduceGrads):  # dp reduction happens in the optimizer step
                 raise TypeError(f"pipeline: unknown instruction {ins!r}")
             i += 1
+
+    def forget_shapes(self) -> None:
+        """DeepSpeed's ``reset_activation_shape``: learn the shapes again before the next run."""
+        self._shapes_known = self.p == 1
 
     def learn_shapes(self, data_iter: Iterator | None) -> None:
         """Send micro-batch 0 forward through every virtual stage once, so that each rank learns

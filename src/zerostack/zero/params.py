@@ -73,6 +73,14 @@ class ShardState:
     axis: str = "dp"
     world: int = 1
     rank: int = 0
+    owner: weakref.ref | None = None  # the parameter, whose ds_tensor is the piece
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name == "piece" and (owner := self.__dict__.get("owner")) is not None:
+            p = owner()
+            if p is not None:
+                p.ds_tensor = value  # DeepSpeed's name for this rank's partition
 
     @property
     def gathered(self) -> bool:
@@ -127,7 +135,10 @@ class ActiveUses:
 
 def _mark_ds(p: nn.Parameter, state: ShardState) -> None:
     """DeepSpeed's attributes on a stage-3 parameter, which Transformers, PEFT and TRL read
-    (``ds_shape`` and ``ds_numel`` for the real size of a parameter whose ``shape`` is empty)."""
+    (``ds_shape`` and ``ds_numel`` for the real size of a parameter whose ``shape`` is empty;
+    ``ds_tensor``, this rank's flat padded piece, which DeepSpeed-Chat's scripts test for)."""
+    state.owner = weakref.ref(p)
+    p.ds_tensor = state.piece
     p.ds_id = next(_ds_ids)
     p.ds_shape = state.shape
     p.ds_numel = state.numel

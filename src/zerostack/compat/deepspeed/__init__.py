@@ -34,6 +34,8 @@ from zerostack.world import init_distributed
 from ..serve import ServedName, serve
 from . import accelerator, checkpoint, launcher, monitor, ops, runtime, utils
 from .accelerator import get_accelerator
+from .inference import InferenceEngine, init_inference
+from .ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 from .runtime.config import DeepSpeedConfig
 from .runtime.engine import DeepSpeedEngine
 from .utils.logging import log_dist, logger
@@ -151,6 +153,8 @@ __all__ = [
     "DeepSpeedConfigError",
     "add_config_arguments",
     "DeepSpeedEngine",
+    "DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer",
     "accelerator",
     "activation_checkpointing",
     "checkpoint",
@@ -158,6 +162,8 @@ __all__ = [
     "comm",
     "get_accelerator",
     "init_distributed",
+    "init_inference",
+    "InferenceEngine",
     "initialize",
     "install",
     "launcher",

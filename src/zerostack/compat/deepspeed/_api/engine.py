@@ -40,7 +40,12 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{ENGINE}.loss_scale": _works("the current scale; called, DeepSpeed's configured one"),
         f"{ENGINE}.optimizer": _different(
             "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper), with "
-            "DeepSpeed's `overflow` and, at stage 3, `parameter_offload` set on it"
+            "DeepSpeed's `overflow`, `cur_scale`, `backward(loss)` (not divided by the "
+            "accumulation steps) and, at stage 3, `parameter_offload` set on it"
+        ),
+        f"{ENGINE}.tput_timer": _works(
+            "DeepSpeed's ThroughputTimer: started at forward, stopped at step, 2 steps untimed, "
+            "`update_epoch_count`, `avg_samples_per_sec`; its line at info level"
         ),
         f"{ENGINE}.config": _works(
             "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"
@@ -94,8 +99,8 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{PIPE_ENGINE}.set_dataiterator": _no("pass the iterator to `train_batch(data_iter)`"),
         f"{PIPE_ENGINE}.set_batch_fn": _no("transform batches in the loader"),
         f"{PIPE_ENGINE}.get_pipeline_parallel_rank": _no('`engine.topology.rank("pp")`'),
-        f"{PIPE_ENGINE}.reset_activation_shape": _no(
-            "activation shapes are learnt once; another shape later is an error"
+        f"{PIPE_ENGINE}.reset_activation_shape": _works(
+            "the next batch learns the boundary shapes again (one micro-batch's forward)"
         ),
     },
 }

@@ -61,6 +61,18 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.get_accelerator": _served("the device calls the libraries make, over torch"),
         "deepspeed.ops": _served("DeepSpeedCPUAdam and FusedAdam; " + _NO_OPS),
+        "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention": _served(
+            "torch's scaled_dot_product_attention with the biases as its mask: DeepSpeed's "
+            "shapes, checks and bias gradients; fp32 too on a CPU"
+        ),
+        "deepspeed.ops.op_builder.AsyncIOBuilder": _served(
+            "`load().aio_handle(...)`: DeepSpeed's handle and return values over pread/pwrite "
+            "threads (no O_DIRECT); errors raised naming the file"
+        ),
+        "deepspeed.ops.op_builder.GDSBuilder": _served(
+            "`gds_handle` through host memory when CUDA is there (no cuFile); without it "
+            "`load()` raises DeepSpeed's error"
+        ),
         "deepspeed.moe": _works(),
         "deepspeed.logger": _served(_LOGGER),
         "deepspeed.log_dist": _served("on the ranks listed, to zerostack's logger"),
@@ -69,12 +81,29 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.DeepSpeedDataLoader": _no(
             "`initialize(training_data=...)` returns a torch DataLoader (DistributedSampler)"
         ),
-        "deepspeed.init_inference": _no("training only: no inference engine"),
-        "deepspeed.InferenceEngine": _no("training only: no inference engine"),
+        "deepspeed.init_inference": _served(
+            "dtype (default fp16), tensor_parallel / mp_size split by zerostack's AutoTP table, "
+            "injection_policy checked against it, max_out_tokens; no fused kernels or CUDA "
+            "graphs (a warning), int8 and checkpoint= refused"
+        ),
+        "deepspeed.InferenceEngine": _served(
+            "the module's forward and generate (no beam search, as DeepSpeed); what it lacks, "
+            "its module's"
+        ),
         "deepspeed.tp_model_init": _served(
             "checks the config's `tensor_parallel.autotp_size`; `initialize` splits the model"
         ),
-        "deepspeed.DeepSpeedTransformerLayer": _no("no fused transformer kernels"),
+        "deepspeed.DeepSpeedTransformerLayer": _served(
+            "torch code with the kernel's math (tanh GELU, fp32 softmax, pre-/post-LN), "
+            "DeepSpeed's parameters, initialisation and initial_weights; no fused kernels"
+        ),
+        "deepspeed.DeepSpeedTransformerConfig": _served("DeepSpeed's fields, from_dict, "
+                                                        "from_json_file"),
+        "deepspeed.utils.module_utils.recursive_getattr": _served("a submodule by dotted name"),
+        "deepspeed.utils.module_utils.recursive_setattr": _served("replace one by dotted name"),
+        "deepspeed.compression.helper": _served(
+            "deprecated in DeepSpeed: the two module_utils helpers, with its FutureWarning"
+        ),
         "deepspeed.replace_transformer_layer": _no("no kernel injection"),
     },
     "deepspeed.zero": {

@@ -58,6 +58,9 @@ def zerostack_name(name: str, entry: Api) -> str:
 
 
 _IMPORT_PIPE = "as DeepSpeed's, after `import zerostack.pipe` (`import zerostack` does not load it)"
-_NO_OPS = "no compiled ops: optimizers are torch's (fused where torch has a kernel)"
+_NO_OPS = (
+    "no compiled ops: optimizers are torch's (fused where torch has a kernel), the other ops "
+    "torch code"
+)
 _CFG = "read the value from `engine.config`"
 _LOGGER = 'zerostack\'s logger (`logging.getLogger("zerostack")`)'

@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
+from zerostack.clock import device_clock
 from zerostack.engine import Engine
+from zerostack.profiling.throughput import ThroughputTimer
 from zerostack.zero.state_offload import StateOffload
 from zerostack.zero.strategy import Pieces
 
@@ -31,10 +33,18 @@ class _Overflow:
     ``step_was_skipped`` reads it); and ``engine.optimizer.cur_scale``, the loss scale now (what
     DeepSpeed's Megatron tutorial logs; 1.0 without fp16)."""
 
-    def __init__(self, optimizer, state) -> None:
+    def __init__(self, optimizer, state, engine) -> None:
         self.optimizer, self.state = optimizer, state  # the engine's TrainState: its scaler
         optimizer.overflow = False
         optimizer.cur_scale = float(state.loss_scaler.loss_scale)
+
+        def backward(loss, retain_graph=False):
+            """DeepSpeed's ZeRO optimizer's ``backward(loss)``: the loss scaled (fp16) and
+            backpropagated into the engine's gradients, not divided by the accumulation steps
+            (``engine.backward`` divides)."""
+            engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+
+        optimizer.backward = backward
 
     def after_step(self, report) -> None:
         self.optimizer.overflow = not report.applied
@@ -53,8 +63,15 @@ class DeepSpeedEngine(EngineQueries, Engine):
             offload = DeepSpeedZeRoOffload(self.module, self.zero.coordinator())
             self.optimizer.parameter_offload = offload
         if self.optimizer is not None:
-            self.add_callback(_Overflow(self.optimizer, self.state))
+            self.add_callback(_Overflow(self.optimizer, self.state, self))
         self.states = StateOffload(self.module, self.zero, self.optimizer)
+        # DeepSpeed's: started at each forward when initialize had no training data, stopped
+        # at each step (DeepSpeed synchronizes its throughput timer by default: on a GPU too)
+        self.tput_timer = ThroughputTimer(
+            self.train_batch_size(),
+            steps_per_output=self.steps_per_print(),
+            clock=device_clock(self.device, True),
+        )
 
     def __getattr__(self, name: str):
         """What the engine lacks, its module's, as DeepSpeed's engine answers it
@@ -100,6 +117,13 @@ class DeepSpeedEngine(EngineQueries, Engine):
             raise RuntimeError("reload_states: this engine has no optimizer (forward only)")
         self.states.reload(non_blocking=non_blocking)
 
+    def forward(self, *args, **kwargs):
+        if self.training_dataloader is None:
+            self.tput_timer.start()
+        return super().forward(*args, **kwargs)
+
+    forward.__doc__ = Engine.forward.__doc__
+
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         self.states.require_resident("backward")
         return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
@@ -108,7 +132,9 @@ class DeepSpeedEngine(EngineQueries, Engine):
 
     def step(self) -> None:
         self.states.require_resident("step")
+        boundary = self.is_gradient_accumulation_boundary()
         super().step()
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
 
     step.__doc__ = Engine.step.__doc__
 

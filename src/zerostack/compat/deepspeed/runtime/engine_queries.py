@@ -123,6 +123,14 @@ class EngineQueries:
         """Whether this rank runs the last pipeline stage (without a pipeline: True)."""
         return self.runner.is_last_stage
 
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's pipeline engine's: the next ``train_batch`` / ``eval_batch`` learns
+        again the shapes crossing the stage boundaries (call it before a batch whose micro-batch
+        shape differs from the last: variable batch sizes or sequence lengths)."""
+        if not getattr(self.runner, "pipelined", False):
+            raise RuntimeError("reset_activation_shape: this engine runs no pipeline")
+        self.runner.executor.forget_shapes()
+
     @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
