@@ -164,6 +164,10 @@ T_LT_DS = f"{LT}::test_deepspeed_strategy_under_the_runner_equals_deepspeed[stag
 T_PICKLED = f"{C}::test_pickled_client_state_is_opt_in_and_verified"
 T_FORWARD_ONLY = "tests/test_initialize.py::test_no_optimizer_is_a_forward_only_engine"
 DW = "tests/test_deepspeed_write.py"
+T_QFROZEN = (
+    "tests/test_quantized_frozen.py::test_frozen_pieces_are_int8_blocks_and_training_is_the_"
+    "quantized_models[0]"
+)
 T_DS_SURFACE = (
     "tests/test_engine_surface.py::test_deepspeed_optimizer_backward_throughput_timer_and_ds_tensor"
 )
@@ -482,8 +486,8 @@ MUTANTS = [
     ),
     Mutant(
         "stage 3: parameters cut over two axes gathered in one collective over the first",
-        "zero/params.py",
-        "    if len(axes) > 1:  # one collective per axis, in one order on every rank",
+        "zero/gathers.py",
+        "    if len(set(keys)) > 1:  # one collective per axis and kind, in one order on all ranks",
         "    if False:",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top2-drops-stage3]",),
     ),
@@ -1054,7 +1058,7 @@ MUTANTS = [
     ),
     Mutant(
         "stage-3 gathered copies from the heap",
-        "zero/params.py",
+        "zero/gathers.py",
         "fulls = [scratch.empty(world * pc.numel(), pc.dtype, pc.device) for pc in pieces]",
         "fulls = [torch.empty(world * pc.numel(), dtype=pc.dtype) for pc in pieces]",
         (T_SCRATCH,),
@@ -1522,7 +1526,7 @@ MUTANTS = [
     ),
     Mutant(
         "hpZ: the secondary piece cut at the dp rank, not the rank within the pair",
-        "zero/params.py",
+        "zero/gathers.py",
         "        return cls(size, topo.dp_rank % size, topo.dp_subgroup(size))",
         "        return cls(size, topo.dp_rank // size, topo.dp_subgroup(size))",
         (T_HPZ,),
@@ -1544,7 +1548,7 @@ MUTANTS = [
     ),
     Mutant(
         "hpZ: a size that does not divide dp reaches the grid (no ConfigError naming the key)",
-        "zero/params.py",
+        "zero/gathers.py",
         "        if topo.dp % size:\n            raise ConfigError(",
         "        if False:\n            raise ConfigError(",
         (T_HPZ_REFUSED,),
@@ -2704,7 +2708,7 @@ MUTANTS = [
     ),
     Mutant(
         "the side stream's receive buffer is freed without record_stream",
-        "zero/params.py",
+        "zero/gathers.py",
         "        if record:\n            out.record_stream(torch.cuda.current_stream())\n"
         "        rows = out.view(world, width)",
         "        rows = out.view(world, width)",
@@ -4169,8 +4173,8 @@ MUTANTS = [
     Mutant(
         "DeepSpeed's optimizer.backward divides by the accumulation steps as engine.backward",
         "compat/deepspeed/runtime/engine.py",
-        "engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)",
-        "engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=True)",
+        "me().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)",
+        "me().backward(loss, retain_graph=retain_graph, scale_wrt_gas=True)",
         (T_DS_SURFACE,),
     ),
     Mutant(
@@ -4275,6 +4279,35 @@ MUTANTS = [
         "if offset + nbytes > size:",
         "if nbytes > size:",
         ("tests/test_aio.py::test_a_short_file_is_refused_naming_it",),
+    ),
+    Mutant(
+        "frozen pieces held as int8 blocks gathered dequantized, at full width",
+        "zero/gathers.py",
+        "    if keys[0][1]:  # frozen pieces held",
+        "    if False:  # frozen pieces held",
+        (T_QFROZEN,),
+    ),
+    Mutant(
+        "a value a quantized piece already holds quantized again (a reload drifts)",
+        "zero/frozen_pieces.py",
+        "            return  # the value these blocks hold: kept as they are",
+        "            pass  # the value these blocks hold: kept as they are",
+        (T_QFROZEN,),
+    ),
+    Mutant(
+        "frozen pieces not quantized at initialize",
+        "zero/stage3.py",
+        "        quantize_at_start(quantized_frozen, everything, self._trainable, "
+        "self.param_swapper)",
+        "        pass",
+        (T_QFROZEN,),
+    ),
+    Mutant(
+        "a write into a quantized piece lands in a dequantized copy",
+        "zero/frozen_pieces.py",
+        "        self.piece = value.to(self.dtype)",
+        "        self.piece.copy_(value)",
+        (T_QFROZEN,),
     ),
 ]
 

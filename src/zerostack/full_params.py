@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from .tensor_parallel import join_tensors, partition_spec, split_tensor
-from .zero.params import full_shape, gather_full
+from .zero.gathers import gather_full
+from .zero.params import full_shape
 from .zero.strategy import Pieces
 
 

@@ -275,6 +275,11 @@ class ZeroConfig(_Model):
     of 32 elements with one bf16 scale each (3.76x fewer bytes than fp32, 1.88x than bf16);
     the gathered weights are within half a step of their block's scale, the masters, optimizer
     and checkpoints stay exact (:mod:`zerostack.zero.quantize`)."""
+    zero_quantized_nontrainable_weights: bool = False
+    """Stage 3 (DeepSpeed's Mixed Precision ZeRO++): each frozen parameter's piece is quantized
+    once at initialize into qwZ's int8 blocks and kept so (1.0625 bytes an element), gathered
+    as it is held; the frozen weights become their quantized values, trained ones are exact
+    (:mod:`zerostack.zero.frozen_pieces`)."""
     zero_quantized_gradients: bool = False
     """Stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as an all-to-all of int8 blocks
     (each rank's contribution within half a step of its block's scale, summed in fp32 by the
@@ -346,6 +351,18 @@ class ZeroConfig(_Model):
                 f"quantizes stage 3's parameter all-gathers; set stage 3 (stage is {self.stage})",
                 "zero_quantized_weights",
             )
+        if self.zero_quantized_nontrainable_weights:
+            if self.stage != 3:
+                _fail(
+                    f"quantizes stage 3's frozen pieces; set stage 3 (stage is {self.stage})",
+                    "zero_quantized_nontrainable_weights",
+                )
+            if self.offload_param is not None and self.offload_param.device != "none":
+                _fail(
+                    "keeps frozen pieces quantized in device memory; offload_param moves them "
+                    "out: use one or the other",
+                    "zero_quantized_nontrainable_weights",
+                )
         if self.zero_hpz_partition_size > 1 and self.stage != 3:
             _fail(
                 f"partitions stage 3's parameters; set stage 3 (stage is {self.stage})",

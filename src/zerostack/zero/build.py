@@ -49,6 +49,7 @@ def build_strategy(
             gradient_bits=zcfg.zero_quantized_gradients_bits,
             hpz_partition_size=zcfg.zero_hpz_partition_size,
             shared=shared,
+            quantized_frozen=zcfg.zero_quantized_nontrainable_weights,
             **common,
         )
     return ShardedDataParallel(

@@ -37,10 +37,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Comm
+from .gathers import Subgroup
 from .leaves import z3_leaf_module
 from .module_hooks import ModuleHooks, eager
 from .param_swap import ParamSwapper, ResidentPieces
-from .params import ShardState, StorageMeter, Subgroup, release
+from .params import ShardState, StorageMeter, release
 from .unit_gather import Gatherer, UnitGather
 
 PREFETCH_UNITS = 2

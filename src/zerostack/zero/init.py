@@ -18,11 +18,11 @@ from torch import nn
 from ..comm import Comm
 from ..comm.grid import comm_for
 from ..topology import Topology
+from .gathers import gather_full
 from .hf_init import patch_init_weights
 from .params import (
     ShardState,
     StorageMeter,
-    gather_full,
     hold,
     is_sharded,
     release,
@@ -224,7 +224,7 @@ def _write_back(st: ShardState, full: torch.Tensor, comm: Comm) -> None:
     flat = torch.zeros(pn * st.world, dtype=torch.float32, device=full.device)
     flat[: st.numel].copy_(full.reshape(-1))
     mine = flat[rank * pn : (rank + 1) * pn]
-    st.piece.copy_(mine)
+    st.write(mine)
     if st.master is not None and st.master.data_ptr() != st.piece.data_ptr():
         st.master.copy_(mine)
 

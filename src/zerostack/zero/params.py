@@ -21,8 +21,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import ConfigError
-from ..core import scratch
-from . import partition, quantize
+from . import partition
 
 
 class StorageMeter:
@@ -81,6 +80,15 @@ class ShardState:
             p = owner()
             if p is not None:
                 p.ds_tensor = value  # DeepSpeed's name for this rank's partition
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """The tensor whose storage holds the piece (a quantized piece's: its payload)."""
+        return self.piece
+
+    def write(self, value: torch.Tensor) -> None:
+        """Set the piece's values to ``value`` (this rank's, padded), in place."""
+        self.piece.copy_(value)
 
     @property
     def gathered(self) -> bool:
@@ -226,146 +234,3 @@ def cut_all(params: list[nn.Parameter], comm: Comm, meter: StorageMeter, wide: s
         else:
             meter.track(p._zs.piece)
         p._zs.comm, p._zs.meter = comm, meter
-
-
-@dataclass
-class Subgroup:
-    """ZeRO++ hpZ: ``size`` consecutive dp ranks (``group``), this rank ``rank`` among them."""
-
-    size: int
-    rank: int
-    group: object
-
-    @classmethod
-    def of(cls, size: int, topo) -> Subgroup | None:
-        """``size`` consecutive dp ranks of ``topo``'s grid (None for 1: no hpZ)."""
-        if size == 1:
-            return None
-        if topo.dp % size:
-            raise ConfigError(
-                f"zero_optimization.zero_hpz_partition_size: {size} does not divide the "
-                f"data-parallel size {topo.dp}"
-            )
-        return cls(size, topo.dp_rank % size, topo.dp_subgroup(size))
-
-
-def gather_full(
-    states: list[ShardState],
-    comm: Comm,
-    dtype=None,
-    async_op=False,
-    quantized: bool = False,
-    secondary: Subgroup | None = None,
-    record: bool = False,
-):
-    """All-gather several parameters in one collective; returns their full tensors.
-
-    With ``async_op`` returns a function that waits and returns them. ``quantized`` sends int8
-    blocks (ZeRO++ qwZ, :mod:`.quantize`) and returns the dequantized values, in the pieces'
-    dtype (or ``dtype``). ``secondary`` gathers the states' secondary pieces (ZeRO++ hpZ, see
-    :func:`secondary_piece`) within that subgroup instead of the pieces over dp. ``record``:
-    launched on a side stream, the receive buffer is marked used by the stream that waits
-    (``Tensor.record_stream``), which reads it and may free it.
-    """
-    if secondary is not None:
-        pieces = [s.secondary for s in states]
-        return _gather_rows(states, pieces, comm, secondary.size, async_op, "hpz", secondary.group)
-    axes = sorted({s.axis for s in states})
-    if len(axes) > 1:  # one collective per axis, in one order on every rank
-        parts = [[i for i, s in enumerate(states) if s.axis == axis] for axis in axes]
-        waits = [
-            (idx, gather_full([states[i] for i in idx], comm, dtype, True, quantized, None, record))
-            for idx in parts
-        ]
-
-        def joined() -> list[torch.Tensor]:
-            out: list = [None] * len(states)
-            for idx, wait in waits:
-                for i, full in zip(idx, wait(), strict=True):
-                    out[i] = full
-            return out
-
-        return joined if async_op else joined()
-    axis, world = states[0].axis, states[0].world
-    pieces = [s.piece if dtype is None else s.piece.to(dtype) for s in states]
-    if world == 1:
-        fulls = [pc[: s.numel].view(s.shape) for pc, s in zip(pieces, states, strict=True)]
-        return (lambda: fulls) if async_op else fulls
-    if quantized:
-        return _gather_quantized(states, pieces, comm, async_op, record)
-    return _gather_rows(states, pieces, comm, world, async_op, axis, None, record)
-
-
-def _gather_rows(
-    states, pieces, comm: Comm, world: int, async_op: bool, axis: str, group, record=False
-):
-    """One all-gather of the ``pieces`` (each rank's, equal widths) over ``axis`` (or ``group``,
-    of ``world`` ranks); rank ``r``'s row holds piece ``r`` of every state. Over gloo each
-    piece goes straight into its parameter's full tensor; elsewhere the pieces are sent as one
-    concatenation and copied out of what arrives."""
-    if comm.gathers_each(axis, group):
-        fulls = [scratch.empty(world * pc.numel(), pc.dtype, pc.device) for pc in pieces]
-        handle = comm.all_gather_each(fulls, pieces, axis=axis, async_op=True, group=group)
-
-        def received() -> list[torch.Tensor]:
-            handle.wait()
-            return [f[: s.numel].view(s.shape) for f, s in zip(fulls, states, strict=True)]
-
-        return received if async_op else received()
-    flat = pieces[0]  # one piece is sent as it is
-    if len(pieces) > 1:
-        flat = scratch.empty(sum(pc.numel() for pc in pieces), flat.dtype, flat.device)
-        torch.cat(pieces, out=flat)
-    width = flat.numel()
-    out = scratch.empty(world * width, flat.dtype, flat.device)
-    handle = comm.all_gather(out, flat, axis=axis, async_op=True, group=group)
-    del flat  # the collective keeps what it sends alive until it completes
-
-    def finish() -> list[torch.Tensor]:
-        handle.wait()
-        if record:
-            out.record_stream(torch.cuda.current_stream())
-        rows = out.view(world, width)
-        fulls, off = [], 0
-        for s, pc in zip(states, pieces, strict=True):
-            pn = pc.numel()
-            full = out  # a unit of one parameter: a view of the fresh ``out``
-            if len(states) > 1:  # one copy of the strided column block
-                full = scratch.empty(world * pn, out.dtype, out.device)
-                full.view(world, pn).copy_(rows[:, off : off + pn])
-            fulls.append(full[: s.numel].view(s.shape))
-            off += pn
-        return fulls
-
-    return finish if async_op else finish()
-
-
-def secondary_piece(full: torch.Tensor, sub: Subgroup) -> torch.Tensor:
-    """This rank's piece of ``full`` cut ``sub.size`` ways (padded), a copy: ZeRO++ hpZ keeps it
-    from a forward's gather so that the backward gathers within the subgroup."""
-    flat = full.reshape(-1)
-    width = partition.piece_numel(flat.numel(), sub.size)
-    lo, hi = partition.piece_extent(flat.numel(), width, sub.rank)
-    piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
-    piece[: hi - lo].copy_(flat[lo:hi])
-    return piece
-
-
-def _gather_quantized(states, pieces, comm: Comm, async_op: bool, record: bool = False):
-    """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
-    world = states[0].world
-    payload = quantize.pack(pieces)
-    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    handle = comm.all_gather(out, payload, axis=states[0].axis, async_op=True)
-    del payload
-
-    def finish() -> list[torch.Tensor]:
-        handle.wait()
-        if record:
-            out.record_stream(torch.cuda.current_stream())
-        rows = out.view(world, -1)
-        numels = [pc.numel() for pc in pieces]
-        values = quantize.unpack(rows, numels, pieces[0].dtype)
-        return [v.reshape(-1)[: s.numel].view(s.shape) for v, s in zip(values, states, strict=True)]
-
-    return finish if async_op else finish()

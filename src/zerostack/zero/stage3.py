@@ -25,10 +25,12 @@ from ..comm import Comm
 from ..precision import Precision
 from .coordinator import ParamCoordinator
 from .flat_params import sync_from_rank0
+from .frozen_pieces import quantize_at_start
+from .gathers import Subgroup
 from .masters import GradFiles, GradShards, master_store
 from .offload import Downloads, HostMeter, Uploads, host_device
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
-from .params import StorageMeter, Subgroup, cut_all
+from .params import StorageMeter, cut_all
 from .stage3_groups import Group, make_group, sub_groups
 from .stage3_reduce import piece_reducers
 from .stage3_state import Stage3State
@@ -64,6 +66,7 @@ class Stage3(Stage3State, StepSequence):
         gradient_bits: int = 8,
         hpz_partition_size: int = 1,
         shared: set[nn.Parameter] | frozenset = frozenset(),
+        quantized_frozen: bool = False,
     ) -> None:
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
@@ -123,6 +126,8 @@ class Stage3(Stage3State, StepSequence):
                 p._zs.piece = self.meter.track(p._zs.piece.to(dtype))
             p.data = torch.empty(0, dtype=dtype, device=p.device)
         sync_from_rank0(list(module.buffers()), comm, dtype)
+        self.quantized_frozen = quantized_frozen  # zero_quantized_nontrainable_weights
+        quantize_at_start(quantized_frozen, everything, self._trainable, self.param_swapper)
 
         self._persistent = [p for p in everything if p._zs.numel < persistence_threshold]
         for p in self._persistent:

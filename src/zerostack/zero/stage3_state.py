@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .params import gather_full
+from .gathers import gather_full
 from .strategy import tally
 
 
@@ -160,7 +160,7 @@ class Stage3State:
         if self.param_swapper.holds(p):  # its file (offload_param)
             self.param_swapper.update(p, piece)
         if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
-            st.piece.copy_(piece)
+            st.write(piece)
         if st.gathered and p.numel() == st.numel:
             p.data.copy_(value.view_as(p))
 
@@ -189,9 +189,9 @@ class Stage3State:
         ``master`` (separate fp32 masters)."""
         if not self.param_swapper.offloads:
             pieces = [g.pieces for g in self.groups]
-            pieces += [p._zs.piece for p in self._owner if p not in self._trainable]
+            pieces += [p._zs.stored for p in self._owner if p not in self._trainable]
         else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
-            pieces = [p._zs.piece for p in self._owner if p._zs.piece.stride() != (0,)]
+            pieces = [p._zs.stored for p in self._owner if p._zs.piece.stride() != (0,)]
         if gathered:
             pieces += [p.data for p in self._owner if p._zs.gathered]
         for t in pieces:

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from .gathers import Subgroup, gather_full, secondary_piece
 from .param_swap import ParamSwapper, ResidentPieces
-from .params import StorageMeter, Subgroup, gather_full, hold, secondary_piece
+from .params import StorageMeter, hold
 
 
 class UnitGather:

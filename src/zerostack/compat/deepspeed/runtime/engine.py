@@ -12,11 +12,13 @@ are ``engine.topology``, ``engine.batch``, ``engine.update``, ``engine.window`` 
 from __future__ import annotations
 
 import logging
+import weakref
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
 from zerostack.clock import device_clock
 from zerostack.engine import Engine
 from zerostack.profiling.throughput import ThroughputTimer
+from zerostack.zero.frozen_pieces import quantize_nontrainable
 from zerostack.zero.state_offload import StateOffload
 from zerostack.zero.strategy import Pieces
 
@@ -38,11 +40,13 @@ class _Overflow:
         optimizer.overflow = False
         optimizer.cur_scale = float(state.loss_scaler.loss_scale)
 
+        me = weakref.ref(engine)  # the optimizer holds no way back to the engine
+
         def backward(loss, retain_graph=False):
             """DeepSpeed's ZeRO optimizer's ``backward(loss)``: the loss scaled (fp16) and
             backpropagated into the engine's gradients, not divided by the accumulation steps
             (``engine.backward`` divides)."""
-            engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+            me().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
         optimizer.backward = backward
 
@@ -62,6 +66,13 @@ class DeepSpeedEngine(EngineQueries, Engine):
             # engine.optimizer.parameter_offload (TRL's remove_hooks / add_hooks)
             offload = DeepSpeedZeRoOffload(self.module, self.zero.coordinator())
             self.optimizer.parameter_offload = offload
+            me = weakref.ref(self)  # the optimizer holds no way back to the engine's parts
+
+            def quantize_nontrainable_params() -> int:
+                """DeepSpeed's stage-3 optimizer's (:func:`quantize_nontrainable`)."""
+                return quantize_nontrainable(me().zero, me().module)
+
+            self.optimizer.quantize_nontrainable_params = quantize_nontrainable_params
         if self.optimizer is not None:
             self.add_callback(_Overflow(self.optimizer, self.state, self))
         self.states = StateOffload(self.module, self.zero, self.optimizer)
