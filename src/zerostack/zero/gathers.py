@@ -146,20 +146,31 @@ def _held_quantized(s: ShardState) -> bool:
     return "payload" in s.__dict__
 
 
-def _gather_held(states, comm: Comm, dtype, async_op: bool, record: bool = False):
-    """:func:`gather_full` of pieces held as qwZ payloads: each piece's payload sent as it is,
-    every rank's dequantized on arrival (in ``dtype``, or the piece's)."""
-    world, payloads = states[0].world, [s.payload for s in states]
-    flat = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
-    out = torch.empty(world * flat.numel(), dtype=torch.uint8, device=flat.device)
-    handle = comm.all_gather(out, flat, axis=states[0].axis, async_op=True)
-    del flat
+def _gather_bytes(states, payload: torch.Tensor, comm: Comm, async_op: bool, record: bool, decode):
+    """All-gather one uint8 ``payload`` per rank over the states' axis; ``decode(rows)`` turns
+    the (world, bytes) rows into the states' full tensors."""
+    world = states[0].world
+    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
+    handle = comm.all_gather(out, payload, axis=states[0].axis, async_op=True)
+    del payload  # the collective keeps what it sends alive until it completes
 
     def finish() -> list[torch.Tensor]:
         handle.wait()
         if record:
             out.record_stream(torch.cuda.current_stream())
-        rows, fulls, off = out.view(world, -1), [], 0
+        return decode(out.view(world, -1))
+
+    return finish if async_op else finish()
+
+
+def _gather_held(states, comm: Comm, dtype, async_op: bool, record: bool = False):
+    """:func:`gather_full` of pieces held as qwZ payloads: each piece's payload sent as it is,
+    every rank's dequantized on arrival (in ``dtype``, or the piece's)."""
+    payloads = [s.payload for s in states]
+    flat = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
+
+    def decode(rows: torch.Tensor) -> list[torch.Tensor]:
+        fulls, off = [], 0
         for s, pl in zip(states, payloads, strict=True):
             part = rows[:, off : off + pl.numel()].contiguous()
             value = quantize.unpack(part, [s.width], dtype or s.dtype)[0]
@@ -167,24 +178,15 @@ def _gather_held(states, comm: Comm, dtype, async_op: bool, record: bool = False
             off += pl.numel()
         return fulls
 
-    return finish if async_op else finish()
+    return _gather_bytes(states, flat, comm, async_op, record, decode)
 
 
 def _gather_quantized(states, pieces, comm: Comm, async_op: bool, record: bool = False):
     """:func:`gather_full` of int8 blocks: one uint8 payload per rank (:func:`.quantize.pack`)."""
-    world = states[0].world
-    payload = quantize.pack(pieces)
-    out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    handle = comm.all_gather(out, payload, axis=states[0].axis, async_op=True)
-    del payload
+    numels = [pc.numel() for pc in pieces]
 
-    def finish() -> list[torch.Tensor]:
-        handle.wait()
-        if record:
-            out.record_stream(torch.cuda.current_stream())
-        rows = out.view(world, -1)
-        numels = [pc.numel() for pc in pieces]
+    def decode(rows: torch.Tensor) -> list[torch.Tensor]:
         values = quantize.unpack(rows, numels, pieces[0].dtype)
         return [v.reshape(-1)[: s.numel].view(s.shape) for v, s in zip(values, states, strict=True)]
 
-    return finish if async_op else finish()
+    return _gather_bytes(states, quantize.pack(pieces), comm, async_op, record, decode)
