@@ -38,6 +38,9 @@ checkpoint.pickled_client_state checkpoint.save_dir checkpoint.save_interval
 checkpoint.tag_validation
 checkpoint.use_node_local_storage checkpoint.writer comms_logger.debug comms_logger.enabled
 comms_logger.prof_all comms_logger.prof_ops comms_logger.verbose communication_data_type
+hybrid_engine.enable_cuda_graph hybrid_engine.enabled hybrid_engine.inference_tp_size
+hybrid_engine.max_out_tokens hybrid_engine.pin_parameters hybrid_engine.release_inference_cache
+hybrid_engine.tp_gather_partition_size
 csv_monitor.enabled csv_monitor.job_name csv_monitor.output_path data_types.grad_accum_dtype
 dataloader_drop_last flops_profiler.detailed flops_profiler.enabled flops_profiler.module_depth
 flops_profiler.output_file flops_profiler.profile_step flops_profiler.recompute_fwd_factor
@@ -163,7 +166,7 @@ def deepspeed_defaults():
     batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     models = {"zero_optimization": DeepSpeedZeroConfig, "tensor_parallel": TPTrainingConfig}
     models.update(fp16=DeepSpeedFP16Config, bf16=DeepSpeedBF16Config)
-    models.update(comms_logger=CommsLoggerConfig)
+    models.update(comms_logger=CommsLoggerConfig, hybrid_engine=ds_config.HybridEngineConfig)
     # Blocks read with get_scalar_param: (modules of constants, the object holding the values).
     scalars = {"": ([constants], dsc), "data_types": ([constants], None)}
     scalars["activation_checkpointing"] = [act_config], dsc.activation_checkpointing_config

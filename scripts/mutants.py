@@ -4309,6 +4309,28 @@ MUTANTS = [
         "        self.piece.copy_(value)",
         (T_QFROZEN,),
     ),
+    Mutant(
+        "tensor-parallel parameters left whole after GatherReplacedLayerParams",
+        "tensor_parallel/whole.py",
+        "            p.data = split_tensor(p.data, parts=tp, rank=rank, dim=dim, chunks=chunks)",
+        "            pass",
+        ("tests/test_tp_whole.py::test_split_parameters_are_whole_inside_and_sliced_after",),
+    ),
+    Mutant(
+        "GatherReplacedLayerParams gathers nothing",
+        "compat/deepspeed/module_inject/layers.py",
+        "whole_tp(split, topology) if topology else contextlib.nullcontext()",
+        "contextlib.nullcontext()",
+        ("tests/test_tp_whole.py::test_split_parameters_are_whole_inside_and_sliced_after",),
+    ),
+    Mutant(
+        "hybrid_engine: generate gathers module by module at every token",
+        "compat/deepspeed/runtime/hybrid_engine.py",
+        "    module.generate = generate_gathered",
+        "    pass",
+        ("tests/test_hybrid_engine.py::test_generate_gathers_the_model_once_and_gives_the_"
+         "plain_models_tokens",),
+    ),
 ]
 
 

@@ -77,7 +77,6 @@ SAMPLES = {
     "expert_parallel": ({"enabled": True, "autoep_size": 2}, {"enabled": False}),
     "comet": ({"enabled": True}, {"enabled": False, "project": "p"}),
     "autotuning": ({"enabled": True}, {"enabled": False, "fast": True}),
-    "hybrid_engine": ({"enabled": True}, {}),
     "data_efficiency": ({"enabled": True}, {"enabled": False}),
     "compile": ({"deepcompile": True}, {"deepcompile": False}),
     "weight_quantization": ({"quantized_initialization": {}}, None),
@@ -181,12 +180,13 @@ def test_unsupported_messages():
 
 def test_several_refusals_are_one_line():
     with pytest.raises(ConfigError) as info:
-        load_config({"nebula": {}, "hybrid_engine": {"enabled": True}, "aio": 3})
+        load_config({"nebula": {}, "data_efficiency": {"enabled": True}, "aio": 3})
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.split("; ") == [  # in the inventory's order
         "aio: must be a JSON object (got 3)",
-        "hybrid_engine: not supported by zerostack (no inference engine for generation)",
+        "data_efficiency: not supported by zerostack (no curriculum learning / random-LTD data "
+        "pipeline)",
         "nebula: not supported by zerostack (removed from DeepSpeed, which refuses it too)",
     ]
 

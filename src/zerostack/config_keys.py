@@ -179,7 +179,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "autotuning": _unsupported(
         'use the planner: zerostack plan, or "auto" stage / micro-batch', _enabled, dict
     ),
-    "hybrid_engine": _unsupported("no inference engine for generation", _enabled, dict),
+    "hybrid_engine": _works("generate with the whole model gathered once (stage 3)"),
     "data_efficiency": _unsupported(
         "no curriculum learning / random-LTD data pipeline", _enabled, dict
     ),
@@ -227,6 +227,11 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "checkpoint.use_node_local_storage": "checkpoints go to the one folder given",
     "checkpoint.parallel_write.pipeline_stage": "every rank writes its own file",
     "checkpoint.writer": "safetensors files, one per rank",
+    "hybrid_engine.max_out_tokens": "no inference kernels: no workspace to size",
+    "hybrid_engine.release_inference_cache": "no inference cache",
+    "hybrid_engine.pin_parameters": "no inference containers to pin",
+    "hybrid_engine.tp_gather_partition_size": "the whole model is gathered at once",
+    "hybrid_engine.enable_cuda_graph": "no CUDA graphs",
     **{f"zero_optimization.offload_optimizer.{k}": v for k, v in _OFFLOAD_NO_EFFECT.items()},
     **{f"zero_optimization.offload_param.{k}": v for k, v in _OFFLOAD_NO_EFFECT.items()},
 }

@@ -1,5 +1,5 @@
 """What a long run reports and keeps: the monitor, flops profiler and comms logger blocks,
-``watchdog``, ``checkpoint`` and ``loss_spike``."""
+``watchdog``, ``checkpoint`` and ``loss_spike``; and DeepSpeed-Chat's ``hybrid_engine``."""
 
 from typing import Annotated, Any, Literal
 
@@ -74,6 +74,39 @@ class CommsLoggerConfig(_Model):
     """Name each row with where the op ran too (its grid axis, or the calling function)."""
     prof_ops: list[str] = Field(default_factory=list)
     """Ops recorded when prof_all is false (e.g. ["all_reduce", "all_gather"])."""
+
+
+class HybridEngineConfig(_Model):
+    """The ``hybrid_engine`` block (DeepSpeed-Chat's RLHF; DeepSpeed's keys and defaults): with
+    ``enabled``, the module's ``generate`` runs with every stage-3 parameter gathered once for
+    the whole generation (DeepSpeed's gather of all layers), not module by module at each
+    token. DeepSpeed's inference kernels, CUDA graphs and KV-cache settings make it faster,
+    not different: zerostack has none, and they take no effect here."""
+
+    enabled: bool = False
+    """Gather the model once around ``generate``."""
+    max_out_tokens: PositiveInt = 512
+    """DeepSpeed's inference workspace size: no effect (no inference kernels)."""
+    inference_tp_size: PositiveInt = 1
+    """Tensor parallelism for generation only: 1 (more is refused)."""
+    release_inference_cache: bool = False
+    """No effect (no inference cache)."""
+    pin_parameters: bool = True
+    """No effect (no inference containers to pin)."""
+    tp_gather_partition_size: PositiveInt = 8
+    """No effect (the whole model is gathered at once)."""
+    enable_cuda_graph: bool = False
+    """No effect (no CUDA graphs)."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> "HybridEngineConfig":
+        if self.enabled and self.inference_tp_size > 1:
+            _fail(
+                "splits the model for generation only; zerostack generates with the training "
+                "layout (set 1, or tensor_parallel.autotp_size for training too)",
+                "inference_tp_size",
+            )
+        return self
 
 
 # --- top level ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .runs import (
     CheckpointConfig,
     CommsLoggerConfig,
     FlopsProfilerConfig,
+    HybridEngineConfig,
     LossSpikeConfig,
     MonitorConfig,
     WandbConfig,
@@ -152,6 +153,8 @@ class ZeroStackConfig(_Model):
     """DeepSpeed's flops profiler (see zerostack.profiling)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """DeepSpeed's comms logger (see zerostack.comm.log_summary)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed-Chat's hybrid engine: the model gathered once around ``generate``."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Hang and frozen-rank detection (see zerostack.watchdog)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -172,37 +175,7 @@ class ZeroStackConfig(_Model):
     def _deepspeed_keys(cls, data: Any) -> Any:
         """DeepSpeed's keys without a field: refused when not supported and asking for
         something, else kept in deepspeed_only; ``zero_optimization: true`` is stage 1."""
-        if not isinstance(data, dict):
-            return data
-        if "deepspeed_only" in data:
-            _fail("not a config key (set by the loader)", "deepspeed_only")
-        data = dict(data)
-        if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
-            data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
-        named = set(cls.model_fields)
-        for field in cls.model_fields.values():
-            if isinstance(field.validation_alias, AliasChoices):
-                named.update(a for a in field.validation_alias.choices if isinstance(a, str))
-        kept: dict[str, Any] = {}
-        errors: list[InitErrorDetails] = []
-        for key, entry in DEEPSPEED_KEYS.items():
-            if key not in data or key in named:
-                continue
-            value = data.pop(key)
-            if not _is_kind(value, entry.kind):
-                msg = f"must be {_KIND_NAMES[entry.kind]} (got {_show(value)})"
-            elif entry.status == UNSUPPORTED and entry.asks(value):
-                msg = unsupported_error(key)
-            else:
-                kept[key] = value
-                continue
-            err = PydanticCustomError("zerostack", "{msg}", {"msg": msg, "paths": ()})
-            errors.append(InitErrorDetails(type=err, loc=(key,), input=value))
-        if errors:
-            raise ValidationError.from_exception_data(cls.__name__, errors)
-        if kept:
-            data["deepspeed_only"] = kept
-        return data
+        return _deepspeed_only(cls, data)
 
     @model_validator(mode="after")
     def _spike_has_a_checkpoint(self) -> "ZeroStackConfig":
@@ -291,3 +264,38 @@ class ZeroStackConfig(_Model):
             **self.model_dump(mode="json", by_alias=True, exclude_none=True),
             **self.deepspeed_only,
         }
+
+
+def _deepspeed_only(cls, data: Any) -> Any:
+    """:meth:`ZeroStackConfig._deepspeed_keys` (see it)."""
+    if not isinstance(data, dict):
+        return data
+    if "deepspeed_only" in data:
+        _fail("not a config key (set by the loader)", "deepspeed_only")
+    data = dict(data)
+    if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
+        data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+    named = set(cls.model_fields)
+    for field in cls.model_fields.values():
+        if isinstance(field.validation_alias, AliasChoices):
+            named.update(a for a in field.validation_alias.choices if isinstance(a, str))
+    kept: dict[str, Any] = {}
+    errors: list[InitErrorDetails] = []
+    for key, entry in DEEPSPEED_KEYS.items():
+        if key not in data or key in named:
+            continue
+        value = data.pop(key)
+        if not _is_kind(value, entry.kind):
+            msg = f"must be {_KIND_NAMES[entry.kind]} (got {_show(value)})"
+        elif entry.status == UNSUPPORTED and entry.asks(value):
+            msg = unsupported_error(key)
+        else:
+            kept[key] = value
+            continue
+        err = PydanticCustomError("zerostack", "{msg}", {"msg": msg, "paths": ()})
+        errors.append(InitErrorDetails(type=err, loc=(key,), input=value))
+    if errors:
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+    if kept:
+        data["deepspeed_only"] = kept
+    return data

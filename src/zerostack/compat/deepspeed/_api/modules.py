@@ -99,6 +99,10 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.DeepSpeedTransformerConfig": _served("DeepSpeed's fields, from_dict, "
                                                         "from_json_file"),
+        "deepspeed.module_inject.layers.GatherReplacedLayerParams": _served(
+            "AutoTP-split parameters whole inside (all-gathered over tp), sliced again after: "
+            "OpenRLHF's weight sync"
+        ),
         "deepspeed.utils.module_utils.recursive_getattr": _served("a submodule by dotted name"),
         "deepspeed.utils.module_utils.recursive_setattr": _served("replace one by dotted name"),
         "deepspeed.compression.helper": _served(

@@ -23,6 +23,7 @@ from zerostack.zero.state_offload import StateOffload
 from zerostack.zero.strategy import Pieces
 
 from .engine_queries import EngineQueries, LossScale
+from .hybrid_engine import gather_around_generate
 from .zero.offload_config import OffloadDeviceEnum
 from .zero.parameter_offload import DeepSpeedZeRoOffload
 
@@ -76,6 +77,7 @@ class DeepSpeedEngine(EngineQueries, Engine):
         if self.optimizer is not None:
             self.add_callback(_Overflow(self.optimizer, self.state, self))
         self.states = StateOffload(self.module, self.zero, self.optimizer)
+        gather_around_generate(self.module, self.config)
         # DeepSpeed's: started at each forward when initialize had no training data, stopped
         # at each step (DeepSpeed synchronizes its throughput timer by default: on a GPU too)
         self.tput_timer = ThroughputTimer(
