@@ -4292,7 +4292,8 @@ MUTANTS = [
         "zero/frozen_pieces.py",
         "            return  # the value these blocks hold: kept as they are",
         "            pass  # the value these blocks hold: kept as they are",
-        (T_QFROZEN,),
+        ("tests/test_quantized_frozen.py::test_writing_back_the_value_a_piece_holds_keeps_its_"
+         "blocks",),
     ),
     Mutant(
         "frozen pieces not quantized at initialize",

@@ -207,3 +207,20 @@ def test_the_method_warns_and_does_nothing_without_the_setting():
 def test_settings_that_cannot_hold_quantized_pieces_are_refused(zero, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_config(**zero))
+
+
+def test_writing_back_the_value_a_piece_holds_keeps_its_blocks():
+    """Quantizing twice is not the identity: a block whose largest value is 1.0 gets the scale
+    bf16_up(1 / 127) and 126 steps, and those 126 steps quantized again become 127 of a finer
+    scale. A checkpoint of the run written back into its pieces must keep the blocks."""
+    from zerostack.zero import quantize
+    from zerostack.zero.frozen_pieces import QuantizedPiece
+
+    x = torch.linspace(-0.5, 1.0, 64)
+    st = QuantizedPiece(torch.Size([64]), 64, x)
+    held, value = st.payload.clone(), st.piece
+    assert not torch.equal(quantize.pack([value]), held)  # quantized again, it would drift
+    st.piece = value.clone()
+    assert torch.equal(st.payload, held) and torch.equal(st.piece, value)
+    st.write(torch.zeros(64))  # another value is quantized
+    assert torch.equal(st.piece, torch.zeros(64))
