@@ -82,6 +82,7 @@ zero_optimization.stage3_param_persistence_threshold zero_optimization.stage3_pr
 zero_optimization.sub_group_size zero_optimization.zero_hpz_partition_size
 zero_optimization.zero_quantized_gradients zero_optimization.zero_quantized_gradients_bits
 zero_optimization.zero_quantized_weights
+zero_optimization.memory_efficient_linear
 zero_optimization.zero_quantized_nontrainable_weights
 """.split()
 

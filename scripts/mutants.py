@@ -4332,6 +4332,13 @@ MUTANTS = [
         ("tests/test_hybrid_engine.py::test_generate_gathers_the_model_once_and_gives_the_"
          "plain_models_tokens",),
     ),
+    Mutant(
+        "ds_grad_is_ready ignored: a tiled backward's gradient taken at every tile",
+        "zero/params.py",
+        "        if p.ds_grad_is_ready:",
+        "        if True:",
+        ("tests/test_grad_is_ready.py::test_a_tiled_backward_is_taken_once_per_parameter[2]",),
+    ),
 ]
 
 

@@ -179,6 +179,7 @@ def test_defaults_match_deepspeed():
             "name_suffixes": [],
         },
         "zero_quantized_weights": False,  # ZeRO++: DeepSpeed's defaults, off
+        "memory_efficient_linear": True,  # no effect: always the memory-efficient form
         "zero_quantized_nontrainable_weights": False,  # DeepSpeed's default
         "zero_quantized_gradients": False,
         "zero_quantized_gradients_bits": 8,  # zerostack's key: qgZ's value width

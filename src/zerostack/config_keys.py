@@ -221,6 +221,8 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "zero_optimization.elastic_checkpoint": "checkpoints load on any layout already",
     "zero_optimization.ignore_unused_parameters": "parameters without a gradient are "
     "always tolerated",
+    "zero_optimization.memory_efficient_linear": "stage 3's linear always saves the weight "
+    "parameter, never its gathered storage (the memory-efficient form)",
     "zero_optimization.load_from_fp32_weights": "fp32 masters are always restored from the "
     "checkpoint",
     "checkpoint.tag_validation": "tags are not compared; every rank must pass the same",

@@ -270,6 +270,10 @@ class ZeroConfig(_Model):
     load_from_fp32_weights: bool = True
     """Restore fp32 master weights from the checkpoint's fp32 copy. Accepted for DeepSpeed
     compatibility; no effect yet."""
+    memory_efficient_linear: bool = True
+    """Stage 3's linear saves the weight parameter for backward, not its gathered storage
+    (DeepSpeed's memory-efficient form). Always so here: false (torch's linear, which keeps
+    every gathered weight until backward) has no effect."""
     zero_quantized_weights: bool = False
     """Stage 3 (ZeRO++ qwZ): parameters are all-gathered for forward and backward as int8 blocks
     of 32 elements with one bf16 scale each (3.76x fewer bytes than fp32, 1.88x than bf16);

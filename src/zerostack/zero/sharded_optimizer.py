@@ -48,6 +48,7 @@ from .flat_state import FlatState
 from .grad_buffers import GradBuffer
 from .masters import master_store
 from .offload import Downloads, HostMeter, Uploads, host_device
+from .params import hook_grads
 from .partition import FlatLayout
 from .reducer import GradReducer
 from .strategy import StepSequence
@@ -177,9 +178,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         done = self.grads.done()
         sizes = [len(st.bucket.slots) for st in self.buckets]
         self.reducer = GradReducer(sizes, self.grads.launch, done)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self.grads.on_grad_ready) for p in self._where
-        ]
+        self._hooks = hook_grads(list(self._where), self.grads.on_grad_ready)
 
     def _sync_untracked(self, dtype) -> None:
         others = [p for p in self.module.parameters() if p not in self._where]

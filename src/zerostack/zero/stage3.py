@@ -30,7 +30,7 @@ from .gathers import Subgroup
 from .masters import GradFiles, GradShards, master_store
 from .offload import Downloads, HostMeter, Uploads, host_device
 from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
-from .params import StorageMeter, cut_all
+from .params import StorageMeter, cut_all, hook_grads
 from .stage3_groups import Group, make_group, sub_groups
 from .stage3_reduce import piece_reducers
 from .stage3_state import Stage3State
@@ -177,7 +177,7 @@ class Stage3(Stage3State, StepSequence):
             downloads=self.downloads,
         )
         self.reduce = self.reducers["dp"]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+        self._hooks = hook_grads(trainable, self._on_grad_ready)
 
     # ----------------------------------------------------------------------------- gathering
     def coordinator(self) -> ParamCoordinator:
