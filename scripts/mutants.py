@@ -4339,6 +4339,13 @@ MUTANTS = [
         "        if True:",
         ("tests/test_grad_is_ready.py::test_a_tiled_backward_is_taken_once_per_parameter[2]",),
     ),
+    Mutant(
+        "check_overflow sees this rank's gradients alone",
+        "compat/deepspeed/runtime/engine.py",
+        '            e.comm.all_reduce(bad, axis="world", op=torch.distributed.ReduceOp.MAX)',
+        "            pass",
+        ("tests/test_engine_surface.py::test_check_overflow_sees_any_ranks_non_finite_gradient",),
+    ),
 ]
 
 

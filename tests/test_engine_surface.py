@@ -832,3 +832,36 @@ def test_deepspeed_optimizer_backward_throughput_timer_and_ds_tensor():
         assert "RunningAvgSamplesPerSec=4.0," in want["lines"][-1]
         assert want["count"] == sum(p.numel() for p in Net(0).parameters())
         assert want["pieces"] == ([True] * 4 if stage == 3 else []), stage
+
+
+def _overflow_checks(rank, world):
+    import zerostack.compat.deepspeed as deepspeed
+
+    out = {}
+    for stage in (1, 2, 3):
+        engine, optimizer, *_ = deepspeed.initialize(
+            model=Net(0), config=_net_config(world, stage, gas=2)
+        )
+        per, seen = B // world // 2, []
+        x, y = _data(0)
+        for m in range(2):
+            lo = (rank * 2 + m) * per
+            loss = engine(x[lo : lo + per], y[lo : lo + per])
+            if m == 1 and rank == 0:
+                loss = loss * float("inf")  # one rank's second micro-batch overflows
+            engine.backward(loss)
+            optimizer.check_overflow()
+            seen.append(optimizer.overflow)
+            engine.step()
+        out[stage] = (seen, engine.was_step_applied(), optimizer.overflow)
+        engine.destroy()
+    return out
+
+
+def test_check_overflow_sees_any_ranks_non_finite_gradient():
+    """DeepSpeed's ``optimizer.check_overflow()`` (DeepSpeed-Chat aligns the actor's and
+    critic's skipped steps with it): False after a finite micro-step, True on every rank once one
+    rank's gradients hold an inf, before the step, which then skips."""
+    for out in run_distributed(_overflow_checks, 2):
+        for stage, (seen, applied, overflow) in out.items():
+            assert seen == [False, True] and not applied and overflow, stage

@@ -40,8 +40,8 @@ ENGINES: dict[str, dict[str, Api]] = {
         f"{ENGINE}.loss_scale": _works("the current scale; called, DeepSpeed's configured one"),
         f"{ENGINE}.optimizer": _different(
             "the torch optimizer stepping the fp32 masters (DeepSpeed's is a ZeRO wrapper), with "
-            "DeepSpeed's `overflow`, `cur_scale`, `backward(loss)` (not divided by the "
-            "accumulation steps) and, at stage 3, `parameter_offload` and "
+            "DeepSpeed's `overflow`, `cur_scale`, `check_overflow()`, `backward(loss)` (not "
+            "divided by the accumulation steps) and, at stage 3, `parameter_offload` and "
             "`quantize_nontrainable_params()` set on it"
         ),
         f"{ENGINE}.tput_timer": _works(

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import weakref
 
+import torch
+
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
 from zerostack.clock import device_clock
 from zerostack.engine import Engine
@@ -50,6 +52,19 @@ class _Overflow:
             me().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
         optimizer.backward = backward
+
+        def check_overflow(partition_gradients=True) -> None:
+            """DeepSpeed's ZeRO optimizer's: ``optimizer.overflow`` set to whether the gradients
+            any rank holds in memory so far in this window have an inf or a NaN (a collective
+            over every rank; gradients in NVMe files are not read)."""
+            e = me()
+            held = [t for kind, t in e.zero.state_tensors() if kind == "grads"]
+            bad = torch.tensor(float(any(not torch.isfinite(t).all() for t in held)))
+            bad = bad.to(e.device)
+            e.comm.all_reduce(bad, axis="world", op=torch.distributed.ReduceOp.MAX)
+            optimizer.overflow = bool(bad.item())
+
+        optimizer.check_overflow = check_overflow
 
     def after_step(self, report) -> None:
         self.optimizer.overflow = not report.applied
