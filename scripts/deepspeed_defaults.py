@@ -26,6 +26,7 @@ COMMAND = (
     "DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_defaults.py"
     " --write tests/golden/deepspeed_defaults.json"
 )
+_ABSENT = object()
 # Leaf key paths of zerostack.config.ZeroStackConfig (nested models walked), sorted.
 ZEROSTACK_KEYS = """
 activation_checkpointing.contiguous_memory_optimization activation_checkpointing.cpu_checkpointing
@@ -38,6 +39,17 @@ checkpoint.pickled_client_state checkpoint.save_dir checkpoint.save_interval
 checkpoint.tag_validation
 checkpoint.use_node_local_storage checkpoint.writer comms_logger.debug comms_logger.enabled
 comms_logger.prof_all comms_logger.prof_ops comms_logger.verbose communication_data_type
+data_efficiency.data_routing data_efficiency.data_sampling.curriculum_learning
+data_efficiency.data_sampling.dynamic_batching.enabled
+data_efficiency.data_sampling.dynamic_batching.lr_scaling_method
+data_efficiency.data_sampling.dynamic_batching.max_batch_size
+data_efficiency.data_sampling.dynamic_batching.max_tokens
+data_efficiency.data_sampling.dynamic_batching.metrics_path
+data_efficiency.data_sampling.dynamic_batching.min_batch_size
+data_efficiency.data_sampling.dynamic_batching.sequence_picking_order
+data_efficiency.data_sampling.dynamic_batching.verbose data_efficiency.data_sampling.enabled
+data_efficiency.data_sampling.num_epochs data_efficiency.data_sampling.num_workers
+data_efficiency.data_sampling.pin_memory data_efficiency.enabled data_efficiency.seed
 hybrid_engine.enable_cuda_graph hybrid_engine.enabled hybrid_engine.inference_tp_size
 hybrid_engine.max_out_tokens hybrid_engine.pin_parameters hybrid_engine.release_inference_cache
 hybrid_engine.tp_gather_partition_size
@@ -91,6 +103,8 @@ def jsonable(v):
     v = v.value if isinstance(v, enum.Enum) else v
     if isinstance(v, tuple | list):
         return [jsonable(x) for x in v]
+    if isinstance(v, dict):  # a block DeepSpeed reads as a dict (data_efficiency's)
+        return {k: jsonable(x) for k, x in v.items()}
     if isinstance(v, float) and math.isinf(v):
         return str(v)
     if v is None or isinstance(v, bool | float | str):
@@ -187,11 +201,20 @@ def deepspeed_defaults():
         # Read only when given (DeepSpeedConfig.__init__ then divides the world size by it).
         "sequence_parallel_size": (1, f"{cfg}:DeepSpeedConfig.__init__ (absent: 1)"),
     }
+    from deepspeed.runtime.data_pipeline import config as de_config
+
+    data_efficiency = de_config.get_data_efficiency_config({})
     out = {}
     for path in ZEROSTACK_KEYS:
         (block, _, leaf), (head, *rest) = path.rpartition("."), path.split(".")
         found = special.get(path)
-        if found is None and head in models:
+        if found is None and head == "data_efficiency":
+            node = data_efficiency
+            for part in rest:
+                node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+            if node is not _ABSENT:
+                found = node, f"{where(de_config)}:get_data_efficiency_config"
+        elif found is None and head in models:
             found = from_model(models[head], rest)
         elif found is None and head in ("tensorboard", "csv_monitor", "wandb"):
             found = from_model(DeepSpeedMonitorConfig, [head, *rest])

@@ -28,7 +28,8 @@ COMMAND = (
 UNKNOWN = "zz_not_a_key"
 BLOCKS = """
 activation_checkpointing aio autotuning bf16 checkpoint checkpoint.parallel_write comet
-comms_logger compile csv_monitor data_efficiency data_types expert_parallel flops_profiler fp16
+comms_logger compile csv_monitor data_efficiency data_efficiency.data_sampling
+data_efficiency.data_sampling.dynamic_batching data_types expert_parallel flops_profiler fp16
 hybrid_engine optimizer optimizer.params pipeline scheduler scheduler.params tensor_parallel
 tensorboard timers torch_autocast wandb zero_optimization zero_optimization.offload_optimizer
 zero_optimization.offload_param zero_optimization.leaf_module

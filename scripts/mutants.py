@@ -4346,6 +4346,58 @@ MUTANTS = [
         "            pass",
         ("tests/test_engine_surface.py::test_check_overflow_sees_any_ranks_non_finite_gradient",),
     ),
+    Mutant(
+        "indexed dataset: merged documents keep the other file's item numbers",
+        "data/indexed_dataset.py",
+        "(doc_idx[1:] + offset).tolist()",
+        "doc_idx[1:].tolist()",
+        ("tests/test_indexed_dataset.py::test_builds_deepspeeds_bytes",),
+    ),
+    Mutant(
+        "indexed dataset: get's offset counted in bytes, not items",
+        "data/indexed_dataset.py",
+        "int(self._pointers[i]) + offset * self._itemsize",
+        "int(self._pointers[i]) + offset",
+        ("tests/test_indexed_dataset.py::test_reads_deepspeeds_files_as_deepspeed",),
+    ),
+    Mutant(
+        "indexed dataset builder writes in place",
+        "data/indexed_dataset.py",
+        "self._tmp = _temporary_beside(self._out)",
+        "self._tmp = self._out",
+        ("tests/test_indexed_dataset.py::test_failed_build_leaves_no_file_and_keeps_the_old_"
+         "one",),
+    ),
+    Mutant(
+        "dynamic batching: the seed of the random picking order ignored",
+        "data/variable_batch.py",
+        "random.Random(seed).shuffle(pairs)",
+        "random.Random(0).shuffle(pairs)",
+        ("tests/test_variable_batch.py::test_batch_by_seqlens_equals_deepspeeds",),
+    ),
+    Mutant(
+        "dynamic batching: step(0) does not go back to the unscaled rates",
+        "data/variable_batch.py",
+        "unscaled = self.base_lrs if epoch == 0 else self.get_last_lr()",
+        "unscaled = self.get_last_lr()",
+        ("tests/test_variable_batch.py::test_scheduler_equals_deepspeeds",),
+    ),
+    Mutant(
+        "dynamic batching: micro-batches of a batch cut in runs, not interleaved",
+        "data/variable_batch.py",
+        "microbatches += [pairs[start + b : end : group] for b in range(group)]",
+        "microbatches += [pairs[start + b * (end - start) // group : start + (b + 1) * "
+        "(end - start) // group] for b in range(group)]",
+        ("tests/test_variable_batch.py::test_batch_by_seqlens_equals_deepspeeds",),
+    ),
+    Mutant(
+        "dynamic batching: the lengths in metrics_path never read",
+        "compat/deepspeed/runtime/data_pipeline/data_sampling/variable_batch_size_and_lr.py",
+        "    if metrics_path is not None and MMapIndexedDataset.exists(prefix):",
+        "    if False:",
+        ("tests/test_variable_batch.py::test_lengths_measured_with_batch_seqlens_fn_then_read_"
+         "from_the_metrics_files",),
+    ),
 ]
 
 

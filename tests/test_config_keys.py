@@ -77,7 +77,6 @@ SAMPLES = {
     "expert_parallel": ({"enabled": True, "autoep_size": 2}, {"enabled": False}),
     "comet": ({"enabled": True}, {"enabled": False, "project": "p"}),
     "autotuning": ({"enabled": True}, {"enabled": False, "fast": True}),
-    "data_efficiency": ({"enabled": True}, {"enabled": False}),
     "compile": ({"deepcompile": True}, {"deepcompile": False}),
     "weight_quantization": ({"quantized_initialization": {}}, None),
     **{
@@ -180,13 +179,13 @@ def test_unsupported_messages():
 
 def test_several_refusals_are_one_line():
     with pytest.raises(ConfigError) as info:
-        load_config({"nebula": {}, "data_efficiency": {"enabled": True}, "aio": 3})
+        quantized = {"quantized_initialization": {}}
+        load_config({"nebula": {}, "weight_quantization": quantized, "aio": 3})
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.split("; ") == [  # in the inventory's order
         "aio: must be a JSON object (got 3)",
-        "data_efficiency: not supported by zerostack (no curriculum learning / random-LTD data "
-        "pipeline)",
+        "weight_quantization: not supported by zerostack (no quantized weights)",
         "nebula: not supported by zerostack (removed from DeepSpeed, which refuses it too)",
     ]
 

@@ -180,8 +180,9 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         'use the planner: zerostack plan, or "auto" stage / micro-batch', _enabled, dict
     ),
     "hybrid_engine": _works("generate with the whole model gathered once (stage 3)"),
-    "data_efficiency": _unsupported(
-        "no curriculum learning / random-LTD data pipeline", _enabled, dict
+    "data_efficiency": _works(
+        "dynamic batching (variable batch size and LR); curriculum learning and random-LTD "
+        "refused"
     ),
     "compile": _unsupported(
         "no DeepCompile (deepcompile: true); engine.compile() compiles block by block",
@@ -229,6 +230,7 @@ NESTED_NO_EFFECT: dict[str, str] = {
     "checkpoint.use_node_local_storage": "checkpoints go to the one folder given",
     "checkpoint.parallel_write.pipeline_stage": "every rank writes its own file",
     "checkpoint.writer": "safetensors files, one per rank",
+    "data_efficiency.data_sampling.num_epochs": "curriculum learning's, which is refused",
     "hybrid_engine.max_out_tokens": "no inference kernels: no workspace to size",
     "hybrid_engine.release_inference_cache": "no inference cache",
     "hybrid_engine.pin_parameters": "no inference containers to pin",
@@ -326,6 +328,8 @@ DEEPSPEED_IGNORES_UNKNOWN = frozenset(
         "checkpoint",
         "checkpoint.parallel_write",
         "data_efficiency",
+        "data_efficiency.data_sampling",
+        "data_efficiency.data_sampling.dynamic_batching",
         "data_types",
         "expert_parallel",
         "flops_profiler",

@@ -26,6 +26,7 @@ from .base import (
     _Model,
     _show,
 )
+from .data import DataEfficiencyConfig
 from .optim import OptimizerConfig, SchedulerConfig
 from .parallel import ActivationCheckpointingConfig, PipelineConfig, TensorParallelConfig
 from .runs import (
@@ -155,6 +156,8 @@ class ZeroStackConfig(_Model):
     """DeepSpeed's comms logger (see zerostack.comm.log_summary)."""
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     """DeepSpeed-Chat's hybrid engine: the model gathered once around ``generate``."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency block: dynamic batching (variable batch size and LR)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Hang and frozen-rank detection (see zerostack.watchdog)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -103,6 +103,14 @@ MODULES: dict[str, dict[str, Api]] = {
             "AutoTP-split parameters whole inside (all-gathered over tp), sliced again after: "
             "OpenRLHF's weight sync"
         ),
+        "deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr."
+        "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed": _served(
+            "DeepSpeed's packing, loader and scaled learning rates (equal to its own); lengths "
+            "given, read from metrics_path or measured with batch_seqlens_fn"
+        ),
+        "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset.MMapIndexedDataset": (
+            _served("DeepSpeed's .idx/.bin format, items as read-only memory-mapped views")
+        ),
         "deepspeed.utils.module_utils.recursive_getattr": _served("a submodule by dotted name"),
         "deepspeed.utils.module_utils.recursive_setattr": _served("replace one by dotted name"),
         "deepspeed.compression.helper": _served(
