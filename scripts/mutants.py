@@ -4166,7 +4166,7 @@ MUTANTS = [
     Mutant(
         "a stage-3 parameter's ds_tensor left on its first piece",
         "zero/params.py",
-        "                p.ds_tensor = value  # DeepSpeed's name for this rank's partition",
+        "                p.ds_tensor = self.stored  # DeepSpeed's name for this rank's partition",
         "                pass",
         (T_DS_SURFACE,),
     ),

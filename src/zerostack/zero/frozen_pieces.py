@@ -52,15 +52,9 @@ class QuantizedPiece(ShardState):
         payload = quantize.pack([value.reshape(-1)])
         self.payload = payload if self.meter is None else self.meter.track(payload)
 
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name == "piece" and (owner := self.__dict__.get("owner")) is not None:
-            if (p := owner()) is not None:
-                p.ds_tensor = self.payload  # DeepSpeed's quantized ds_tensor: int8 and scales
-
     @property
     def stored(self) -> torch.Tensor:
-        return self.payload
+        return self.payload  # also its ds_tensor: DeepSpeed's quantized one is int8 and scales
 
     def write(self, value: torch.Tensor) -> None:
         self.piece = value.to(self.dtype)

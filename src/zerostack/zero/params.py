@@ -79,7 +79,7 @@ class ShardState:
         if name == "piece" and (owner := self.__dict__.get("owner")) is not None:
             p = owner()
             if p is not None:
-                p.ds_tensor = value  # DeepSpeed's name for this rank's partition
+                p.ds_tensor = self.stored  # DeepSpeed's name for this rank's partition
 
     @property
     def stored(self) -> torch.Tensor:

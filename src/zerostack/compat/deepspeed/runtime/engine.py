@@ -17,7 +17,6 @@ import weakref
 import torch
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
-from zerostack.clock import device_clock
 from zerostack.engine import Engine
 from zerostack.profiling.throughput import ThroughputTimer
 from zerostack.zero.frozen_pieces import quantize_nontrainable
@@ -59,8 +58,9 @@ class _Overflow:
             over every rank; gradients in NVMe files are not read)."""
             e = me()
             held = [t for kind, t in e.zero.state_tensors() if kind == "grads"]
-            bad = torch.tensor(float(any(not torch.isfinite(t).all() for t in held)))
-            bad = bad.to(e.device)
+            bad = torch.zeros((), device=e.device)  # one flag, read once after the all-reduce
+            for t in held:
+                bad = torch.maximum(bad, (~torch.isfinite(t)).any().to(bad))
             e.comm.all_reduce(bad, axis="world", op=torch.distributed.ReduceOp.MAX)
             optimizer.overflow = bool(bad.item())
 
@@ -94,11 +94,10 @@ class DeepSpeedEngine(EngineQueries, Engine):
         self.states = StateOffload(self.module, self.zero, self.optimizer)
         gather_around_generate(self.module, self.config)
         # DeepSpeed's: started at each forward when initialize had no training data, stopped
-        # at each step (DeepSpeed synchronizes its throughput timer by default: on a GPU too)
+        # at each step. Host time: DeepSpeed synchronizes the GPU at both ends by default, which
+        # would stall every micro-step for a figure the progress line already gives
         self.tput_timer = ThroughputTimer(
-            self.train_batch_size(),
-            steps_per_output=self.steps_per_print(),
-            clock=device_clock(self.device, True),
+            self.train_batch_size(), steps_per_output=self.steps_per_print()
         )
 
     def __getattr__(self, name: str):
