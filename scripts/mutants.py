@@ -4398,6 +4398,14 @@ MUTANTS = [
         ("tests/test_variable_batch.py::test_lengths_measured_with_batch_seqlens_fn_then_read_"
          "from_the_metrics_files",),
     ),
+    Mutant(
+        "recursive_setattr sets the name on the model, not on its parent module",
+        "compat/deepspeed/utils/module_utils.py",
+        "    setattr(recursive_getattr(model, parent) if parent else model, last, module)",
+        "    setattr(model, last, module)",
+        ("tests/test_ds_runtime_helpers.py::test_recursive_getattr_and_setattr_reach_a_"
+         "submodule_by_its_dotted_name",),
+    ),
 ]
 
 
