@@ -181,8 +181,8 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     ),
     "hybrid_engine": _works("generate with the whole model gathered once (stage 3)"),
     "data_efficiency": _works(
-        "dynamic batching (variable batch size and LR); curriculum learning and random-LTD "
-        "refused"
+        "dynamic batching (variable batch size and LR) and random-LTD (through DeepSpeed's "
+        "convert_to_random_ltd); curriculum learning refused"
     ),
     "compile": _unsupported(
         "no DeepCompile (deepcompile: true); engine.compile() compiles block by block",

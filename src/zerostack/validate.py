@@ -78,6 +78,7 @@ def validate(
             "() before initialize"
         )
     _check_deepspeed_files(cfg, topo, stage, forward_only, model)
+    _check_random_ltd(cfg, topo, model)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -91,6 +92,25 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
     why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage, model)
     if cfg.checkpoint.deepspeed_files and why:
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
+
+
+def _check_random_ltd(cfg, topo: Topology, model) -> None:
+    """Random-LTD: driven by DeepSpeed's ``convert_to_random_ltd``, on layers that hold whole
+    sequences (each rank draws the kept tokens from its own generator)."""
+    from .config.load import served_as_deepspeed
+
+    if cfg.data_efficiency.random_ltd() is None:
+        return
+    key = "data_efficiency.data_routing.random_ltd"
+    if not served_as_deepspeed(cfg):
+        raise ConfigError(f"{key}: DeepSpeed's convert_to_random_ltd(engine, ...) drives it; "
+                          "initialize through zerostack.compat.deepspeed")  # fmt: skip
+    split = [f"{k} {n}" for k, n in (("tp", topo.tp), ("sp", topo.sp), ("pp", topo.pp)) if n > 1]
+    if split or isinstance(model, PipelineModule):
+        raise ConfigError(
+            f"{key} with {', '.join(split) or 'a pipeline'}: ranks sharing a sequence would "
+            "each draw their own kept tokens (random-LTD runs over data parallelism only)"
+        )
 
 
 def _check_optimizer(cfg: ZeroStackConfig, optimizer, lr_scheduler, forward_only: bool) -> None:

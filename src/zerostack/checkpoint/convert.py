@@ -238,6 +238,7 @@ def _to_zerostack(folder, reader, dst, *, progress, **_) -> Report:
         "counters": manifest["counters"],
         "loss_scaler": manifest["loss_scaler"],
         "data_sampler": manifest.get("data_sampler"),
+        "random_ltd": manifest.get("random_ltd"),
         "lr_scheduler": manifest["lr_scheduler"],
         "optimizer_groups": manifest["optimizer_groups"],
         "files": [{"file": file, "bytes": os.path.getsize(os.path.join(work, file)),

@@ -229,6 +229,7 @@ class Reader:
             },
             "loss_scaler": self._scaler(),
             "data_sampler": None,
+            "random_ltd": m.get("random_ltd"),
             "lr_scheduler": m.get("lr_scheduler"),
             "client_state": {k: v for k, v in m.items() if k not in _KNOWN},
             "ds_config": m.get("ds_config"),

@@ -203,7 +203,7 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
         "frozen_param_fragments": fragments,
         "lr_scheduler": manifest["lr_scheduler"],
         "data_sampler": None,
-        "random_ltd": None,
+        "random_ltd": manifest.get("random_ltd"),
         "skipped_steps": manifest["counters"]["skipped_steps"],
         "global_steps": manifest["counters"]["global_steps"],
         "global_samples": manifest["counters"]["global_samples"],

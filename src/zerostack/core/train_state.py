@@ -41,6 +41,7 @@ class TrainState:
     skipped_steps: int = 0
     loader: Any = None  # initialize(training_data=...)'s, or set_dataloader's
     data_iter: Iterator | None = None  # the loader, repeated; made at the first read
+    random_ltd: Any = None  # the token-dropping schedule (zerostack.data.token_drop), if any
 
     def set_loader(self, loader) -> None:
         """The loader ``train_batch()`` reads when given no iterator (a fresh iterator)."""
@@ -61,19 +62,21 @@ class TrainState:
         return {k: getattr(self, k) for k in COUNTERS}
 
     def state_dict(self) -> dict[str, Any]:
-        """The manifest's ``counters``, ``loss_scaler`` and ``data_sampler`` entries (rank 0's
-        sampler: epoch and samples handed out in it; None without one)."""
-        sampler = self.sampler()
+        """The manifest's ``counters``, ``loss_scaler``, ``data_sampler`` and ``random_ltd``
+        entries (rank 0's sampler: epoch and samples handed out in it; the random-LTD schedule:
+        tokens kept and layer-tokens consumed; None without one)."""
+        sampler, ltd = self.sampler(), self.random_ltd
         return {
             "counters": self.counters(),
             "loss_scaler": self.loss_scaler.state_dict(),
             "data_sampler": sampler.state_dict() if sampler is not None else None,
+            "random_ltd": ltd.state_dict() if ltd is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Counters and loss scaler from ``state``; the loader's sampler too when both the
-        checkpoint and this run have one (the next ``iter()`` and the next ``train_batch()``
-        continue at the first sample the saved run had not trained on)."""
+        """Counters and loss scaler from ``state``; the loader's sampler and the random-LTD
+        schedule too when both the checkpoint and this run have one (the next ``iter()`` and the
+        next ``train_batch()`` continue at the first sample the saved run had not trained on)."""
         for k in COUNTERS:
             setattr(self, k, state["counters"][k])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -81,6 +84,8 @@ class TrainState:
         if sampler is not None and state.get("data_sampler") is not None:
             sampler.load_state_dict(state["data_sampler"])
             self.data_iter = None
+        if self.random_ltd is not None and state.get("random_ltd") is not None:
+            self.random_ltd.load_state_dict(state["random_ltd"])
 
 
 class PartField:

@@ -48,6 +48,15 @@ ENGINES: dict[str, dict[str, Api]] = {
             "DeepSpeed's ThroughputTimer: started at forward, stopped at step, 2 steps untimed, "
             "`update_epoch_count`, `avg_samples_per_sec`; its line at info level"
         ),
+        f"{ENGINE}.random_ltd_scheduler": _works(
+            "random-LTD's kept-token schedule (DeepSpeed's state keys), advanced at each "
+            "training forward, saved with checkpoints; None when random_ltd is off"
+        ),
+        f"{ENGINE}.random_ltd_initialize": _works(
+            "sets up the layers convert_to_random_ltd wrapped, by DeepSpeed's layer-id rule"
+        ),
+        f"{ENGINE}.random_ltd_enabled": _works(),
+        f"{ENGINE}.random_ltd_config": _works(),
         f"{ENGINE}.config": _works(
             "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"
         ),

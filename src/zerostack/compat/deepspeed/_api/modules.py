@@ -111,6 +111,13 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset.MMapIndexedDataset": (
             _served("DeepSpeed's .idx/.bin format, items as read-only memory-mapped views")
         ),
+        "deepspeed.runtime.data_pipeline.data_routing.helper.convert_to_random_ltd": _served(
+            "random-LTD: the layers wrapped and set up; they keep DeepSpeed's sampled tokens "
+            "(torch's gather/scatter for its CUDA kernels), the mask cut or gathered"
+        ),
+        "deepspeed.runtime.data_pipeline.data_routing.helper.save_without_random_ltd": _served(
+            "the module's state dict under its names without the wrappers"
+        ),
         "deepspeed.utils.module_utils.recursive_getattr": _served("a submodule by dotted name"),
         "deepspeed.utils.module_utils.recursive_setattr": _served("replace one by dotted name"),
         "deepspeed.compression.helper": _served(

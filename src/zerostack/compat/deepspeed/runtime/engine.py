@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_model
+from zerostack.data import token_drop
 from zerostack.engine import Engine
 from zerostack.profiling.throughput import ThroughputTimer
 from zerostack.zero.frozen_pieces import quantize_nontrainable
@@ -99,6 +100,12 @@ class DeepSpeedEngine(EngineQueries, Engine):
         self.tput_timer = ThroughputTimer(
             self.train_batch_size(), steps_per_output=self.steps_per_print()
         )
+        ltd = self.config.data_efficiency.random_ltd()
+        if ltd is not None:  # DeepSpeed hands the layers the batch sizes through this dict
+            ltd["global_batch_size"] = self.train_batch_size()
+            ltd["micro_batch_size"] = self.train_micro_batch_size_per_gpu()
+            self.state.random_ltd = token_drop.RandomLTDScheduler(ltd)
+        self._random_ltd = ltd
 
     def __getattr__(self, name: str):
         """What the engine lacks, its module's, as DeepSpeed's engine answers it
@@ -144,9 +151,31 @@ class DeepSpeedEngine(EngineQueries, Engine):
             raise RuntimeError("reload_states: this engine has no optimizer (forward only)")
         self.states.reload(non_blocking=non_blocking)
 
+    # ------------------------------------------------------------------ random-LTD
+    @property
+    def random_ltd_scheduler(self) -> token_drop.RandomLTDScheduler | None:
+        """The token-dropping schedule (``data_efficiency.data_routing.random_ltd``), saved
+        and loaded with checkpoints; None when random-LTD is off."""
+        return self.state.random_ltd
+
+    def random_ltd_enabled(self) -> bool:
+        return self._random_ltd is not None
+
+    def random_ltd_config(self) -> dict:
+        """The ``random_ltd`` block with DeepSpeed's defaults and the batch sizes."""
+        return self._random_ltd
+
+    def random_ltd_initialize(self) -> None:
+        """Set up the layers ``convert_to_random_ltd`` wrapped (those the config names)."""
+        if not self.random_ltd_enabled():
+            raise RuntimeError("random_ltd_initialize: data_routing.random_ltd is not enabled")
+        token_drop.initialize_layers(self.module, self._random_ltd, self.random_ltd_scheduler)
+
     def forward(self, *args, **kwargs):
         if self.training_dataloader is None:
             self.tput_timer.start()
+        if self.module.training and self.random_ltd_enabled():  # the tokens kept this step
+            self.random_ltd_scheduler.update_seq(self.global_steps)
         return super().forward(*args, **kwargs)
 
     forward.__doc__ = Engine.forward.__doc__
@@ -261,13 +290,14 @@ class DeepSpeedEngine(EngineQueries, Engine):
     ):
         """``module.state_dict()`` (this rank's tensor-parallel slices; at stage 3 the
         parameters are empty between uses, as DeepSpeed's are), frozen parameters left out
-        with ``exclude_frozen_parameters``. For whole weights, :meth:`full_state_dict`."""
+        with ``exclude_frozen_parameters``, random-LTD's wrappers out of the names. For whole
+        weights, :meth:`full_state_dict`."""
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             for name, p in self.module.named_parameters():
                 if not p.requires_grad:
                     sd.pop(prefix + name, None)
-        return sd
+        return token_drop.remove_random_ltd_state_dict(sd) if self.random_ltd_enabled() else sd
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
         """DeepSpeed's (Accelerate calls it under tensor parallelism): the whole model state dict
