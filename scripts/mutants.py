@@ -65,6 +65,7 @@ RG = "tests/test_ring_grid.py"
 HFL = "tests/test_hf_long.py::test_tiled_mlp_tiled_loss_and_cpu_checkpoints_match_single_process"
 HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_training_at_zero_3"
 PIPE = "tests/test_pipeline.py"
+LTD = "tests/test_token_drop.py::"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
 CUDA_RNG = "tests/test_cuda_path.py::test_with_dropout_on_the_device_generator"
@@ -4405,6 +4406,73 @@ MUTANTS = [
         "    setattr(model, last, module)",
         ("tests/test_ds_runtime_helpers.py::test_recursive_getattr_and_setattr_reach_a_"
          "submodule_by_its_dotted_name",),
+    ),
+    Mutant(
+        "random-LTD: the kept tokens drawn unsorted (their order in the sequence lost)",
+        "data/token_drop.py",
+        "    indices = draw.reshape(layers, batch, reserved).sort(dim=-1).values.to(torch.int32)",
+        "    indices = draw.reshape(layers, batch, reserved).to(torch.int32)",
+        (LTD + "test_training_equals_deepspeeds",
+         LTD + "test_sampling_is_sorted_distinct_and_masks_follow"),
+    ),
+    Mutant(
+        "random-LTD: seq-first hidden states indexed as if batch-first",
+        "data/token_drop.py",
+        "    idx = indices.long() if batch_first else indices.long().t()",
+        "    idx = indices.long()",
+        (LTD + "test_gather_and_scatter_equal_per_sample_indexing",),
+    ),
+    Mutant(
+        "random-LTD: an encoder's mask cut like a decoder's instead of gathered",
+        "data/token_drop.py",
+        "    if not encoder:\n        return indices, (mask",
+        "    if True:\n        return indices, (mask",
+        (LTD + "test_training_equals_deepspeeds",
+         LTD + "test_sampling_is_sorted_distinct_and_masks_follow"),
+    ),
+    Mutant(
+        "random-LTD: every wrapped layer reads the first layer's draw",
+        "data/token_drop.py",
+        "        mine = indices[self.random_ltd_layer_id]",
+        "        mine = indices[0]",
+        (LTD + "test_training_equals_deepspeeds",
+         LTD + "test_hugging_face_gpt2_blocks_with_positional_mask"),
+    ),
+    Mutant(
+        "random-LTD: layer-tokens counted at every micro-step, not once per step",
+        "data/token_drop.py",
+        "        if global_steps != self.state[STEP]:",
+        "        if True:",
+        (LTD + "test_schedule_equals_deepspeeds",),
+    ),
+    Mutant(
+        "random-LTD: the schedule not advanced at a training forward",
+        "compat/deepspeed/runtime/engine.py",
+        "            self.random_ltd_scheduler.update_seq(self.global_steps)",
+        "            pass",
+        (LTD + "test_training_equals_deepspeeds",),
+    ),
+    Mutant(
+        "random-LTD: the schedule not loaded back from a checkpoint",
+        "core/train_state.py",
+        "            self.random_ltd.load_state_dict(state[\"random_ltd\"])",
+        "            pass",
+        (LTD + "test_sharded_stages_drop_the_same_tokens_and_the_schedule_is_checkpointed",),
+    ),
+    Mutant(
+        "random-LTD: the wrappers left in module_state_dict's names",
+        "compat/deepspeed/runtime/engine.py",
+        "        return token_drop.remove_random_ltd_state_dict(sd) if self.random_ltd_enabled() "
+        "else sd",
+        "        return sd",
+        (LTD + "test_training_equals_deepspeeds",),
+    ),
+    Mutant(
+        "random-LTD: a positional mask not bound to its name (left full length)",
+        "data/token_drop.py",
+        "        if not args:\n            return dict(kwargs)",
+        "        if True:\n            return dict(kwargs)",
+        (LTD + "test_hugging_face_gpt2_blocks_with_positional_mask",),
     ),
 ]
 
