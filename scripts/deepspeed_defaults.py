@@ -69,7 +69,8 @@ scheduler.params.cos_min_ratio scheduler.params.last_batch_iteration
 scheduler.params.total_num_steps
 scheduler.params.warmup_max_lr scheduler.params.warmup_min_lr scheduler.params.warmup_min_ratio
 scheduler.params.warmup_num_steps scheduler.params.warmup_type scheduler.type seed
-sequence_parallel_size steps_per_print tensor_parallel.autotp_size tensorboard.enabled
+sequence_parallel_size steps_per_print tensor_parallel.autotp_size
+tensor_parallel.partition_config tensorboard.enabled
 tensorboard.job_name tensorboard.output_path train_batch_size train_micro_batch_size_per_gpu
 wall_clock_breakdown wandb.enabled wandb.group wandb.project wandb.team watchdog.enabled
 watchdog.history watchdog.interval watchdog.timeout zero_allow_untested_optimizer

@@ -9,7 +9,9 @@ For each block of :data:`BLOCKS` (``""``: the top level), a config holding one m
 that block is given to ``DeepSpeedConfig`` (world size 1, no process group): ``"refused"`` with
 the error's first line, or ``"ignored"``. ``optimizer.params`` and ``scheduler.params`` are
 keyword arguments of the classes DeepSpeed builds at ``initialize`` (its AdamW is FusedAdam, its
-WarmupLR is ``lr_schedules.WarmupLR``): they are probed by calling those. zerostack's facade
+WarmupLR is ``lr_schedules.WarmupLR``): they are probed by calling those; so is
+``tensor_parallel.partition_config`` (a dict AutoTP reads), through the config's
+``get_partition_config_object``. zerostack's facade
 (``zerostack.config_keys.DEEPSPEED_REFUSES_UNKNOWN``) follows this table, and
 tests/test_config_keys.py holds the two together.
 """
@@ -31,6 +33,7 @@ activation_checkpointing aio autotuning bf16 checkpoint checkpoint.parallel_writ
 comms_logger compile csv_monitor data_efficiency data_efficiency.data_sampling
 data_efficiency.data_sampling.dynamic_batching data_types expert_parallel flops_profiler fp16
 hybrid_engine optimizer optimizer.params pipeline scheduler scheduler.params tensor_parallel
+tensor_parallel.partition_config tensor_parallel.partition_config.layer_specs
 tensorboard timers torch_autocast wandb zero_optimization zero_optimization.offload_optimizer
 zero_optimization.offload_param zero_optimization.leaf_module
 """.split()
@@ -67,6 +70,13 @@ def probe(block: str) -> dict:
                 FusedAdam(params, **{UNKNOWN: 1})
             except (ImportError, RuntimeError):  # no compiled op here: torch's, as its fallback
                 torch.optim.AdamW(params, **{UNKNOWN: 1})
+        elif block.startswith("tensor_parallel.partition_config"):
+            # a dict DeepSpeed reads when it builds AutoTP (its AutoTPConfig.from_dict)
+            spec = {"patterns": [".*"]}
+            part = {"layer_specs": [{**spec, UNKNOWN: 1}]} if block.endswith("specs") else {
+                "layer_specs": [spec], UNKNOWN: 1}  # fmt: skip
+            cfg = {"train_batch_size": 1, "tensor_parallel": {"partition_config": part}}
+            DeepSpeedConfig(cfg).tensor_parallel_config.get_partition_config_object()
         elif block == "scheduler.params":
             opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
             WarmupLR(opt, **{UNKNOWN: 1})

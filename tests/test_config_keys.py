@@ -211,7 +211,12 @@ def _set(path: str, value) -> dict:
 
 
 # values other than the default where flipping or halving it does not make one
-OTHER_THAN = {"checkpoint.tag_validation": "Fail", "checkpoint.writer": {"type": "fast"}}
+OTHER_THAN = {
+    "checkpoint.tag_validation": "Fail",
+    "checkpoint.writer": {"type": "fast"},
+    "tensor_parallel.partition_config.tp_size": 2,
+    "tensor_parallel.partition_config.lm_head_patterns": ["output"],
+}
 
 
 def _other_than(default, path=""):

@@ -272,3 +272,25 @@ def test_schedule_equals_deepspeeds():
     """Kept lengths (rounded down to seq_per_step, capped at max_value) and layer-tokens
     counted once per step however many micro-steps read it: DeepSpeed's figures."""
     assert golden.schedule(token_drop.RandomLTDScheduler) == GOLDEN["schedule"]
+
+
+def _post_process(rank, world):
+    import zerostack.compat.deepspeed as deepspeed
+
+    data = [(torch.full((2,), float(i)), torch.tensor(i % 3)) for i in range(8)]
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, loader, _ = deepspeed.initialize(model=nn.Linear(2, 3), config=cfg,
+                                                training_data=data)  # fmt: skip
+    before = [b[0].tolist() for b in loader]
+    calls = []
+    engine.set_data_post_process_func(lambda batch, state: calls.append(state) or batch * 0)
+    after = [b[0].tolist() for b in engine.training_dataloader]
+    return before, after, calls, engine.training_dataloader.post_process_func is not None
+
+
+def test_set_data_post_process_func_as_deepspeed_without_curriculum_learning():
+    """The loader keeps the function; DeepSpeed's loader applies it only under curriculum
+    learning (its ``if self.curriculum_learning_enabled`` branch; refused here), so the
+    batches are unchanged and it is never called."""
+    ((before, after, calls, kept),) = run_distributed(_post_process, world=1)
+    assert kept and calls == [] and before == after and len(before) == 4

@@ -150,12 +150,13 @@ def _topology(model: nn.Module, cfg: ZeroStackConfig, topology, mpu) -> Topology
         )
     _bind_experts(model, topo)
     wire_ulysses = topo.sp > 1 and wires_sequence(model, topo, built)
+    specs = cfg.tensor_parallel.partition_config
     if built is None and (topo.tp > 1 or wire_ulysses):
-        if callable(getattr(model, "parallelize", None)):
+        if specs is None and callable(getattr(model, "parallelize", None)):
             model.parallelize(topo)
-        elif model_type(model) is not None:  # a Hugging Face model: the per-architecture table
-            try:
-                autotp_parallelize(model, topo)
+        elif specs is not None or model_type(model) is not None:  # the specs (first, as in
+            try:  # DeepSpeed), or the per-architecture table
+                autotp_parallelize(model, topo, specs)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         else:

@@ -130,7 +130,10 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         _differs(5e8),
         (int, float),
     ),
-    "tensor_parallel": _works("autotp_size: Megatron-style tensor parallelism"),
+    "tensor_parallel": _works(
+        "autotp_size: Megatron-style tensor parallelism; partition_config: which layers, by "
+        "pattern"
+    ),
     "pipeline": _works("stages, partition, seed_layers, activation_checkpoint_interval"),
     "activation_checkpointing": _works("CPU, partitioned and contiguous checkpoints"),
     "sequence_parallel_size": _works("Ulysses sequence parallelism over neighbouring dp ranks"),
@@ -212,6 +215,11 @@ _OFFLOAD_NO_EFFECT = {
 }
 
 NESTED_NO_EFFECT: dict[str, str] = {
+    "tensor_parallel.partition_config.tp_size": "autotp_size decides (DeepSpeed overwrites it)",
+    "tensor_parallel.partition_config.use_default_specs": "no preset_model to merge with: the "
+    "specs alone decide, as in DeepSpeed without one",
+    "tensor_parallel.partition_config.embedding_partition_dim": "embeddings stay whole",
+    "tensor_parallel.partition_config.lm_head_patterns": "no vocabulary-parallel LM head",
     "bf16.immediate_grad_update": "gradients are applied at the step",
     "zero_optimization.allgather_partitions": "updated partitions are always all-gathered",
     "zero_optimization.allgather_bucket_size": "stages 1-2 all-gather per reduce bucket, "
@@ -336,6 +344,8 @@ DEEPSPEED_IGNORES_UNKNOWN = frozenset(
         "optimizer",
         "pipeline",
         "scheduler",
+        "tensor_parallel.partition_config",
+        "tensor_parallel.partition_config.layer_specs",
         "timers",
         "torch_autocast",
     }

@@ -100,9 +100,9 @@ def _ignorable(err: Any) -> bool:
     unknown = err["type"] == "extra_forbidden" or (
         err["type"] == "zerostack" and str(ctx.get("msg", "")).startswith("unknown key")
     )
-    loc = err["loc"]
-    block = ".".join(str(part) for part in loc[:-1])
-    return unknown and all(isinstance(p, str) for p in loc) and block in DEEPSPEED_IGNORES_UNKNOWN
+    loc = err["loc"]  # an entry of a list (layer_specs[0]) is read as the list's block
+    block = ".".join(str(part) for part in loc[:-1] if not isinstance(part, int))
+    return unknown and isinstance(loc[-1], str) and block in DEEPSPEED_IGNORES_UNKNOWN
 
 
 def read_config(config: Any) -> dict:

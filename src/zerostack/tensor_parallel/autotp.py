@@ -145,18 +145,21 @@ def _cut(p: nn.Parameter, dim: int, tp: int, rank: int, chunks: int) -> nn.Param
     return mark_split(p, dim=dim, chunks=chunks)
 
 
-def parallelize(model: nn.Module, topology: Topology) -> nn.Module:
-    """Split ``model``'s linear layers over ``topology``'s tp ranks by its architecture's policy."""
+def parallelize(model: nn.Module, topology: Topology, specs=None) -> nn.Module:
+    """Split ``model``'s linear layers over ``topology``'s tp ranks by its architecture's policy,
+    or by ``specs`` (``tensor_parallel.partition_config``, see :func:`parallelize_by_specs`)."""
     from ..zero.params import is_sharded
 
     tp = topology.tp
-    policy = policy_for(model)
     if any(is_sharded(p) for p in model.parameters()):
         raise ValueError(
             "tensor_parallel.autotp_size: the model's parameters are already stage-3 pieces "
             "(zero.Init); build it outside zero.Init: stage 3 shards it at initialize, after "
             "the tensor-parallel split"
         )
+    if specs is not None:
+        return parallelize_by_specs(model, topology, specs)
+    policy = policy_for(model)
     for name, size in policy.divisible(model.config).items():
         if size % tp:
             raise ValueError(
@@ -189,3 +192,71 @@ def _mode(policy: Policy, qualified: str) -> str | None:
     if any(qualified.endswith(s) for s in policy.row):
         return "row"
     return None
+
+
+# DeepSpeed's AutoTP divides these attributes by tp on every module holding a split parameter
+# (its update_mp_params), so a model's own head counts match its split projections
+SHARDED_ATTRIBUTES = (
+    "n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
+    "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
+    "kv_n_heads", "d_model", "num_attention_heads_per_partition",
+    "num_multi_query_groups_per_partition", "hidden_size_per_partition",
+)  # fmt: skip
+
+
+def parallelize_by_specs(model: nn.Module, topology: Topology, specs) -> nn.Module:
+    """Split the linear layers (``nn.Linear``, transformers' ``Conv1D``) whose
+    ``<name>.weight`` a spec of ``specs`` matches (DeepSpeed's rule: the first that matches; a
+    spec's ``model_types`` must hold the model's); a layer none matches stays whole, or is
+    refused under ``strict_mode``; an embedding a spec would split is refused. Then, as
+    DeepSpeed's AutoTP, every module (the root excepted) holding a split parameter, with no
+    weight of 3 or more dimensions of its own or its children's, has the attributes in
+    :data:`SHARDED_ATTRIBUTES` divided by tp."""
+    kind, tp = model_type(model), topology.tp
+    split: list[str] = []
+    for qualified, module in list(model.named_modules()):
+        if isinstance(module, nn.Embedding):
+            spec = specs.spec_for(f"{qualified}.weight", kind)
+            if spec is not None and spec.partition_type != "skip":
+                raise ValueError(
+                    f"tensor_parallel.partition_config: {qualified}.weight is an embedding; "
+                    "zerostack keeps embeddings whole (give it partition_type skip)"
+                )
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        spec = specs.spec_for(f"{qualified}.weight", kind)
+        if spec is None and specs.strict_mode:
+            raise ValueError(
+                f"tensor_parallel.partition_config: no layer_spec matches {qualified}.weight "
+                "(strict_mode)"
+            )
+        if spec is None or spec.partition_type == "skip":
+            continue
+        parent_name, _, attr = qualified.rpartition(".")
+        layer = TPLinear(module, mode=spec.partition_type, topology=topology, chunks=spec.chunks)
+        setattr(model.get_submodule(parent_name), attr, layer)
+        split.append(qualified)
+    if not split:
+        raise ValueError("tensor_parallel.partition_config: no layer_spec matches a linear layer")
+    holders = {a for n in split for a in _ancestors(n.rpartition(".")[0])}
+    for name in sorted(holders):
+        module = model.get_submodule(name)
+        near = [module, *module.children()]  # its own weights and its children's
+        if any(p.dim() >= 3 for m in near for p in m.parameters(recurse=False)):
+            continue  # DeepSpeed keeps a module with a high-dimensional weight whole
+        for attr in SHARDED_ATTRIBUTES:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % tp:
+                    raise ValueError(
+                        f"tensor_parallel.partition_config: {name}.{attr} = {value} does not "
+                        f"split into {tp} tp ranks"
+                    )
+                setattr(module, attr, value // tp)
+    return model
+
+
+def _ancestors(name: str) -> list[str]:
+    """``name`` and the modules above it, the root left out (``a.b.c``: a, a.b, a.b.c)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

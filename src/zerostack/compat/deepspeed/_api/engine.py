@@ -56,6 +56,10 @@ ENGINES: dict[str, dict[str, Api]] = {
             "sets up the layers convert_to_random_ltd wrapped, by DeepSpeed's layer-id rule"
         ),
         f"{ENGINE}.random_ltd_enabled": _works(),
+        f"{ENGINE}.set_data_post_process_func": _works(
+            "the training loader keeps it; DeepSpeed applies it only under curriculum learning "
+            "(refused here), so it applies nothing, as DeepSpeed without curriculum learning"
+        ),
         f"{ENGINE}.random_ltd_config": _works(),
         f"{ENGINE}.config": _works(
             "a read-only dict (defaults and batch sizes filled in); attributes are the typed config"

@@ -171,6 +171,13 @@ class DeepSpeedEngine(EngineQueries, Engine):
             raise RuntimeError("random_ltd_initialize: data_routing.random_ltd is not enabled")
         token_drop.initialize_layers(self.module, self._random_ltd, self.random_ltd_scheduler)
 
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """DeepSpeed's: the training loader keeps ``post_process_func``. DeepSpeed's loader
+        applies it to each batch only under curriculum learning, which zerostack refuses; so,
+        as DeepSpeed's loader without curriculum learning, it applies nothing."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
     def forward(self, *args, **kwargs):
         if self.training_dataloader is None:
             self.tput_timer.start()
