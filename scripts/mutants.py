@@ -65,6 +65,7 @@ RG = "tests/test_ring_grid.py"
 HFL = "tests/test_hf_long.py::test_tiled_mlp_tiled_loss_and_cpu_checkpoints_match_single_process"
 HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_training_at_zero_3"
 PIPE = "tests/test_pipeline.py"
+SPECS = "tests/test_autotp_specs.py::"
 LTD = "tests/test_token_drop.py::"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -3552,8 +3553,8 @@ MUTANTS = [
     Mutant(
         "unknown keys are ignored where DeepSpeed refuses them too",
         "config/load.py",
-        "all(isinstance(p, str) for p in loc) and block in DEEPSPEED_IGNORES_UNKNOWN",
-        "all(isinstance(p, str) for p in loc)",
+        "isinstance(loc[-1], str) and block in DEEPSPEED_IGNORES_UNKNOWN",
+        "isinstance(loc[-1], str)",
         ("tests/test_config_keys.py::test_as_deepspeed_still_refuses_where_deepspeed_refuses",),
     ),
     Mutant(
@@ -4473,6 +4474,57 @@ MUTANTS = [
         "        if not args:\n            return dict(kwargs)",
         "        if True:\n            return dict(kwargs)",
         (LTD + "test_hugging_face_gpt2_blocks_with_positional_mask",),
+    ),
+    Mutant(
+        "partition_config: the holders' head counts not divided by tp",
+        "tensor_parallel/autotp.py",
+        "                setattr(module, attr, value // tp)",
+        "                pass",
+        (SPECS + "test_custom_specs_train_as_one_process",),
+    ),
+    Mutant(
+        "partition_config: a fused weight's parts ignored (a contiguous slice of the stack)",
+        "config/parallel.py",
+        "        return self.shape[0] if self.shape is not None else 1",
+        "        return 1",
+        (SPECS + "test_custom_specs_train_as_one_process",),
+    ),
+    Mutant(
+        "partition_config: the last matching spec wins",
+        "config/parallel.py",
+        "        return next((s for s in self.layer_specs if s.matches(name, model_type)), None)",
+        "        return next((s for s in self.layer_specs[::-1] if s.matches(name, model_type)), "
+        "None)",
+        (SPECS + "test_the_first_matching_spec_wins",),
+    ),
+    Mutant(
+        "partition_config: a spec's model_types ignored",
+        "config/parallel.py",
+        "        if self.model_types:\n            kinds",
+        "        if False:\n            kinds",
+        (SPECS + "test_unmatched_layers_strict_mode_model_types_and_embeddings",),
+    ),
+    Mutant(
+        "partition_config: strict_mode lets an unmatched layer through",
+        "tensor_parallel/autotp.py",
+        "        if spec is None and specs.strict_mode:",
+        "        if False:",
+        (SPECS + "test_unmatched_layers_strict_mode_model_types_and_embeddings",),
+    ),
+    Mutant(
+        "partition_config: the specs not handed to AutoTP (the table is used instead)",
+        "compose.py",
+        "                autotp_parallelize(model, topo, specs)",
+        "                autotp_parallelize(model, topo)",
+        (SPECS + "test_custom_specs_train_as_one_process",),
+    ),
+    Mutant(
+        "facade: an unknown key inside a list entry refused, not left out",
+        "config/load.py",
+        "    block = \".\".join(str(part) for part in loc[:-1] if not isinstance(part, int))",
+        "    block = \".\".join(str(part) for part in loc[:-1])",
+        (SPECS + "test_an_unknown_key_in_a_spec_is_left_out_under_the_facade_and_refused_"
+         "natively",),
     ),
 ]
 

@@ -174,3 +174,21 @@ def test_an_unknown_key_in_a_spec_is_left_out_under_the_facade_and_refused_nativ
     assert got.tensor_parallel.partition_config.layer_specs[0].partition_type == "column"
     with pytest.raises(ConfigError, match=r"layer_specs\[0\]\.partition_typ: unknown key"):
         load_config({"tensor_parallel": {"partition_config": {"layer_specs": [spec]}}})
+
+
+def _shapes(rank, world, specs):
+    import zerostack.compat.deepspeed as deepspeed
+
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+           "tensor_parallel": {"autotp_size": 2, "partition_config": specs}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=Neo(), config=cfg)
+    return {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+
+
+def test_the_first_matching_spec_wins():
+    """A skip spec listed before the column spec that also matches keeps the layer whole."""
+    first = {"patterns": [r".*dense_h_to_4h\.weight$"], "partition_type": "skip"}
+    specs = {"layer_specs": [first, *SPECS["layer_specs"]]}
+    shapes = run_distributed(_shapes, world=2, args=(specs,))[0]
+    assert shapes["layers.0.mlp.dense_h_to_4h.weight"] == (4 * H, H)
+    assert shapes["layers.0.mlp.dense_4h_to_h.weight"] == (H, 2 * H)  # row: still split
