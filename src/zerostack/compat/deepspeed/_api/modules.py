@@ -111,6 +111,10 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset.MMapIndexedDataset": (
             _served("DeepSpeed's .idx/.bin format, items as read-only memory-mapped views")
         ),
+        "deepspeed.runtime.data_pipeline.data_sampling.data_analyzer.DataAnalyzer": _served(
+            "DeepSpeed's map and reduce files, byte for byte; a dict batch counts its samples "
+            "(DeepSpeed: its keys) and torch dtypes match numpy's; threads run in turn"
+        ),
         "deepspeed.runtime.data_pipeline.data_routing.helper.convert_to_random_ltd": _served(
             "random-LTD: the layers wrapped and set up; they keep DeepSpeed's sampled tokens "
             "(torch's gather/scatter for its CUDA kernels), the mask cut or gathered"
