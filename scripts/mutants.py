@@ -66,6 +66,7 @@ HFL = "tests/test_hf_long.py::test_tiled_mlp_tiled_loss_and_cpu_checkpoints_matc
 HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_training_at_zero_3"
 PIPE = "tests/test_pipeline.py"
 SPECS = "tests/test_autotp_specs.py::"
+DA = "tests/test_data_analyzer.py::"
 LTD = "tests/test_token_drop.py::"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -4473,7 +4474,7 @@ MUTANTS = [
         "data/token_drop.py",
         "        if not args:\n            return dict(kwargs)",
         "        if True:\n            return dict(kwargs)",
-        (LTD + "test_hugging_face_gpt2_blocks_with_positional_mask",),
+        (LTD + "test_a_mask_passed_by_position_is_found_by_name",),
     ),
     Mutant(
         "partition_config: the holders' head counts not divided by tp",
@@ -4525,6 +4526,34 @@ MUTANTS = [
         "    block = \".\".join(str(part) for part in loc[:-1])",
         (SPECS + "test_an_unknown_key_in_a_spec_is_left_out_under_the_facade_and_refused_"
          "natively",),
+    ),
+    Mutant(
+        "DataAnalyzer: a value's samples never flushed to its csv during the map",
+        "data/analyzer.py",
+        "FLUSH = 100  #",
+        "FLUSH = 10**9  #",
+        (DA + "test_files_equal_deepspeeds_byte_for_byte",),
+    ),
+    Mutant(
+        "DataAnalyzer: a batch counted as len(batch) (a dict's keys), DeepSpeed's fault",
+        "data/analyzer.py",
+        "            done += len(positions)",
+        "            done += len(data)",
+        (DA + "test_dict_batches_and_torch_dtypes",),
+    ),
+    Mutant(
+        "DataAnalyzer: merged values kept in int64, not the smallest dtype that holds them",
+        "data/analyzer.py",
+        "        value_dtype = find_fit_int_dtype(values[0], values[-1])",
+        "        value_dtype = np.int64",
+        (DA + "test_files_equal_deepspeeds_byte_for_byte",),
+    ),
+    Mutant(
+        "DataAnalyzer: a metric's dtype not checked",
+        "data/analyzer.py",
+        "            if not _same_dtype(values, dtype):",
+        "            if False:",
+        (DA + "test_dict_batches_and_torch_dtypes",),
     ),
 ]
 

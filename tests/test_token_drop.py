@@ -294,3 +294,29 @@ def test_set_data_post_process_func_as_deepspeed_without_curriculum_learning():
     batches are unchanged and it is never called."""
     ((before, after, calls, kept),) = run_distributed(_post_process, world=1)
     assert kept and calls == [] and before == after and len(before) == 4
+
+
+def test_a_mask_passed_by_position_is_found_by_name():
+    """A block that gets its mask by position drops the same tokens, with the same mask cut,
+    as one that gets it by keyword (DeepSpeed's wrapper takes only the hidden states by
+    position)."""
+    torch.manual_seed(0)
+    block = golden.Block(seq_first=False)
+    wrapped = token_drop.RandomLayerTokenDrop(block)
+    ltd = golden.config(golden.CASES["encoder_adam_stage1_seq_first"])["data_efficiency"]
+    cfg = {**ltd["data_routing"]["random_ltd"], "hidden_state_order": "batch_seq_dim",
+           "global_batch_size": 2, "micro_batch_size": 2}  # fmt: skip
+    cfg["layer_token_lr_schedule"] = {"enabled": False}
+    wrapped.init_config(cfg, token_drop.RandomLTDScheduler(cfg), 0)
+    x = torch.randn(2, golden.SEQ, golden.WIDTH)
+    mask = torch.zeros(2, 1, golden.SEQ, golden.SEQ)
+    mask[:, :, :, 3:] = -1e4
+    torch.manual_seed(5)
+    by_position = wrapped(x, mask)
+    torch.manual_seed(5)
+    by_keyword = wrapped(x, attention_mask=mask)
+    torch.manual_seed(5)
+    unmasked = wrapped.random_ltd_layer(x)  # the draw aside: the mask matters to the block
+    assert torch.equal(by_position, by_keyword) and not torch.allclose(by_position, unmasked)
+    with pytest.raises(ValueError, match="encoder needs the attention mask"):
+        wrapped(x)
