@@ -70,7 +70,8 @@ scheduler.params.total_num_steps
 scheduler.params.warmup_max_lr scheduler.params.warmup_min_lr scheduler.params.warmup_min_ratio
 scheduler.params.warmup_num_steps scheduler.params.warmup_type scheduler.type seed
 sequence_parallel_size steps_per_print tensor_parallel.autotp_size
-tensor_parallel.partition_config tensorboard.enabled
+tensor_parallel.partition_config tensorboard.enabled torch_autocast.dtype torch_autocast.enabled
+torch_autocast.lower_precision_safe_modules
 tensorboard.job_name tensorboard.output_path train_batch_size train_micro_batch_size_per_gpu
 wall_clock_breakdown wandb.enabled wandb.group wandb.project wandb.team watchdog.enabled
 watchdog.history watchdog.interval watchdog.timeout zero_allow_untested_optimizer
@@ -199,6 +200,13 @@ def deepspeed_defaults():
         "scheduler.type": (constants.SCHEDULER_TYPE_DEFAULT, f"{cst}:SCHEDULER_TYPE_DEFAULT"),
         "optimizer.params.adam_w_mode": (adam_w_mode, f"{cfg}:ADAM_W_MODE_DEFAULT"),
         "optimizer.params.torch_adam": (False, get_config),
+        # Read by getter functions of the config module from the block, when given
+        "torch_autocast.enabled": (dsc.torch_autocast_enabled, f"{cfg}:get_torch_autocast_enabled"),
+        "torch_autocast.dtype": (dsc.torch_autocast_dtype, f"{cfg}:get_torch_autocast_dtype"),
+        "torch_autocast.lower_precision_safe_modules": (
+            dsc.torch_autocast_lower_precision_safe_modules,
+            f"{cfg}:get_lower_precision_safe_modules",
+        ),
         # Read only when given (DeepSpeedConfig.__init__ then divides the world size by it).
         "sequence_parallel_size": (1, f"{cfg}:DeepSpeedConfig.__init__ (absent: 1)"),
     }

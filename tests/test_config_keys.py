@@ -73,7 +73,6 @@ SAMPLES = {
     # not supported
     "managed_gradient_accumulation": (False, True),
     "gradient_allreduce_op": ("sum", "MEAN"),
-    "torch_autocast": ({"enabled": True, "dtype": "bfloat16"}, {"enabled": False}),
     "expert_parallel": ({"enabled": True, "autoep_size": 2}, {"enabled": False}),
     "comet": ({"enabled": True}, {"enabled": False, "project": "p"}),
     "autotuning": ({"enabled": True}, {"enabled": False, "fast": True}),
@@ -158,7 +157,7 @@ def test_an_unsupported_key_is_refused_naming_it_and_why(key):
 
 def test_unsupported_messages():
     cases = {
-        "torch_autocast": {"enabled": True},
+        "compile": {"deepcompile": True},
         "gradient_allreduce_op": "sum",
         "amp": {"enabled": False},
     }
@@ -168,8 +167,8 @@ def test_unsupported_messages():
             load_config({key: value})
         got.append(str(info.value))
     assert got == [
-        "torch_autocast: not supported by zerostack (mixed precision is the fp16 / bf16 blocks: "
-        "16-bit weights, fp32 masters)",
+        "compile: not supported by zerostack (no DeepCompile (deepcompile: true); "
+        "engine.compile() compiles block by block)",
         "gradient_allreduce_op: not supported by zerostack (gradients are always averaged over "
         'data-parallel ranks: "mean")',
         "amp: not supported by zerostack (removed from DeepSpeed, which refuses it too; use fp16 "
@@ -261,7 +260,7 @@ def test_wrong_types_of_keys_without_a_field():
             32,
             "seq_parallel_communication_data_type: must be a string (got 32)",
         ),
-        "torch_autocast": (True, "torch_autocast: must be a JSON object (got True)"),
+        "compile": (True, "compile: must be a JSON object (got True)"),
     }
     for key, (value, message) in cases.items():
         with pytest.raises(ConfigError) as info:

@@ -107,8 +107,8 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "bf16": _works("bf16 compute, fp32 masters"),
     "bfloat16": _works("DeepSpeed's old name of bf16"),
     "data_types": _works("grad_accum_dtype; the block's other DeepSpeed keys are refused"),
-    "torch_autocast": _unsupported(
-        "mixed precision is the fp16 / bf16 blocks: 16-bit weights, fp32 masters", _enabled, dict
+    "torch_autocast": _works(
+        "forward under torch.autocast: bf16, with the bf16 block or fp32 weights at stage 0"
     ),
     "amp": _unsupported(_REMOVED + "; use fp16 or bf16"),
     # optimizer

@@ -44,7 +44,7 @@ from .core.steps import StepCallback
 from .core.train_state import PartField, TrainState
 from .footprint import Footprint
 from .full_params import FullParams, attach
-from .precision import Precision, make_loss_scaler
+from .precision import Precision, forward_autocast, make_loss_scaler
 from .replicas import Replicas
 from .runner import MicroBatches, cast_inputs
 from .topology import Topology
@@ -183,8 +183,8 @@ class Engine(nn.Module):
         inputs gets them as given and casts them itself)."""
         self._refuse_under_a_pipeline()
         t0 = self.clock.now()
-        args = cast_inputs(args, self.config.fp16.auto_cast)
-        out = self.module(*args, **kwargs)
+        with forward_autocast(self.config, self.topology.device):  # torch_autocast, when enabled
+            out = self.module(*cast_inputs(args, self.config.fp16.auto_cast), **kwargs)
         self.timers["forward"] += self.clock.now() - t0
         return out
 

@@ -13,6 +13,7 @@ across micro-batches (``data_types.grad_accum_dtype``)::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,17 @@ def make_loss_scaler(cfg) -> LossScaler:
         min_loss_scale=fp16.min_loss_scale,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
+
+
+def forward_autocast(cfg, device: torch.device):
+    """The context the engine's forward runs in: ``torch.autocast`` in ``torch_autocast.dtype``
+    (torch's default for the device when not given) when the block is enabled, as DeepSpeed's
+    engine runs it (an enclosing autocast is overridden); else nothing."""
+    block = cfg.torch_autocast
+    if not block.enabled:
+        return contextlib.nullcontext()
+    dtype = DTYPES[block.dtype] if block.dtype else torch.get_autocast_dtype(device.type)
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=True)
 
 
 def autocast_state(t: torch.Tensor) -> tuple[str, bool, torch.dtype]:

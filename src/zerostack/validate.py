@@ -16,6 +16,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -79,6 +80,7 @@ def validate(
         )
     _check_deepspeed_files(cfg, topo, stage, forward_only, model)
     _check_random_ltd(cfg, topo, model)
+    _check_torch_autocast(cfg, stage, model)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -92,6 +94,54 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
     why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage, model)
     if cfg.checkpoint.deepspeed_files and why:
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
+
+
+def _check_torch_autocast(cfg, stage: int, model) -> None:
+    """``torch_autocast``: served in bf16, where DeepSpeed reduces every gradient in the dtype
+    zerostack reduces it in (the bf16 block; fp32 weights at stage 0, which reduces in
+    ``communication_data_type``); the rest refused, naming why."""
+    import importlib
+
+    block = cfg.torch_autocast
+    if not block.enabled:
+        return
+    for name in block.lower_precision_safe_modules or ():
+        package, _, cls = name.rpartition(".")
+        try:
+            getattr(importlib.import_module(package), cls)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(
+                f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({e})"
+            ) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = block.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        torch.get_autocast_dtype(device), "fp32"
+    )
+    why = None
+    if dtype != "bf16":
+        why = (
+            f"torch_autocast.dtype {dtype}: DeepSpeed scales the loss with torch's GradScaler "
+            "there; zerostack serves bf16 autocast (or use the fp16 block)"
+        )
+    elif cfg.fp16.enabled:
+        why = "torch_autocast.dtype bf16 with fp16.enabled: the weights are fp16"
+    elif not cfg.bf16.enabled and stage > 0:
+        why = (
+            f"torch_autocast with fp32 weights at zero_optimization.stage {stage}: DeepSpeed "
+            "reduces the lower-precision-safe modules' gradients in bf16, the others in "
+            "fp32, zerostack one dtype per bucket (not yet); use the bf16 block or stage 0"
+        )
+    elif cfg.communication_data_type is not None:
+        why = (
+            "torch_autocast with communication_data_type: DeepSpeed then reduces by the "
+            "parameters' dtype and ignores it; leave it out"
+        )
+    elif cfg.zero_optimization.zero_quantized_weights:
+        why = "torch_autocast with zero_optimization.zero_quantized_weights (DeepSpeed refuses it)"
+    elif isinstance(model, PipelineModule):
+        why = "torch_autocast with a PipelineModule: its stages' forward does not run under it"
+    if why:
+        raise ConfigError(why)
 
 
 def _check_random_ltd(cfg, topo: Topology, model) -> None:

@@ -41,7 +41,15 @@ from .runs import (
     WatchdogConfig,
     _is_kind,
 )
-from .zero import BF16Config, DataTypesConfig, DtypeName, FP16Config, ZeroConfig, grad_accum_refusal
+from .zero import (
+    BF16Config,
+    DataTypesConfig,
+    DtypeName,
+    FP16Config,
+    TorchAutocastConfig,
+    ZeroConfig,
+    grad_accum_refusal,
+)
 
 
 class ZeroStackConfig(_Model):
@@ -120,6 +128,8 @@ class ZeroStackConfig(_Model):
         default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
     )
     """bf16 mixed precision (alias bfloat16)."""
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    """Forward under ``torch.autocast`` (see :class:`TorchAutocastConfig`)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO partitioning and offload."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
