@@ -67,6 +67,7 @@ HFR = "tests/test_hf_ring.py::test_alst_with_ring_matches_single_process_trainin
 PIPE = "tests/test_pipeline.py"
 SPECS = "tests/test_autotp_specs.py::"
 DA = "tests/test_data_analyzer.py::"
+TA = "tests/test_torch_autocast.py::"
 LTD = "tests/test_token_drop.py::"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -1706,8 +1707,9 @@ MUTANTS = [
     Mutant(
         "auto_cast casts keyword arguments too",
         "engine.py",
-        "out = self.module(*args, **kwargs)",
-        "out = self.module(*args, **cast_inputs(kwargs, self.config.fp16.auto_cast))",
+        "out = self.module(*cast_inputs(args, self.config.fp16.auto_cast), **kwargs)",
+        "out = self.module(*cast_inputs(args, self.config.fp16.auto_cast), "
+        "**cast_inputs(kwargs, self.config.fp16.auto_cast))",
         ("tests/test_input_cast.py::test_inputs_are_cast_as_deepspeed_casts_them",),
     ),
     Mutant(
@@ -3351,8 +3353,8 @@ MUTANTS = [
     Mutant(
         "a pipeline engine runs a micro-batch's forward",
         "engine.py",
-        "        self._refuse_under_a_pipeline()\n        t0 = self.clock.now()\n        args",
-        "        t0 = self.clock.now()\n        args",
+        "        self._refuse_under_a_pipeline()\n        t0 = self.clock.now()\n        with",
+        "        t0 = self.clock.now()\n        with",
         ("tests/test_pipeline.py::test_pipeline_engine_errors_and_eval",),
     ),
     Mutant(
@@ -4554,6 +4556,34 @@ MUTANTS = [
         "            if not _same_dtype(values, dtype):",
         "            if False:",
         (DA + "test_dict_batches_and_torch_dtypes",),
+    ),
+    Mutant(
+        "torch_autocast: forward never under autocast",
+        "precision.py",
+        "    if not block.enabled:\n        return contextlib.nullcontext()",
+        "    if True:\n        return contextlib.nullcontext()",
+        (TA + "test_losses_equal_deepspeeds",),
+    ),
+    Mutant(
+        "torch_autocast: the configured dtype ignored (fp16)",
+        "precision.py",
+        "    dtype = DTYPES[block.dtype] if block.dtype else",
+        "    dtype = torch.float16 if block.dtype else",
+        (TA + "test_losses_equal_deepspeeds",),
+    ),
+    Mutant(
+        "torch_autocast: fp32 weights at stages 1-3 not refused (one reduce dtype per bucket)",
+        "validate.py",
+        "    elif not cfg.bf16.enabled and stage > 0:",
+        "    elif False:",
+        (TA + "test_combinations_not_served_are_refused",),
+    ),
+    Mutant(
+        "torch_autocast: communication_data_type beside it not refused",
+        "validate.py",
+        "    elif cfg.communication_data_type is not None:",
+        "    elif False:",
+        (TA + "test_combinations_not_served_are_refused",),
     ),
 ]
 
