@@ -66,11 +66,22 @@ optimizer.params.nesterov optimizer.params.torch_adam optimizer.params.weight_de
 pipeline.activation_checkpoint_interval pipeline.partition pipeline.schedule pipeline.seed_layers
 pipeline.stages pipeline.virtual_stages prescale_gradients ring_parallel_size
 scheduler.params.cos_min_ratio scheduler.params.last_batch_iteration
+scheduler.params.cycle_first_stair_count scheduler.params.cycle_first_step_size
+scheduler.params.cycle_max_lr scheduler.params.cycle_max_mom scheduler.params.cycle_min_lr
+scheduler.params.cycle_min_mom scheduler.params.cycle_momentum
+scheduler.params.cycle_second_stair_count scheduler.params.cycle_second_step_size
+scheduler.params.decay_lr_rate scheduler.params.decay_mom_rate scheduler.params.decay_step_size
+scheduler.params.lr_range_test_min_lr scheduler.params.lr_range_test_staircase
+scheduler.params.lr_range_test_step_rate scheduler.params.lr_range_test_step_size
 scheduler.params.total_num_steps
 scheduler.params.warmup_max_lr scheduler.params.warmup_min_lr scheduler.params.warmup_min_ratio
 scheduler.params.warmup_num_steps scheduler.params.warmup_type scheduler.type seed
 sequence_parallel_size steps_per_print tensor_parallel.autotp_size
-tensor_parallel.partition_config tensorboard.enabled torch_autocast.dtype torch_autocast.enabled
+tensor_parallel.partition_config.embedding_partition_dim
+tensor_parallel.partition_config.layer_specs
+tensor_parallel.partition_config.lm_head_patterns tensor_parallel.partition_config.strict_mode
+tensor_parallel.partition_config.tp_size tensor_parallel.partition_config.use_default_specs
+tensorboard.enabled torch_autocast.dtype torch_autocast.enabled
 torch_autocast.lower_precision_safe_modules
 tensorboard.job_name tensorboard.output_path train_batch_size train_micro_batch_size_per_gpu
 wall_clock_breakdown wandb.enabled wandb.group wandb.project wandb.team watchdog.enabled
@@ -189,7 +200,10 @@ def deepspeed_defaults():
     scalars["activation_checkpointing"] = [act_config], dsc.activation_checkpointing_config
     scalars["flops_profiler"] = [flops_constants], dsc.flops_profiler_config
     scalars["checkpoint"] = scalars["checkpoint.parallel_write"] = [constants, ckpt_constants], None
-    schedulers = [lr_schedules.WarmupLR, lr_schedules.WarmupDecayLR, lr_schedules.WarmupCosineLR]
+    schedulers = [lr_schedules.WarmupLR, lr_schedules.WarmupDecayLR, lr_schedules.WarmupCosineLR,
+                  lr_schedules.OneCycle, lr_schedules.LRRangeTest]  # fmt: skip
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+
     pipeline = ds_config.get_pipeline_config({})
     torch_adam = "pop(TORCH_ADAM_PARAM, False)"  # a literal in the engine's code
     assert torch_adam in inspect.getsource(engine.DeepSpeedEngine.get_optimizer_configuration)
@@ -223,6 +237,11 @@ def deepspeed_defaults():
                 node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
             if node is not _ABSENT:
                 found = node, f"{where(de_config)}:get_data_efficiency_config"
+        elif found is None and path.startswith("tensor_parallel.partition_config."):
+            # a dict AutoTP reads with AutoTPConfig.from_dict: the dataclass's defaults
+            field = AutoTPConfig.__dataclass_fields__[leaf]
+            made = field.default_factory() if callable(field.default_factory) else field.default
+            found = made, f"{where(AutoTPConfig)}:AutoTPConfig.{leaf}"
         elif found is None and head in models:
             found = from_model(models[head], rest)
         elif found is None and head in ("tensorboard", "csv_monitor", "wandb"):

@@ -548,11 +548,12 @@ BAD_CONFIGS = [
     ({"optimizer": {"params": {"lr": 0.1}}}, "optimizer.type", "required key is missing"),
     (opt("SGD", lr=0.1, nesterov=True), "optimizer.params.nesterov", "requires momentum > 0"),
     (
-        sched("OneCycle"),
+        sched("CyclicLR"),
         "scheduler.type",
-        "'OneCycle' is not supported (supported: WarmupLR, WarmupDecayLR, WarmupCosineLR)",
+        "'CyclicLR' is not supported (supported: WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+        "OneCycle, LRRangeTest)",
     ),
-    (sched("LRRangeTest"), "scheduler.type", "'LRRangeTest' is not supported"),
+    (sched("warmuplr"), "scheduler.type", "'warmuplr' is not supported"),
     (
         {"scheduler": {"type": "WarmupDecayLR"}},
         "scheduler.params.total_num_steps",

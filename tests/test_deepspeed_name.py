@@ -219,7 +219,7 @@ def test_small_modules():
     assert pp._orig_torch_arange is torch.arange
 
     schedules = ds.runtime.lr_schedules.VALID_LR_SCHEDULES
-    assert schedules == ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert schedules == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     model = torch.nn.Linear(2, 2)
     tp2 = {"tensor_parallel": {"autotp_size": 2}}
     assert ds.tp_model_init(model, 2, torch.float32, tp2) is model

@@ -218,5 +218,5 @@ def test_wrong_length_list(arg):
 
 
 def test_unknown_type():
-    with pytest.raises(ValueError, match="OneCycle.*WarmupCosineLR.*WarmupDecayLR.*WarmupLR"):
-        build_lr_scheduler(make_opt(), "OneCycle", {})
+    with pytest.raises(ValueError, match="CyclicLR.*LRRangeTest.*OneCycle.*WarmupCosineLR"):
+        build_lr_scheduler(make_opt(), "CyclicLR", {})

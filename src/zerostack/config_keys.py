@@ -113,7 +113,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "amp": _unsupported(_REMOVED + "; use fp16 or bf16"),
     # optimizer
     "optimizer": _works("Adam, AdamW, SGD; any other: pass a torch optimizer"),
-    "scheduler": _works("WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    "scheduler": _works("WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     "zero_allow_untested_optimizer": _no_effect(
         "any torch optimizer runs under ZeRO", _differs(False), bool
     ),

@@ -119,6 +119,53 @@ class WarmupCosineLRParams(_Model):
     """Index of the last batch when resuming; -1 for a fresh start."""
 
 
+class OneCycleParams(_Model):
+    """``scheduler.params`` for OneCycle (DeepSpeed's 1Cycle: the lr up and down once, then
+    decaying; Adam's first beta the other way)."""
+
+    cycle_min_lr: NonNegFloat
+    """The cycle's lower lr (required)."""
+    cycle_max_lr: NonNegFloat
+    """The cycle's upper lr (required)."""
+    decay_lr_rate: NonNegFloat = 0.0
+    """After the cycle, the lr is cycle_min_lr / (1 + rate * steps / decay_step_size)."""
+    cycle_first_step_size: PositiveInt = 2000
+    """Steps from the lower lr to the upper one."""
+    cycle_second_step_size: NonNegInt | None = None
+    """Steps back down (None: cycle_first_step_size)."""
+    cycle_first_stair_count: NonNegInt = 0
+    """Stairs on the way up (0: continuous)."""
+    cycle_second_stair_count: NonNegInt | None = None
+    """Stairs on the way down (None: cycle_first_stair_count)."""
+    decay_step_size: NonNegInt = 0
+    """Steps per unit of decay after the cycle (0: no decay)."""
+    cycle_momentum: bool = True
+    """Cycle the first beta (optimizers with betas only)."""
+    cycle_min_mom: Beta = 0.8
+    """The first beta at the cycle's top lr."""
+    cycle_max_mom: Beta = 0.9
+    """The first beta at the cycle's lower lr."""
+    decay_mom_rate: NonNegFloat = 0.0
+    """After the cycle, the first beta is cycle_max_mom * (1 + rate * steps / decay_step_size)."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
+class LRRangeTestParams(_Model):
+    """``scheduler.params`` for LRRangeTest (the lr grows from lr_range_test_min_lr)."""
+
+    lr_range_test_min_lr: NonNegFloat = 1e-3
+    """The starting lr."""
+    lr_range_test_step_size: PositiveInt = 2000
+    """Steps per unit of growth."""
+    lr_range_test_step_rate: NonNegFloat = 1.0
+    """lr = min_lr * (1 + rate * steps / step_size)."""
+    lr_range_test_staircase: bool = False
+    """Grow in whole stairs of step_size steps."""
+    last_batch_iteration: Annotated[Int, Field(ge=-1)] = -1
+    """Index of the last batch when resuming; -1 for a fresh start."""
+
+
 class _TypedBlock(_Model):
     """A ``{"type": ..., "params": {...}}`` block whose params model depends on the type."""
 
@@ -170,11 +217,18 @@ class SchedulerConfig(_TypedBlock):
         "WarmupLR": WarmupLRParams,
         "WarmupDecayLR": WarmupDecayLRParams,
         "WarmupCosineLR": WarmupCosineLRParams,
+        "OneCycle": OneCycleParams,
+        "LRRangeTest": LRRangeTestParams,
     }
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     """Scheduler name (case-sensitive, as in DeepSpeed)."""
     params: Annotated[
-        WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams, SkipValidation
+        WarmupLRParams
+        | WarmupDecayLRParams
+        | WarmupCosineLRParams
+        | OneCycleParams
+        | LRRangeTestParams,
+        SkipValidation,
     ] = Field(default=None, validate_default=True)
     """Scheduler arguments, checked against the type's own keys."""

@@ -1,4 +1,6 @@
-"""DeepSpeed's warmup learning-rate schedulers: WarmupLR, WarmupDecayLR and WarmupCosineLR.
+"""DeepSpeed's learning-rate schedulers: WarmupLR, WarmupDecayLR, WarmupCosineLR, and the
+range test and 1Cycle policy of arXiv 1803.09820 (LRRangeTest, OneCycle: the latter cycles
+Adam's first beta too).
 
 Same constructor arguments, same numbers and the same stepping convention as DeepSpeed: the
 scheduler writes its lr into the optimizer's param groups on construction and on every step(),
@@ -217,10 +219,155 @@ class WarmupCosineLR(_Scheduler):
         super().load_state_dict(sd)
 
 
+class LRRangeTest(_Scheduler):
+    """The learning-rate range test: from ``lr_range_test_min_lr``, the lr grows by
+    ``lr_range_test_step_rate`` times itself every ``lr_range_test_step_size`` steps,
+    continuously or as a staircase (DeepSpeed's arithmetic)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        lr_range_test_min_lr: float | list[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, 2, "linear", last_batch_iteration)
+        if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
+            raise ValueError(
+                f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size}"
+            )
+        self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        self._init_lrs()
+
+    def get_lr(self) -> list[float]:
+        interval = float(self.last_batch_iteration + 1) / self.step_size
+        increase = 1 + self.step_rate * (math.floor(interval) if self.staircase else interval)
+        return [lr * increase for lr in self.min_lr]
+
+
+class OneCycle(_Scheduler):
+    """1Cycle: the lr climbs from ``cycle_min_lr`` to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` steps and back over ``cycle_second_step_size`` (optionally in
+    stairs), then decays by ``decay_lr_rate`` per ``decay_step_size`` steps; with
+    ``cycle_momentum`` and an optimizer with betas, the first beta moves the other way between
+    ``cycle_max_mom`` and ``cycle_min_mom`` (the second set to 0.99, as DeepSpeed sets it)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        cycle_min_lr: float | list[float],
+        cycle_max_lr: float | list[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | list[float] = 0.8,
+        cycle_max_mom: float | list[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, 2, "linear", last_batch_iteration)
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ValueError(f"cycle_first_step_size must be positive, got {first}")
+        if second < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {second}")
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count
+            if cycle_second_stair_count is None
+            else cycle_second_stair_count
+        )
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate, self.decay_mom_rate = decay_lr_rate, decay_mom_rate
+        no_decay = math.isclose(decay_step_size, 0)
+        self.skip_lr_decay = no_decay or math.isclose(decay_lr_rate, 0)
+        self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
+        self.cycle_momentum = cycle_momentum and "betas" in getattr(optimizer, "defaults", {})
+        if cycle_momentum and not self.cycle_momentum:
+            warnings.warn(f"OneCycle: cycle_momentum is off: {type(optimizer).__name__} has no "
+                          "betas", stacklevel=2)  # fmt: skip
+        if self.cycle_momentum:
+            low = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+            high = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+            self.min_moms = [(m, 0.99) for m in low]
+            self.max_moms = [(m, 0.99) for m in high]
+            if last_batch_iteration == -1:
+                for betas, group in zip(self.min_moms, optimizer.param_groups, strict=True):
+                    group["betas"] = betas
+        if last_batch_iteration == -1:  # DeepSpeed writes the cycle's lower lrs first
+            for lr, group in zip(self.min_lrs, optimizer.param_groups, strict=True):
+                group["lr"] = lr
+            self._last_lr = list(self.min_lrs)
+
+    def _scale(self) -> float:
+        it = self.last_batch_iteration + 1
+        x = 1.0 + it / self.total_size - math.floor(1 + it / self.total_size)
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # held flat across each stair, from the integer position in the cycle
+            at = it % self.total_size
+            if at <= self.first_step_size:
+                position = at * stairs / self.first_step_size
+            else:
+                position = (self.total_size - at) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [
+                lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)
+            ]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        after = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_lr_rate * (after / self.decay_step_size)
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's betas for the current step (None without momentum cycling)."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            pairs = zip(self.min_moms, self.max_moms, strict=True)
+            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        after = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_mom_rate * (after / self.decay_step_size)
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
+    def _write_lrs(self) -> None:
+        super()._write_lrs()
+        if self.cycle_momentum:
+            for group, betas in zip(self.optimizer.param_groups, self.get_mom(), strict=True):
+                group["betas"] = betas
+
+
 SCHEDULERS: dict[str, type[_Scheduler]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }
 
 

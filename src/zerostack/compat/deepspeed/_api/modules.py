@@ -313,13 +313,15 @@ MODULES: dict[str, dict[str, Api]] = {
             "DeepSpeed's schedule and arguments", "zerostack.optim.lr_schedules.WarmupCosineLR"
         ),
         "deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES": _served(
-            "the names of the three schedules"
+            "the names of the five schedules, in DeepSpeed's order"
         ),
-        "deepspeed.runtime.lr_schedules.OneCycle": _no(
-            "not implemented; scheduler.type refuses it"
+        "deepspeed.runtime.lr_schedules.OneCycle": _different(
+            "DeepSpeed's arguments and lrs and betas step by step; scheduler.type OneCycle",
+            "zerostack.optim.lr_schedules.OneCycle",
         ),
-        "deepspeed.runtime.lr_schedules.LRRangeTest": _no(
-            "not implemented; scheduler.type refuses it"
+        "deepspeed.runtime.lr_schedules.LRRangeTest": _different(
+            "DeepSpeed's arguments and lrs step by step; scheduler.type LRRangeTest",
+            "zerostack.optim.lr_schedules.LRRangeTest",
         ),
     },
     "other modules": {
