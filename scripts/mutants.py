@@ -68,6 +68,7 @@ PIPE = "tests/test_pipeline.py"
 SPECS = "tests/test_autotp_specs.py::"
 DA = "tests/test_data_analyzer.py::"
 TA = "tests/test_torch_autocast.py::"
+OC = "tests/test_one_cycle.py::"
 LTD = "tests/test_token_drop.py::"
 SPIKE = "tests/test_loss_spike.py::test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it"
 CUDA = "tests/test_cuda_path.py::test_the_cuda_path_runs_and_matches_the_cpu_run"
@@ -4584,6 +4585,34 @@ MUTANTS = [
         "    elif cfg.communication_data_type is not None:",
         "    elif False:",
         (TA + "test_combinations_not_served_are_refused",),
+    ),
+    Mutant(
+        "OneCycle: the stairs not held flat (the continuous position divided)",
+        "optim/lr_schedules.py",
+        "            scale = math.floor(position) / stairs",
+        "            scale = position / stairs",
+        (OC + "test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "OneCycle: the first beta moves with the lr instead of against it",
+        "optim/lr_schedules.py",
+        "            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]",
+        "            return [(lo[0] + (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]",
+        (OC + "test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "OneCycle: the lr grows after the cycle instead of decaying",
+        "optim/lr_schedules.py",
+        "        return [lo / factor for lo in self.min_lrs]",
+        "        return [lo * factor for lo in self.min_lrs]",
+        (OC + "test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "LRRangeTest: the staircase ignored",
+        "optim/lr_schedules.py",
+        "math.floor(interval) if self.staircase else interval",
+        "interval",
+        (OC + "test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
     ),
 ]
 
