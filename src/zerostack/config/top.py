@@ -14,6 +14,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..config_keys import DEEPSPEED_KEYS, UNSUPPORTED, unsupported_error
+from .autocast import TorchAutocastConfig
 from .base import (
     BatchSize,
     ConfigError,
@@ -46,7 +47,6 @@ from .zero import (
     DataTypesConfig,
     DtypeName,
     FP16Config,
-    TorchAutocastConfig,
     ZeroConfig,
     grad_accum_refusal,
 )

@@ -24,6 +24,7 @@ from zerostack.zero.frozen_pieces import quantize_nontrainable
 from zerostack.zero.state_offload import StateOffload
 from zerostack.zero.strategy import Pieces
 
+from .data_efficiency import DataEfficiency
 from .engine_queries import EngineQueries, LossScale
 from .hybrid_engine import gather_around_generate
 from .zero.offload_config import OffloadDeviceEnum
@@ -72,7 +73,7 @@ class _Overflow:
         self.optimizer.cur_scale = float(self.state.loss_scaler.loss_scale)
 
 
-class DeepSpeedEngine(EngineQueries, Engine):
+class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
     """The engine ``initialize`` returns: :class:`~zerostack.engine.Engine` plus DeepSpeed's
     own accessors (see the module)."""
 
@@ -100,12 +101,7 @@ class DeepSpeedEngine(EngineQueries, Engine):
         self.tput_timer = ThroughputTimer(
             self.train_batch_size(), steps_per_output=self.steps_per_print()
         )
-        ltd = self.config.data_efficiency.random_ltd()
-        if ltd is not None:  # DeepSpeed hands the layers the batch sizes through this dict
-            ltd["global_batch_size"] = self.train_batch_size()
-            ltd["micro_batch_size"] = self.train_micro_batch_size_per_gpu()
-            self.state.random_ltd = token_drop.RandomLTDScheduler(ltd)
-        self._random_ltd = ltd
+        self._set_up_random_ltd()
 
     def __getattr__(self, name: str):
         """What the engine lacks, its module's, as DeepSpeed's engine answers it
@@ -150,33 +146,6 @@ class DeepSpeedEngine(EngineQueries, Engine):
         if self.optimizer is None:
             raise RuntimeError("reload_states: this engine has no optimizer (forward only)")
         self.states.reload(non_blocking=non_blocking)
-
-    # ------------------------------------------------------------------ random-LTD
-    @property
-    def random_ltd_scheduler(self) -> token_drop.RandomLTDScheduler | None:
-        """The token-dropping schedule (``data_efficiency.data_routing.random_ltd``), saved
-        and loaded with checkpoints; None when random-LTD is off."""
-        return self.state.random_ltd
-
-    def random_ltd_enabled(self) -> bool:
-        return self._random_ltd is not None
-
-    def random_ltd_config(self) -> dict:
-        """The ``random_ltd`` block with DeepSpeed's defaults and the batch sizes."""
-        return self._random_ltd
-
-    def random_ltd_initialize(self) -> None:
-        """Set up the layers ``convert_to_random_ltd`` wrapped (those the config names)."""
-        if not self.random_ltd_enabled():
-            raise RuntimeError("random_ltd_initialize: data_routing.random_ltd is not enabled")
-        token_drop.initialize_layers(self.module, self._random_ltd, self.random_ltd_scheduler)
-
-    def set_data_post_process_func(self, post_process_func) -> None:
-        """DeepSpeed's: the training loader keeps ``post_process_func``. DeepSpeed's loader
-        applies it to each batch only under curriculum learning, which zerostack refuses; so,
-        as DeepSpeed's loader without curriculum learning, it applies nothing."""
-        if self.training_dataloader is not None:
-            self.training_dataloader.post_process_func = post_process_func
 
     def forward(self, *args, **kwargs):
         if self.training_dataloader is None:
