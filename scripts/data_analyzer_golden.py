@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
 
 import numpy as np
 import torch
+from _golden import emit
 
 VOCAB, SAMPLES = 9, 230
 LAYOUTS = {"1x1": (1, 1, 1), "2x2": (2, 2, 2)}  # workers, threads, reduce threads
@@ -92,13 +92,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as root:
             analyze(data_analyzer.DataAnalyzer, root, layout)
             out["layouts"][layout] = files(root)
-    text = json.dumps(out, indent=1)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return emit(out, args.write)
 
 
 if __name__ == "__main__":

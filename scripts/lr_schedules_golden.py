@@ -12,10 +12,10 @@ and after every step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+from _golden import emit
 
 STEPS = 14
 CASES = {
@@ -73,13 +73,7 @@ def main(argv=None) -> int:
     out = {"command": " ".join(["DS_ACCELERATOR=cpu .peers/bin/python", *sys.argv]),
            "deepspeed": deepspeed.__version__,
            "cases": {name: trace(classes, name) for name in CASES}}  # fmt: skip
-    text = json.dumps(out, indent=1)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return emit(out, args.write)
 
 
 if __name__ == "__main__":

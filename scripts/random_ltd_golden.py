@@ -19,12 +19,12 @@ step, and the module state dict's names.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from types import SimpleNamespace
 
 import torch
+from _golden import emit
 from torch import nn
 
 SEQ, WIDTH, VOCAB, CLASSES, LAYERS, MICRO, STEPS = 12, 8, 11, 3, 4, 4, 8
@@ -200,13 +200,7 @@ def main(argv=None) -> int:
         out["cases"][name] = train(engine, name, convert_to_random_ltd,
                                    lambda e: e.module_state_dict())  # fmt: skip
         engine.destroy()
-    text = json.dumps(out, indent=1)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return emit(out, args.write)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import sys
 
 import torch
+from _golden import emit
 from torch import nn
 
 WIDTH, VOCAB, SEQ, MICRO, STEPS = 16, 32, 8, 4, 6
@@ -119,13 +120,7 @@ def main(argv=None) -> int:
                              text=True, check=True, env=env)  # fmt: skip
         line = next(x for x in run.stdout.splitlines() if x.startswith("LOSSES "))
         out["cases"][name] = json.loads(line[len("LOSSES ") :])
-    text = json.dumps(out, indent=1)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return emit(out, args.write)
 
 
 if __name__ == "__main__":
