@@ -4561,15 +4561,15 @@ MUTANTS = [
     Mutant(
         "torch_autocast: forward never under autocast",
         "precision.py",
-        "    if not block.enabled:\n        return contextlib.nullcontext()",
+        "    if not cfg.torch_autocast.enabled:\n        return contextlib.nullcontext()",
         "    if True:\n        return contextlib.nullcontext()",
         (TA + "test_losses_equal_deepspeeds",),
     ),
     Mutant(
         "torch_autocast: the configured dtype ignored (fp16)",
         "precision.py",
-        "    dtype = DTYPES[block.dtype] if block.dtype else",
-        "    dtype = torch.float16 if block.dtype else",
+        "    return DTYPES[block.dtype] if block.dtype else",
+        "    return torch.float16 if block.dtype else",
         (TA + "test_losses_equal_deepspeeds",),
     ),
     Mutant(

@@ -169,15 +169,19 @@ def make_loss_scaler(cfg) -> LossScaler:
     )
 
 
-def forward_autocast(cfg, device: torch.device):
-    """The context the engine's forward runs in: ``torch.autocast`` in ``torch_autocast.dtype``
-    (torch's default for the device when not given) when the block is enabled, as DeepSpeed's
-    engine runs it (an enclosing autocast is overridden); else nothing."""
+def autocast_dtype(cfg, device: torch.device) -> torch.dtype:
+    """``torch_autocast.dtype``, or torch's autocast default for ``device`` when not given."""
     block = cfg.torch_autocast
-    if not block.enabled:
+    return DTYPES[block.dtype] if block.dtype else torch.get_autocast_dtype(device.type)
+
+
+def forward_autocast(cfg, device: torch.device):
+    """The context the engine's forward runs in: ``torch.autocast`` in :func:`autocast_dtype`
+    when the block is enabled, as DeepSpeed's engine runs it (an enclosing autocast is
+    overridden); else nothing."""
+    if not cfg.torch_autocast.enabled:
         return contextlib.nullcontext()
-    dtype = DTYPES[block.dtype] if block.dtype else torch.get_autocast_dtype(device.type)
-    return torch.autocast(device_type=device.type, dtype=dtype, enabled=True)
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype(cfg, device))
 
 
 def autocast_state(t: torch.Tensor) -> tuple[str, bool, torch.dtype]:

@@ -16,7 +16,6 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -27,6 +26,7 @@ from .pipeline.module import PipelineModule
 from .pipeline.schedule import DeadlockError, ScheduleError
 from .pipeline.simulate import check_schedule
 from .plan.auto import resolve as resolve_auto
+from .precision import Precision, autocast_dtype
 from .topology import Topology
 from .watchdog import default_store
 from .zero.params import is_sharded
@@ -80,7 +80,7 @@ def validate(
         )
     _check_deepspeed_files(cfg, topo, stage, forward_only, model)
     _check_random_ltd(cfg, topo, model)
-    _check_torch_autocast(cfg, stage, model)
+    _check_torch_autocast(cfg, topo, stage, model)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -96,7 +96,7 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
 
 
-def _check_torch_autocast(cfg, stage: int, model) -> None:
+def _check_torch_autocast(cfg, topo: Topology, stage: int, model) -> None:
     """``torch_autocast``: served in bf16, where DeepSpeed reduces every gradient in the dtype
     zerostack reduces it in (the bf16 block; fp32 weights at stage 0, which reduces in
     ``communication_data_type``); the rest refused, naming why."""
@@ -113,10 +113,7 @@ def _check_torch_autocast(cfg, stage: int, model) -> None:
             raise ConfigError(
                 f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({e})"
             ) from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = block.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        torch.get_autocast_dtype(device), "fp32"
-    )
+    dtype = Precision(autocast_dtype(cfg, topo.device)).name  # the device this run uses
     why = None
     if dtype != "bf16":
         why = (
