@@ -31,7 +31,7 @@ SEQ, WIDTH, VOCAB, CLASSES, LAYERS, MICRO, STEPS = 12, 8, 11, 3, 4, 4, 8
 
 CASES = {
     "decoder_sgd_stage0": {
-        "zero": 0, "optimizer": {"type": "SGD", "params": {"lr": 0.2}},
+        "zero": 0, "optimizer": {"type": "SGD", "params": {"lr": 0.2}}, "clip": 0.0,
         "ltd": {"model_mask_name": None, "model_type": "decoder",
                 "hidden_state_order": "batch_seq_dim"},
     },
@@ -54,6 +54,7 @@ def config(case: dict) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
         "optimizer": case["optimizer"], "zero_optimization": {"stage": case["zero"]},
+        "gradient_clipping": case.get("clip", 1.0),
         "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": ltd}},
     }  # fmt: skip
 

@@ -38,6 +38,7 @@ CASES = {
     "bf16_zero1_sgd": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
                        "optimizer": SGD, "torch_autocast": AUTOCAST},
     "fp32_zero0_sgd": {"zero_optimization": {"stage": 0}, "optimizer": SGD,
+                       "gradient_clipping": 0.0,
                        "torch_autocast": {"enabled": True, "dtype": "bf16"}},
     "bf16_zero3_adamw_no_autocast": {"bf16": {"enabled": True}, "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 0}, "optimizer": ADAMW},

@@ -81,7 +81,8 @@ def _train(rank, world, tp, specs):
     import zerostack.compat.deepspeed as deepspeed
 
     torch.manual_seed(0)
-    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+           "gradient_clipping": 0.0}  # fmt: skip
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": specs}
     engine, *_ = deepspeed.initialize(model=Neo(), config=cfg)
