@@ -10,7 +10,7 @@ from .checkpoint.view import TrainingView
 from .core.steps import StepCallback, StepReport
 from .footprint import Footprint
 from .monitor.training import LossWindow
-from .update import BoundaryUpdate
+from .update import StepOutcome
 
 
 class AfterStep:
@@ -19,12 +19,11 @@ class AfterStep:
     def __init__(
         self,
         run: TrainingView,
-        update: BoundaryUpdate,
         footprint: Footprint,
         timers: dict[str, float],
         batch_size: int,
     ) -> None:
-        self.run, self.update, self.footprint = run, update, footprint
+        self.run, self.footprint = run, footprint
         self.timers, self.batch_size = timers, batch_size
         self.callbacks: list[StepCallback] = []
         self.losses = LossWindow(run.topology, run.comm)  # each window's, when one is wanted
@@ -36,9 +35,10 @@ class AfterStep:
         self.losses.collect |= bool(getattr(callback, "wants_loss", False))
         return callback
 
-    def count(self, loss: torch.Tensor | None = None) -> None:
-        """Count a step and hand its report to the callbacks (``loss``: the step's mean loss
-        when the caller has it; else the window's, when a callback wants it)."""
+    def count(self, outcome: StepOutcome, loss: torch.Tensor | None = None) -> None:
+        """Count a step and hand its report, with the update's ``outcome``, to the callbacks
+        (``loss``: the step's mean loss when the caller has it; else the window's, when a
+        callback wants it)."""
         run, state = self.run, self.run.state
         state.global_steps += 1
         state.global_samples += self.batch_size
@@ -51,9 +51,9 @@ class AfterStep:
             batch_size=self.batch_size,
             world_size=run.topology.world_size,
             skipped_steps=state.skipped_steps,
-            applied=self.update.applied,
+            applied=outcome.applied,
             loss=loss,
-            grad_norm=self.update.grad_norm,
+            grad_norm=outcome.grad_norm,
             lrs=[g["lr"] for g in optimizer.param_groups] if optimizer is not None else [],
             loss_scale=state.loss_scaler.loss_scale,
             precision=run.precision.name,

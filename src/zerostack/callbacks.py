@@ -22,20 +22,23 @@ from .monitor.training import StepMonitor
 from .profiling.flops_profiler.step import StepProfile
 
 
-def register_step_callbacks(engine, config: ZeroStackConfig) -> None:
-    """Add the configured step callbacks to ``engine`` (see the module), and name the ones a
-    user reads: ``engine.flops_profile``, ``engine.monitor``, ``engine.loss_spike`` (None when
+def register_step_callbacks(
+    engine, config: ZeroStackConfig
+) -> tuple[StepProfile | None, StepMonitor, LossSpikeGuard | None]:
+    """Add the configured step callbacks to ``engine`` (see the module); return the ones a user
+    reads, as ``engine.flops_profile``, ``engine.monitor`` and ``engine.loss_spike`` (None when
     their block is off; the monitors always)."""
     rank = engine.topology.global_rank
-    engine.flops_profile = None
+    profile = None
     if config.flops_profiler.enabled:
-        profile = StepProfile(engine.state, rank, config.flops_profiler, engine)
-        engine.flops_profile = engine.add_callback(profile)
+        profile = engine.add_callback(
+            StepProfile(engine.state, rank, config.flops_profiler, engine)
+        )
     # the monitors open their files on rank 0 now: a bad path or a missing package fails here
-    engine.monitor = engine.add_callback(StepMonitor(config, engine.topology, engine.comm))
+    monitor = engine.add_callback(StepMonitor(config, engine.topology, engine.comm))
     engine.add_callback(ProgressPrint(config, rank))
-    engine.loss_spike = None
+    guard = None
     if config.loss_spike.factor:
-        guard = LossSpikeGuard(config.loss_spike, engine.checkpoints)
-        engine.loss_spike = engine.add_callback(guard)
+        guard = engine.add_callback(LossSpikeGuard(config.loss_spike, engine.checkpoints))
     engine.add_callback(engine.checkpoints)
+    return profile, monitor, guard

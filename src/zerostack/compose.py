@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from . import activation_checkpointing
-from .callbacks import register_step_callbacks
 from .comm import comms_logger
 from .comm import configure as configure_comms
 from .comm.grid import comm_for
@@ -36,7 +35,6 @@ from .tensor_parallel.autotp import POLICIES, model_type
 from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
 from .validate import agreed, validate
-from .watchdog import start_watchdog
 from .world import default_timeout, init_distributed
 from .zero.leaves import apply_leaf_config
 
@@ -357,7 +355,5 @@ def initialize(
     )
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     engine.set_dataloader(loader)  # train_batch() reads it; checkpoints keep its position
-    register_step_callbacks(engine, cfg)  # profile, monitors, log, loss spike, saves
-    engine.watchdog = start_watchdog(engine.comm.log, cfg.watchdog, topo)
-    engine.checkpoints.resume()  # checkpoint.auto_resume: latest, if there is one
+    engine.start(cfg)  # step callbacks, the watchdog, checkpoint.auto_resume
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .after_step import AfterStep
+from .callbacks import register_step_callbacks
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.model_files import full_weights
 from .checkpoint.view import TrainingView
@@ -48,9 +50,15 @@ from .precision import Precision, forward_autocast, make_loss_scaler
 from .replicas import Replicas
 from .runner import MicroBatches, cast_inputs
 from .topology import Topology
-from .update import BoundaryUpdate
+from .update import BoundaryUpdate, StepOutcome
+from .watchdog import Watchdog, start_watchdog
 from .zero.build import build_strategy
 from .zero.strategy import ZeroStrategy
+
+if TYPE_CHECKING:
+    from .checkpoint.loss_spike import LossSpikeGuard
+    from .monitor.training import StepMonitor
+    from .profiling.flops_profiler.step import StepProfile
 
 log = logging.getLogger("zerostack")
 
@@ -138,9 +146,14 @@ class Engine(nn.Module):
         self.footprint = Footprint(self.run)  # the memory figures
         self.timers: dict[str, float] = defaultdict(float)
         # counts each step and hands its report to the step callbacks (zerostack.callbacks)
-        self.after_step = AfterStep(self.run, self.update, self.footprint, self.timers, tbs)
+        self.after_step = AfterStep(self.run, self.footprint, self.timers, tbs)
         self.callbacks = self.after_step.callbacks
-        self.watchdog = None  # initialize starts one (zerostack.watchdog)
+        self.outcome = StepOutcome()  # what the last step() did (applied, the gradient norm)
+        # set by start(): the built-in step callbacks a user reads, and the watchdog
+        self.flops_profile: StepProfile | None = None
+        self.monitor: StepMonitor | None = None
+        self.loss_spike: LossSpikeGuard | None = None
+        self.watchdog: Watchdog | None = None
         # how train_batch() runs a batch: micro-batch by micro-batch, or a pipeline's schedule
         self.runner = runner if runner is not None else MicroBatches()
 
@@ -215,13 +228,11 @@ class Engine(nn.Module):
         if self.window.inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): step after leaving it")
         t0 = self.clock.now()
-        self.update.applied = False
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self.apply_step()
+        self.outcome = self.apply_step() if boundary else self.outcome.between_updates()
         self.micro_steps += 1  # before the count: an automatic save keeps whole windows
         if boundary:
-            self.after_step.count()
+            self.after_step.count(self.outcome)
         self.timers["step"] += self.clock.now() - t0
 
     # ------------------------------------------------------------------ whole batches
@@ -253,18 +264,19 @@ class Engine(nn.Module):
         """A runner that ran a window's micro-batches and update itself (a pipeline's
         schedule) counts them here, with the window's mean loss."""
         self.micro_steps += micro_batches
-        self.after_step.count(loss)
+        self.after_step.count(self.outcome, loss)
 
     def add_callback(self, callback: StepCallback) -> StepCallback:
         """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step
         (:mod:`.after_step`)."""
         return self.after_step.add(callback)
 
-    def apply_step(self) -> None:
+    def apply_step(self) -> StepOutcome:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner
         calls once a batch's gradients are in): reduce, norm, clip, step, write back
-        (:mod:`zerostack.update`)."""
-        self.update()
+        (:mod:`zerostack.update`); its outcome is also kept as ``self.outcome``."""
+        self.outcome = self.update.apply()
+        return self.outcome
 
     def zero_grad(self) -> None:
         """Gradients are zeroed after every optimizer step; this exists for API compatibility."""
@@ -276,7 +288,15 @@ class Engine(nn.Module):
         Refused at ZeRO stages 2 and 3, and not nested (:mod:`.core.accumulation`)."""
         return self.window.no_sync()
 
-    # ------------------------------------------------------------------ figures, the end
+    # ------------------------------------------------------------------ the run
+    def start(self, config: ZeroStackConfig) -> None:
+        """Begin the run, once the engine is built (``initialize``'s last act): the built-in
+        step callbacks (:mod:`zerostack.callbacks`), the watchdog (:mod:`zerostack.watchdog`)
+        and ``checkpoint.auto_resume`` (the latest checkpoint, if there is one)."""
+        self.flops_profile, self.monitor, self.loss_spike = register_step_callbacks(self, config)
+        self.watchdog = start_watchdog(self.comm.log, config.watchdog, self.topology)
+        self.checkpoints.resume()
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank, per kind (:meth:`.footprint.Footprint.breakdown`)."""
         return self.footprint.breakdown()

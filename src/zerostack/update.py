@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -22,14 +23,26 @@ from .zero.strategy import GradStats
 log = logging.getLogger("zerostack")
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one ``step()`` did: the global gradient norm before clipping (non-finite on a
+    skipped update; None before the first), and whether the weights changed."""
+
+    grad_norm: float | None = None
+    applied: bool = False
+
+    def between_updates(self) -> StepOutcome:
+        """A micro-step inside a window: nothing applied, the last update's norm kept (as
+        DeepSpeed's ``get_global_grad_norm()`` keeps it)."""
+        return StepOutcome(self.grad_norm, applied=False)
+
+
 class BoundaryUpdate:
-    """The engine's update (``engine.apply_step()``), over the run's parts: ``grad_norm`` and
-    ``applied`` say what the last one did."""
+    """The engine's update (``engine.apply_step()``), over the run's parts; :meth:`apply`
+    returns what it did."""
 
     def __init__(self, run: TrainingView) -> None:
         self.run = run
-        self.grad_norm: float | None = None  # the last update's, before clipping
-        self.applied = False  # whether the last update changed the weights
         # the norm's host read, and whether the optimizer can skip a step without it
         self._norm_reader = HostScalar(run.device)
         self._sq_host: torch.Tensor | None = None  # an offloaded norm's way up to the device
@@ -37,7 +50,9 @@ class BoundaryUpdate:
         fused = getattr(run.optimizer, "_step_supports_amp_scaling", False)
         self._skips_on_device = fused and self._masters_on_device
 
-    def __call__(self) -> None:
+    def apply(self) -> StepOutcome:
+        """Reduce, norm, clip, step and write back (see the module); the outcome says whether
+        the weights changed."""
         run = self.run
         zero, opt, scaler = run.zero, run.optimizer, run.state.loss_scaler
         stats = zero.reduce_grads(scaler.loss_scale, run.replicated_elsewhere())
@@ -53,7 +68,6 @@ class BoundaryUpdate:
             finally:
                 del opt.found_inf
         value = self._norm_reader.value()
-        self.grad_norm = value
         overflow = not math.isfinite(value)
         if overflow:
             self._skip_step(value)
@@ -66,9 +80,9 @@ class BoundaryUpdate:
                 zero.step(opt, coef)
             if run.lr_scheduler is not None:
                 run.lr_scheduler.step()
-        self.applied = not overflow
         scaler.update(overflow)
         zero.zero_grad()
+        return StepOutcome(value, applied=not overflow)
 
     def _coef(self, norm: torch.Tensor, post: float) -> torch.Tensor | float:
         """What the masters' gradients are multiplied by: ``post`` (the mean over the global

@@ -132,7 +132,7 @@ def produce(run, shard: Plan) -> Iterator[tuple[str, torch.Tensor]]:
             for k, _ in shard.kinds[m]:
                 yield f"{k}/{key}", values[k][a:b]
         del values
-    for p, lo, _, value in zero.frozen_slices(write_back=False):  # one piece read in at a time
+    for p, lo, _, value in zero.frozen_slices(writes=False):  # one piece read in at a time
         if p in shard.frozen:
             key, x, y = shard.frozen[p]
             yield f"master/{key}", value[x - lo : y - lo].float()

@@ -65,11 +65,11 @@ class FlatState:
             if p not in self._where:
                 yield p, 0, p.numel()
 
-    def frozen_slices(self, write_back: bool = True):
+    def frozen_slices(self, writes: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
         every rank holds it whole, so ``[lo, hi)`` is all of it and ``held`` the flattened
         parameter itself, in the compute dtype (a checkpoint reads it and loads into it in
-        place, so ``write_back`` has nothing to do)."""
+        place, so ``writes`` changes nothing)."""
         for p in self.module.parameters():
             if p not in self._where:
                 if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
@@ -78,7 +78,7 @@ class FlatState:
 
     def after_load(self) -> None:
         """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
-        self.after_step()
+        self.write_back()
 
     # ------------------------------------------------------------------ one parameter
     def state_axis(self, p: nn.Parameter) -> str | None:

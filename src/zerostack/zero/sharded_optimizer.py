@@ -161,7 +161,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         # bucket-sized buffer too); a step's other buffers come back to the system at its end
         biggest = max((st.bucket.numel for st in self.buckets), default=0)
         self.rest_bytes = biggest * self.reduce_dtype.itemsize
-        self.write_back = WriteBack(
+        self.writer = WriteBack(
             self.groups, self.buckets, comm=comm, uploads=self.uploads, buffers=self.buffers
         )
         self._sync_untracked(dtype)
@@ -252,22 +252,22 @@ class ShardedDataParallel(FlatState, StepSequence):
 
     def step_optimizer(self, optimizer) -> None:
         """``optimizer.step()`` on the masters (sub-group by sub-group when they are in files,
-        each new value kept for :meth:`after_step`; bucket by bucket, each gathered once
+        each new value kept for :meth:`write_back`; bucket by bucket, each gathered once
         stepped, when the write-back can overlap them)."""
-        if self.write_back.steps_by_bucket(optimizer, self.offload):
-            self.write_back.step_and_gather(optimizer)
+        if self.writer.steps_by_bucket(optimizer, self.offload):
+            self.writer.step_and_gather(optimizer)
             return
         bucket_of = {st.master: st for st in self.buckets}
 
         def keep(master: nn.Parameter, value: torch.Tensor) -> None:
             st = bucket_of[master]
-            st.updated = self.write_back.on_device(st, value)
+            st.updated = self.writer.on_device(st, value)
 
         self.store.step(optimizer, keep)
 
-    def after_step(self) -> None:
+    def write_back(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer."""
-        self.write_back.after_step()
+        self.writer.finish()
 
     def zero_grad(self) -> None:
         self.downloads.settle()  # no late add after the zeros

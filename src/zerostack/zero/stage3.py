@@ -278,7 +278,7 @@ class Stage3(Stage3State, StepSequence):
         into the compute-dtype pieces while it is in memory)."""
         self.store.step(optimizer, lambda m, value: self._write_pieces(self._group_of[m], value))
 
-    def after_step(self) -> None:
+    def write_back(self) -> None:
         for g in self.groups:  # in files: written while each sub-group was in memory
             separate = g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
             if self.store.in_memory and separate:

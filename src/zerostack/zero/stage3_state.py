@@ -90,25 +90,25 @@ class Stage3State:
             if p not in self._trainable:
                 yield p, *p._zs.extent()
 
-    def frozen_slices(self, write_back: bool = True):
+    def frozen_slices(self, writes: bool = True):
         """``(param, lo, hi, held)`` for each parameter the optimizer does not train (frozen):
         this rank's piece ``held`` (compute dtype) holds elements ``[lo, hi)`` of the flattened
         parameter (padding excluded); a checkpoint reads it and loads into it. A piece kept in a
         file (offload_param) is read in for that, one at a time, and written back after (a load
-        may have filled it; a save, ``write_back=False``, leaves the file alone)."""
+        may have filled it; a save, ``writes=False``, leaves the file alone)."""
         for p, lo, hi in self.frozen_extents():
             swapped = self.param_swapper.holds(p)
             self.param_swapper.fetch([p])
             yield p, lo, hi, p._zs.piece[: hi - lo]
             if swapped:
-                if write_back:
+                if writes:
                     self.param_swapper.update(p, p._zs.piece)
                 self.param_swapper.drop([p])
 
     def after_load(self) -> None:
         """Loaded masters into the pieces, and loaded frozen pieces into the gathered copies of
         persistent parameters (a collective over dp)."""
-        self.after_step()
+        self.write_back()
         self._refresh_persistent([p for p in self._persistent if p not in self._trainable])
 
     # ------------------------------------------------------------------ one parameter

@@ -208,7 +208,7 @@ class Pieces(Protocol):
 class StepSequence:
     """The step calls of :class:`ZeroStrategy` in terms of a stage's own parts, shared by the
     stages: ``_prepare_step`` (masters get their gradients; returns ``post``), ``grad_norm_sq``,
-    ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``after_step``."""
+    ``grads_sharded``, ``scale_grads``, ``step_optimizer``, ``write_back``."""
 
     boundary: bool = True
 
@@ -223,4 +223,4 @@ class StepSequence:
         if isinstance(coef, torch.Tensor) or coef != 1.0:  # a tensor is not read on the host
             self.scale_grads(coef)
         self.step_optimizer(optimizer)
-        self.after_step()
+        self.write_back()

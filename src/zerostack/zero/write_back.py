@@ -53,7 +53,7 @@ class WriteBack:
 
     def step_and_gather(self, optimizer) -> None:
         """Step each bucket's master alone (the others' gradients hidden for the call) and
-        launch its all-gather; :meth:`after_step` waits for those still in flight."""
+        launch its all-gather; :meth:`finish` waits for those still in flight."""
         grads = [st.master.grad for st in self.buckets]
         for st in self.buckets:
             st.master.grad = None
@@ -69,7 +69,7 @@ class WriteBack:
                 st.master.grad = grad
         self._gathering = handles
 
-    def after_step(self) -> None:
+    def finish(self) -> None:
         """Bring the updated masters into every rank's compute-dtype parameter buffer: copied
         where every rank holds the whole state, else all-gathered (those launched as buckets
         were stepped only waited for)."""

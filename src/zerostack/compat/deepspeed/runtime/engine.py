@@ -174,7 +174,7 @@ class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False between accumulation
         boundaries and when a non-finite gradient skipped the step)."""
-        return self.update.applied
+        return self.outcome.applied
 
     def get_lr(self) -> list[float]:
         """Each group's learning rate (none for a forward-only engine)."""
@@ -182,7 +182,7 @@ class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step, before clipping (None before any)."""
-        return self.update.grad_norm
+        return self.outcome.grad_norm
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """From now on, the next backward and ``step()`` close a window (True) or not (False),
