@@ -5,7 +5,7 @@
 
 Each side is one torchrun launch of 2 ranks training the reference GPT with the same batches
 (``benchmarks/zero.py``'s model, batches and config: AdamW, clipping at 1.0), eager or after
-``engine.compile(backend=...)`` (block by block: ``zerostack.compiling``). The warm-up steps
+``engine.compile(backend=...)`` (block by block: ``zerostack.engine.compiling``). The warm-up steps
 include the compilation, whose seconds are reported apart (the first step's time); the timed
 steps after it must compile nothing (``graphs_after_warmup`` is 0). Rounds visit the sides in
 alternating order; per side the round with the lowest median is kept. Prints per side the median

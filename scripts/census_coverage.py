@@ -14,7 +14,7 @@ as under ``python -m zerostack.as_deepspeed``):
   ``deepspeed.initialize`` built (ZeRO-3 and ZeRO-2, one rank): the engine, its optimizer, its
   ``optimizer.parameter_offload`` and trace, a stage-3 parameter and module;
 - ``config_key`` rows (``zero_optimization.stage3_prefetch_bucket_size``): a field of zerostack's
-  config, or a DeepSpeed key zerostack knows (:mod:`zerostack.config_keys`: works, no effect, or
+  config, or a DeepSpeed key zerostack knows (:mod:`zerostack.config.keys`: works, no effect, or
   refused with why).
 
 tests/test_census.py holds the page to this output and the gaps to :data:`GAPS`.
@@ -130,7 +130,7 @@ def _config_status(path: str) -> bool:
     from pydantic import BaseModel
 
     from zerostack.config import ZeroStackConfig
-    from zerostack.config_keys import DEEPSPEED_KEYS, UNSUPPORTED
+    from zerostack.config.keys import DEEPSPEED_KEYS, UNSUPPORTED
 
     head = path.split(".")[0]
     if head in DEEPSPEED_KEYS and head not in ZeroStackConfig.model_fields:

@@ -1,4 +1,4 @@
-"""Print the reference table of DeepSpeed's config keys, from zerostack.config_keys.
+"""Print the reference table of DeepSpeed's config keys, from zerostack.config.keys.
 
     python scripts/config_table.py            # print it
     python scripts/config_table.py --write    # replace the copy in docs/reference/config-keys.md
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from _pages import write_between  # noqa: E402
 
-from zerostack.config_keys import (  # noqa: E402
+from zerostack.config.keys import (  # noqa: E402
     DEEPSPEED_KEYS,
     DEFAULT_DIFFERENCES,
     NESTED_NO_EFFECT,

@@ -12,7 +12,7 @@ keyword arguments of the classes DeepSpeed builds at ``initialize`` (its AdamW i
 WarmupLR is ``lr_schedules.WarmupLR``): they are probed by calling those; so is
 ``tensor_parallel.partition_config`` (a dict AutoTP reads), through the config's
 ``get_partition_config_object``. zerostack's facade
-(``zerostack.config_keys.DEEPSPEED_REFUSES_UNKNOWN``) follows this table, and
+(``zerostack.config.keys.DEEPSPEED_REFUSES_UNKNOWN``) follows this table, and
 tests/test_config_keys.py holds the two together.
 """
 

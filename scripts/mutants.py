@@ -477,7 +477,7 @@ MUTANTS = [
     ),
     Mutant(
         "the norm skips the shared pieces off ep rank 0 (at stages 1-3 each rank holds its own)",
-        "replicas.py",
+        "engine/replicas.py",
         "            held = held | (self._ep_replicas - cut_over_ep)",
         "            held = held | self._ep_replicas",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[dp2xep2-top1-drops-stage1]",),
@@ -565,7 +565,7 @@ MUTANTS = [
     ),
     Mutant(
         "the watchdog's stop leaves its wake sockets open (two descriptors an engine)",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "            self._selector.close()\n            self._wake_r.close()\n",
         "            self._selector.close()\n",
         (
@@ -763,35 +763,35 @@ MUTANTS = [
     ),
     Mutant(
         "the Trainer's loss divided twice at accumulation 2 (scale_wrt_gas ignored)",
-        "engine.py",
+        "engine/__init__.py",
         "gas = self.window.gas if scale_wrt_gas else 1",
         "gas = self.window.gas",
         (f"{T_HF_TRAINER}[zero3_gas2]",),
     ),
     Mutant(
         "engine.config's dict leaves out the resolved batch sizes",
-        "config_view.py",
+        "config/view.py",
         "            data.update(zip(_BATCH_KEYS, batch, strict=True))",
         "            pass",
         (T_CONFIG_VIEW,),
     ),
     Mutant(
         "engine.config hands out its own nested dicts (a write sticks, silently)",
-        "config_view.py",
+        "config/view.py",
         "return copy.deepcopy(self._dict[key])",
         "return self._dict[key]",
         (T_CONFIG_VIEW,),
     ),
     Mutant(
         "loss not divided by gradient_accumulation_steps",
-        "engine.py",
+        "engine/__init__.py",
         "gas = self.window.gas if scale_wrt_gas else 1",
         "gas = 1",
         (f"{P}[dp2]",),
     ),
     Mutant(
         "backward's scale_wrt_gas=False ignored (the Trainer's loss divided twice)",
-        "engine.py",
+        "engine/__init__.py",
         "gas = self.window.gas if scale_wrt_gas else 1",
         "gas = self.window.gas",
         (T_SCALE_WRT_GAS,),
@@ -833,7 +833,7 @@ MUTANTS = [
     ),
     Mutant(
         "tp replica counted on every tp rank in the gradient norm",
-        "replicas.py",
+        "engine/replicas.py",
         'held = self._tp_replicas if topo.tp > 1 and topo.rank("tp") != 0 else set()',
         "held = set()",
         (f"{P}[tp2]",),
@@ -910,14 +910,14 @@ MUTANTS = [
     ),
     Mutant(
         "NaN guard removed (bf16 and fp32 apply non-finite steps)",
-        "update.py",
+        "engine/update.py",
         "overflow = not math.isfinite(value)",
         'overflow = self.precision.name == "fp16" and not math.isfinite(value)',
         ("tests/test_nonfinite.py",),
     ),
     Mutant(
         "loss scaler not restored on load",
-        "core/train_state.py",
+        "engine/train_state.py",
         'self.loss_scaler.load_state_dict(state["loss_scaler"])',
         "pass",
         (f"{C}::test_exact_resume_whole",),
@@ -931,7 +931,7 @@ MUTANTS = [
     ),
     Mutant(
         "sampler position not restored on load",
-        "core/train_state.py",
+        "engine/train_state.py",
         'sampler.load_state_dict(state["data_sampler"])',
         "pass",
         (f"{C}::test_exact_resume_whole",),
@@ -945,7 +945,7 @@ MUTANTS = [
     ),
     Mutant(
         "pipeline data iterator not reset on load",
-        "core/train_state.py",
+        "engine/train_state.py",
         "            self.data_iter = None\n",
         "",
         (f"{C}::test_exact_resume_whole",),
@@ -1330,7 +1330,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a silent peer is given ten times the bound",
-        "heartbeats.py",
+        "watchdog/heartbeats.py",
         "if quiet_for > self.timeout]",
         "if quiet_for > 10 * self.timeout]",
         (
@@ -1340,7 +1340,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a peer that missed its beats does not hold back the rival verdict",
-        "heartbeats.py",
+        "watchdog/heartbeats.py",
         "now - pending.started > self.timeout and not quiet:",
         "now - pending.started > self.timeout:",
         (
@@ -1349,7 +1349,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: its exit skips the removal of the rank's swap files",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "exit: Callable[[int], None] = hard_exit,",
         "exit: Callable[[int], None] = os._exit,",
         ("tests/test_disk_faults.py::test_the_watchdogs_exit_removes_the_ranks_swap_files",),
@@ -1370,7 +1370,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: an error raised as the job ends prints its traceback as if it were the cause",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "        if self._ending.is_set():\n            # raised",
         "        if False:\n            # raised",
         (
@@ -1380,7 +1380,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: a posted verdict is not read by the other ranks",
-        "heartbeats.py",
+        "watchdog/heartbeats.py",
         "        if self.store.check([key]):\n            return self.store.get(key).decode()\n",
         "",
         (
@@ -1397,7 +1397,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: stop waits out the interval",
-        "watchdog.py",
+        "watchdog/__init__.py",
         '            self._wake_w.send(b"\\0")',
         "            pass",
         ("tests/test_watchdog.py::test_stop_returns_at_once",),
@@ -1411,21 +1411,21 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog: an exception is not posted as the verdict",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "        sys.excepthook = self._excepthook\n",
         "",
         ("tests/test_watchdog.py::test_a_rank_that_raises_is_named_by_every_rank",),
     ),
     Mutant(
         "watchdog: the verdict printed into whatever sys.stderr is at the time",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "        print(text, file=self._out, flush=True)",
         "        print(text, file=sys.stderr, flush=True)",
         (T_RAISED,),
     ),
     Mutant(
         "watchdog: the rank ends while its traceback is being printed",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "            if self._tracing.is_set():",
         "            if False:",
         (T_RAISED,),
@@ -1581,7 +1581,7 @@ MUTANTS = [
     ),
     Mutant(
         "safe_get_full_grad: the summed gradient not averaged over dp",
-        "full_params.py",
+        "engine/full_params.py",
         "grad = zero.window_grad(p).mul(post)",
         "grad = zero.window_grad(p)",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
@@ -1595,7 +1595,7 @@ MUTANTS = [
     ),
     Mutant(
         "safe_set_full_fp32_param: the compute-dtype parameter keeps its old value",
-        "full_params.py",
+        "engine/full_params.py",
         "            zero.write_param(p, flat)",
         "            pass",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s3_cpu]",),
@@ -1616,7 +1616,7 @@ MUTANTS = [
     ),
     Mutant(
         "communication_data_type ignored: gradients reduced in the compute dtype",
-        "precision.py",
+        "core/precision.py",
         "return self.comm_dtype or self.compute_dtype",
         "return self.compute_dtype",
         (f"{CD}::test_fp32_reduction_sends_fp32_and_sums_exactly",),
@@ -1700,14 +1700,14 @@ MUTANTS = [
     ),
     Mutant(
         "fp16.auto_cast ignored: no input is cast",
-        "runner.py",
+        "engine/micro_batches.py",
         "    if not auto_cast:\n        return inputs",
         "    if True:\n        return inputs",
         ("tests/test_input_cast.py::test_inputs_are_cast_as_deepspeed_casts_them",),
     ),
     Mutant(
         "auto_cast casts keyword arguments too",
-        "engine.py",
+        "engine/__init__.py",
         "out = self.module(*cast_inputs(args, self.config.fp16.auto_cast), **kwargs)",
         "out = self.module(*cast_inputs(args, self.config.fp16.auto_cast), "
         "**cast_inputs(kwargs, self.config.fp16.auto_cast))",
@@ -1738,14 +1738,14 @@ MUTANTS = [
     ),
     Mutant(
         "no-effect keys: the warning on every rank",
-        "config_keys.py",
+        "config/keys.py",
         "if settings and rank == 0:",
         "if settings:",
         ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
     ),
     Mutant(
         "no-effect keys: a nested key named at its default",
-        "config_keys.py",
+        "config/keys.py",
         "if found is not None and found[0] != found[1]:",
         "if found is not None:",
         ("tests/test_config_keys.py::test_at_initialize_warning_level_and_memory_line",),
@@ -2051,14 +2051,14 @@ MUTANTS = [
     ),
     Mutant(
         "cuda: wall_clock_breakdown times the launch, not the work",
-        "engine.py",
+        "engine/__init__.py",
         "self.clock = device_clock(device, config.wall_clock_breakdown)",
         "self.clock = device_clock(device, False)",
         ("tests/test_cuda_path.py::test_gpu_seconds_wait_for_the_device_only_when_asked_for",),
     ),
     Mutant(
         "cuda: the comms logger times the launch, not the collective",
-        "engine.py",
+        "engine/__init__.py",
         "device, config.wall_clock_breakdown or config.comms_logger.enabled",
         "device, config.wall_clock_breakdown",
         ("tests/test_cuda_path.py::test_gpu_seconds_wait_for_the_device_only_when_asked_for",),
@@ -2134,7 +2134,7 @@ MUTANTS = [
     ),
     Mutant(
         "automatic save before the micro-step is counted",
-        "engine.py",
+        "engine/__init__.py",
         "        self.micro_steps += 1  # before the count: an automatic save keeps whole windows\n"
         "        if boundary:\n"
         "            self.after_step.count(self.outcome)",
@@ -2193,7 +2193,7 @@ MUTANTS = [
     ),
     Mutant(
         "safe_set_full_grad: the mean stored as is, not summed over dp and scaled",
-        "full_params.py",
+        "engine/full_params.py",
         "return mean / self.engine.zero.grad_post(self.engine.loss_scaler.loss_scale)",
         "return mean",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s2]",),
@@ -2207,7 +2207,7 @@ MUTANTS = [
     ),
     Mutant(
         "safe_set_local_fp32_param: the other ranks' pieces not gathered",
-        "full_params.py",
+        "engine/full_params.py",
         "flat = gather_full([st.like(piece)], self.engine.comm)[0]",
         "flat = piece.repeat(st.world)[: st.numel]",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s3]",),
@@ -2231,8 +2231,8 @@ MUTANTS = [
     Mutant(
         "api table: zerostack grows a name the table says is not supported",
         "utils.py",
-        "from .full_params import engine_of\n",
-        "from .full_params import engine_of\n\nOnDevice = None\n",
+        "from .engine.full_params import engine_of\n",
+        "from .engine.full_params import engine_of\n\nOnDevice = None\n",
         (
             "tests/test_api_surface.py::test_names_that_work_or_differ_resolve_and_unsupported_ones_do_not",
         ),
@@ -2282,7 +2282,7 @@ MUTANTS = [
     ),
     Mutant(
         "the watchdog leaves a stopped peer on its host to the launcher",
-        "watchdog.py",
+        "watchdog/__init__.py",
         "            self._end_stopped_peers()\n",
         "",
         (
@@ -2463,7 +2463,7 @@ MUTANTS = [
     ),
     Mutant(
         "the norm counts the shared parameters on every ep rank",
-        "replicas.py",
+        "engine/replicas.py",
         "            held = held | (self._ep_replicas - cut_over_ep)",
         "            held = held",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
@@ -2484,7 +2484,7 @@ MUTANTS = [
     ),
     Mutant(
         "expert gradients reduced over all data-parallel ranks, like the shared ones",
-        "replicas.py",
+        "engine/replicas.py",
         "            {p for p in module.parameters() if not is_moe_param(p)} if topology.ep > 1",
         "            set(module.parameters()) if topology.ep > 1",
         (f"{MOE}::test_expert_parallel_gpt_matches_single_process[ep2-top1-drops-stage0]",),
@@ -2575,49 +2575,49 @@ MUTANTS = [
     ),
     Mutant(
         "found_inf never set: a non-finite step updates the weights on the device",
-        "update.py",
+        "engine/update.py",
         "opt.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)",
         "opt.found_inf = torch.zeros((), device=norm.device)",
         ("tests/test_nonfinite.py",),
     ),
     Mutant(
         "the host reads the norm before the step is queued (the GPU idles meanwhile)",
-        "update.py",
+        "engine/update.py",
         "        self._norm_reader.start(norm)\n",
         "        self._norm_reader.start(norm)\n        self._norm_reader.value()\n",
         (T_WAITS,),
     ),
     Mutant(
         "the norm reaches the host through a blocking copy (drains the stream)",
-        "clock.py",
+        "core/clock.py",
         "self.host.copy_(t.detach(), non_blocking=self.event is not None)",
         "self.host.copy_(t.detach())",
         (T_WAITS,),
     ),
     Mutant(
         "a fused optimizer still waits for the norm before its step",
-        "update.py",
+        "engine/update.py",
         "self._skips_on_device = fused and self._masters_on_device",
         "self._skips_on_device = False",
         (T_WAITS,),
     ),
     Mutant(
         "the clipping factor is not capped at 1 (a small norm scales gradients up)",
-        "update.py",
+        "engine/update.py",
         "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
         "return (clip / (norm + 1e-6)) * post",
         (T_SGD_CLIP,),
     ),
     Mutant(
         "the clipping factor leaves out the mean over dp",
-        "update.py",
+        "engine/update.py",
         "return (clip / (norm + 1e-6)).clamp(max=1.0) * post",
         "return (clip / (norm + 1e-6)).clamp(max=1.0)",
         (T_SGD_CLIP,),
     ),
     Mutant(
         "the norm's host copy is read before its event (a value the GPU may not have written)",
-        "clock.py",
+        "core/clock.py",
         "            self.event.synchronize()\n",
         "            pass\n",
         (T_WAITS,),
@@ -3140,7 +3140,7 @@ MUTANTS = [
     ),
     Mutant(
         "an offloaded norm goes up to the device from pageable memory",
-        "update.py",
+        "engine/update.py",
         "            sq = self._sq_host.copy_(sq).to(run.device, non_blocking=True)",
         "            sq = sq.to(run.device, non_blocking=True)",
         (
@@ -3149,7 +3149,7 @@ MUTANTS = [
     ),
     Mutant(
         "pinning is never asked for, whatever the flag says",
-        "pinned.py",
+        "core/pinned.py",
         '    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and can_pin())',
         '    return torch.empty(shape, dtype=dtype, device="cpu")',
         (
@@ -3158,14 +3158,14 @@ MUTANTS = [
     ),
     Mutant(
         "pin_memory=false on a GPU is not warned about",
-        "config_keys.py",
+        "config/keys.py",
         '        if block is not None and block.device != "none" and not block.pin_memory:',
         "        if False:",
         ("tests/test_cuda_path.py::test_pageable_offload_stops_the_host_and_is_warned_about",),
     ),
     Mutant(
         "the pinned bytes the host allocator holds are not reported",
-        "footprint.py",
+        "engine/footprint.py",
         '            out["pinned"] = pinned',
         "            pass",
         (
@@ -3293,14 +3293,14 @@ MUTANTS = [
     ),
     Mutant(
         "reading a gradient unscales it in place (the shard itself at dp 1)",
-        "full_params.py",
+        "engine/full_params.py",
         "        grad = zero.window_grad(p).mul(post)  # not in place: it may be the shard itself",
         "        grad = zero.window_grad(p).mul_(post)  # not in place: it may be the shard itself",
         ("tests/test_engine_surface.py::test_reading_a_gradient_leaves_it_as_it_was",),
     ),
     Mutant(
         "safe_get_full_fp32_param at ep > 1: a shared parameter's pieces summed over dp only",
-        "full_params.py",
+        "engine/full_params.py",
         "        axis = zero.state_axis(p)",
         '        axis = "dp" if zero.grads_sharded else None',
         (f"{MOE}::test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets[1]",),
@@ -3326,14 +3326,14 @@ MUTANTS = [
     # --- the engine's parts (issue 33, item 3)
     Mutant(
         "a user's step callback that wants the loss gets none",
-        "after_step.py",
+        "engine/after_step.py",
         'self.losses.collect |= bool(getattr(callback, "wants_loss", False))',
         "pass",
         ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
     ),
     Mutant(
         "the step report calls a skipped step applied",
-        "after_step.py",
+        "engine/after_step.py",
         "applied=outcome.applied,",
         "applied=True,",
         ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
@@ -3347,21 +3347,21 @@ MUTANTS = [
     ),
     Mutant(
         "a pipeline engine runs a micro-batch's forward",
-        "engine.py",
+        "engine/__init__.py",
         "        self._refuse_under_a_pipeline()\n        t0 = self.clock.now()\n        with",
         "        t0 = self.clock.now()\n        with",
         ("tests/test_pipeline.py::test_pipeline_engine_errors_and_eval",),
     ),
     Mutant(
         "tied copies counted on every stage in the gradient norm",
-        "engine.py",
+        "engine/__init__.py",
         "return self.replicas.elsewhere(self.zero.cut_over_ep) | self.runner.replicated()",
         "return self.replicas.elsewhere(self.zero.cut_over_ep)",
         ("tests/test_pipeline.py::test_gpt_pipeline_matches_single_process",),
     ),
     Mutant(
         "a load leaves the step counters as they were",
-        "core/train_state.py",
+        "engine/train_state.py",
         '            setattr(self, k, state["counters"][k])',
         "            pass",
         (f"{C}::test_exact_resume_whole",),
@@ -3396,28 +3396,28 @@ MUTANTS = [
     ),
     Mutant(
         "set_gradient_accumulation_boundary is ignored",
-        "core/accumulation.py",
+        "engine/accumulation.py",
         "        if self.override is not None:\n            return self.override\n",
         "",
         (T_CONTROLS,),
     ),
     Mutant(
         "no_sync is allowed at ZeRO stage 2",
-        "core/accumulation.py",
+        "engine/accumulation.py",
         "        if self.stage >= 2:",
         "        if self.stage > 2:",
         (T_CONTROLS,),
     ),
     Mutant(
         "no_sync nests",
-        "core/accumulation.py",
+        "engine/accumulation.py",
         "        if self.inside_no_sync:",
         "        if False:",
         (T_CONTROLS,),
     ),
     Mutant(
         "the optimizer's step counters are counted as its state",
-        "footprint.py",
+        "engine/footprint.py",
         "                if torch.is_tensor(t) and t.dim() > 0:",
         "                if torch.is_tensor(t):",
         (f"{T_APART}[1-False]",),
@@ -3459,21 +3459,21 @@ MUTANTS = [
     ),
     Mutant(
         "a list of different layers is taken for blocks",
-        "compiling.py",
+        "engine/compiling.py",
         "if count[type(c)] >= 2 and any(",
         "if count[type(c)] >= 1 and any(",
         ("tests/test_compile.py::test_blocks_are_a_lists_children_of_one_class",),
     ),
     Mutant(
         "engine.compile compiles nothing",
-        "compiling.py",
+        "engine/compiling.py",
         "        block.compile(backend=counted, **kwargs)",
         "        pass",
         (f"{T_COMPILE}[0-fp32]",),
     ),
     Mutant(
         "the compile report counts no graph",
-        "compiling.py",
+        "engine/compiling.py",
         "        report.graphs += 1",
         "        pass",
         (f"{T_COMPILE}[0-fp32]",),
@@ -3501,7 +3501,7 @@ MUTANTS = [
     ),
     Mutant(
         "engine.compile compiles a compiled engine again",
-        "compiling.py",
+        "engine/compiling.py",
         "    if engine.compile_report is not None:",
         "    if False:",
         ("tests/test_compile.py::test_what_compile_refuses_is_named",),
@@ -3557,7 +3557,7 @@ MUTANTS = [
     ),
     Mutant(
         "the unknown keys left out are not named",
-        "config_keys.py",
+        "config/keys.py",
         "    if cfg.ignored_keys and rank == 0:",
         "    if False:",
         (T_FACADE_KEYS,),
@@ -3878,21 +3878,21 @@ MUTANTS = [
     ),
     Mutant(
         "fp16's loss scaler state in DeepSpeed's folder dropped at load (the scale starts over)",
-        "core/train_state.py",
+        "engine/train_state.py",
         'self.loss_scaler.load_state_dict(state["loss_scaler"])',
         "pass",
         (f"{T_DS_RESUME}[zero2_fp16]",),
     ),
     Mutant(
         "the loss scale grown after each window counting the first clean step (DeepSpeed 0.18's)",
-        "precision.py",
+        "core/precision.py",
         "            if stable > 0 and stable % self.scale_window == 0:",
         "            if (stable + 1) % self.scale_window == 0:",
         ("tests/test_precision.py::test_scaler_hysteresis_halving_floor_and_growth",),
     ),
     Mutant(
         "an overflow at the minimum loss scale let through",
-        "precision.py",
+        "core/precision.py",
         "                if self.cur_scale == self.min_scale:",
         "                if False:",
         ("tests/test_precision.py::test_scaler_overflow_at_the_floor_ends_the_run",),
@@ -4453,7 +4453,7 @@ MUTANTS = [
     ),
     Mutant(
         "random-LTD: the schedule not loaded back from a checkpoint",
-        "core/train_state.py",
+        "engine/train_state.py",
         "            self.random_ltd.load_state_dict(state[\"random_ltd\"])",
         "            pass",
         (LTD + "test_sharded_stages_drop_the_same_tokens_and_the_schedule_is_checkpointed",),
@@ -4554,14 +4554,14 @@ MUTANTS = [
     ),
     Mutant(
         "torch_autocast: forward never under autocast",
-        "precision.py",
+        "core/precision.py",
         "    if not cfg.torch_autocast.enabled:\n        return contextlib.nullcontext()",
         "    if True:\n        return contextlib.nullcontext()",
         (TA + "test_losses_equal_deepspeeds",),
     ),
     Mutant(
         "torch_autocast: the configured dtype ignored (fp16)",
-        "precision.py",
+        "core/precision.py",
         "    return DTYPES[block.dtype] if block.dtype else",
         "    return torch.float16 if block.dtype else",
         (TA + "test_losses_equal_deepspeeds",),
@@ -4610,24 +4610,38 @@ MUTANTS = [
     ),
     Mutant(
         "a micro-step inside a window says the last update applied",
-        "update.py",
+        "engine/update.py",
         "        return StepOutcome(self.grad_norm, applied=False)",
         "        return StepOutcome(self.grad_norm, applied=True)",
         (T_CONTROLS,),
     ),
     Mutant(
         "the update's outcome calls a skipped step applied",
-        "update.py",
+        "engine/update.py",
         "        return StepOutcome(value, applied=not overflow)",
         "        return StepOutcome(value, applied=True)",
         ("tests/test_engine_surface.py::test_a_step_callback_gets_each_steps_report",),
     ),
     Mutant(
         "initialize starts no watchdog",
-        "engine.py",
+        "engine/__init__.py",
         "        self.watchdog = start_watchdog(self.comm.log, config.watchdog, self.topology)",
         "        self.watchdog = None",
         (T_RAISED,),
+    ),
+    Mutant(
+        "one part of the engine imports a sibling part (the engine composes them)",
+        "engine/replicas.py",
+        "from ..moe.utils import is_moe_param\n",
+        "from ..moe.utils import is_moe_param\nfrom .update import StepOutcome  # noqa: F401\n",
+        (T_LAYERS,),
+    ),
+    Mutant(
+        "core's run reaches for the clock (core's modules stand alone)",
+        "core/run.py",
+        "from torch import nn\n",
+        "from torch import nn\n\nfrom .clock import device_clock  # noqa: F401\n",
+        (T_LAYERS,),
     ),
 ]
 

@@ -21,7 +21,7 @@ from parity import _model, describe, merge_stages, mixed_reference
 
 import zerostack
 from zerostack.config import ConfigError, load_config
-from zerostack.precision import Precision
+from zerostack.core.precision import Precision
 from zerostack.utils import safe_get_full_grad
 
 MICRO = 4  # sequences per rank per micro-batch

@@ -22,7 +22,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack import Topology
-from zerostack.compiling import compile_blocks, find_blocks
+from zerostack.engine.compiling import compile_blocks, find_blocks
 from zerostack.models import GPT
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
 from zerostack.pipeline import PipelineModule

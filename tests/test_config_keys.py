@@ -1,4 +1,4 @@
-"""Every top-level key of DeepSpeed 0.19.8's config is known to zerostack (zerostack.config_keys):
+"""Every top-level key of DeepSpeed 0.19.8's config is known to zerostack (zerostack.config.keys):
 it works, or it loads with no effect and is named in one warning at ``initialize``, or it is
 refused with a one-line ConfigError naming it and saying why."""
 
@@ -18,7 +18,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack.config import ConfigError, ZeroStackConfig, load_config
-from zerostack.config_keys import (
+from zerostack.config.keys import (
     DEEPSPEED_IGNORES_UNKNOWN,
     DEEPSPEED_KEYS,
     NESTED_NO_EFFECT,

@@ -688,7 +688,7 @@ def test_pageable_offload_stops_the_host_and_is_warned_about(tmp_path, caplog):
     memory, so each copy stops the host until the stream has drained (CUDA's rule, modelled by
     virtual CUDA); ``initialize`` says so in one warning. The default pins (DeepSpeed's)."""
     from zerostack.config import load_config
-    from zerostack.config_keys import warn_pageable_offload
+    from zerostack.config.keys import warn_pageable_offload
 
     for steps in run_distributed(_pageable, world=2, args=(str(tmp_path),)):
         for waits in steps:

@@ -1,5 +1,5 @@
 """zerostack's config defaults are DeepSpeed 0.19.8's, key by key, but for the differences
-``zerostack.config_keys.DEFAULT_DIFFERENCES`` names with their reasons
+``zerostack.config.keys.DEFAULT_DIFFERENCES`` names with their reasons
 (docs/reference/config-keys.md lists them).
 
 DeepSpeed's defaults are recorded from its own objects in tests/golden/deepspeed_defaults.json
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from zerostack.config import ZeroStackConfig
-from zerostack.config_keys import DEFAULT_DIFFERENCES
+from zerostack.config.keys import DEFAULT_DIFFERENCES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = json.load(open(os.path.join(ROOT, "tests", "golden", "deepspeed_defaults.json")))

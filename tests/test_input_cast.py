@@ -12,8 +12,8 @@ from distributed import run_distributed
 from torch import nn
 
 import zerostack
+from zerostack.engine.micro_batches import cast_inputs
 from zerostack.pipeline import PipelineModule
-from zerostack.runner import cast_inputs
 
 F16, F32, I64, BOOL = torch.float16, torch.float32, torch.int64, torch.bool
 

@@ -8,7 +8,7 @@ from common import batch, tiny_gpt
 from distributed import run_distributed
 
 import zerostack
-from zerostack.precision import DynamicLossScaler
+from zerostack.core.precision import DynamicLossScaler
 
 
 def test_scaler_hysteresis_halving_floor_and_growth():

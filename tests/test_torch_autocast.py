@@ -48,7 +48,7 @@ def test_native_initialize_serves_it_too():
 def test_an_enclosing_autocast_is_overridden_by_the_config():
     """As DeepSpeed's engine: its autocast (bf16) replaces an enclosing one (here disabled)."""
     from zerostack.config.load import load_config
-    from zerostack.precision import forward_autocast
+    from zerostack.core.precision import forward_autocast
 
     cfg = load_config({"train_batch_size": 1, "torch_autocast": {"enabled": True}})
     with torch.autocast("cpu", enabled=False), forward_autocast(cfg, torch.device("cpu")):

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerostack.clock import Clock
 from zerostack.comm import CommLog
 from zerostack.comm.grid import Handle
 from zerostack.config import ConfigError, load_config
+from zerostack.core.clock import Clock
 from zerostack.watchdog import EXIT_CODE, PREFIX, Watchdog
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -35,9 +35,9 @@ Tensors stay in host memory and gloo moves them, but each one carries a device t
   is refused, and so is a storage freed on its stream while another stream's use of it is
   unordered and not announced with ``record_stream`` (the caching allocator would hand its
   memory out again).
-- Page-locked memory is modelled: ``zerostack.pinned.can_pin()`` is True, and ``pin_memory=True``
-  or ``.pin_memory()`` marks a host storage pinned (``is_pinned()``); a ``.to("cpu",
-  non_blocking=True)`` from the device lands in pinned memory, as torch makes it.
+- Page-locked memory is modelled: ``zerostack.core.pinned.can_pin()`` is True, and
+  ``pin_memory=True`` or ``.pin_memory()`` marks a host storage pinned (``is_pinned()``); a
+  ``.to("cpu", non_blocking=True)`` from the device lands in pinned memory, as torch makes it.
 - A ``non_blocking`` copy between the device and pinned host memory is in flight until such a
   wait covers it: a host op that writes the host buffer a copy to the device still reads, or
   touches the one a copy from the device still fills, is refused, as the race it would be on a
@@ -815,9 +815,9 @@ class _FakeEvent:
 @contextlib.contextmanager
 def virtual_cuda():
     """The tagged-device run described in the module docstring (for one process)."""
-    from zerostack import pinned as zerostack_pinned
     from zerostack import topology
     from zerostack.comm import gloo
+    from zerostack.core import pinned as zerostack_pinned
 
     patches = [(dist, name, _nccl(name, getattr(dist, name))) for name in _COLLECTIVES]
     patches += [(dist, name, _plain(getattr(dist, name))) for name in _OBJECTS]

@@ -20,14 +20,14 @@ from .comm import comms_logger
 from .comm import configure as configure_comms
 from .comm.grid import comm_for
 from .config import ConfigError, ZeroStackConfig, load_config
-from .config_keys import warn_no_effect, warn_pageable_offload
+from .config.keys import warn_no_effect, warn_pageable_offload
+from .core.pinned import can_pin
 from .data.sampler import ResumableSampler
 from .engine import Engine
 from .moe import MoE
 from .moe.sync import divide_expert_grads_by_ep
 from .mpu import check_mpu_groups, mpu_sizes
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
-from .pinned import can_pin
 from .pipeline import PipelineModule, PipelineRunner
 from .sequence import shard_sequence
 from .sequence.check import wires_sequence

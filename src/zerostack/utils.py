@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .full_params import engine_of
+from .engine.full_params import engine_of
 
 __all__ = [
     "safe_get_full_fp32_param",

@@ -21,12 +21,12 @@ from torch import nn
 
 from .activation_checkpointing import model_checkpointed_layers
 from .config import ConfigError, ZeroStackConfig, grad_accum_refusal
+from .core.precision import Precision, autocast_dtype
 from .moe.utils import is_moe_param
 from .pipeline.module import PipelineModule
 from .pipeline.schedule import DeadlockError, ScheduleError
 from .pipeline.simulate import check_schedule
 from .plan.auto import resolve as resolve_auto
-from .precision import Precision, autocast_dtype
 from .topology import Topology
 from .watchdog import default_store
 from .zero.params import is_sharded

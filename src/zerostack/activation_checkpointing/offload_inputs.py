@@ -31,7 +31,7 @@ import threading
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..pinned import host_empty
+from ..core.pinned import host_empty
 
 _ACTIVE: list[CheckpointInputsOffload] = []  # the contexts entered, innermost last
 _LOCK = threading.Lock()

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from .. import pinned
+from ..core import pinned
 
 HOST = "host"  # where cpu_checkpointing keeps inputs: memory from host_empty
 Where = torch.device | str  # a device, or HOST

@@ -27,21 +27,21 @@ import logging
 import os
 import shutil
 
+from ..core.run import Run
 from ..core.steps import StepReport
 from .state import LATEST, MANIFEST, _gather_errors
 from .tags import prune
-from .view import TrainingView
 
 log = logging.getLogger("zerostack")
 
 
 class Checkpointer:
     """The engine's checkpoints (``engine.checkpoints``), given the run's parts (a
-    :class:`~.view.TrainingView`, not the engine): saves now or in the background, loads, and
+    :class:`~.view.Run`, not the engine): saves now or in the background, loads, and
     the config's ``checkpoint`` block: resume at ``initialize``, save every ``save_interval``
     steps (:meth:`after_step`, a step callback), prune."""
 
-    def __init__(self, run: TrainingView, cfg) -> None:
+    def __init__(self, run: Run, cfg) -> None:
         self.run, self.cfg = run, cfg
         self._saver = None  # an AsyncSaver, made at the first background save
 

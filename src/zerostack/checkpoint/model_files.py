@@ -1,7 +1,7 @@
 """Whole-model weights from a sharded run (collectives: every rank calls them): the full fp32
 weights (``engine.full_state_dict()``) and DeepSpeed's 16-bit model file
 (``engine.save_16bit_model``, ``engine._zero3_consolidated_16bit_state_dict``), from the run's
-parts (a :class:`~.view.TrainingView`).
+parts (a :class:`~.view.Run`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import os
 
 import torch
 
+from ..core.run import Run
 from .state import _atomic_replace, _barrier
-from .view import TrainingView
 
 log = logging.getLogger("zerostack")
 
 
-def full_weights(run: TrainingView) -> dict[str, torch.Tensor]:
+def full_weights(run: Run) -> dict[str, torch.Tensor]:
     """The full model weights in fp32 on the CPU, tensor-parallel slices joined."""
     master = run.zero.full_master()
     out = {}
@@ -28,7 +28,7 @@ def full_weights(run: TrainingView) -> dict[str, torch.Tensor]:
     return out
 
 
-def consolidated_16bit(run: TrainingView, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+def consolidated_16bit(run: Run, exclude_frozen: bool) -> dict[str, torch.Tensor]:
     """Every entry of ``module.state_dict()`` whole (dp pieces and tp slices joined), the
     parameters in the 16-bit dtype (the compute dtype; fp32 without fp16/bf16), the buffers
     as held; tied names are copies."""
@@ -52,7 +52,7 @@ def consolidated_16bit(run: TrainingView, exclude_frozen: bool) -> dict[str, tor
 
 
 def save_16bit_model(
-    run: TrainingView, save_dir: str, save_filename: str, exclude_frozen: bool
+    run: Run, save_dir: str, save_filename: str, exclude_frozen: bool
 ) -> bool:
     """``engine.save_16bit_model`` (its docstring says what is written): False, and nothing
     written, at ZeRO stage 3 without ``stage3_gather_16bit_weights_on_model_save``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..clock import Clock
+from ..core.clock import Clock
 from ..topology import Topology
 from . import gloo
 from .gloo import _all_gather_each, _all_gather_peers, _reduce_scatter_rows

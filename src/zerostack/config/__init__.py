@@ -15,7 +15,7 @@ Usage::
 
 Every problem surfaces as one :class:`ConfigError` whose one-line message starts with the dotted
 JSON key path, e.g. ``fp16.initial_scale_powr: unknown key (did you mean 'initial_scale_power'?)``.
-Every top-level key of DeepSpeed's config is known (:mod:`zerostack.config_keys`): it works, or
+Every top-level key of DeepSpeed's config is known (:mod:`zerostack.config.keys`): it works, or
 it is accepted with no effect (warned about once at ``initialize``), or it is refused with a
 ``ConfigError`` saying why.
 

@@ -7,7 +7,7 @@ from .zero import DtypeName
 class TorchAutocastConfig(_Model):
     """The ``torch_autocast`` block (DeepSpeed 0.16+): the engine's forward runs under
     ``torch.autocast`` in ``dtype``, beside the bf16 block or fp32 weights
-    (:func:`zerostack.precision.forward_autocast`; which combinations are served: see
+    (:func:`zerostack.core.precision.forward_autocast`; which combinations are served: see
     :func:`zerostack.validate.validate`)."""
 
     enabled: bool = False

@@ -9,11 +9,11 @@ from pydantic import (
     ValidationError,
 )
 
-from ..config_keys import DEEPSPEED_IGNORES_UNKNOWN
 from .base import (
     ConfigError,
     _config_error,
 )
+from .keys import DEEPSPEED_IGNORES_UNKNOWN
 from .top import ZeroStackConfig
 
 # --- loading --------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def load_config(
 
     ``unknown_keys="as_deepspeed"`` (``deepspeed.initialize`` served by zerostack): a key no one
     knows, in a block where DeepSpeed 0.19.8 ignores such keys (the top level, ``optimizer``,
-    ``activation_checkpointing``, ...: :data:`~zerostack.config_keys.DEEPSPEED_IGNORES_UNKNOWN`),
+    ``activation_checkpointing``, ...: :data:`~zerostack.config.keys.DEEPSPEED_IGNORES_UNKNOWN`),
     is left out and named in :attr:`ZeroStackConfig.ignored_keys`, for ``initialize`` to warn
     about; where DeepSpeed refuses one (``zero_optimization``, ``fp16``, ...), it is refused
     here too. The default refuses every unknown key."""

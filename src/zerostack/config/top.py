@@ -13,7 +13,6 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ..config_keys import DEEPSPEED_KEYS, UNSUPPORTED, unsupported_error
 from .autocast import TorchAutocastConfig
 from .base import (
     BatchSize,
@@ -28,6 +27,7 @@ from .base import (
     _show,
 )
 from .data import DataEfficiencyConfig
+from .keys import DEEPSPEED_KEYS, UNSUPPORTED, unsupported_error
 from .optim import OptimizerConfig, SchedulerConfig
 from .parallel import ActivationCheckpointingConfig, PipelineConfig, TensorParallelConfig
 from .runs import (
@@ -116,7 +116,7 @@ class ZeroStackConfig(_Model):
     sets its own logger's); None leaves it as it is."""
     deepspeed_only: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Not a config key: the DeepSpeed keys accepted without a field of their own
-    (:mod:`zerostack.config_keys`: no effect, or not supported but given their default), as
+    (:mod:`zerostack.config.keys`: no effect, or not supported but given their default), as
     given; ``to_dict`` writes them back."""
     optimizer: OptimizerConfig | None = None
     """Optimizer built by the engine; None means the caller passes one."""

@@ -61,7 +61,7 @@ class BF16Config(_Model):
     enabled: bool = False
     """Train in bf16 with fp32 master weights (no loss scaling needed)."""
     immediate_grad_update: bool = False
-    """Accepted for DeepSpeed compatibility; no effect (see zerostack.config_keys)."""
+    """Accepted for DeepSpeed compatibility; no effect (see zerostack.config.keys)."""
 
 
 # DeepSpeed's spellings of a dtype (its DtypeEnum; communication_data_type in any case).
@@ -125,7 +125,7 @@ class OffloadConfig(_Model):
     in its own subdirectory, removed at the end."""
     pin_memory: bool = True
     """Page-locked host buffers, so copies to and from the GPU overlap the host's work (only
-    matters with a GPU; :mod:`zerostack.pinned`)."""
+    matters with a GPU; :mod:`zerostack.core.pinned`)."""
     buffer_count: PositiveInt = 4
     """Sub-groups (optimizer) or parameter shards held in host memory at once with nvme."""
     buffer_size: PositiveInt = 100_000_000

@@ -1,7 +1,7 @@
 """What the engine tells the parts that act once per optimizer step: a :class:`StepReport`.
 
 After each optimizer step the engine counts it, then hands one report to each of its step
-callbacks in the order ``initialize`` registered them (:mod:`zerostack.callbacks`): the flops
+callbacks in the order ``initialize`` registered them (:mod:`zerostack.engine.callbacks`): the flops
 profile, the monitors, the progress print, the loss-spike guard, the automatic checkpoint. None of
 them is given the engine: what they read of the step is in the report, and what they act on
 (the checkpoints, the module being profiled) they are given when they are made.

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..clock import Clock
 from ..comm import Comm
-from ..runner import cast_inputs
+from ..core.clock import Clock
+from ..engine.micro_batches import cast_inputs
 from .module import PipelineModule
 from .schedule import (
     Backward,
@@ -80,7 +80,7 @@ class PipelineExecutor:
 
     def __init__(self, module: PipelineModule, comm: Comm, auto_cast: bool = False) -> None:
         # auto_cast: fp16.auto_cast, DeepSpeed's rule for the first stage's inputs (the labels
-        # are never cast); see zerostack.runner.cast_inputs
+        # are never cast); see zerostack.engine.micro_batches.cast_inputs
         self.module, self.comm, self.auto_cast = module, comm, auto_cast
         self.clock = Clock()  # the engine's (synchronizing on a GPU when seconds are wanted)
         self.p, self.stage, self.v = module.num_stages, module.stage_id, module.virtual_stages

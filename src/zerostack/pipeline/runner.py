@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..clock import device_clock
 from ..comm import Comm
 from ..config import ZeroStackConfig
+from ..core.clock import device_clock
 from ..engine import Engine
 from ..zero.strategy import Pieces
 from .executor import PipelineExecutor, forward_only

@@ -19,6 +19,7 @@ import os
 from torch import nn
 
 from ..config import ConfigError, ZeroStackConfig
+from ..core.precision import Precision
 from ..estimate import (
     EstimateError,
     Layout,
@@ -28,7 +29,6 @@ from ..estimate import (
     stage_activation_bytes,
 )
 from ..estimate.memory import OPTIMIZER_STATE_BYTES, PRECISION_BYTES
-from ..precision import Precision
 from .hardware import host_memory
 
 log = logging.getLogger("zerostack")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..clock import Clock
+from ..core.clock import Clock
 
 log = logging.getLogger("zerostack")
 

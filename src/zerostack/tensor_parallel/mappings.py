@@ -29,7 +29,7 @@ import torch
 from ..comm import Comm
 from ..comm import functional as cf
 from ..comm.functional import _all_gather, _reduce_scatter, on_axis
-from ..precision import autocast_as, autocast_state
+from ..core.precision import autocast_as, autocast_state
 
 SEQ_DIM = 1
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import scratch
-from ..precision import autocast_as, autocast_state
+from ..core.precision import autocast_as, autocast_state
 
 
 class _LinearSavingWeight(torch.autograd.Function):

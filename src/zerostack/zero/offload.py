@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..pinned import host_empty
+from ..core.pinned import host_empty
 from .nvme import NVMeStore
 
 

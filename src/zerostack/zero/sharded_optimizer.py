@@ -41,8 +41,8 @@ from torch import nn
 
 from ..comm import Comm
 from ..core import scratch
-from ..pinned import host_empty, host_zeros
-from ..precision import Precision
+from ..core.pinned import host_empty, host_zeros
+from ..core.precision import Precision
 from .flat_params import BucketState, FlatGroup, flat_parts, sync_from_rank0
 from .flat_state import FlatState
 from .grad_buffers import GradBuffer

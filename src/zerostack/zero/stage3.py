@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..precision import Precision
+from ..core.precision import Precision
 from .coordinator import ParamCoordinator
 from .flat_params import sync_from_rank0
 from .frozen_pieces import quantize_at_start

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..pinned import host_empty
+from ..core.pinned import host_empty
 from .strategy import Pieces
 
 log = logging.getLogger("zerostack")

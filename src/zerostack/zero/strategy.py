@@ -135,7 +135,7 @@ class CheckpointView(Protocol):
 @runtime_checkable
 class ParamAccess(Protocol):
     """One parameter's value and gradient (``zerostack.utils``' safe_get_full_* /
-    safe_set_full_*, through :mod:`zerostack.full_params`)."""
+    safe_set_full_*, through :mod:`zerostack.engine.full_params`)."""
 
     grads_sharded: bool  # whether each dp rank holds a different part of masters and gradients
 

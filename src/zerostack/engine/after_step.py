@@ -1,15 +1,15 @@
 """What follows each optimizer step: it is counted (``global_steps``, ``global_samples``), and
 its :class:`~.core.steps.StepReport` is handed to each step callback in the order they were
-added (``initialize`` adds the built-in ones: :mod:`zerostack.callbacks`)."""
+added (``initialize`` adds the built-in ones: :mod:`zerostack.engine.callbacks`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .checkpoint.view import TrainingView
-from .core.steps import StepCallback, StepReport
+from ..core.run import Run
+from ..core.steps import StepCallback, StepReport
+from ..monitor.training import LossWindow
 from .footprint import Footprint
-from .monitor.training import LossWindow
 from .update import StepOutcome
 
 
@@ -18,7 +18,7 @@ class AfterStep:
 
     def __init__(
         self,
-        run: TrainingView,
+        run: Run,
         footprint: Footprint,
         timers: dict[str, float],
         batch_size: int,

@@ -4,8 +4,8 @@ job within a bound, and every rank says who stopped where.
 Each rank runs a daemon thread (:class:`Watchdog`) that every ``interval`` seconds publishes a
 heartbeat in the job's key-value store (the one ``torch.distributed`` was initialised with:
 torchrun's TCPStore, served by the node agent, so it answers even when a worker does not) and
-reads its peers' (:mod:`zerostack.heartbeats`: the heartbeat and the two verdicts, a peer that
-stopped answering or ranks in different collectives). The thread is independent of the training
+reads its peers' (:mod:`.heartbeats`: the heartbeat and the two verdicts, a peer that stopped
+answering or ranks in different collectives). The thread is independent of the training
 thread, so a rank that computes for a long time still beats; a rank that is stopped
 (``SIGSTOP``, a stuck driver, a debugger) does not.
 
@@ -30,8 +30,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-from .comm import CommLog
-from .core.exit import hard_exit
+from ..comm import CommLog
+from ..core.exit import hard_exit
 from .heartbeats import PREFIX, Heartbeats, started
 
 __all__ = ["EXIT_CODE", "PREFIX", "Watchdog", "default_store", "start_watchdog"]
@@ -234,7 +234,7 @@ def start_watchdog(log: CommLog, cfg, topo) -> Watchdog | None:
     process group's timeout (``init_distributed(timeout=...)``) when that is shorter."""
     import torch.distributed as dist
 
-    from .world import WATCHDOG_BOUND, world_timeout
+    from ..world import WATCHDOG_BOUND, world_timeout
 
     if not cfg.enabled or not dist.is_initialized() or dist.get_world_size() == 1:
         return None

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.view import TrainingView
-from .pinned import pinned_bytes
-from .zero.strategy import tally
+from ..core.pinned import pinned_bytes
+from ..core.run import Run
+from ..zero.strategy import tally
 
 
 class Footprint:
-    """The memory figures of one engine's parts (its :class:`~.checkpoint.view.TrainingView`)."""
+    """The memory figures of one engine's parts (its :class:`~zerostack.core.run.Run`)."""
 
-    def __init__(self, run: TrainingView) -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
 
     def _optimizer_tensors(self):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint.view import TrainingView
-from .clock import HostScalar
-from .pinned import host_empty
-from .zero.strategy import GradStats
+from ..core.clock import HostScalar
+from ..core.pinned import host_empty
+from ..core.run import Run
+from ..zero.strategy import GradStats
 
 log = logging.getLogger("zerostack")
 
@@ -41,7 +41,7 @@ class BoundaryUpdate:
     """The engine's update (``engine.apply_step()``), over the run's parts; :meth:`apply`
     returns what it did."""
 
-    def __init__(self, run: TrainingView) -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
         # the norm's host read, and whether the optimizer can skip a step without it
         self._norm_reader = HostScalar(run.device)

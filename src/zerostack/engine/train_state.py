@@ -31,7 +31,7 @@ def repeat_loader(loader) -> Iterator:
 @dataclass
 class TrainState:
     """The counters, the loss scaler (``state_dict`` / ``load_state_dict``, see
-    :mod:`zerostack.precision`) and the engine's loader with the iterator ``train_batch()``
+    :mod:`zerostack.core.precision`) and the engine's loader with the iterator ``train_batch()``
     reads from it."""
 
     loss_scaler: Any

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 
-from .comm import CommLog
+from ..comm import CommLog
 
 PREFIX = "zerostack/watchdog/"
 

@@ -18,7 +18,7 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .config import ZeroStackConfig
+from . import ZeroStackConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 

@@ -15,11 +15,11 @@ starts it beside these.
 
 from __future__ import annotations
 
-from .checkpoint.loss_spike import LossSpikeGuard
-from .config import ZeroStackConfig
-from .monitor.progress import ProgressPrint
-from .monitor.training import StepMonitor
-from .profiling.flops_profiler.step import StepProfile
+from ..checkpoint.loss_spike import LossSpikeGuard
+from ..config import ZeroStackConfig
+from ..monitor.progress import ProgressPrint
+from ..monitor.training import StepMonitor
+from ..profiling.flops_profiler.step import StepProfile
 
 
 def register_step_callbacks(

@@ -28,10 +28,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .tensor_parallel import join_tensors, partition_spec, split_tensor
-from .zero.gathers import gather_full
-from .zero.params import full_shape
-from .zero.strategy import Pieces
+from ..tensor_parallel import join_tensors, partition_spec, split_tensor
+from ..zero.gathers import gather_full
+from ..zero.params import full_shape
+from ..zero.strategy import Pieces
 
 
 class _EngineRef:

@@ -1,4 +1,4 @@
-"""What a checkpoint reads and writes of a training run: :class:`TrainingView`, the engine's
+"""What a checkpoint reads and writes of a training run: :class:`Run`, the engine's
 parts a checkpoint needs and nothing else (the engine builds it once; the checkpoint code never
 sees the engine).
 """
@@ -14,7 +14,7 @@ from torch import nn
 
 
 @dataclass
-class TrainingView:
+class Run:
     """The parts of one engine a checkpoint touches: the module and the ZeRO strategy holding
     its parameters (``zero``, a :class:`~zerostack.zero.strategy.CheckpointView`), the
     optimizer and LR schedule (None when forward only, or without a schedule), the train state
@@ -26,12 +26,12 @@ class TrainingView:
     zero: Any
     optimizer: Any
     lr_scheduler: Any
-    state: Any  # zerostack.core.train_state.TrainState
+    state: Any  # zerostack.engine.train_state.TrainState
     topology: Any  # zerostack.topology.Topology
     comm: Any  # zerostack.comm.Comm
-    config: Any  # zerostack.config_view.ConfigView
-    precision: Any  # zerostack.precision.Precision
-    full_params: Any  # zerostack.full_params.FullParams
+    config: Any  # zerostack.config.view.ConfigView
+    precision: Any  # zerostack.core.precision.Precision
+    full_params: Any  # zerostack.engine.full_params.FullParams
     replicated_elsewhere: Callable[[], set[nn.Parameter]]
 
     @property

@@ -1,23 +1,30 @@
-"""The Engine: sequences one training step; the strategies do the work.
+"""The Engine: sequences one training step over its parts; the ZeRO strategy does the work.
 
 A step is ``engine(batch)`` -> ``engine.backward(loss)`` -> ``engine.step()``, called once per
-micro-batch exactly as with DeepSpeed. On the micro-step that closes an accumulation window the
-engine waits for the gradient reduction, unscales (fp16), checks for overflow, clips by global norm,
-steps the optimizer on the fp32 masters, writes them back to the model and steps the LR schedule.
+micro-batch exactly as with DeepSpeed. :meth:`Engine.backward` is the one place the loss is
+normalised for gradient accumulation (divided by ``gradient_accumulation_steps``, times the fp16
+loss scale), so the accumulated gradient is the mean over the global batch, as DeepSpeed's.
 
-Loss normalisation for gradient accumulation happens in one place, :meth:`Engine.backward`: the
-loss is divided by ``gradient_accumulation_steps`` (and multiplied by the fp16 loss scale), so the
-accumulated gradient is the mean over the global batch, as DeepSpeed computes it.
+On the micro-step that closes an accumulation window, ``step()`` reads top to bottom:
 
-The engine is composed of parts, each with one job: ``state`` (counters, loss scaler, loader
-position: :mod:`.core.train_state`), ``window`` (which micro-step closes the accumulation window,
-``no_sync``: :mod:`.core.accumulation`), ``zero`` (the ZeRO strategy), ``run`` (what checkpoints
-are given: :mod:`.checkpoint.view`), ``checkpoints`` (:mod:`.checkpoint.checkpointer`),
-``update`` (the boundary's update: :mod:`.update`), ``replicas`` (:mod:`.replicas`),
-``footprint`` (memory figures: :mod:`.footprint`), ``after_step`` (each step counted and its
-:class:`~.core.steps.StepReport` handed to the step callbacks: :mod:`.after_step`) and
-``runner`` (a batch micro-batch by micro-batch, or a pipeline's schedule: :mod:`.runner`).
-DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ``save_checkpoint``, ...) are on
+1. :meth:`Engine.apply_step` -> :meth:`.update.BoundaryUpdate.apply`: the strategy's
+   ``reduce_grads`` (gradients summed into the masters), the global norm, one coefficient for
+   averaging, unscaling and clipping, the strategy's ``step`` (the optimizer on the masters,
+   then ``write_back`` into the model's parameters) and the LR schedule; it returns a
+   :class:`.update.StepOutcome` (the norm, whether the weights changed), kept as
+   ``engine.outcome``;
+2. :meth:`.after_step.AfterStep.count`: the step counted, its report (the outcome among it)
+   handed to each step callback (:mod:`.callbacks` registers the built-in ones).
+
+The parts, one job each: ``state`` (counters, loss scaler, loader position: :mod:`.train_state`),
+``window`` (which micro-step closes a window, ``no_sync``: :mod:`.accumulation`), ``zero`` (the
+ZeRO strategy: :mod:`zerostack.zero`), ``run`` (what a part is given of the engine:
+:class:`zerostack.core.run.Run`), ``checkpoints`` (:mod:`zerostack.checkpoint.checkpointer`),
+``update`` (:mod:`.update`), ``replicas`` (tp and ep replicas in sync: :mod:`.replicas`),
+``full_params`` (one parameter's full values: :mod:`.full_params`), ``footprint`` (memory
+figures: :mod:`.footprint`), ``after_step`` (:mod:`.after_step`) and ``runner`` (a batch micro-batch
+by micro-batch, :mod:`.micro_batches`, or a pipeline's schedule). DeepSpeed's accessors
+(``train_batch_size()``, ``get_lr()``, ``save_checkpoint``, ...) are on
 :class:`zerostack.compat.deepspeed.runtime.engine.DeepSpeedEngine`, what ``initialize`` returns.
 """
 
@@ -30,41 +37,41 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.model_files import full_weights
+from ..comm import Comm
+from ..comm.grid import comm_for
+from ..config import ZeroStackConfig
+from ..config.view import ConfigView
+from ..core.clock import device_clock
+from ..core.precision import Precision, forward_autocast, make_loss_scaler
+from ..core.run import Run
+from ..core.steps import StepCallback
+from ..topology import Topology
+from ..watchdog import Watchdog, start_watchdog
+from ..zero.build import build_strategy
+from ..zero.strategy import ZeroStrategy
+from .accumulation import Accumulation
 from .after_step import AfterStep
 from .callbacks import register_step_callbacks
-from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.model_files import full_weights
-from .checkpoint.view import TrainingView
-from .clock import device_clock
-from .comm import Comm
-from .comm.grid import comm_for
 from .compiling import CompileReport, compile_engine
-from .config import ZeroStackConfig
-from .config_view import ConfigView
-from .core.accumulation import Accumulation
-from .core.steps import StepCallback
-from .core.train_state import PartField, TrainState
 from .footprint import Footprint
 from .full_params import FullParams, attach
-from .precision import Precision, forward_autocast, make_loss_scaler
+from .micro_batches import MicroBatches, cast_inputs
 from .replicas import Replicas
-from .runner import MicroBatches, cast_inputs
-from .topology import Topology
+from .train_state import PartField, TrainState
 from .update import BoundaryUpdate, StepOutcome
-from .watchdog import Watchdog, start_watchdog
-from .zero.build import build_strategy
-from .zero.strategy import ZeroStrategy
 
 if TYPE_CHECKING:
-    from .checkpoint.loss_spike import LossSpikeGuard
-    from .monitor.training import StepMonitor
-    from .profiling.flops_profiler.step import StepProfile
+    from ..checkpoint.loss_spike import LossSpikeGuard
+    from ..monitor.training import StepMonitor
+    from ..profiling.flops_profiler.step import StepProfile
 
 log = logging.getLogger("zerostack")
 
 
 class Engine(nn.Module):
-    """Wraps a model for data-parallel training; its parts are listed in the module's text."""
+    """A model under training on a process grid (see the module for the step and the parts)."""
 
     # what the run has done so far lives in self.state (a TrainState), under DeepSpeed's names
     micro_steps = PartField("state")
@@ -127,7 +134,7 @@ class Engine(nn.Module):
         attach(self, module)
         self.state = TrainState(make_loss_scaler(config))  # counters, scaler, loader
         optimizer = optimizer_factory(self.zero.optimizer_groups())
-        self.run = TrainingView(  # what a checkpoint reads and writes: these parts, no engine
+        self.run = Run(  # what a checkpoint reads and writes: these parts, no engine
             module=module,
             zero=self.zero,
             optimizer=optimizer,
@@ -145,7 +152,7 @@ class Engine(nn.Module):
         self.window = Accumulation(gas, config.zero_optimization.stage)  # which step closes it
         self.footprint = Footprint(self.run)  # the memory figures
         self.timers: dict[str, float] = defaultdict(float)
-        # counts each step and hands its report to the step callbacks (zerostack.callbacks)
+        # counts each step and hands its report to the step callbacks (zerostack.engine.callbacks)
         self.after_step = AfterStep(self.run, self.footprint, self.timers, tbs)
         self.callbacks = self.after_step.callbacks
         self.outcome = StepOutcome()  # what the last step() did (applied, the gradient norm)
@@ -176,7 +183,7 @@ class Engine(nn.Module):
         if self.runner.pipelined:  # its schedule runs forward, backward and step itself
             raise RuntimeError("pipeline engine: use engine.train_batch() / engine.eval_batch()")
 
-    compile = compile_engine  # torch.compile block by block (zerostack.compiling)
+    compile = compile_engine  # torch.compile block by block (zerostack.engine.compiling)
     compile_report: CompileReport | None = None  # what engine.compile() did
 
     @property
@@ -184,7 +191,7 @@ class Engine(nn.Module):
         return self.compile_report is not None
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether this micro-step closes an accumulation window (:mod:`.core.accumulation`)."""
+        """Whether this micro-step closes an accumulation window (:mod:`.accumulation`)."""
         return self.window.is_boundary(self.micro_steps)
 
     # ------------------------------------------------------------------ the step
@@ -249,7 +256,7 @@ class Engine(nn.Module):
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One global batch (``gradient_accumulation_steps`` micro-batches, then the optimizer
         step) from ``data_iter`` or the engine's loader; the mean loss over the batch, every dp
-        rank alike (see :mod:`zerostack.runner`)."""
+        rank alike (see :mod:`zerostack.engine.micro_batches`)."""
         self.module.train()
         return self.runner.run(self, self._batch_iter(data_iter), train=True)
 
@@ -274,7 +281,7 @@ class Engine(nn.Module):
     def apply_step(self) -> StepOutcome:
         """The accumulation boundary's update (what ``step()`` does on it, and what a runner
         calls once a batch's gradients are in): reduce, norm, clip, step, write back
-        (:mod:`zerostack.update`); its outcome is also kept as ``self.outcome``."""
+        (:mod:`zerostack.engine.update`); its outcome is also kept as ``self.outcome``."""
         self.outcome = self.update.apply()
         return self.outcome
 
@@ -285,13 +292,13 @@ class Engine(nn.Module):
     def no_sync(self):
         """Backward passes inside accumulate gradients on each rank without reducing them; the
         first backward outside, on a boundary, reduces the sum; ``step()`` is refused inside.
-        Refused at ZeRO stages 2 and 3, and not nested (:mod:`.core.accumulation`)."""
+        Refused at ZeRO stages 2 and 3, and not nested (:mod:`.accumulation`)."""
         return self.window.no_sync()
 
     # ------------------------------------------------------------------ the run
     def start(self, config: ZeroStackConfig) -> None:
         """Begin the run, once the engine is built (``initialize``'s last act): the built-in
-        step callbacks (:mod:`zerostack.callbacks`), the watchdog (:mod:`zerostack.watchdog`)
+        step callbacks (:mod:`zerostack.engine.callbacks`), the watchdog (:mod:`zerostack.watchdog`)
         and ``checkpoint.auto_resume`` (the latest checkpoint, if there is one)."""
         self.flops_profile, self.monitor, self.loss_spike = register_step_callbacks(self, config)
         self.watchdog = start_watchdog(self.comm.log, config.watchdog, self.topology)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .moe.utils import is_moe_param
-from .tensor_parallel import partition_spec
-from .zero.params import is_sharded
+from ..moe.utils import is_moe_param
+from ..tensor_parallel import partition_spec
+from ..zero.params import is_sharded
 
 
 class Replicas:
