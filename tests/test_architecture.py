@@ -14,6 +14,8 @@ import subprocess
 import sys
 from collections import defaultdict
 
+import pytest
+
 import zerostack
 
 SRC = os.path.dirname(os.path.dirname(zerostack.__file__))
@@ -242,3 +244,28 @@ def test_the_size_report_names_each_file_and_class_past_its_bound(tmp_path):
         "    401  pkg/sub/long.py",
         "    251  pkg/classes.py:Over",
     ]
+
+
+# ------------------------------------------------------------------ the map
+def test_the_architecture_pages_map_is_the_docstrings():
+    """docs/design/architecture.md's file map is generated from the packages' and modules'
+    docstrings (scripts/architecture_map.py), so a moved or renamed file shows on the page."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import architecture_map
+    from _pages import between
+
+    shown = between(architecture_map.PAGE, architecture_map.BEGIN, architecture_map.END)
+    assert shown == architecture_map.tree(), "run: python scripts/architecture_map.py --write"
+
+
+def test_the_map_names_a_module_without_a_docstring(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import architecture_map
+
+    bare = tmp_path / "bare.py"
+    bare.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="no docstring, so no line on the map"):
+        architecture_map.first_sentence(str(bare))
+    told = tmp_path / "told.py"
+    told.write_text('"""The :class:`~a.b.Engine` of ``x``. More here."""\n')
+    assert architecture_map.first_sentence(str(told)) == "The Engine of `x`"

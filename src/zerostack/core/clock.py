@@ -1,4 +1,5 @@
-"""Seconds that mean what they say on a GPU, and host reads that wait for no more than they need.
+"""Timing on the device (seconds of GPU work, not of its launch) and host reads of one device
+scalar that wait for that scalar alone.
 
 ``time.perf_counter()`` around a CUDA kernel or an NCCL call measures its launch: the work runs
 later, on the device's stream. Where zerostack reports seconds of GPU work (the engine's

@@ -1,6 +1,5 @@
-"""What a checkpoint reads and writes of a training run: :class:`Run`, the engine's
-parts a checkpoint needs and nothing else (the engine builds it once; the checkpoint code never
-sees the engine).
+"""The run: the parts of one engine that its other parts are given, never the engine itself
+(the update, the footprint and the step count read it; checkpoints read and write through it).
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from torch import nn
 
 @dataclass
 class Run:
-    """The parts of one engine a checkpoint touches: the module and the ZeRO strategy holding
-    its parameters (``zero``, a :class:`~zerostack.zero.strategy.CheckpointView`), the
+    """What of one engine its parts and checkpoints touch: the module and the ZeRO strategy
+    holding its parameters (``zero``, a :class:`~zerostack.zero.strategy.CheckpointView`), the
     optimizer and LR schedule (None when forward only, or without a schedule), the train state
     (counters, loss scaler, loader position), the grid (``topology``, ``comm``), the config, the
     precision, the per-parameter full values (``full_params``: tp slices joined) and which

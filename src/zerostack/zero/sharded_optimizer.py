@@ -165,8 +165,6 @@ class ShardedDataParallel(FlatState, StepSequence):
             self.groups, self.buckets, comm=comm, uploads=self.uploads, buffers=self.buffers
         )
         self._sync_untracked(dtype)
-        # a sharded state: each bucket is waited for (and, sharded gradients, added into the
-        # shard and its buffers freed) while backward goes on, at most two in flight
         # fixed by the flat groups' cuts, read in every gradient hook and every step: whether
         # any gradient is summed over other ranks (not at dp 1 without ep), whether each rank
         # holds another part of the gradients (the norm needs a sum), and what every ep rank

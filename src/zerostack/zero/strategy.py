@@ -9,10 +9,10 @@ engine drives one optimizer step through four calls::
     strategy.step(optimizer, coef)         # masters' gradients times coef, step, write back
     strategy.zero_grad()
 
-``coef`` is where averaging over dp, unscaling (fp16) and clipping meet: the engine computes it
-from ``stats`` once (see :meth:`zerostack.engine.Engine.apply_step`). Stages 0-2 are
-:class:`~.sharded_optimizer.ShardedDataParallel`, stage 3 is :class:`~.stage3.Stage3`;
-:func:`build_strategy` maps the config to one of them.
+``coef`` is where averaging over dp, unscaling (fp16) and clipping meet: the engine's update
+computes it from ``stats`` once (:meth:`zerostack.engine.update.BoundaryUpdate.apply`).
+Stages 0-2 are :class:`~.sharded_optimizer.ShardedDataParallel`, stage 3 is
+:class:`~.stage3.Stage3`; :func:`build_strategy` maps the config to one of them.
 """
 
 from __future__ import annotations
