@@ -1,0 +1,65 @@
+"""The mutants of src/zerostack/optim/ (the gate: tests/mutants/__init__.py)."""
+
+from . import Mutant
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        "WarmupLR without warmup_max_lr warms up to 0.001, not the optimizer's lr",
+        "optim/lr_schedules.py",
+        'warmup_max_lr = [group["lr"] for group in optimizer.param_groups]',
+        "warmup_max_lr = 0.001",
+        (
+            "tests/test_lr_schedules.py::"
+            "test_warmup_lr_without_a_max_warms_up_to_each_groups_own_lr",
+        ),
+    ),
+    Mutant(
+        "torch_adam ignored: CPUAdam with the optimizer offloaded",
+        "optim/__init__.py",
+        "if offload and not p.torch_adam:",
+        "if offload:",
+        ("tests/test_config_keys.py::test_torch_adam_is_torch_optims_plain_adam_also_offloaded",),
+    ),
+    Mutant(
+        "Lion interpolates with beta2 where the update takes beta1",
+        "optim/lion.py",
+        "                p.add_(torch.sign(m * beta1 + g * (1 - beta1)), alpha=-lr)",
+        "                p.add_(torch.sign(m * beta2 + g * (1 - beta2)), alpha=-lr)",
+        ("tests/test_ds_optimizers.py",),
+    ),
+    Mutant(
+        "Lion's weight decay scales with the learning rate squared",
+        "optim/lion.py",
+        "                    p.mul_(1 - lr * wd)",
+        "                    p.mul_(1 - lr * lr * wd)",
+        ("tests/test_ds_optimizers.py",),
+    ),
+    Mutant(
+        "OneCycle: the stairs not held flat (the continuous position divided)",
+        "optim/lr_schedules.py",
+        "            scale = math.floor(position) / stairs",
+        "            scale = position / stairs",
+        ("tests/test_one_cycle.py::test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "OneCycle: the first beta moves with the lr instead of against it",
+        "optim/lr_schedules.py",
+        "            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]",
+        "            return [(lo[0] + (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in pairs]",
+        ("tests/test_one_cycle.py::test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "OneCycle: the lr grows after the cycle instead of decaying",
+        "optim/lr_schedules.py",
+        "        return [lo / factor for lo in self.min_lrs]",
+        "        return [lo * factor for lo in self.min_lrs]",
+        ("tests/test_one_cycle.py::test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+    Mutant(
+        "LRRangeTest: the staircase ignored",
+        "optim/lr_schedules.py",
+        "math.floor(interval) if self.staircase else interval",
+        "interval",
+        ("tests/test_one_cycle.py::test_lrs_and_betas_equal_deepspeeds_bit_for_bit",),
+    ),
+]

@@ -1,0 +1,48 @@
+"""The mutants of src/zerostack/plan/ (the gate: tests/mutants/__init__.py)."""
+
+from . import Mutant
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        "plan: the pipeline bubble left out of the step time",
+        "plan/cost.py",
+        "bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]",
+        "bubble = 0.0",
+        ("tests/test_plan.py::test_the_published_1t_layout",),
+    ),
+    Mutant(
+        "plan: tensor parallelism allowed across nodes",
+        "plan/search.py",
+        "        if tp > hw.gpus_per_node:",
+        "        if False:",
+        ("tests/test_plan.py::test_the_planner_on_the_published_case",),
+    ),
+    Mutant(
+        "auto stage: the highest stage that fits, not the lowest",
+        "plan/auto.py",
+        "stage = fits[0]",
+        "stage = fits[-1]",
+        ("tests/test_auto.py::test_the_lowest_stage_that_fits",),
+    ),
+    Mutant(
+        "plan: the column layers' backward re-gather left out of the tp cost",
+        "plan/cost.py",
+        'big = layers * (10 + (4 if recompute == "full" else 0)) + 5',
+        'big = layers * (8 + (4 if recompute == "full" else 0)) + 4',
+        ("tests/test_tensor_parallel.py::test_comm_per_layer",),
+    ),
+    Mutant(
+        "plan: the gradient norm's all-reduce left out of stages 1-3",
+        "plan/cost.py",
+        "norm = _ring(4, c.dp, bw, lat, passes=2) if c.stage else 0.0",
+        "norm = 0.0",
+        ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
+    ),
+    Mutant(
+        "plan: stage 2 reduces once per step, not per micro-batch",
+        "plan/cost.py",
+        "dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
+        "dp_s = _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
+        ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
+    ),
+]
