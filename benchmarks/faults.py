@@ -5,8 +5,8 @@ restarted job takes to resume (restart + load of ``latest``), with ``checkpoint.
     python benchmarks/faults.py --d-model 128 --n-layer 2 --points forward,save --out f.json
 
 Each kill point is one ``torchrun --standalone --nproc_per_node 2 --max-restarts 1`` launch of
-``tests/resume_job.py`` (the test's job: ZeRO stage 2, a checkpoint every 2 steps). On the first
-attempt rank 1 SIGKILLs itself in the forward, the backward or the optimizer step of step
+``tests/jobs/resume_job.py`` (the test's job: ZeRO stage 2, a checkpoint every 2 steps). On the
+first attempt rank 1 SIGKILLs itself in the forward, the backward or the optimizer step of step
 ``--at`` + 1, or inside the next save after step ``--at`` (``save``), or SIGSTOPs itself in the
 forward (``freeze``: the watchdog, ``--watchdog-timeout``, ends the live rank; torchrun's agent
 kills the stopped one). The script polls the first attempt's processes (``/proc``, every 10 ms)
@@ -35,7 +35,7 @@ import torch
 from _bench import emit  # benchmarks/_bench.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "resume_job.py")
+JOB = os.path.join(ROOT, "tests", "jobs", "resume_job.py")
 
 
 def _args(argv=None):
@@ -86,7 +86,8 @@ def launch(out: str, args, extra: list[str]) -> dict:
     cmd += ["--n-head", str(args.n_head), "--watchdog-timeout", str(args.watchdog_timeout)]
     cmd += extra
     # one store per attempt (pytorch/pytorch#135712; see tests/test_auto_resume.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)  # the job imports tests.support
     ends: dict[int, float] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_first_attempt, args=(out, 2, stop, ends))

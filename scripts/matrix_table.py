@@ -1,4 +1,4 @@
-"""Run the composition matrix (tests/matrix.py) on 4 gloo ranks and print its table.
+"""Run the composition matrix (tests/support/matrix.py) on 4 gloo ranks and print its table.
 
     python scripts/matrix_table.py            # print it (about two minutes)
     python scripts/matrix_table.py --write    # replace the copy in docs/reference/matrix.md
@@ -14,7 +14,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)  # tests.support; the ranks inherit the path
 
 from _pages import write_between  # noqa: E402
 
@@ -24,7 +24,7 @@ PAGE = os.path.join(ROOT, "docs", "reference", "matrix.md")
 
 
 def main() -> None:
-    from matrix import measure, render
+    from tests.support.matrix import measure, render
 
     combos, verdicts = measure()
     table = render(combos, verdicts)

@@ -99,35 +99,58 @@ def rotation(count: int, commit: str = "HEAD") -> int:
     return r if r is not None else 0
 
 
+def _uses(text: str, path: str, helper: str) -> bool:
+    """Whether the file at ``path`` (its ``text``) imports the helper module at ``helper``
+    (``tests/support/census.py``: ``tests.support.census``, ``from tests.support import census``
+    or, beside it, ``from .census import``) or runs it as a script (``resume_job.py``)."""
+    dotted = helper[:-3].replace("/", ".")
+    parent, name = dotted.rsplit(".", 1)
+    patterns = [
+        rf"\b{re.escape(dotted)}\b",
+        rf"^\s*from {re.escape(parent)} import [^\n]*\b{name}\b",
+        rf"\b{name}\.py\b",
+    ]
+    if os.path.dirname(path) == os.path.dirname(helper):
+        patterns.append(rf"^\s*from \.(?:{name}\b| import [^\n]*\b{name}\b)")
+    return any(re.search(p, text, re.M) for p in patterns)
+
+
 def _importers(helpers: set[str]) -> set[str]:
-    """Test files that import any of the helper modules under tests/ (``census``, ``parity``,
-    ...) or run one as a script (``resume_job.py``), directly or through another helper."""
-    texts = {
-        f"tests/{f}": open(os.path.join(ROOT, "tests", f)).read()
-        for f in os.listdir(os.path.join(ROOT, "tests"))
-        if f.endswith(".py")
-    }
-    found, names = set(), {os.path.basename(h)[:-3] for h in helpers}
-    while names:
-        alts = "|".join(map(re.escape, names))  # imported, or run as a script (resume_job.py)
-        pattern = re.compile(rf"^\s*(?:import|from) ({alts})\b|\b({alts})\.py\b", re.M)
-        new = {f for f, text in texts.items() if f not in found and pattern.search(text)}
+    """Test files that import any of the helper modules under tests/ (``tests/support/``,
+    ``tests/jobs/``) or run one as a script, directly or through another helper."""
+    texts = {}
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        dirs[:] = [d for d in dirs if d not in ("mutants", "__pycache__", "golden", "fixtures")]
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, "/")
+                texts[path] = open(os.path.join(folder, f)).read()
+    found, todo = set(), set(helpers)
+    while todo:
+        new = {
+            f
+            for f, text in texts.items()
+            if f not in found and any(_uses(text, f, h) for h in todo)
+        }
         found |= new
-        names = {os.path.basename(f)[:-3] for f in new if not f.startswith("tests/test_")}
+        todo = {f for f in new if not os.path.basename(f).startswith("test_")}
     return found
 
 
 def changed_since(rev: str, mutants: list[Mutant]) -> list[Mutant]:
     """Mutants whose source file or whose tests differ between ``rev`` and the working tree
-    (committed or not): a test edited, or a helper it imports (``tests/census.py``), can let a
-    mutant through as surely as the source can."""
+    (committed or not): a test edited, or a helper it imports (``tests/support/census.py``),
+    can let a mutant through as surely as the source can."""
     files = set(_git("diff", "--name-only", rev, "--", "src/zerostack", "tests").splitlines())
     files |= set(_git("ls-files", "--others", "--exclude-standard", "src", "tests").splitlines())
     # a helper is a module the tests import; the registries (tests/mutants/) are not one
     helpers = {
         f
         for f in files
-        if f.startswith("tests/") and not f.startswith(("tests/test_", "tests/mutants/"))
+        if f.startswith("tests/")
+        and f.endswith(".py")
+        and not os.path.basename(f).startswith(("test_", "conftest"))
+        and not f.startswith("tests/mutants/")
     }
     files |= _importers(helpers)
     return [

@@ -15,14 +15,15 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from common import TINY, batch, max_rel_diff, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack import ConfigError, Topology, checkpointing
 from zerostack.comm.grid import comm_for
 from zerostack.models import GPT
 from zerostack.tensor_parallel import get_rng_tracker, model_parallel_seed
+
+from tests.support.models import TINY, batch, max_rel_diff, tiny_gpt
+from tests.support.ranks import run_distributed
 
 TOL = 1e-6
 DEEP = replace(TINY, n_layer=4, dropout=0.2)  # 4 blocks, so checkpoints can cover 1, 2 or 3
@@ -414,6 +415,7 @@ def _partitioned(rank, world):
     return out, b * t * d * 4
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_partition_activations_over_tp2():
     for out, x_bytes in run_distributed(_partitioned, 2):
@@ -455,6 +457,7 @@ def _zero(rank, world, stage):
     return max_rel_diff(states[1], states[0])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_training_with_checkpointing_matches(stage):
     """Stage 2 raises if a gradient arrives twice in one backward; stage 3 re-gathers the

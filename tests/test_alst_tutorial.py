@@ -31,6 +31,7 @@ def test_golden_figures_are_deepspeeds():
     assert sgd[-1]["loss"] < sgd[0]["loss"]  # it trains
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_tutorial_gives_deepspeeds_figures(name, tmp_path):
     got = run("zerostack", CASES[name], str(tmp_path))

@@ -12,8 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from common import tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.compat.deepspeed._api import (
@@ -29,6 +27,9 @@ from zerostack.compat.deepspeed._api import (
 from zerostack.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerostack.engine import Engine
 from zerostack.pipeline import PipelineEngine
+
+from tests.support.models import tiny_gpt
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -118,6 +119,7 @@ def _engine_attributes(rank, world, names):
     return found
 
 
+@pytest.mark.distributed
 def test_engine_methods_and_attributes_on_a_real_engine():
     """Instance attributes (``global_steps``, ``module``, ...) exist only on a built engine."""
     attrs = {n: _attr(zerostack_name(n, e)) for n, e in ENGINE_NAMES.items()}

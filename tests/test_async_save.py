@@ -15,14 +15,15 @@ import time
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.checkpoint import CheckpointError, async_save
 from zerostack.checkpoint.tags import prune
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(stage: int, **checkpoint) -> dict:
@@ -94,6 +95,7 @@ def _snapshot_and_resume(rank, world, root, stage):
     )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_async_save_is_a_snapshot_and_resumes_exactly(tmp_path, stage):
     for out in run_distributed(_snapshot_and_resume, 2, args=(str(tmp_path), stage)):
@@ -140,6 +142,7 @@ def _failing_rank(rank, world, root):
     return out
 
 
+@pytest.mark.distributed
 def test_a_failed_write_on_one_rank_leaves_latest_and_fails_every_rank(tmp_path):
     for out in run_distributed(_failing_rank, 2, args=(str(tmp_path),)):
         for how in ("wait", "step"):
@@ -172,6 +175,7 @@ def _second_waits(rank, world, root):
     return first_pending, first_done, open(os.path.join(root, "latest")).read()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_second_save_waits_for_the_first(tmp_path):
     for first_pending, first_done, latest in run_distributed(
@@ -188,6 +192,7 @@ def _interval_and_keep_last(rank, world, root):
     engine.destroy()
 
 
+@pytest.mark.distributed
 def test_save_interval_and_keep_last_in_the_background(tmp_path):
     run_distributed(_interval_and_keep_last, 2, args=(str(tmp_path),))
     assert sorted(os.listdir(tmp_path)) == ["global_step4", "global_step5", "latest"]
@@ -196,8 +201,8 @@ def test_save_interval_and_keep_last_in_the_background(tmp_path):
 
 EXIT_SCRIPT = """
 import sys, torch
-sys.path.insert(0, {here!r})
-from common import batch, tiny_gpt
+sys.path.insert(0, {checkout!r})
+from tests.support.models import batch, tiny_gpt
 import zerostack
 engine, *_ = zerostack.initialize(model=tiny_gpt(), config={config!r})
 x, y = batch(0, 2)
@@ -210,7 +215,7 @@ print("pending", engine.checkpoints._saver.pending, flush=True)
 @pytest.mark.slow
 def test_a_pending_write_is_finished_at_interpreter_exit(tmp_path):
     """No wait, no destroy: the script ends right after the call, and the checkpoint is whole."""
-    script = EXIT_SCRIPT.format(here=HERE, config=_config(2), root=str(tmp_path))
+    script = EXIT_SCRIPT.format(checkout=CHECKOUT, config=_config(2), root=str(tmp_path))
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )

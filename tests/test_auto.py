@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from common import TINY, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.config import ConfigError, load_config
 from zerostack.estimate import Layout, count_parameters, model_states
 from zerostack.plan.auto import _bytes, describe_module, resolve
+
+from tests.support.models import TINY, tiny_gpt
+from tests.support.ranks import run_distributed
 
 TOPO = SimpleNamespace(dp=4, tp=1, pp=1, ep=1, world_size=4, device=torch.device("cpu"))
 
@@ -105,6 +106,7 @@ def _initialize(rank, world, caplog_level):
     )
 
 
+@pytest.mark.distributed
 def test_initialize_resolves_and_logs():
     stage, micro, gas, records = run_distributed(_initialize, 2, args=(logging.INFO,))[0]
     assert (stage, micro, gas) == (0, 4, 1)  # a tiny model on a roomy host

@@ -1,5 +1,5 @@
 """Elastic restart with exact resume (the config's ``checkpoint`` block): real torchrun jobs
-(tests/resume_job.py) in which one rank SIGKILLs itself on the first attempt, in the forward,
+(tests/jobs/resume_job.py) in which one rank SIGKILLs itself on the first attempt, in the forward,
 in the optimizer step or while writing a checkpoint, or SIGSTOPs itself (the watchdog ends the
 others); torchrun restarts the job, ``initialize``
 loads ``latest``, and the run ends with the weights of an uninterrupted run, bit for bit, having
@@ -19,12 +19,15 @@ import time
 
 import pytest
 import torch
-from common import max_rel_diff, session
 from safetensors.torch import load_file
 from torch.distributed import TCPStore
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "resume_job.py")
+from tests.support.models import max_rel_diff
+from tests.support.ranks import job, job_env, session
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
+
+JOB = job("resume_job.py")
 STEPS = 8  # 40 samples, a global batch of 8: 5 steps an epoch, so step 6 starts epoch 1
 BOUND_S = 240.0
 
@@ -45,7 +48,7 @@ def sessions(out, cmds: list[list[str]]) -> tuple[list[tuple[int, str]], float]:
     """Run each command in a session of its own, all at once; ([(exit code, output)], seconds).
     Each must end within the bound, and nothing of any session may outlive it."""
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = job_env()
     t0 = time.monotonic()
     procs = [session(cmd, env) for cmd in cmds]
     results = []

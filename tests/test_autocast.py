@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack import Topology
 from zerostack.models import GPT, GPTConfig
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32, bias=False)
 STEPS, B, TOL_TP = 3, 8, 1e-4

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
 from torch import nn
 
 from zerostack.config import ConfigError
 from zerostack.config.load import load_config
+
+from tests.support.ranks import run_distributed
 
 H, HEADS, VOCAB, SEQ = 8, 4, 16, 6
 
@@ -100,6 +101,7 @@ def _train(rank, world, tp, specs):
     return losses, full, shapes, heads
 
 
+@pytest.mark.distributed
 def test_custom_specs_train_as_one_process():
     """tp=2 by the specs (a fused q/k/v split part by part, its attention's head count halved)
     trains as one process does (SGD, no clipping): the losses, and the whole weights after."""
@@ -127,6 +129,7 @@ def _refusal(rank, world, specs):
     return None
 
 
+@pytest.mark.distributed
 def test_unmatched_layers_strict_mode_model_types_and_embeddings():
     """strict_mode names the first linear layer no spec matches; a spec for other model types
     matches nothing; an embedding a spec would split is refused."""
@@ -186,6 +189,7 @@ def _shapes(rank, world, specs):
     return {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
 
 
+@pytest.mark.distributed
 def test_the_first_matching_spec_wins():
     """A skip spec listed before the column spec that also matches keeps the layer whole."""
     first = {"patterns": [r".*dense_h_to_4h\.weight$"], "partition_type": "skip"}

@@ -17,11 +17,12 @@ import os
 
 import pytest
 import torch
-from common import TINY, batch, max_rel_diff, reference_train, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.checkpoint import CheckpointError
+
+from tests.support.models import TINY, batch, max_rel_diff, reference_train, tiny_gpt
+from tests.support.ranks import run_distributed
 
 B = 8
 
@@ -102,6 +103,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], want[k]), f"{what}: {k} differs from the uninterrupted run"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage,gas,fp16", [(0, 1, False), (1, 2, False), (2, 1, True), (3, 2, False), (3, 1, True)]
 )
@@ -262,6 +264,7 @@ def _check_resume_cases(results, cases, root):
             assert 0 < counters["skipped_steps"] < counters["global_steps"], counters
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_exact_resume_whole(tmp_path):
     """Parameters, moments, steps, loss scale and losses equal the uninterrupted run's after a
@@ -272,6 +275,7 @@ def test_exact_resume_whole(tmp_path):
     _check_resume_cases(results, RESUME_CASES, tmp_path)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_exact_resume_with_offload(tmp_path):
     """The same with the optimizer in host memory or in files (read and written through the
@@ -331,6 +335,7 @@ def _load_and_train(rank, world, stage, root, steps):
     return loaded, engine.full_state_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "src,dst", [((4, 3), (2, 1)), ((2, 2), (4, 3)), ((2, 1), (1, 0)), ((1, 0), (4, 2))]
 )
@@ -379,6 +384,7 @@ def _failing_save(rank, world, root):
     return error, path, fresh.global_steps
 
 
+@pytest.mark.distributed
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
     for error, path, steps in run_distributed(_failing_save, 2, args=(str(tmp_path),)):
         assert "global_step2: not saved (rank 1: OSError:" in error
@@ -400,6 +406,7 @@ def _load_error(rank, world, root, model_seed=0, cfg=None):
     del GPTConfig
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_damaged_missing_and_mismatched_checkpoints_are_named(tmp_path):
     run_distributed(_save, 2, args=(1, str(tmp_path), 1))
@@ -457,6 +464,7 @@ def _bad_client_state(rank, world, root):
     return errors, path
 
 
+@pytest.mark.distributed
 def test_client_state_is_json_and_tensors_checked(tmp_path):
     errors, path = run_distributed(_bad_client_state, 1, args=(str(tmp_path),))[0]
     assert errors[0].startswith("client_state['fn']: not JSON-serialisable or a tensor (")
@@ -502,6 +510,7 @@ def _pickled_client_state(rank, world, root):
     return errors, back, sorted(os.listdir(os.path.join(root, "pickled"))), path
 
 
+@pytest.mark.distributed
 def test_pickled_client_state_is_opt_in_and_verified(tmp_path):
     """What JSON cannot hold is refused by default, pickled into its own sha256-checked file when
     the config opts in, and unpickled only by a config that opts in too."""
@@ -532,6 +541,7 @@ def _save_and_dump(rank, world, stage, root):
     return engine.full_state_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("bf16", [False, True])
 def test_consolidate_loads_into_a_plain_model(tmp_path, bf16):
     from safetensors.torch import load_file
@@ -598,6 +608,7 @@ def _plain_uninterrupted(rank, world, stage):
     return engine.full_state_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_tensor_parallel_checkpoint_loads_on_data_parallel(tmp_path):
     """tp2 x dp2 (ZeRO 1) -> dp4 (ZeRO 3): tp slices are joined through the full parameter."""
@@ -656,6 +667,7 @@ def _merge(results, which):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.slow
 def test_pipeline_checkpoints_change_layout(tmp_path, stage):
@@ -672,6 +684,7 @@ def test_pipeline_checkpoints_change_layout(tmp_path, stage):
     assert torch.equal(last["wte.weight"], _merge(b, 1)["wte.weight"])
 
 
+@pytest.mark.distributed
 def test_consolidate_joins_tensor_parallel_slices(tmp_path):
     from safetensors.torch import load_file
 

@@ -13,11 +13,12 @@ import sys
 import time
 
 import pytest
-from distributed import run_distributed
 
 from zerostack.cli import _build_config, _parser, main
 from zerostack.config import load_config
 from zerostack.profiling.flops import transformer_flops
+
+from tests.support.ranks import run_distributed
 
 CLI = [sys.executable, "-m", "zerostack.cli"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -88,6 +89,7 @@ def _check_run(out, stdout: str, grid: list[str], banner: str) -> None:
     assert f"MFU {mfu:.1%} of" in stdout
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_train_runs_under_torchrun_and_loss_falls(tmp_path):
     """The whole command: it checks the grid, starts torchrun with 2 ranks, each trains."""
@@ -111,6 +113,7 @@ def _train_each_grid(rank, world, root: str) -> list[str]:
     return printed
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_every_grid_trains_and_its_loss_falls(tmp_path):
     printed = run_distributed(_train_each_grid, 2, args=(str(tmp_path),), timeout=400)[0]
@@ -128,6 +131,7 @@ def test_help_explains_every_option(capsys):
     assert "default" in out
 
 
+@pytest.mark.distributed
 def test_bad_config_is_one_clear_line(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 8, "gradient_clippng": 1.0}))
@@ -152,6 +156,7 @@ def test_grid_that_does_not_fit_is_one_clear_line(capsys):
         assert capsys.readouterr().err == line
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_example_script_runs_under_torchrun():
     """examples/train_gpt.py: a DeepSpeed script with the import changed, ZeRO-3 from a JSON."""
@@ -165,6 +170,7 @@ def test_example_script_runs_under_torchrun():
     assert proc.stdout.count("'params'") == 2  # both ranks report their (sharded) bytes
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_save_resume_and_consolidate(tmp_path):
     """--save-every writes checkpoints, --resume continues (on another ZeRO stage) from the

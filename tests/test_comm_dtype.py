@@ -7,22 +7,23 @@ engine folds or drops it); the reference is then their sum in fp32, in the order
 (stages 0-1: a rank's micro-batches first, then over dp; stages 2-3: over dp per micro-batch,
 then the micro-batches). Reduced and accumulated in fp32, the engine's gradient is that number
 bit for bit; reduced or accumulated in bf16 it is rounded, and differs. Bytes on the wire come
-from the CommLog, gradient storage from a live-storage census (tests/census.py).
+from the CommLog, gradient storage from a live-storage census (tests/support/census.py).
 """
 
 from __future__ import annotations
 
-import census
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
-from parity import _model, describe, merge_stages, mixed_reference
 
 import zerostack
 from zerostack.config import ConfigError, load_config
 from zerostack.core.precision import Precision
 from zerostack.utils import safe_get_full_grad
+
+from tests.support import census
+from tests.support.models import batch, tiny_gpt
+from tests.support.parity import _model, describe, merge_stages, mixed_reference
+from tests.support.ranks import run_distributed
 
 MICRO = 4  # sequences per rank per micro-batch
 
@@ -137,6 +138,7 @@ def _auto_stage(rank, world):
     return None
 
 
+@pytest.mark.distributed
 def test_auto_stage_0_is_refused_too():
     """ "auto" picks stage 0 for a model this small; the refusal comes once it is picked."""
     (message,) = run_distributed(_auto_stage, 1)
@@ -261,6 +263,7 @@ def _mismatch(got: dict, ref: dict) -> float:
     return bad / sum(ref[n].numel() for n in ref)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fp32_reduction_sends_fp32_and_sums_exactly():
     """bf16 training, dp = 2, one micro-batch: with communication_data_type "fp32" every
@@ -282,6 +285,7 @@ def test_fp32_reduction_sends_fp32_and_sums_exactly():
         assert _mismatch(ranks[1][i][1], want) == 0, stage
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fp32_accumulation_buffer_across_micro_batches():
     """bf16 training, dp = 2, two micro-batches, reduced in fp32: grad_accum_dtype "fp32" keeps
@@ -318,7 +322,7 @@ PARITY = [
 
 
 def _run_parity(rank, world, cases):
-    import parity
+    from tests.support import parity
 
     plain = parity._config
 
@@ -337,10 +341,12 @@ def _run_parity(rank, world, cases):
         parity._config = plain
 
 
+@pytest.mark.distributed
 def test_training_matches_mixed_precision_reference():
-    """Three SGD steps against tests/parity.py's single-process mixed-precision reference: the
-    update of the fp32 masters and the gradient norm within 8 u (see test_mixed_precision), at
-    stages 1-3, fp16 and bf16, dp = 2 and a pipeline with a tied embedding (pp = 2)."""
+    """Three SGD steps against tests/support/parity.py's single-process mixed-precision
+    reference: the update of the fp32 masters and the gradient norm within 8 u (see
+    test_mixed_precision), at stages 1-3, fp16 and bf16, dp = 2 and a pipeline with a tied
+    embedding (pp = 2)."""
     cases = [{**c, "optimizer": "sgd", "loss_scale": LOSS_SCALE} for c in PARITY]
     results = merge_stages(run_distributed(_run_parity, 2, args=(cases,), timeout=300))
     start = _flat({k: v.detach() for k, v in _model().named_parameters()})

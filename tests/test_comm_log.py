@@ -11,12 +11,13 @@ bytes: the bucket's).
 from __future__ import annotations
 
 import pytest
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.comm.grid import comm_for
 from zerostack.zero.partition import FlatLayout
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 BUCKET = 4096
 
@@ -49,6 +50,7 @@ def _comm_per_step(rank, world, gas, stage, reduce_scatter=None):
     return shapes, summaries, per_micro
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
 def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
     shapes, summaries, per_micro = run_distributed(_comm_per_step, world, args=(gas, 0))[0]
@@ -67,6 +69,7 @@ def test_stage0_all_reduce_bytes_and_bucket_count(world, gas):
             assert calls > 0, "no bucket was reduced during the boundary backward (no overlap)"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("reduce_scatter", [None, False])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
@@ -112,6 +115,7 @@ def _strings(rank, world):
     return got, comm_for(topo).log.total_bytes(op="all_gather") > 0
 
 
+@pytest.mark.distributed
 def test_all_gather_strings_moves_text_without_pickle():
     """What checkpoints use to agree on errors: every rank's text, any length, any script."""
     for got, logged in run_distributed(_strings, 4):
@@ -163,6 +167,7 @@ def _long_run(rank, world, steps):
     return sorted({r.step for r in log.records}), len(log.records), counts
 
 
+@pytest.mark.distributed
 def test_an_engine_run_holds_the_last_64_steps_of_its_log():
     """An engine's log, 80 steps on: the records of the step now open (none yet) and of the 64
     before it, each step's as many as any other's; ``count`` still counts every collective since

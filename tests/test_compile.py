@@ -17,8 +17,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from common import TINY, batch, max_rel_diff, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack import Topology
@@ -26,6 +24,9 @@ from zerostack.engine.compiling import compile_blocks, find_blocks
 from zerostack.models import GPT
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
 from zerostack.pipeline import PipelineModule
+
+from tests.support.models import TINY, batch, max_rel_diff, tiny_gpt
+from tests.support.ranks import run_distributed
 
 STEPS = 3
 
@@ -36,7 +37,7 @@ def _model(variant: str):
     stages (``pp2``, two blocks a stage: then dp is 1); a Hugging Face Llama (``llama``); and
     the topology (None: built by initialize)."""
     if variant == "llama":
-        from hf_models import hf_model
+        from tests.support.hf import hf_model
 
         return hf_model("llama"), None
     if variant == "pp2":
@@ -95,6 +96,7 @@ def _train(rank, world, stage, precision, backend, variant="plain"):
     return losses, (weights, posted), graphs, described
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_blocks_train_as_eager_bit_for_bit(stage, precision):
@@ -115,6 +117,7 @@ def test_compiled_blocks_train_as_eager_bit_for_bit(stage, precision):
             assert graphs[0] == 1  # one graph for the block kind, no break inside it
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "variant, stage",
     [("tp2", 1), ("pp2", 1), ("ckpt", 2), ("ckpt", 3), ("llama", 2), ("llama", 3)],
@@ -148,6 +151,7 @@ def test_compiled_parallel_checkpointed_and_llama_blocks_train_as_eager(variant,
             assert graphs[0] == 11  # (13 when dynamo traces into Comm and breaks inside it)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_inductor_blocks_train_within_the_parity_bound(stage):
@@ -184,6 +188,7 @@ def _refusals(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_what_compile_refuses_is_named():
     ((schedule, autograd, twice),) = run_distributed(_refusals, 1)
     assert schedule.startswith("engine.compile(schedule=...): a DeepCompile pass schedule")

@@ -13,8 +13,6 @@ import typing
 import pydantic
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.config import ConfigError, ZeroStackConfig, load_config
@@ -28,6 +26,9 @@ from zerostack.config.keys import (
     no_effect_settings,
 )
 from zerostack.optim import CPUAdam, build_optimizer
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -356,6 +357,7 @@ def _initialize_logs(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_at_initialize_warning_level_and_memory_line():
     results = run_distributed(_initialize_logs, 2)
     for rank, out in enumerate(results):
@@ -461,6 +463,7 @@ def _facade_and_native(rank, world):
     return {"stage": engine.zero_optimization_stage(), "native": native, "warned": warned}
 
 
+@pytest.mark.distributed
 def test_deepspeed_initialize_warns_and_zerostack_initialize_refuses():
     for rank, out in enumerate(run_distributed(_facade_and_native, 2)):
         assert out["native"].startswith("zero_optimization.reduce_bucket_size: unknown key")

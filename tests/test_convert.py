@@ -20,18 +20,20 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from zerostack.checkpoint import full_state_dict
 from zerostack.checkpoint.convert import convert
 from zerostack.checkpoint.restore import open_reader
 
+from tests.support.ranks import run_distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import deepspeed_fixtures as fx  # noqa: E402
-from test_deepspeed_checkpoints import _next, _resume  # noqa: E402
-from test_deepspeed_write import WRITTEN, _round_trip, folder_differences  # noqa: E402
+
+from tests.test_deepspeed_checkpoints import _next, _resume  # noqa: E402
+from tests.test_deepspeed_write import WRITTEN, _round_trip, folder_differences  # noqa: E402
 
 
 def test_to_hf_shards_load_with_from_pretrained_bit_for_bit(tmp_path):
@@ -64,6 +66,7 @@ def test_to_hf_bf16_and_one_file(tmp_path):
         assert value.dtype == torch.bfloat16 and torch.equal(value, want[name].bfloat16())
 
 
+@pytest.mark.distributed
 def test_to_zerostack_from_deepspeed_resumes_with_deepspeeds_losses(tmp_path):
     convert(os.path.join(fx.FIXTURES, "zero3"), str(tmp_path / "zs"), "zerostack")
     folder, reader = open_reader(str(tmp_path / "zs"))
@@ -78,6 +81,7 @@ def test_to_zerostack_from_deepspeed_resumes_with_deepspeeds_losses(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expect), rtol=1e-6, atol=0)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["zero1", "zero3_bf16", "zero2_odd", "zero2_frozen"])
 def test_to_deepspeed_from_zerostacks_files_is_deepspeeds_bit_for_bit(case, tmp_path):
     run_distributed(_round_trip, fx.WORLD, args=(case, str(tmp_path / "zs"), True))
@@ -115,6 +119,7 @@ def test_deepspeed_to_zerostack_to_deepspeed_is_deepspeeds_bit_for_bit(case, tmp
     assert folder_differences(str(tmp_path / "ds" / "global_step3"), theirs) == []
 
 
+@pytest.mark.distributed
 def test_to_deepspeed_on_another_dp_size_and_stage_resumes(tmp_path):
     """DeepSpeed's zero2 folder recut for 1 rank at ZeRO-3, then read back at dp 1: the loss is
     the mean of the two ranks' DeepSpeed losses."""

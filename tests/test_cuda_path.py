@@ -1,9 +1,9 @@
-"""zerostack's CUDA + NCCL path, run here on virtual CUDA (tests/vcuda.py): every tensor carries
-the device CUDA would give it, ops that mix devices fail as on a GPU, and every tensor handed to
-torch.distributed must be a contiguous cuda tensor, as NCCL requires. Each path runs on two gloo
-ranks twice, once plainly on the CPU and once with ``Topology.device`` = cuda:0, and must end with
-the same weights bit for bit (the same ops on the same host memory: the devices change nothing
-but where things would live)."""
+"""zerostack's CUDA + NCCL path, run here on virtual CUDA (tests/support/vcuda.py): every tensor
+carries the device CUDA would give it, ops that mix devices fail as on a GPU, and every tensor
+handed to torch.distributed must be a contiguous cuda tensor, as NCCL requires. Each path runs on
+two gloo ranks twice, once plainly on the CPU and once with ``Topology.device`` = cuda:0, and must
+end with the same weights bit for bit (the same ops on the same host memory: the devices change
+nothing but where things would live)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import time
 
 import pytest
 import torch
-from common import TINY, batch, micro_batches, tiny_gpt
-from distributed import run_distributed
-from vcuda import HOST_WAITS, UNALIGNED, DeviceError, virtual_cuda
 
 import zerostack
 from zerostack.models import GPT, GPTConfig
+
+from tests.support.models import TINY, batch, micro_batches, tiny_gpt
+from tests.support.ranks import run_distributed
+from tests.support.vcuda import HOST_WAITS, UNALIGNED, DeviceError, virtual_cuda
 
 STEPS, MICRO, GAS = 2, 2, 2
 
@@ -269,6 +270,7 @@ def _same(reference, results) -> None:
             assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.slow
 def test_the_cuda_path_runs_and_matches_the_cpu_run(tmp_path, name):
@@ -284,6 +286,7 @@ def _refused(rank, world, root):
             return str(e)
 
 
+@pytest.mark.distributed
 def test_a_users_cpu_adam_without_offload_is_refused_on_the_device(tmp_path):
     """DeepSpeedCPUAdam refuses device tensors; so does CPUAdam, before the first step."""
     for message in run_distributed(_refused, world=2, args=(str(tmp_path),)):
@@ -293,6 +296,7 @@ def test_a_users_cpu_adam_without_offload_is_refused_on_the_device(tmp_path):
         )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in AGAINST if len(AGAINST[n]) > 3])
 def test_with_dropout_on_the_device_generator(tmp_path, name):
     """Activation checkpointing recomputes with the same device masks; a resumed run draws
@@ -459,6 +463,7 @@ def _synchronizations(rank, world, root, wall: bool, comms: bool):
         return count[0]
 
 
+@pytest.mark.distributed
 def test_gpu_seconds_wait_for_the_device_only_when_asked_for(tmp_path):
     """The ``comms_logger`` times each collective after the device's work; with
     ``wall_clock_breakdown`` forward, backward and step are timed so too (a synchronisation at
@@ -520,6 +525,7 @@ def _host_waits(rank, world, root):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_step_on_the_device_waits_only_for_its_norm(tmp_path):
     """A ZeRO step with its masters on the device never drains the GPU's stream: the gradient
@@ -565,6 +571,7 @@ def _offloaded_waits(rank, world, root):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_offloading_queues_its_uploads_and_waits_only_for_the_gradients(tmp_path):
     """With the optimizer (or the parameters) offloaded, the host waits for the device only
@@ -638,6 +645,7 @@ def _alignment(rank, world, stage):
         return list(UNALIGNED)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_collective_buffer_starts_16_byte_aligned(stage):
     """A model whose sizes are not multiples of 8 (biases of 20 and 60, a 20-wide model), in
@@ -683,6 +691,7 @@ def _pageable(rank, world, root):
     return steps
 
 
+@pytest.mark.distributed
 def test_pageable_offload_stops_the_host_and_is_warned_about(tmp_path, caplog):
     """``pin_memory: false`` on a GPU: the write-back of the stepped masters comes from pageable
     memory, so each copy stops the host until the stream has drained (CUDA's rule, modelled by
@@ -727,6 +736,7 @@ def _window_grads(rank, world, root, virtual, stage):
     return grads
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_mid_window_gradient_read_sees_the_pending_downloads(tmp_path, stage):
     """Stages 2-3 with the optimizer offloaded: the pieces come down to host memory behind
@@ -759,6 +769,7 @@ def _device_records(rank, world, root):
     return sorted(set(backward.values())), left
 
 
+@pytest.mark.distributed
 def test_a_collective_stays_in_flight_until_the_device_has_run_it(tmp_path):
     """On NCCL ``wait()`` returns before the collective runs: the backward's reduce-scatters are
     still in flight, on the device, after ``backward`` returns (a watchdog can name one that
@@ -790,6 +801,7 @@ def _side_stream(rank, world, root, virtual):
     return weights, sides
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
 def test_offloaded_pieces_go_up_on_a_side_stream(tmp_path, world):
     """The pieces of offloaded parameters are copied up and gathered on a side stream, so the
@@ -852,6 +864,7 @@ def _device_memory(rank, world, root):
         return engine.device_memory()
 
 
+@pytest.mark.distributed
 def test_the_cuda_allocator_figures_are_reported_beside_the_census(tmp_path):
     """``engine.device_memory()``: the CUDA allocator's allocated / peak / reserved bytes and
     the page-locked bytes its host allocator holds, rounded (empty on the CPU), written by the
@@ -879,6 +892,7 @@ def _threads(rank, world, root, offload):
         return threads
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("offload, threads", [(True, 8), (False, 1)])
 def test_an_offloaded_optimizer_gets_the_cores_on_a_gpu_node(tmp_path, offload, threads):
     """16 cores, 2 local ranks: CPUAdam steps with 8 threads per rank, not torchrun's one."""
@@ -895,7 +909,7 @@ def _device_model() -> tuple[GPT, int]:
 
 
 def _init_peak(rank, world, root, stage, precision):
-    from vcuda import MEMORY
+    from tests.support.vcuda import MEMORY
 
     with virtual_cuda():
         model, psi = _device_model()
@@ -919,6 +933,7 @@ def _init_peak(rank, world, root, stage, precision):
         return torch.cuda.max_memory_allocated() / psi, torch.cuda.memory_allocated() / psi
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage, precision, peak, after",
     [(1, "bf16", 8, 6), (2, "bf16", 8, 6), (1, None, 8, 8), (2, None, 8, 6)],
@@ -938,7 +953,7 @@ def test_the_start_peaks_near_the_steady_state(tmp_path, stage, precision, peak,
 
 # ---------------------------------------------------------------------- device and host apart
 def _by_device(rank, world, root, stage, offload):
-    from vcuda import MEMORY
+    from tests.support.vcuda import MEMORY
 
     with virtual_cuda():
         model, psi = _device_model()
@@ -963,6 +978,7 @@ def _by_device(rank, world, root, stage, offload):
         return psi, places, kinds, device_bytes
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage, offload", [(1, False), (2, True), (3, True)])
 def test_device_and_host_bytes_are_reported_apart(tmp_path, stage, offload):
     """``engine.memory_by_device()`` splits ``memory_breakdown`` by where each buffer lives

@@ -8,10 +8,11 @@ gradient norm), each ~1e-7 relative per step, which Adam's normalised update kee
 from __future__ import annotations
 
 import pytest
-from common import batch, max_rel_diff, reference_train, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
+
+from tests.support.models import batch, max_rel_diff, reference_train, tiny_gpt
+from tests.support.ranks import run_distributed
 
 STEPS = 5
 B = 8  # global batch per micro-step window
@@ -47,6 +48,7 @@ def _train(rank, world, gas, clip, optimizer="AdamW", stage=0, persist=0):
     return state if rank == 0 else None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("gas", [1, 2])
@@ -58,6 +60,7 @@ def test_matches_single_process(stage, world, gas):
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.slow
 def test_without_clipping_and_with_sgd(stage):
@@ -71,6 +74,7 @@ def test_without_clipping_and_with_sgd(stage):
     assert diff <= 1e-5, f"SGD {name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("clip", [0.5, 100.0])
 def test_clipping_with_sgd(stage, clip):
@@ -82,6 +86,7 @@ def test_clipping_with_sgd(stage, clip):
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 def test_stage3_with_small_parameters_kept_whole():
     """stage3_param_persistence_threshold above the LayerNorm sizes: those stay gathered."""
     ref = reference_train(STEPS, B * 2, clip=0.5)
@@ -115,6 +120,7 @@ def _accumulate(rank, world, micro, gas, stage):
     return engine.full_state_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.slow
 def test_gradient_accumulation_invariance(stage):
@@ -163,6 +169,7 @@ def _batches(rank, world, stage):
     return all(torch.equal(a[k], b[k]) for k in a), loop_losses, batch_losses, evaluated
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_batch_is_the_micro_step_loop(stage):
     for same, loop_losses, batch_losses, evaluated in run_distributed(_batches, 2, args=(stage,)):

@@ -18,10 +18,11 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
 
 import zerostack.compat.deepspeed as deepspeed
 from zerostack.checkpoint import CheckpointError
+
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -113,6 +114,7 @@ def test_the_fixtures_are_deepspeeds():
         assert open(latest).read().strip() == _tag(case)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(fx.CASES))
 def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
     # the first loss is the loaded weights' alone: 1e-6 everywhere; the second follows one
@@ -148,6 +150,7 @@ def test_a_deepspeed_folder_resumes_with_deepspeeds_next_losses(case):
             assert got_loss == pytest.approx(want_loss, rel=rtol, abs=0)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "case, stage, world",
     [("zero2", 3, 2), ("zero3", 1, 1), ("zero1", 2, 1), ("zero0", 3, 2), ("zero2_fp16", 0, 1),
@@ -163,6 +166,7 @@ def test_a_deepspeed_folder_resumes_on_another_stage_and_dp_size(case, stage, wo
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.distributed
 def test_a_deepspeed_tensor_parallel_folder_resumes_without_tp():
     """DeepSpeed's AutoTP slices (tp 2) joined whole: 2 data-parallel ranks without tp continue
     with DeepSpeed's losses (each rank's half of the batch: their mean is the batch's loss)."""
@@ -173,6 +177,7 @@ def test_a_deepspeed_tensor_parallel_folder_resumes_without_tp():
         assert mean == pytest.approx(want_loss, rel=1e-6, abs=0)
 
 
+@pytest.mark.distributed
 def test_a_deepspeed_pipeline_folder_resumes_on_one_stage():
     """Its layer files and both stages' optimizer files joined: one rank running all 6 layers
     continues with DeepSpeed's losses (every stage reports the batch's loss)."""
@@ -197,6 +202,7 @@ def _copy(tmp_path, case: str = "zero2") -> str:
     return folder
 
 
+@pytest.mark.distributed
 def test_a_class_off_the_allow_list_is_refused_before_anything_loads(tmp_path):
     import argparse
 
@@ -212,6 +218,7 @@ def test_a_class_off_the_allow_list_is_refused_before_anything_loads(tmp_path):
     )
 
 
+@pytest.mark.distributed
 def test_a_truncated_or_missing_file_is_named(tmp_path):
     folder = _copy(tmp_path)
     path = os.path.join(folder, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")

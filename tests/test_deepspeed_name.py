@@ -18,11 +18,12 @@ import textwrap
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 import zerostack.compat.deepspeed as ds
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 VERSION = f"0.19.8+zerostack.{zerostack.__version__}"
 
@@ -262,6 +263,7 @@ def _trained_checkpoint(rank, world, root, frozen):
     return full
 
 
+@pytest.mark.distributed
 def test_zero_to_fp32_gives_the_engines_weights(tmp_path):
     from safetensors.torch import load_file
 

@@ -36,12 +36,13 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
 
 import zerostack
 import zerostack.compat.deepspeed as deepspeed
 from zerostack.checkpoint.deepspeed_read import load_pickle
 from zerostack.config import ConfigError
+
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -132,6 +133,7 @@ WRITTEN = [c for c in fx.CASES if not fx.CASES[c].get("tp")]
 """The cases whose DeepSpeed files zerostack writes (AutoTP's slices: not yet)."""
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", [c for c in WRITTEN if not fx.CASES[c].get("universal")])
 def test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit(case, tmp_path):
     run_distributed(_round_trip, fx.WORLD, args=(case, str(tmp_path)))
@@ -145,6 +147,7 @@ def test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit(case, tmp_path
     assert (tmp_path / "latest").read_text() == "global_step3"
 
 
+@pytest.mark.distributed
 def test_a_universal_folder_saved_again_is_the_zero_folder_it_came_from(tmp_path):
     """zero2_universal is zero2's run (its config adds checkpoint.load_universal) turned into a
     universal checkpoint: loaded and saved, it gives zero2's ZeRO files bit for bit but the
@@ -164,6 +167,7 @@ SAME_RUN = ["zero1", "zero3", "zero3_sgd", "zero2_odd", "zero0", "zero3_frozen",
             "moe_zero2"]  # fmt: skip
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", SAME_RUN)
 def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     run_distributed(_train, fx.WORLD, args=(case, str(tmp_path)))
@@ -179,6 +183,7 @@ def test_the_same_run_writes_what_deepspeed_writes(case, tmp_path):
     assert folder_differences(str(ours), theirs, tol) == []
 
 
+@pytest.mark.distributed
 def test_zerostacks_zero_to_fp32_in_the_folder_gives_the_weights(tmp_path):
     run_distributed(_round_trip, fx.WORLD, args=("zero3", str(tmp_path / "ckpt")))
     done = subprocess.run(
@@ -210,6 +215,7 @@ def _unwritable() -> dict:
     return cfg
 
 
+@pytest.mark.distributed
 def test_deepspeed_files_where_they_cannot_be_written_are_refused():
     cfg = _unwritable()
     cfg["checkpoint"] = {"deepspeed_files": True}
@@ -227,6 +233,7 @@ def _refused_pipe(rank, world, stage):
         return str(exc)
 
 
+@pytest.mark.distributed
 def test_a_pipelines_files_are_written_at_zero_1_only():
     """DeepSpeed's pipeline engine runs ZeRO 0-1; its stage 0 files are not written yet."""
     got = run_distributed(_refused_pipe, 2, args=(0,))
@@ -239,6 +246,7 @@ def _native(rank, world, out):
     engine.save_checkpoint(out)
 
 
+@pytest.mark.distributed
 def test_natively_only_zerostacks_files_unless_asked(tmp_path):
     run_distributed(_native, 1, args=(str(tmp_path),))
     assert glob.glob(str(tmp_path / "global_step0" / "*.pt")) == []
@@ -298,6 +306,7 @@ def _asked(rank, world, out, native):
     engine.save_checkpoint(out)
 
 
+@pytest.mark.distributed
 def test_natively_by_the_config_choice_the_same_files_as_under_the_facade(tmp_path):
     run_distributed(_asked, fx.WORLD, args=(str(tmp_path / "native"), True))
     run_distributed(_asked, fx.WORLD, args=(str(tmp_path / "facade"), False))
@@ -321,6 +330,7 @@ def _unwritable_saved(rank, world, out):
     return at_initialize, [m for m in said if m.startswith("checkpoint:")]
 
 
+@pytest.mark.distributed
 def test_under_the_facade_a_layout_without_deepspeeds_files_says_so_at_its_first_save(tmp_path):
     [(at_initialize, said)] = run_distributed(_unwritable_saved, 1, args=(str(tmp_path),))
     assert not any(m.startswith("checkpoint:") for m in at_initialize)

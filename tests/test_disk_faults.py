@@ -21,14 +21,14 @@ import time
 
 import pytest
 import torch.distributed as dist
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.checkpoint import CheckpointError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "disk_fault_job.py")
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import job, job_env, run_distributed
+
+JOB = job("disk_fault_job.py")
 BOUND_S = 15.0  # a collective failing at a peer's exit, on a 2-core machine running other tests
 
 
@@ -37,14 +37,12 @@ def _launch(stage: int, nvme: str) -> dict:
     """The job on 2 processes around a store this test holds (as torchrun's agent does); whatever
     is still running after 120 s is killed (and fails the test)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(
-        os.environ,
+    env = job_env(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
         WORLD_SIZE="2",
         LOCAL_WORLD_SIZE="2",
         TORCHELASTIC_USE_AGENT_STORE="True",
-        OMP_NUM_THREADS="1",
     )
     procs = [
         subprocess.Popen(
@@ -73,6 +71,7 @@ def _launch(stage: int, nvme: str) -> dict:
     return {"outs": outs, "codes": [p.returncode for p in procs], "ended": ended}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.slow
 def test_a_failed_swap_write_ends_every_rank(stage, tmp_path):
@@ -198,6 +197,7 @@ def _failing_checkpoint(rank, world, root, where):
     return error, took, left, path, steps
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("where", ["shard", "manifest"])
 def test_a_failed_checkpoint_write_fails_every_rank(where, tmp_path):
     """Every rank raises the failing rank's error within seconds (no rank waits in a collective
@@ -264,6 +264,7 @@ def _initialize(rank, world, stage, key, nvme, free=None, as_user=None, capacity
         nvme_files.shutil.disk_usage = real
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage, key", [(1, "offload_optimizer"), (3, "offload_param"), (3, "offload_optimizer")]
 )
@@ -284,6 +285,7 @@ def test_a_read_only_nvme_path_is_refused(stage, key):
 N = sum(p.numel() for p in tiny_gpt().parameters())  # dp 1: nothing padded
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage, key, need",
     [
@@ -305,6 +307,7 @@ def test_an_nvme_path_too_small_is_refused(stage, key, need, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.distributed
 def test_what_shares_a_disk_is_counted_together(tmp_path):
     """Both offloads on one path (stage 3: 16 + 4 bytes an element), and two ranks on this host
     on one path (stage 1, each 12 bytes an element of its half): a disk one byte short of the

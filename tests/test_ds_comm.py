@@ -11,12 +11,13 @@ import io
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 from zerostack.comm.summary import bandwidth, convert_size
 from zerostack.config import ConfigError, load_config
 from zerostack.zero.partition import FlatLayout
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 # DeepSpeed's header line (deepspeed/utils/comms_logging.py, log_all), column for column
 HEADER = (
@@ -153,6 +154,7 @@ def _same_as_torch(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_module_functions_match_torch_distributed():
     """Logger off and on (the timed path): the same tensors as torch.distributed's own calls,
     and, while on, each call recorded once in zerostack.comm.log."""
@@ -215,6 +217,7 @@ def _sequence(rank, world, **conf):
     return stdout.getvalue(), summary, dist.comms_logger.get_raw_data()
 
 
+@pytest.mark.distributed
 def test_log_summary_prints_deepspeeds_table():
     """On 4 ranks, so that every factor of n in the formulas shows (2 (n - 1) / n is 1 at n = 2)."""
     n = 4
@@ -270,6 +273,7 @@ def test_log_summary_prints_deepspeeds_table():
     assert sorted(raw["all_gather_into_tensor"]) == [1024]
 
 
+@pytest.mark.distributed
 def test_prof_ops_and_debug():
     """prof_all off: only the listed ops (not even log_summary's barrier); debug: rows named
     with the calling function."""
@@ -294,6 +298,7 @@ def _verbose(rank, world):
     return stdout.getvalue(), dist.comms_logger.get_raw_data()
 
 
+@pytest.mark.distributed
 def test_verbose_prints_each_op_on_rank_0():
     """The block given to init_distributed: each op printed as it completes, on rank 0."""
     (text, raw), (text1, _) = run_distributed(_verbose, 2)
@@ -326,6 +331,7 @@ def _stragglers(rank, world):
     return lats, out["straggler_analysis"]["all_reduce"][16], after
 
 
+@pytest.mark.distributed
 def test_straggler_analysis_against_the_fastest_rank():
     (lat0, s0, after0), (lat1, s1, after1) = run_distributed(_stragglers, 2)
     fastest = [min(a, b) for a, b in zip(lat0, lat1, strict=True)]
@@ -376,6 +382,7 @@ def _engine_runs(rank, world):
     return results
 
 
+@pytest.mark.distributed
 def test_comms_logger_block_summarises_the_engines_collectives():
     ranks = run_distributed(_engine_runs, 2)
     (off, prof_ops, full), (_, _, full1) = ranks

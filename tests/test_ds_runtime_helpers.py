@@ -49,9 +49,9 @@ def test_repeating_loader_starts_again_when_the_loader_ends():
 
 
 def _accessors(rank, world):
-    from common import batch, tiny_gpt
-
     import zerostack.compat.deepspeed as deepspeed
+
+    from tests.support.models import batch, tiny_gpt
 
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -84,8 +84,9 @@ def _accessors(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_engine_accessors_answer_as_deepspeeds():
-    from distributed import run_distributed
+    from tests.support.ranks import run_distributed
 
     for rank, out in enumerate(run_distributed(_accessors, 2)):
         assert out["dp_rank"] == rank and out["dp_group_size"] == 2
@@ -103,9 +104,9 @@ def test_engine_accessors_answer_as_deepspeeds():
 def _from_args(rank, world, path):
     import argparse
 
-    from common import tiny_gpt
-
     import zerostack.compat.deepspeed as deepspeed
+
+    from tests.support.models import tiny_gpt
 
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepscale", "--deepscale_config", path])
@@ -113,13 +114,14 @@ def _from_args(rank, world, path):
     return engine.train_micro_batch_size_per_gpu()
 
 
+@pytest.mark.distributed
 def test_add_config_arguments_and_initialize_reading_them(tmp_path):
     import argparse
     import json
 
-    from distributed import run_distributed
-
     import zerostack.compat.deepspeed as deepspeed
+
+    from tests.support.ranks import run_distributed
 
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
@@ -139,9 +141,9 @@ def test_add_config_arguments_and_initialize_reading_them(tmp_path):
 
 
 def _scales(rank, world):
-    from common import batch, tiny_gpt
-
     import zerostack.compat.deepspeed as deepspeed
+
+    from tests.support.models import batch, tiny_gpt
 
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -163,9 +165,10 @@ def _scales(rank, world):
     return scales
 
 
+@pytest.mark.distributed
 def test_the_optimizers_cur_scale_is_the_loss_scale_now():
     """DeepSpeed's Megatron tutorial logs ``optimizer.cur_scale``."""
-    from distributed import run_distributed
+    from tests.support.ranks import run_distributed
 
     assert run_distributed(_scales, 2) == [[16.0, 16.0, 8.0]] * 2
 
@@ -241,9 +244,9 @@ def test_set_random_seed_seeds_python_numpy_and_torch():
 
 
 def _through(rank, world):
-    from common import tiny_gpt
-
     import zerostack.compat.deepspeed as deepspeed
+
+    from tests.support.models import tiny_gpt
 
     model = tiny_gpt()
     model.describe = lambda: "the module's own method"
@@ -255,10 +258,11 @@ def _through(rank, world):
     return engine.describe(), engine.cfg is model.cfg, engine.train_batch_size(), missing
 
 
+@pytest.mark.distributed
 def test_what_the_engine_lacks_is_its_modules():
     """DeepSpeed's engine hands unknown attributes to its module (DeepSpeed-Chat calls
     ``engine.gradient_checkpointing_enable()``); its own come first."""
-    from distributed import run_distributed
+    from tests.support.ranks import run_distributed
 
     for said, same, tbs, missing in run_distributed(_through, 2):
         assert said == "the module's own method" and same and tbs == 4

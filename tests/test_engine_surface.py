@@ -30,8 +30,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from common import batch, max_rel_diff, tiny_gpt
-from distributed import run_distributed
 from safetensors.torch import load_file
 from torch import nn
 
@@ -54,6 +52,11 @@ from zerostack.utils import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+
+from tests.support.models import batch, max_rel_diff, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 B, GAS, STEPS, TOL = 8, 2, 3, 1e-5
 LR, WD = 1e-3, 0.01

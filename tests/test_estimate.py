@@ -10,9 +10,6 @@ import json
 
 import pytest
 import torch
-from common import TINY, batch, run_cli, tiny_gpt, tiny_transformer
-from distributed import run_distributed
-from test_memory import expected
 
 import zerostack
 from zerostack.estimate import (
@@ -29,6 +26,10 @@ from zerostack.estimate import (
 )
 from zerostack.moe import is_moe_param
 from zerostack.zero.params import full_shape
+
+from tests.support.models import TINY, batch, run_cli, tiny_gpt, tiny_transformer
+from tests.support.ranks import run_distributed
+from tests.test_memory import expected
 
 PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO paper, Figure 1: 7.5B params, N = 64
 
@@ -333,6 +334,7 @@ def _case_layout(case: dict, dp: int, *, offload_param: bool = True) -> Layout:
     )
 
 
+@pytest.mark.distributed
 def test_estimate_matches_live_engines():
     """Per rank, what the estimator predicts for the parameters this rank's tp x pp slice holds
     equals engine.memory_breakdown() up to padding (fewer than dp elements per bucket, or per
@@ -367,6 +369,7 @@ def _odd_stage3(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_stage3_padding_is_estimated_as_the_engine_pads():
     """Given the tensors' sizes, the estimate of stage 3's parameter pieces is the engine's to the
     byte, for a model whose sizes are not multiples of 8 (pieces padded to 16-byte blocks)."""
@@ -377,6 +380,7 @@ def test_stage3_padding_is_estimated_as_the_engine_pads():
         assert breakdown["params"] == want.params and breakdown["master"] == want.master
 
 
+@pytest.mark.distributed
 def test_estimate_from_the_model_description_matches_every_rank():
     """From the GPT's description alone (no live model): the busiest rank's model-state bytes
     equal the most any rank holds, with tp splitting some tensors and not others, a pipeline's

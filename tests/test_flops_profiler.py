@@ -366,12 +366,13 @@ def _engine_profile(rank, world, gas):
     return out.getvalue(), engine.flops_profile.last_step_flops, seen, cfg, steps
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("gas", [1, 2])
 def test_the_engine_profiles_the_configured_step(gas):
     """``flops_profiler.enabled``: the step after ``profile_step`` completed ones is profiled
     (every micro-batch's forward), printed once at its boundary; its flops are a whole step's
     (forward x 3) over the global batch."""
-    from distributed import run_distributed
+    from tests.support.ranks import run_distributed
 
     text, flops, seen, cfg, steps = run_distributed(_engine_profile, 1, args=(gas,))[0]
     assert text.count("Profile Summary at step 1:") == 1, text

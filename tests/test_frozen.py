@@ -10,13 +10,17 @@ comparison is ``torch.equal``).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
 from zerostack.checkpoint import CheckpointError
+
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 V, B, STEPS = 11, 8, 3
 FP32 = [f"s{stage}" for stage in range(4)]

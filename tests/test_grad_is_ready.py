@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
 from torch import nn
+
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 WORLD, B, T, D, STEPS, TILES = 2, 4, 8, 16, 3, 4
 

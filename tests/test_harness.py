@@ -11,7 +11,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import DistributedTestError, run_distributed
+
+from tests.support.ranks import DistributedTestError, run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 # Whatever goes wrong, a failing run must come back well within this (a guard against hangs).
 BOUND = 60.0

@@ -19,14 +19,17 @@ import os
 
 import pytest
 import torch
-from common import max_rel_diff
-from distributed import run_distributed
-from hf_models import GAS, SGD_LR, STEPS, B, hf_model, reference, tokens
 
 import zerostack
 from zerostack import Topology
 from zerostack.config import ConfigError
 from zerostack.zero.params import is_sharded
+
+from tests.support.hf import GAS, SGD_LR, STEPS, B, hf_model, reference, tokens
+from tests.support.models import max_rel_diff
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 
 def _config(stage: int, micro: int, tp: int = 1, **extra) -> dict:
@@ -326,9 +329,10 @@ def test_example_trains_saves_and_reloads(argv, tmp_path):
 
 
 def _draws_under_no_init(rank, world):
-    from hf_models import hf_config
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
+
+    from tests.support.hf import hf_config
 
     torch.manual_seed(42)
     want = torch.rand(2)

@@ -15,8 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
-from test_hf_ring import LR, MICRO, SEQ, STEPS, _batch, _compare, _model, _reference
+
+from tests.support.ranks import run_distributed
+from tests.test_hf_ring import LR, MICRO, SEQ, STEPS, _batch, _compare, _model, _reference
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 TILES = 4
 

@@ -5,8 +5,8 @@ script writes it (the adapter, ``initialize(mpu=...)``, the loss over the sp gro
 single-process training on the whole sequence; the same with padding-free packed rows (documents
 restarting their positions), whose reference runs every document apart; refusals.
 
-Parity: plain SGD, no clipping (tests/parity.py says why), 3 steps, 1e-5 relative per tensor and
-on the gradient norm and the loss.
+Parity: plain SGD, no clipping (tests/support/parity.py says why), 3 steps, 1e-5 relative per
+tensor and on the gradient norm and the loss.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from common import max_rel_diff
-from distributed import run_distributed
-from parity import global_norm
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.support.models import max_rel_diff
+from tests.support.parity import global_norm
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 VOCAB, SEQ, MICRO, STEPS, LR = 64, 32, 2, 3, 0.5
 # documents per row when packed: cuts inside and across the zigzag chunks of ring 2 (8 tokens)

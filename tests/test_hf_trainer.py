@@ -64,6 +64,7 @@ def test_golden_figures_are_deepspeeds():
 FAST = {"zero3_gas2"}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
@@ -78,6 +79,7 @@ def test_trainer_losses_and_reload_equal_deepspeeds(name, tmp_path):
         assert _rel(got["reload_loss"], want["reload_loss"]) <= TOL
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     case = {**CASES["zero3_gas2"], "reload": False}
@@ -89,6 +91,7 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     _assert_losses(resumed, GOLDEN["results"]["zero3_gas2_resumed"], TOL)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_trainer_losses_equal_one_process(tmp_path):
     case = CASES["zero2_torch_optimizer"]
@@ -102,6 +105,7 @@ def _assert_plain_losses(got: list[float], want: list[float]) -> None:
     assert all(_rel(a, b) <= TOL for a, b in zip(got, want, strict=True)), (got, want)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ACCELERATE_CASES))
 def test_accelerate_loop_losses_equal_deepspeeds(name, tmp_path):
@@ -109,6 +113,7 @@ def test_accelerate_loop_losses_equal_deepspeeds(name, tmp_path):
     _assert_plain_losses(got["losses"], GOLDEN["results"][name]["losses"])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_accelerate_save_state_then_load_state_continues_bit_for_bit(tmp_path):
     case = ACCELERATE_CASES["accelerate_zero2_gas2"]

@@ -6,8 +6,8 @@ single-process training on the whole sequence; the token-weighted loss when one 
 label; MQA (fewer kv heads than sp ranks) and packed documents against whole-sequence attention;
 the refusals.
 
-Parity: plain SGD, no clipping (tests/parity.py says why), 3 steps, 1e-5 relative per tensor and
-for the gradient norm: the sp ranks only regroup sums.
+Parity: plain SGD, no clipping (tests/support/parity.py says why), 3 steps, 1e-5 relative per
+tensor and for the gradient norm: the sp ranks only regroup sums.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import functools
 
 import pytest
 import torch
-from common import max_rel_diff
-from distributed import run_distributed
-from parity import global_norm
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.support.models import max_rel_diff
+from tests.support.parity import global_norm
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 VOCAB, SEQ, MICRO, STEPS, LR = 64, 32, 2, 3, 0.5
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
-from hf_models import hf_model, tokens
 
 from zerostack import ConfigError, load_config
+
+from tests.support.hf import hf_model, tokens
+from tests.support.ranks import run_distributed
 
 
 def _config(enabled: bool) -> dict:
@@ -45,6 +46,7 @@ def _generate(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_generate_gathers_the_model_once_and_gives_the_plain_models_tokens():
     plain = hf_model("llama").eval()
     want = plain.generate(

@@ -9,10 +9,11 @@ import logging
 
 import pytest
 import torch
-from distributed import run_distributed
-from hf_models import hf_model, tokens
 
 import zerostack.compat.deepspeed as deepspeed
+
+from tests.support.hf import hf_model, tokens
+from tests.support.ranks import run_distributed
 
 
 def _greedy(model, x):
@@ -87,6 +88,7 @@ def _split(rank, world, arch, how):
     return logits, _greedy(engine, x), shapes
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch, how", [("llama", "tp"), ("gpt2", "mp_size"), ("llama", "policy")])
 def test_two_tp_ranks_give_the_plain_models_logits_and_tokens(arch, how):
     plain, x = hf_model(arch).eval(), tokens(1, 2)[:, :8]
@@ -104,6 +106,7 @@ def test_two_tp_ranks_give_the_plain_models_logits_and_tokens(arch, how):
         )
 
 
+@pytest.mark.distributed
 def test_an_injection_policy_that_is_not_the_cut_is_refused():
     out = run_distributed(_split, 2, ("llama", "wrong"))
     assert out == [

@@ -6,11 +6,12 @@ import types
 
 import pytest
 import torch
-from common import batch, max_rel_diff, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack import ConfigError
+
+from tests.support.models import batch, max_rel_diff, tiny_gpt
+from tests.support.ranks import run_distributed
 
 OPT = {"type": "AdamW", "params": {"lr": 1e-3}}
 
@@ -84,6 +85,7 @@ def _train_groups(rank, world, how, frozen=False, stage=0):
     return state
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "how,stage",
     [("model_parameters", 0), ("optimizer", 1), ("callable", 2), ("optimizer", 3), ("callable", 3)],
@@ -95,6 +97,7 @@ def test_parameter_groups_keep_their_options(how, stage):
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_frozen_layers_stay_frozen_and_the_rest_matches(stage):
     ref = _reference_groups(4, frozen=True)
@@ -117,6 +120,7 @@ def _loader_indices(rank, world):
     return sizes, [int(i) for b in loader for i in b.view(-1)]
 
 
+@pytest.mark.distributed
 def test_dataloader_shards_the_data_over_dp_ranks():
     (sizes0, idx0), (sizes1, idx1) = run_distributed(_loader_indices, 2)
     assert sizes0 == sizes1 == {2}
@@ -124,6 +128,7 @@ def test_dataloader_shards_the_data_over_dp_ranks():
     assert sorted(idx0 + idx1) == list(range(40))
 
 
+@pytest.mark.distributed
 def test_scheduler_from_config_steps_with_the_engine():
     cfg = {
         "train_batch_size": 2,
@@ -188,6 +193,7 @@ def _forward_only(rank, world, stage, root):
     return want, got, optimizer, scheduler, memory, full, refusals, engine.get_lr()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 3])
 def test_no_optimizer_is_a_forward_only_engine(stage, tmp_path):
     """DeepSpeed's inference engine (Lightning's and Transformers' evaluation without training):
@@ -246,6 +252,7 @@ def _strategies(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_every_stage_is_a_declared_strategy():
     """The engine holds each stage through the one interface zero/strategy.py declares, with
     its family's extras: flat buffers at stages 0-2, pieces at stage 3."""
@@ -272,6 +279,7 @@ def _start_alike(rank, world, precision):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_every_rank_starts_from_dp_rank_0s_weights(precision):
     """Ranks that drew different weights train one model, dp rank 0's, at every stage: its fp32

@@ -7,13 +7,15 @@ engine casts its first stage's inputs by the same rule and never its labels."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
 from zerostack.engine.micro_batches import cast_inputs
 from zerostack.pipeline import PipelineModule
+
+from tests.support.ranks import run_distributed
 
 F16, F32, I64, BOOL = torch.float16, torch.float32, torch.int64, torch.bool
 
@@ -93,6 +95,7 @@ def _seen(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_inputs_are_cast_as_deepspeed_casts_them():
     seen = run_distributed(_seen, 1)[0]
     for name, (_, cast) in CASES.items():
@@ -143,6 +146,7 @@ def _pipeline_seen(rank, world, auto_cast):
     return first.seen, loss.seen
 
 
+@pytest.mark.distributed
 def test_pipeline_casts_the_first_stage_input_with_auto_cast_and_never_the_labels():
     inputs, labels = run_distributed(_pipeline_seen, 1, args=(True,))[0]
     assert (inputs, labels) == ([F16, F16], [F32, F32])

@@ -20,7 +20,6 @@ import time
 
 import pytest
 import torch
-from common import run_cli, session
 
 from zerostack.launcher import (
     LaunchError,
@@ -36,8 +35,10 @@ from zerostack.launcher import commands as C
 from zerostack.launcher.environment import exports, parse_env_file
 from zerostack.launcher.runner import add_arguments, commands_for, plan, run_processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "launch_job.py")
+from tests.support.models import run_cli
+from tests.support.ranks import job, job_env, session
+
+JOB = job("launch_job.py")
 PY = sys.executable
 
 
@@ -508,6 +509,7 @@ def test_a_world_with_no_address_is_refused(env, source):
     assert msg.endswith("or launch with torchrun or zerostack launch")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_init_distributed_refuses_instead_of_a_world_of_one():
     """The issue's complaint: under mpirun without torchrun's variables each process used to
@@ -547,8 +549,7 @@ def _run_all(cmds: list[tuple[list[str], dict]], timeout: float = 150) -> list[s
 
 def _env(**extra) -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
+    return job_env({k: v for k, v in os.environ.items() if k not in drop}, **extra)
 
 
 def _result(out_dir) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -570,6 +571,7 @@ def one_node(tmp_path_factory):
     return _result(out)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_nodes_match_one_node(tmp_path, one_node):
     """Two torchrun agents, one per "node" of the hostfile, each started by ``zerostack launch
@@ -582,7 +584,7 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     out = tmp_path / "out"
     out.mkdir()
-    # The rendezvous store is held here, on a port the OS picked (as tests/distributed.py does),
+    # The rendezvous store is held here, on a port the OS picked (as tests/support/ranks.py does),
     # and both agents join it as clients: no port can be taken between choosing and binding.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     common = ["-H", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1"]
@@ -600,6 +602,7 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
         assert torch.equal(params[name], ref_params[name]), name
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_open_mpi_variables_alone_form_one_world(tmp_path, one_node):
     """Two plain processes with only Open MPI's variables (as ``mpirun -n 2`` sets them; no

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
@@ -25,6 +24,8 @@ from zerostack.zero.leaves import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+
+from tests.support.ranks import run_distributed
 
 D, E, V, T, STEPS, LR = 16, 8, 32, 4, 3, 0.5
 
@@ -133,6 +134,7 @@ def _picks(rank: int) -> set[int]:
         return set(model.moe.router(h).argmax(-1).flatten().tolist())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("how", ["call", "config"])
 def test_a_leaf_moe_block_is_one_gather_and_trains_as_one_process(how):
     assert _picks(0) != _picks(1)  # the ranks run different experts
@@ -219,6 +221,7 @@ def _external(rank, world, register: str):
     return {"weights": engine.full_state_dict(), "borrowed": borrowed}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("register", ["before", "after"])
 def test_a_registered_external_parameter_is_gathered_with_its_user(register):
     model = TiedLM("none")

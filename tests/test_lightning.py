@@ -55,6 +55,7 @@ def test_golden_figures_are_deepspeeds():
 FAST = {"stage3_gas2_sgd"}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
@@ -77,6 +78,7 @@ def test_deepspeed_strategy_under_the_runner_equals_deepspeed(name, tmp_path):
 NATIVE = {"accumulate": 2, "optimizer": "sgd"}
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_native_strategy_steps_as_ddp(stage, tmp_path):
@@ -87,6 +89,7 @@ def test_native_strategy_steps_as_ddp(stage, tmp_path):
     assert got["step"] == ddp["step"] == 4
 
 
+@pytest.mark.distributed
 def test_native_strategy_resumes_and_validates_its_checkpoints(tmp_path):
     case, out = {"strategy": "zerostack_stage_3", **NATIVE}, str(tmp_path)
     whole = run("zerostack", case, out)
@@ -188,6 +191,7 @@ convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2])
 """
 
 
+@pytest.mark.distributed
 def test_lightnings_converter_reads_a_deepspeed_stage_3_checkpoint_made_under_the_runner(
     tmp_path,
 ):

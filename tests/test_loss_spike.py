@@ -12,13 +12,14 @@ import os
 
 import pytest
 import torch
-from distributed import run_distributed
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
 import zerostack
 from zerostack.checkpoint.loss_spike import LossSpikeError
 from zerostack.config import ConfigError, load_config
+
+from tests.support.ranks import run_distributed
 
 SAMPLES, BATCH, MICRO, SEED = 128, 8, 2, 5  # dp 2: accumulation 2; 16 steps an epoch, one epoch
 POISONED_STEPS = (6, 7)  # 1-based steps whose data spikes the loss (on rank 0 only)
@@ -111,6 +112,7 @@ def _rollback_and_skip(rank, world, root):
     return want, got, rollbacks, losses
 
 
+@pytest.mark.distributed
 def test_a_spike_rolls_back_to_the_last_good_checkpoint_and_skips_it(tmp_path):
     results = run_distributed(_rollback_and_skip, world=2, args=(str(tmp_path),))
     for want, got, rollbacks, losses in results:
@@ -146,6 +148,7 @@ def _errors(rank, world, root):
     return out
 
 
+@pytest.mark.distributed
 def test_a_spike_that_cannot_roll_back_is_every_ranks_error(tmp_path):
     for (at0, none_left), (at1, no_checkpoint) in run_distributed(
         _errors, world=2, args=(str(tmp_path),)

@@ -1,4 +1,4 @@
-"""The composition matrix (tests/matrix.py): every combination of pp, dp, ep, tp (with and
+"""The composition matrix (tests/support/matrix.py): every combination of pp, dp, ep, tp (with and
 without Megatron's sequence parallelism), sp (Ulysses and ring attention), the pipeline's
 schedule, ZeRO stage 0-3, fp32 / bf16 and CPU offload that fits in 4 ranks either trains as one
 process does or is refused before any work in one line naming two of its settings;
@@ -10,7 +10,8 @@ import os
 import sys
 
 import pytest
-from matrix import TOL, Combo, judge, measure, reference, render, summary
+
+from tests.support.matrix import TOL, Combo, judge, measure, reference, render, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -19,6 +20,7 @@ from _pages import between  # noqa: E402
 from matrix_table import BEGIN, END, PAGE  # noqa: E402
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_every_combination_works_or_is_refused_by_name():
     combos, verdicts = measure()

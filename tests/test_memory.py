@@ -1,6 +1,6 @@
 """Bytes per rank against the ZeRO paper's formulas: as the engine sums them
-(engine.memory_breakdown()) and as a census of live tensor storage finds them (tests/census.py),
-which also sees what the engine forgot it holds.
+(engine.memory_breakdown()) and as a census of live tensor storage finds them
+(tests/support/census.py), which also sees what the engine forgot it holds.
 
 psi parameters, N data-parallel ranks, Adam (two fp32 moments, 8 psi). Mixed precision keeps an
 fp32 master (4 psi) beside the 16-bit parameters and gradients; fp32 training updates the
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import gc
 
-import census
 import pytest
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
+
+from tests.support import census
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 
 def expected(stage: int, precision: str, psi: float, n: int) -> dict[str, float]:

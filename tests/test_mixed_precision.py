@@ -1,7 +1,7 @@
 """16-bit parity: fp16 and bf16 training against a single-process mixed-precision reference.
 
-The reference (tests/parity.py ``mixed_reference``) is written in the test, not taken from the
-library: the model computes in 16 bits, the loss is scaled by the same static loss scale (fp16),
+The reference (tests/support/parity.py ``mixed_reference``) is written in the test, not taken from
+the library: the model computes in 16 bits, the loss is scaled by the same static loss scale (fp16),
 gradients accumulate in 16 bits, are unscaled in fp32 and step fp32 master weights. The engine
 differs from it only in where sums are rounded to 16 bits (per-rank means, the reduction over
 dp, tp slices, pipeline stages), so the two agree to a few units of the 16-bit rounding error
@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
-from parity import _model, describe, merge_stages, mixed_reference, run_cases
+
+from tests.support.parity import _model, describe, merge_stages, mixed_reference, run_cases
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 U = {"fp16": 2.0**-11, "bf16": 2.0**-8}

@@ -17,13 +17,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from common import batch, max_rel_diff
-from distributed import run_distributed
 
 import zerostack
 from zerostack.models import GPT, GPTConfig
 from zerostack.moe import MoE, split_params_into_different_moe_groups_for_optimizer
 from zerostack.moe.sharded_moe import top1gating, top2gating
+
+from tests.support.models import batch, max_rel_diff
+from tests.support.ranks import run_distributed
 
 E = 4
 
@@ -234,6 +235,7 @@ def _train(rank, world, cfg, stage):
     return state, norm
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "k,factor,stage",
     [(1, 4.0, 0), (1, 0.5, 2), (2, 4.0, 3), (2, 0.5, 0)],
@@ -247,6 +249,7 @@ def test_moe_gpt_matches_single_process(k, factor, stage):
         assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "world,ep,k,factor,stage",
     [(2, 2, 1, 0.5, 0), (2, 2, 2, 4.0, 2), (4, 2, 1, 0.5, 1), (4, 2, 2, 0.5, 2),
@@ -276,6 +279,7 @@ def test_expert_parallel_gpt_matches_single_process(world, ep, k, factor, stage)
     assert diff <= 1e-5, f"{name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage,megatron_sp", [(0, False), (2, False), (1, True), (3, True)])
 def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(stage, megatron_sp):
     """ep 2 x tp 2 (the composition matrix's row, alone): attention and dense MLPs split over
@@ -283,43 +287,46 @@ def test_expert_parallel_gpt_beside_tensor_parallelism_matches_single_process(st
     auxiliary loss under tp as without it. With Megatron's sequence parallelism each tp rank
     routes its own part of the sequence (the reference gates each part apart), the gate's and
     experts' gradients summed over tp, the auxiliary loss the parts' mean."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=1, dp=1, ep=2, tp=2, sp=1, megatron_sp=megatron_sp, schedule="",
                   stage=stage, precision="fp32", offload="none")  # fmt: skip
     assert measure([combo])[1] == [("works", "")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 def test_expert_parallel_gpt_with_ulysses_matches_single_process(stage):
     """dp 2 (sp 2 inside) x ep 2: each sp rank routes its own sequence shard's tokens (gates,
     capacity and auxiliary loss per rank); the reference runs each shard through the gates
-    apart (tests/matrix.py)."""
-    from matrix import Combo, measure
+    apart (tests/support/matrix.py)."""
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=1, dp=2, ep=2, tp=1, sp=2, megatron_sp=False, schedule="", stage=stage,
                   precision="fp32", offload="none")  # fmt: skip
     assert measure([combo])[1] == [("works", "")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("interleaved", 3)])
 def test_expert_parallel_gpt_under_a_pipeline_matches_single_process(schedule, stage):
     """pp 2 x ep 2: each stage's MoE blocks exchange tokens over its own ep group, and their
     auxiliary losses join the loss's backward on whichever stage they are (1F1B: a MoE block
     on each stage; interleaved: a stage without any, and one on the last chunk)."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=2, dp=1, ep=2, tp=1, sp=1, megatron_sp=False, schedule=schedule,
                   stage=stage, precision="fp32", offload="none")  # fmt: skip
     assert measure([combo])[1] == [("works", "")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("interleaved", 3)])
 def test_megatron_sp_beside_experts_under_a_pipeline_on_8_ranks(schedule, stage):
     """pp 2 x ep 2 x tp 2 with Megatron's sequence parallelism: each stage's MoE blocks route
     each tp rank's part of the sequence; a block's auxiliary loss (its ``side_loss``) is the
     parts' mean, as the GPT's own."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=2, dp=1, ep=2, tp=2, sp=1, megatron_sp=True, schedule=schedule,
                   stage=stage, precision="fp32", offload="none")  # fmt: skip
@@ -353,6 +360,7 @@ def _hpz_with_ep(rank, world):
     return _refusal(*_ep2(stage=3, zero_hpz_partition_size=2))
 
 
+@pytest.mark.distributed
 def test_hpz_beside_expert_parallelism_is_refused():
     assert run_distributed(_hpz_with_ep, 4) == [
         "zero_optimization.zero_hpz_partition_size with MoE ep_size 2: hpZ's secondary "
@@ -369,6 +377,7 @@ def _zero_init_with_ep(rank, world):
     return _refusal(model, config)
 
 
+@pytest.mark.distributed
 def test_a_moe_model_built_under_zero_init_is_refused():
     """A MoE model built under zero.Init (at ep 1 too) fails in its first forward, a gate's
     weight read ungathered: refused at initialize, with the way round."""
@@ -379,7 +388,7 @@ def test_a_moe_model_built_under_zero_init_is_refused():
 
 
 def _zero_init_on_another_grid(rank, world):
-    from common import tiny_gpt
+    from tests.support.models import tiny_gpt
 
     config = _ep2(stage=3)[1]
     with zerostack.zero.Init(topology=zerostack.Topology.build(tp=2)):  # cut over 2 ranks
@@ -387,6 +396,7 @@ def _zero_init_on_another_grid(rank, world):
     return _refusal(model, config)  # dp 4
 
 
+@pytest.mark.distributed
 def test_pieces_cut_over_other_ranks_than_the_grids_are_refused():
     for said in run_distributed(_zero_init_on_another_grid, 4):
         assert said == (
@@ -451,6 +461,7 @@ def _bf16(rank, world):
     return losses, gate.dtype
 
 
+@pytest.mark.distributed
 def test_bf16_expert_parallel_training_learns():
     """bf16 at ep 2 (stage 2): the gate computes in the model's dtype, its logits and the
     routing in fp32, and the loss on the same two batches falls."""
@@ -475,6 +486,7 @@ def _ep_does_not_divide(rank, world):
         return str(e)
 
 
+@pytest.mark.distributed
 def test_an_ep_size_that_does_not_divide_the_ranks_is_refused():
     for message in run_distributed(_ep_does_not_divide, 2):
         assert message == (
@@ -506,6 +518,7 @@ def _ep_bytes(rank, world):
     return exchanged, expert_bytes
 
 
+@pytest.mark.distributed
 def test_expert_parallel_bytes_and_memory():
     """ep 2: per MoE layer, forward and backward each exchange the dispatched slots and the
     outputs (experts x capacity x d_model floats a rank, each way); each rank holds half of
@@ -586,6 +599,7 @@ def _ep_checkpoint(rank, world, root, saved_at, loaded_at):
     return saved_loss, losses, max_rel_diff(resumed, after)[0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("saved_at,loaded_at", [(2, 3), (3, 1)])
 def test_an_ep_checkpoint_resumes_and_loads_at_ep_1_and_4(tmp_path, saved_at, loaded_at):
     """Experts are saved under their global index: an ep 2 checkpoint resumes (at another ZeRO
@@ -633,6 +647,7 @@ def _ep_reductions(rank, world, stage):
     return calls, buckets, n_shared, grad
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets(stage):
     """At ep 2 (dp 1) the gradients every ep rank holds are reduced over the dp x ep ranks in
@@ -653,9 +668,9 @@ def test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets(stage):
 
 
 def _ep_census(rank, world, stage):
-    import census
-
     from zerostack.moe import is_moe_param
+
+    from tests.support import census
 
     before = census.baseline()
     model, config = _ep2(stage=stage)
@@ -673,6 +688,7 @@ def _ep_census(rank, world, stage):
     return held, shared, experts, masters
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2])
 def test_no_rank_holds_the_shared_state_twice_at_ep_2(stage):
     """dp 2 x ep 2, AdamW in fp32: a census of live storage finds on each rank the optimizer

@@ -17,11 +17,12 @@ import re
 import struct
 
 import pytest
-from common import TINY, batch, micro_batches, tiny_gpt
-from distributed import run_distributed
 
 from zerostack.config import ConfigError, load_config
 from zerostack.monitor import CSVMonitor, open_monitors
+
+from tests.support.models import TINY, batch, micro_batches, tiny_gpt
+from tests.support.ranks import run_distributed
 
 MICRO, GAS, STEPS = 2, 2, 3
 NAMES = ("train_loss", "lr", "grad_norm", "memory_bytes_rank0", "comm_bytes_dp_rank0")
@@ -81,6 +82,7 @@ def _expected(results):
     return [sum(per_rank) / len(per_rank) for per_rank in losses]
 
 
+@pytest.mark.distributed
 def test_tensorboard_and_csv_hold_what_the_loop_saw(tmp_path):
     """dp 2, 2 micro-batches a step: the loss of each step is the mean of the 4 losses the two
     loops saw; lr, grad norm, memory and dp bytes are what the engine reported after the step."""
@@ -143,6 +145,7 @@ def _pipeline(rank, world, out):
     return losses, engine.train_batch_size()
 
 
+@pytest.mark.distributed
 def test_the_pipeline_engine_writes_the_last_stages_loss_from_rank_0(tmp_path):
     """Rank 0 (the first stage) writes the batch's mean loss, which the last stage computed:
     what ``train_batch()`` returned; its pp bytes are the activations it sent and received."""
@@ -184,6 +187,7 @@ def _wandb_history(path: str) -> dict[int, dict[str, float]]:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_wandb_offline_run_holds_what_the_loop_saw(tmp_path):
     pytest.importorskip("wandb")
@@ -234,6 +238,7 @@ def _step_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if re.match(r"(zerostack: )?step=", ln)]
 
 
+@pytest.mark.distributed
 def test_steps_per_print_is_seen_on_stdout_once(tmp_path):
     """Without a logging set-up the step line goes to stdout (as DeepSpeed prints it); with one
     that shows INFO, only through logging; with the "zerostack" logger set above INFO, nowhere.
@@ -277,6 +282,7 @@ def _initialize_error(rank, world, config):
     return None
 
 
+@pytest.mark.distributed
 def test_a_path_rank_0_cannot_write_fails_on_every_rank(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

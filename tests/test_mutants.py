@@ -70,3 +70,16 @@ def test_a_spent_budget_starts_nothing_and_says_where_it_began():
     lines = proc.stdout.splitlines()
     assert lines[0] == f"rotation {r}: starting at {mutants.MUTANTS[r].name!r}, 0 s"
     assert lines[-1] == f"0 killed, 0 survived (0 of {len(mutants.MUTANTS)} run, rotation {r})"
+
+
+def test_a_changed_helper_selects_the_tests_that_use_it():
+    """``--changed``: a helper under tests/support/ or tests/jobs/ counts as a change to every
+    test that imports it (by its full name, from its package, or beside it) or runs it, and
+    through another helper."""
+    census = mutants._importers({"tests/support/census.py"})
+    assert {"tests/test_memory.py", "tests/test_moe.py"} <= census
+    assert "tests/test_parity.py" not in census
+    jobs = mutants._importers({"tests/jobs/resume_job.py"})
+    assert "tests/test_auto_resume.py" in jobs
+    models = mutants._importers({"tests/support/models.py"})
+    assert {"tests/support/parity.py", "tests/test_parity.py"} <= models  # through parity.py

@@ -10,10 +10,13 @@ import logging
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 K = 1  # the step whose loss is NaN on the last rank
 PRECISIONS = ["fp32", "bf16", "fp16"]

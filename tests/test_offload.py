@@ -12,10 +12,11 @@ import os
 
 import pytest
 import torch
-from common import TINY, batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
+
+from tests.support.models import TINY, batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 STEPS, B = 5, 8
 
@@ -73,6 +74,7 @@ def _compare(rank, world, stage, device, nvme_root):
     return same, worst, seen, opt
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -116,6 +118,7 @@ def _params_offloaded(rank, world, device, nvme_root):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.slow
@@ -151,6 +154,7 @@ def _infinity(rank, world, nvme_root):
     return all(torch.equal(got[k], base[k]) for k in base), in_memory, files_at_init
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero_init_straight_to_nvme(world, tmp_path):
     """zero.Init(remote_device="nvme"): pieces go to files as the model is built (a byte per
@@ -217,6 +221,7 @@ def _reads_off_the_training_thread(rank, world, nvme_root):
     return same, threads, passes, held, units
 
 
+@pytest.mark.distributed
 def test_nvme_pieces_are_read_ahead_off_the_training_thread(tmp_path):
     """ZeRO-Infinity's parameter reads run on the swapper's thread, never on the training
     thread, and once the order is recorded each unit's pieces are read while an earlier unit
@@ -248,6 +253,7 @@ def _bad_path(rank, world, path):
         return str(exc)
 
 
+@pytest.mark.distributed
 def test_missing_nvme_path_is_a_clear_error(tmp_path):
     missing = str(tmp_path / "nope")
     msg = run_distributed(_bad_path, 1, args=(missing,))[0]
@@ -255,4 +261,4 @@ def test_missing_nvme_path_is_a_clear_error(tmp_path):
 
 
 def test_tiny_is_what_the_parity_tests_use():
-    assert TINY.bias is False  # see common.py: keeps Adam's updates well conditioned
+    assert TINY.bias is False  # see tests/support/models.py: keeps Adam's updates well conditioned

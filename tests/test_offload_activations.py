@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vcuda import MEMORY, virtual_cuda
 
 from zerostack.activation_checkpointing.offload_inputs import offload_checkpoint_inputs
 from zerostack.compat.deepspeed.runtime.activation_checkpointing.offload_activations import (
     get_checkpoint_hidden_states_offloading_ctx_manager,
 )
+
+from tests.support.vcuda import MEMORY, virtual_cuda
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,14 +20,15 @@ import os
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 from safetensors.torch import load_file
 from torch import nn
 
 import zerostack
 from zerostack.checkpoint.stream import Entry, ShardWriter, sha256
 from zerostack.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 K, B = 3, 8
 NVME = {"device": "nvme", "buffer_count": 3}
@@ -129,6 +130,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], want[k]), f"{what}: {k} differs"
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_exact_resume_in_fresh_processes_and_without_offload(tmp_path):
     root = str(tmp_path)
@@ -188,6 +190,7 @@ def _save_peak(rank, world, root, stage, offload):
     return peak * 1024, written
 
 
+@pytest.mark.distributed
 def test_a_save_holds_one_sub_group_at_a_time(tmp_path):
     """Stage 1 with the optimizer on NVMe, and stage 3 with parameters and optimizer on NVMe:
     the save's extra peak resident memory is under 2 sub-groups (master + 2 moments, 1.5 MB

@@ -1,6 +1,6 @@
 """``engine.offload_states()`` / ``reload_states()`` (DeepSpeed's, for RL colocation), on virtual
-CUDA (tests/vcuda.py) at 2 ranks: the device bytes of the offloaded states, counted by the
-census of live storages (tests/census.py), not by the engine, drop by at least 95%; the
+CUDA (tests/support/vcuda.py) at 2 ranks: the device bytes of the offloaded states, counted by the
+census of live storages (tests/support/census.py), not by the engine, drop by at least 95%; the
 allocator's figure drops with them; and after ``reload_states()`` training continues bit for
 bit as a run that never offloaded."""
 
@@ -11,10 +11,6 @@ import logging
 
 import pytest
 import torch
-from census import baseline, take
-from common import batch, tiny_gpt
-from distributed import run_distributed
-from vcuda import MEMORY, virtual_cuda
 
 import zerostack
 from zerostack.compat.deepspeed.runtime.zero.offload_config import (
@@ -22,6 +18,11 @@ from zerostack.compat.deepspeed.runtime.zero.offload_config import (
     OffloadStateTypeEnum,
 )
 from zerostack.zero.state_offload import StateOffload
+
+from tests.support.census import baseline, take
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
+from tests.support.vcuda import MEMORY, virtual_cuda
 
 MICRO = 2
 KINDS = ("params", "grads", "master", "optimizer")  # the census's categories of state
@@ -92,6 +93,7 @@ def _round_trip(rank, world, stage):
         return want, want_state, got, state, held, away, back, freed, moved, refused
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_states_leave_the_device_and_training_continues_bit_for_bit(stage):
     """bf16 at dp 2, all kinds offloaded after two steps (non-blocking, pinned), two more steps
@@ -150,6 +152,7 @@ def _generate_meanwhile(rank, world, stage):
         return want, got, sampled, refused, moved
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_parameters_stay_for_generation_when_only_the_optimizer_leaves(stage):
     for want, got, sampled, refused, moved in run_distributed(
@@ -176,6 +179,7 @@ def _fp32_masters_are_the_parameters(rank, world):
         return moved, loss
 
 
+@pytest.mark.distributed
 def test_fp32_masters_that_are_the_parameters_stay_with_them():
     """In fp32 at stage 1 a master is a view of the parameters' flat buffer: offloading
     ``hp_params`` alone leaves that storage (it is also ``lp_params``), and forward runs."""

@@ -11,11 +11,12 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from zerostack.config import ConfigError
 from zerostack.config.load import load_config
 from zerostack.optim.lr_schedules import SCHEDULERS
+
+from tests.support.ranks import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 import lr_schedules_golden as golden  # noqa: E402
@@ -66,6 +67,7 @@ def _engine(rank, world):
     return seen
 
 
+@pytest.mark.distributed
 def test_the_configs_scheduler_steps_with_the_engine():
     """``scheduler: {type: OneCycle}`` in the config: after each engine step the optimizer's
     lr and betas are DeepSpeed's."""

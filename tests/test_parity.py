@@ -1,8 +1,8 @@
 """Scale-sensitive parity in fp32: every layout against one process, after every step.
 
-No clipping, plain SGD and AdamW, gradient accumulation 1, 2 and 4 (see tests/parity.py for why).
-Tolerance 1e-5 relative, per tensor for the parameters and for the gradient norm: the layouts only
-change the order of floating-point sums (per-rank means averaged by a reduction, micro-batches
+No clipping, plain SGD and AdamW, gradient accumulation 1, 2 and 4 (see tests/support/parity.py for
+why). Tolerance 1e-5 relative, per tensor for the parameters and for the gradient norm: the layouts
+only change the order of floating-point sums (per-rank means averaged by a reduction, micro-batches
 accumulated, tp slices and pipeline stages summed separately), ~1e-7 relative per step.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from common import max_rel_diff
-from distributed import run_distributed
-from parity import STEPS, describe, merge_stages, reference, run_cases
+
+from tests.support.models import max_rel_diff
+from tests.support.parity import STEPS, describe, merge_stages, reference, run_cases
+from tests.support.ranks import run_distributed
 
 TOL = 1e-5
 OPTIMIZERS_AND_GAS = list(itertools.product(["sgd", "adamw"], [1, 2, 4]))
@@ -68,6 +69,7 @@ FAMILIES = {
 QUICK = ("dp1", "dp2", "tp2", "pp2")  # the inner loop's (pytest -m "not slow"): one of each axis
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 )

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import batch, max_rel_diff, reference_train, tiny_gpt
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
@@ -19,6 +17,9 @@ from zerostack import ConfigError, Topology
 from zerostack.models import GPTConfig
 from zerostack.models.gpt_pipe import GPTLoss, gpt_layers, load_plain_state, plain_name
 from zerostack.pipeline import LayerSpec, PipelineEngine, PipelineModule, partition_layers
+
+from tests.support.models import batch, max_rel_diff, reference_train, tiny_gpt
+from tests.support.ranks import run_distributed
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=32, bias=False)
 STEPS, B, GAS, CLIP = 5, 8, 4, 0.5
@@ -90,6 +91,7 @@ def _reference_losses() -> list[float]:
     return losses
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "world,pp,tp,stage,schedule,chunks,extra",
     [
@@ -121,12 +123,13 @@ def test_gpt_pipeline_matches_single_process(world, pp, tp, stage, schedule, chu
     assert torch.equal(first["wte.weight"], last["wte.weight"])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_gpt_pipeline_under_zero3_matches_single_process(schedule):
     """pp 2 x dp 2 at ZeRO stage 3 (the composition matrix's row, alone): each stage gathers its
     layers' pieces per micro-batch, reduces each backward's gradients into its pieces, and the
     tied embedding's pieces are summed between the first and the last stage."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=2, dp=2, ep=1, tp=1, sp=1, megatron_sp=False, schedule=schedule, stage=3,
                   precision="fp32", offload="none")  # fmt: skip
@@ -148,6 +151,7 @@ def _mixed(rank, world, precision, stage):
     return losses, dtypes, engine.loss_scale
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision,world,stage", [("bf16", 2, 0), ("fp16", 4, 2)])
 def test_pipeline_trains_in_mixed_precision(precision, world, stage):
     results = run_distributed(_mixed, world, args=(precision, stage))
@@ -254,6 +258,7 @@ def _refused_on_one_stage(rank, world):
     return None
 
 
+@pytest.mark.distributed
 def test_a_refusal_on_one_stage_is_every_stages():
     """Only the second stage holds a MoE layer whose ep_size the grid lacks: both stages raise
     its refusal at initialize (the first went on into the engine and waited there)."""
@@ -261,6 +266,7 @@ def test_a_refusal_on_one_stage_is_every_stages():
     assert out == ["MoE ep_size: the model's layers have 2, the topology ep 1"] * 2
 
 
+@pytest.mark.distributed
 def test_pipeline_engine_errors_and_eval():
     out = run_distributed(_errors, 2)
     assert out[0]["stages"] == "pipeline.stages: 4 but the PipelineModule has 2 stages"
@@ -288,6 +294,7 @@ def _shape_batches(rank, world):
     return stage, calls
 
 
+@pytest.mark.distributed
 def test_each_p2p_batch_is_mirrored_by_its_peer():
     """Every batch of point-to-point ops one stage posts is posted as the same batch on the
     other side (its sends the peer's receives, batch for batch; the order within a batch is
@@ -309,6 +316,7 @@ def _plain_engine(rank, world):
     return isinstance(engine, PipelineEngine), engine.is_first_stage(), engine.is_last_stage()
 
 
+@pytest.mark.distributed
 def test_only_an_engine_with_a_pipeline_is_a_pipeline_engine():
     """``PipelineEngine`` is DeepSpeed's name: ``isinstance`` holds for an engine whose runner is
     a pipeline's; a plain engine is one stage, first and last; nothing builds one directly."""
@@ -339,6 +347,7 @@ def _reshaped(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_reset_activation_shape_lets_the_next_batch_change_shape():
     """DeepSpeed's ``engine.reset_activation_shape()`` (its variable-batch example calls it
     before each batch): the stages learn the boundary shapes again, so batches of 16, 8 and 16

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
@@ -45,6 +44,8 @@ from zerostack.pipeline.schedule import (
     peer_of,
 )
 from zerostack.pipeline.simulate import check_schedule, simulate, validate
+
+from tests.support.ranks import run_distributed
 
 TOL = 1e-9
 P_RANGE, M_RANGE, V_RANGE = range(1, 9), range(1, 17), range(2, 5)
@@ -466,6 +467,7 @@ def _simulator_accepts(name: str, p: int, m: int, v: int) -> bool:
     return True
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.slow
 def test_the_executor_runs_exactly_what_the_simulator_accepts(p):

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from common import batch, run_cli
-from distributed import run_distributed
 
 from zerostack.config import load_config
 from zerostack.estimate import Transformer
 from zerostack.models import GPT, GPTConfig
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
 from zerostack.plan.search import search
+
+from tests.support.models import batch, run_cli
+from tests.support.ranks import run_distributed
 
 # Narayanan et al., SC'21, Table 1's largest model, trained on 3072 A100-80GB with tp 8, pp 64,
 # dp 6, micro-batch 1, global batch 3072, full recompute: 163 TFLOP/s per GPU, 52% of peak.
@@ -150,6 +151,7 @@ def _dp_hops(rank, world, stage, gas):
     return sum((2 if r.op == "all_reduce" else 1) * (world - 1) for r in records)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("gas", [1, 2])
 def test_the_dp_collectives_are_what_the_engine_issues(gas):
     """With unlimited bandwidth, 1 s per hop and no overlap, the cost model's exposed dp time is

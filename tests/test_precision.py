@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.core.precision import DynamicLossScaler
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 
 def test_scaler_hysteresis_halving_floor_and_growth():
@@ -81,6 +82,7 @@ def _fp16_overflow(rank, world):
     return scales, skipped, changed
 
 
+@pytest.mark.distributed
 def test_fp16_overflow_skips_step_halves_scale_and_regrows():
     for scales, skipped, changed in run_distributed(_fp16_overflow, 2):
         # step 0 clean; step 1 overflows (skip, halve); steps 2-5 clean: the first after an
@@ -108,6 +110,7 @@ def _bf16_losses(rank, world):
     return losses
 
 
+@pytest.mark.distributed
 def test_bf16_trains_and_loss_falls():
     losses = run_distributed(_bf16_losses, 2)[0]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

@@ -18,13 +18,14 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from census import baseline, take
-from distributed import run_distributed
-from test_zeropp import spec_round_trip
 from torch import nn
 
 from zerostack import ConfigError, load_config
 from zerostack.zero.partition import piece_numel
+
+from tests.support.census import baseline, take
+from tests.support.ranks import run_distributed
+from tests.test_zeropp import spec_round_trip
 
 WORLD, B, STEPS, LR = 2, 8, 3, 0.5
 
@@ -144,6 +145,7 @@ def _train(rank, world, root, persistence):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("persistence", [0, 41])
 def test_frozen_pieces_are_int8_blocks_and_training_is_the_quantized_models(persistence, tmp_path):
     """Persistence 41: the 40- and 3-element biases stay gathered (from the blocks)."""
@@ -188,6 +190,7 @@ def _unset(rank, world):
     return done, [r.getMessage() for r in records], hasattr(frozen._zs, "payload")
 
 
+@pytest.mark.distributed
 def test_the_method_warns_and_does_nothing_without_the_setting():
     done, messages, quantized = run_distributed(_unset, 1)[0]
     assert done == 0 and not quantized

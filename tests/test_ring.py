@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
 
 from zerostack import Topology
 from zerostack.comm import functional as cf
 from zerostack.comm.grid import comm_for
 from zerostack.sequence import ring_attention, zigzag_shard, zigzag_unshard
 from zerostack.sequence.ring import _blocks, _split
+
+from tests.support.ranks import run_distributed
 
 B, H, S, D = 2, 4, 32, 8
 CASES = [(causal, kv) for causal in (True, False) for kv in (2, 4)]  # kv 2: grouped-query
@@ -205,6 +206,7 @@ def _whole(results: list[dict], ranks: list[int], case) -> list[torch.Tensor]:
 RUNS = [(1, "comm"), (2, "comm"), (2, "group"), (4, "comm"), (4, "rings")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,path", RUNS)
 def test_ring_attention_is_attention_over_the_whole_sequence(world, path):
     results = _results(world, path)
@@ -225,6 +227,7 @@ def test_ring_attention_is_attention_over_the_whole_sequence(world, path):
 BF16_ROUNDING = 2**-8 * (1 + 1e-3) + 1e-6
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,path", [(1, "comm"), (2, "comm"), (4, "comm")])
 def test_bf16_inputs_are_accumulated_in_fp32(world, path):
     """bf16 in, bf16 out (and bf16 gradients), each within one bf16 rounding of exact
@@ -238,6 +241,7 @@ def test_bf16_inputs_are_accumulated_in_fp32(world, path):
         assert rel <= BF16_ROUNDING, f"{name}: {rel:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,path", RUNS)
 def test_forward_passes_k_and_v_around_the_ring_world_minus_one_times(world, path):
     """Forward: ``world - 1`` exchanges, each k and v sent to the next rank and received from
@@ -284,6 +288,7 @@ def _ring_documents(rank, world, causal, tile):
     return [y.detach(), *(t.grad for t in mine)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,tile", [(1, None), (2, None), (4, None), (2, 3), (4, 3)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_documents_attend_only_within_themselves(world, tile, causal):

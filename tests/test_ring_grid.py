@@ -3,23 +3,24 @@ sp 4 = Ulysses 2 x ring 2 and sp 4 = ring 4, under ZeRO 0-3 and beside dp, again
 single-process training; under a pipeline; the exchanges it makes per attention (ring steps on
 the 'ring' axis, all-to-alls on the 'ulysses' axis); each rank's tokens; refusals.
 
-Parity: plain SGD, no clipping (tests/parity.py says why), 3 steps, 1e-5 relative per tensor and
-on the gradient norm: the ring only regroups sums.
+Parity: plain SGD, no clipping (tests/support/parity.py says why), 3 steps, 1e-5 relative per
+tensor and on the gradient norm: the ring only regroups sums.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from common import batch, max_rel_diff
-from distributed import run_distributed
-from parity import CFG, STEPS, B, reference
 
 import zerostack
 from zerostack import ConfigError, Topology
 from zerostack.comm.grid import comm_for
 from zerostack.models import GPT, GPTConfig
 from zerostack.sequence import sequence_piece, sequence_unpiece, shard_sequence
+
+from tests.support.models import batch, max_rel_diff
+from tests.support.parity import CFG, STEPS, B, reference
+from tests.support.ranks import run_distributed
 
 
 def _train(rank, world, sp, ring, stage, via_config):
@@ -64,6 +65,7 @@ CASES = [  # world, sp, ring, ZeRO stage, via the config
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,sp,ring,stage,via_config", CASES)
 def test_gpt_under_ring_attention_matches_single_process(world, sp, ring, stage, via_config):
     ref = reference("sgd", 1)
@@ -77,11 +79,12 @@ def test_gpt_under_ring_attention_matches_single_process(world, sp, ring, stage,
                 assert diff <= 1e-5, f"step {step}, {name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_gpt_under_a_pipeline_with_ring_attention_matches_single_process(schedule):
     """pp 2 x ring 2: each stage's blocks attend around the ring and the stages pass the
     zigzag shards (the positions each stage adds are the shard's)."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=2, dp=2, ep=1, tp=1, sp=2, megatron_sp=False, schedule=schedule, stage=1,
                   precision="fp32", offload="none", ring=2)  # fmt: skip
@@ -100,6 +103,7 @@ def _traffic(rank, world, sp, ring):
     return forward, [(r.op, r.axis, r.bytes) for r in log[len(forward) :]], x
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sp,ring", [(2, 2), (4, 2), (4, 4)])
 def test_each_attention_passes_keys_and_values_around_the_ring(sp, ring):
     """Per layer, forward: Ulysses' four all-to-alls (q, k, v in, the output back) of the
@@ -149,6 +153,7 @@ def _refusals(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_bad_ring_grids_are_refused_naming_the_keys():
     out = run_distributed(_refusals, 4)[0]
     assert out == {

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
-from common import batch
-from distributed import run_distributed
 
 import zerostack
 from zerostack.core import scratch
 from zerostack.models import GPT, GPTConfig
+
+from tests.support.models import batch
+from tests.support.ranks import run_distributed
 
 PAGE = 4096
 
@@ -167,6 +169,7 @@ def _stage3(rank, world):
     return seen
 
 
+@pytest.mark.distributed
 def test_stage3_gathers_gradients_and_staging_are_outside_the_heap():
     seen = run_distributed(_stage3, 2, timeout=300)[0]
     names = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")

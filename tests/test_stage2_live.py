@@ -1,6 +1,6 @@
 """Stage 2 during backward: each bucket's staged gradients go as soon as its reduce-scatter is
 waited for (at most two buckets in flight), found by a census of live tensor storage
-(tests/census.py) at the gradient hooks, not by asking the engine.
+(tests/support/census.py) at the gradient hooks, not by asking the engine.
 
 Held until the end of backward (as before), the staged buckets were the whole model's gradient
 in the reduce dtype at backward's peak: stage 1's memory, not stage 2's.
@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import census
 import pytest
 import torch
-from common import TINY, batch
-from distributed import run_distributed
 
 import zerostack
 from zerostack.models import GPT
+
+from tests.support import census
+from tests.support.models import TINY, batch
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 CFG = dataclasses.replace(TINY, n_layer=4, d_model=64, n_head=4)
 WORLD, STEPS = 2, 2

@@ -8,12 +8,15 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from common import TINY, batch, max_rel_diff, reference_train, tiny_gpt
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
 from zerostack.models import GPT
+
+from tests.support.models import TINY, batch, max_rel_diff, reference_train, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 OPT = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
 

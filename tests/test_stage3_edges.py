@@ -24,11 +24,12 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
-from common import max_rel_diff
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
+
+from tests.support.models import max_rel_diff
+from tests.support.ranks import run_distributed
 
 D = 16
 B = 8  # global batch per micro-step
@@ -262,6 +263,7 @@ def _runs(world: int) -> dict:
     return run_distributed(_every_case, world)[0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(MODELS))
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.slow
@@ -280,6 +282,7 @@ def test_stage3_matches_single_process(world, case):
             assert abs(loss - want) <= 1e-5 * want, f"{what}: eval {step}: {loss} != {want}"
 
 
+@pytest.mark.distributed
 def test_prefetch_survives_eval_passes():
     """An eval forward before the first training pass is not the order prefetch follows: the
     model evaluated between steps prefetches exactly as the one never evaluated."""

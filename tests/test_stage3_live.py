@@ -2,7 +2,7 @@
 given, here the largest module's parameter count), ``stage3_max_live_parameters`` and
 ``stage3_max_reuse_distance``.
 
-What is gathered is found by a census of live tensor storage (tests/census.py) taken at each
+What is gathered is found by a census of live tensor storage (tests/support/census.py) taken at each
 block's forward during the second step (the first records the order prefetch follows), not by
 asking the coordinator: the parameter storage above what was alive when the forward pass began
 (the gathered copies) plus the buffers of gathers in flight. Activations are left out (the
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import census
 import pytest
 import torch
-from common import TINY, batch
-from distributed import run_distributed
 
 import zerostack
 from zerostack.models import GPT
 from zerostack.zero.coordinator import PREFETCH_UNITS
+
+from tests.support import census
+from tests.support.models import TINY, batch
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 CFG = dataclasses.replace(TINY, n_layer=4, d_model=64, n_head=4)
 WORLD, STEPS = 2, 2

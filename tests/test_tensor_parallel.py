@@ -11,8 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import batch, max_rel_diff, reference_train, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack import ConfigError, Topology
@@ -28,6 +26,11 @@ from zerostack.tensor_parallel import (
     model_parallel_seed,
     partition_spec,
 )
+
+from tests.support.models import batch, max_rel_diff, reference_train, tiny_gpt
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 # 4 heads so that tp = 4 keeps one head per rank; no biases (see common.TINY).
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32, bias=False)

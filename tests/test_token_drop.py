@@ -15,11 +15,12 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
 from torch import nn
 
 from zerostack.config import ConfigError
 from zerostack.data import token_drop
+
+from tests.support.ranks import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 import random_ltd_golden as golden  # noqa: E402
@@ -38,6 +39,7 @@ def _facade_run(rank, world, name):
     return golden.train(engine, name, convert_to_random_ltd, lambda e: e.module_state_dict())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(golden.CASES))
 def test_training_equals_deepspeeds(name):
     """Decoder (no mask, [batch, seq, h], SGD at stage 0) and encoder (padding mask gathered,
@@ -141,6 +143,7 @@ def _ranks_run(rank, world, stage, root):
     return losses, saved, fresh.random_ltd_scheduler.state_dict()
 
 
+@pytest.mark.distributed
 def test_sharded_stages_drop_the_same_tokens_and_the_schedule_is_checkpointed(tmp_path):
     """Stage 3 on 2 ranks trains as stage 0 does (the same draws, sharded parameters); the
     schedule's state after 5 steps comes back from the checkpoint."""
@@ -190,6 +193,7 @@ def _gpt2_run(rank, world):
     return got.detach(), want.detach(), list(save_without_random_ltd(engine)) == names
 
 
+@pytest.mark.distributed
 def test_hugging_face_gpt2_blocks_with_positional_mask():
     """DeepSpeedExamples' GPT-2 case: DeepSpeed 0.19.8's wrapper takes only the hidden states
     by position, and transformers 5 passes GPT-2's blocks their mask by position (a TypeError
@@ -217,6 +221,7 @@ def _refused(rank, world, cfg_update, native):
     return None
 
 
+@pytest.mark.distributed
 def test_refusals():
     """Natively, and beside tensor parallelism: one line naming the setting and why."""
     (native,) = run_distributed(_refused, world=1, args=({}, True))
@@ -288,6 +293,7 @@ def _post_process(rank, world):
     return before, after, calls, engine.training_dataloader.post_process_func is not None
 
 
+@pytest.mark.distributed
 def test_set_data_post_process_func_as_deepspeed_without_curriculum_learning():
     """The loader keeps the function; DeepSpeed's loader applies it only under curriculum
     learning (its ``if self.curriculum_learning_enabled`` branch; refused here), so the

@@ -10,11 +10,12 @@ from itertools import product
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 
 import zerostack
 from zerostack.comm import Comm
 from zerostack.topology import AXES, Topology, TopologyError
+
+from tests.support.ranks import run_distributed
 
 # (pp, tp) grids per world size; dp is what they leave.
 GRIDS = {
@@ -67,6 +68,7 @@ def _grid_facts(rank, world, grids):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_grid_coordinates_groups_and_all_reduce(world):
     grids = GRIDS[world]
@@ -121,6 +123,7 @@ def _bad_sizes(rank, world):
     return messages, t.item()
 
 
+@pytest.mark.distributed
 def test_bad_sizes_raise_topology_error_naming_them():
     assert issubclass(TopologyError, ValueError)
     for messages, total in run_distributed(_bad_sizes, 4, timeout=60):
@@ -144,6 +147,7 @@ def _group_timeouts(rank, world):
     return before, after, _pg_timeout(dist.group.WORLD), topo.timeout
 
 
+@pytest.mark.distributed
 def test_axis_groups_get_the_topology_timeout():
     # world 4, tp=2: no axis spans the whole world, so the world group must keep its own timeout.
     for before, after, world_after, topo_timeout in run_distributed(
@@ -170,6 +174,7 @@ def _mismatched_dp_collective(rank, world, seconds):
     return error, elapsed
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_mismatched_collective_fails_after_the_group_timeout():
     seconds = 3
@@ -188,6 +193,7 @@ def _default_timeout_keeps_world(rank, world):
     return _pg_timeout(dist.group.WORLD)
 
 
+@pytest.mark.distributed
 def test_default_build_keeps_the_world_timeout():
     for timeout in run_distributed(_default_timeout_keeps_world, 2, collective_timeout=45):
         assert timeout == timedelta(seconds=45)
@@ -207,6 +213,7 @@ def _already_initialised(rank, world):
     return same, (topo.pp, topo.dp, topo.tp), topo.coords(), sums
 
 
+@pytest.mark.distributed
 def test_world_of_one_with_launcher_environment():
     [(same, sizes, coords, sums)] = run_distributed(_already_initialised, 1, timeout=60)
     assert same
@@ -236,6 +243,7 @@ def _no_launcher(rank, world):
     return first, second
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-launcher default is gloo on CPU")
 def test_no_launcher_runs_as_a_world_of_one():
     [(first, second)] = run_distributed(_no_launcher, 1, timeout=60)
@@ -259,7 +267,8 @@ def _threads_after_shutdown(rank, world, pipeline):
     import importlib
 
     import torch.distributed.nn.functional as fn
-    from common import TINY, batch, tiny_gpt
+
+    from tests.support.models import TINY, batch, tiny_gpt
 
     importlib.reload(fn)  # its defaults now hold the world group, as after a late import
     config = {
@@ -288,6 +297,7 @@ def _threads_after_shutdown(rank, world, pipeline):
     return before, _gloo_threads()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pipeline", [False, True], ids=["stage2", "pipeline-tied"])
 def test_shutdown_ends_the_gloo_threads_while_the_engine_lives(pipeline):
     """A group that outlives ``shutdown`` is destroyed by the interpreter's last collection,
@@ -352,6 +362,7 @@ def _mesh_device_of_a_gloo_nccl_group(rank, world):
     return seen
 
 
+@pytest.mark.distributed
 def test_a_pre_initialised_gloo_and_nccl_group_builds_the_grid_on_the_gpu():
     assert run_distributed(_mesh_device_of_a_gloo_nccl_group, 1)[0] == ["bound", "cuda"]
 
@@ -387,6 +398,7 @@ def _place(rank: int, tp: int, sp: int, ring: int) -> tuple[int, int, int, int]:
 SHARED = {"sp": (0, 3), "ulysses": (0, 1, 3), "ring": (0, 2, 3)}
 
 
+@pytest.mark.distributed
 def test_ring_and_ulysses_axes_split_the_sp_ranks():
     """sp rank s of a batch is ring rank s // ulysses and Ulysses rank s % ulysses: the
     Ulysses groups are neighbours on dp, the ring groups the ranks ulysses apart; at ring 1 or
@@ -416,6 +428,7 @@ def _bad_ring(rank, world):
         return str(exc)
 
 
+@pytest.mark.distributed
 def test_a_ring_that_does_not_divide_sp_is_refused():
     for message in run_distributed(_bad_ring, 4, timeout=60):
         assert message == (

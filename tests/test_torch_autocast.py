@@ -11,9 +11,10 @@ import sys
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from zerostack.config import ConfigError
+
+from tests.support.ranks import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 import torch_autocast_golden as golden  # noqa: E402
@@ -30,6 +31,7 @@ def _run(rank, world, name, native):
     return golden.train(engine)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(golden.CASES))
 def test_losses_equal_deepspeeds(name):
     """The bf16 block at ZeRO-3 (AdamW, DeepSpeedExamples' bf16_master_weight config with
@@ -40,6 +42,7 @@ def test_losses_equal_deepspeeds(name):
     assert got == pytest.approx(GOLDEN["cases"][name], rel=1e-5, abs=0)
 
 
+@pytest.mark.distributed
 def test_native_initialize_serves_it_too():
     (got,) = run_distributed(_run, world=1, args=("fp32_zero0_sgd", True))
     assert got == pytest.approx(GOLDEN["cases"]["fp32_zero0_sgd"], rel=1e-5, abs=0)
@@ -73,6 +76,7 @@ def _refused(rank, world, update):
     return None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "update, message",
     [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
 from torch import nn
 
 from zerostack import Topology
@@ -31,6 +30,8 @@ from zerostack.tensor_parallel import (
     split_tensor,
     vocab_parallel_cross_entropy,
 )
+
+from tests.support.ranks import run_distributed
 
 TOL = 1e-6
 B, S, D_IN, D_OUT = 2, 8, 16, 24
@@ -234,6 +235,7 @@ def _all_layers(rank, world):
     return failures
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_match_unsplit_torch_layers(tp):
     for rank, failures in enumerate(run_distributed(_all_layers, tp)):
@@ -270,6 +272,7 @@ def _bad_shapes(rank, world):
     return errors
 
 
+@pytest.mark.distributed
 def test_shapes_that_do_not_split_are_clear_errors():
     errors = run_distributed(_bad_shapes, 2)[0]
     assert "vocabulary of 7 does not split into 2 tp ranks" in errors[0]

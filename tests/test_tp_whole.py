@@ -5,9 +5,13 @@ its slice again, of what was written inside."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from distributed import run_distributed
-from hf_models import hf_model
+
+from tests.support.hf import hf_model
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 
 def _whole(rank, world):

@@ -37,10 +37,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from common import batch, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
+
+from tests.support.models import batch, tiny_gpt
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -73,6 +74,7 @@ def test_golden_figures_are_deepspeeds():
 FAST = {"grpo_zero3", "dpo_zero3", "sft_lora_zero3"}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
@@ -153,6 +155,7 @@ def _hooks_off_and_on(rank, world, take_off: bool):
     return out
 
 
+@pytest.mark.distributed
 def test_hooks_taken_off_and_put_back_with_trls_functions():
     plain = run_distributed(_hooks_off_and_on, 2, (False,))
     for off, on in zip(run_distributed(_hooks_off_and_on, 2, (True,)), plain, strict=True):

@@ -3,8 +3,8 @@ against whole-sequence attention, the GPT at sp 2 and 4 (alone, with ZeRO-3 over
 against single-process training, bytes per attention, activation bytes per rank, the loader's
 sequence shards, refusals.
 
-Parity: plain SGD, no clipping (tests/parity.py says why), 3 steps, 1e-5 relative per tensor:
-the sp ranks only regroup sums (the gradient of a parameter is summed over sequence shards).
+Parity: plain SGD, no clipping (tests/support/parity.py says why), 3 steps, 1e-5 relative per
+tensor: the sp ranks only regroup sums (the gradient of a parameter is summed over sequence shards).
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import batch, max_rel_diff
-from distributed import run_distributed
-from parity import CFG, STEPS, B, reference
 
 import zerostack
 from zerostack import ConfigError, Topology
 from zerostack.comm.grid import comm_for
 from zerostack.models import GPT, GPTConfig
 from zerostack.sequence import DistributedAttention, seq_all_to_all, shard_sequence
+
+from tests.support.models import batch, max_rel_diff
+from tests.support.parity import CFG, STEPS, B, reference
+from tests.support.ranks import run_distributed
 
 S, BATCH, HEADS, DIM = 8, 2, 4, 3
 
@@ -49,6 +50,7 @@ def _exchange(rank, world):
     )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_trades_sequence_shards_for_head_shards_and_back(world):
     for layout, grad, inverse, records in run_distributed(_exchange, world):
@@ -86,6 +88,7 @@ def _attention(rank, world, by_group):
     return out_diff, grad_diff
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,by_group", [(2, False), (4, False), (2, True)])
 def test_distributed_attention_is_attention_over_the_whole_sequence(world, by_group):
     for out_diff, grad_diff in run_distributed(_attention, world, args=(by_group,)):
@@ -129,6 +132,7 @@ def _train(rank, world, sp, tp, stage, via_config):
     return out if rank == 0 else None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "world,sp,tp,stage,via_config",
     [
@@ -147,11 +151,12 @@ def test_gpt_matches_single_process(world, sp, tp, stage, via_config):
         assert diff <= 1e-5, f"step {step}, {name}: relative difference {diff:.2e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_gpt_under_a_pipeline_matches_single_process(schedule):
     """pp 2 x sp 2 (the composition matrix's row, alone): each stage's blocks attend over the
     whole sequence and the stages pass sequence shards."""
-    from matrix import Combo, measure
+    from tests.support.matrix import Combo, measure
 
     combo = Combo(pp=2, dp=2, ep=1, tp=1, sp=2, megatron_sp=False, schedule=schedule, stage=1,
                   precision="fp32", offload="none")  # fmt: skip
@@ -194,6 +199,7 @@ def _per_layer(rank, world, sp):
     return forward, both, handed, sum(saved)
 
 
+@pytest.mark.distributed
 def test_bytes_per_attention_and_activations_per_rank():
     b, s, h = 4, CFG.block_size, CFG.d_model
     saved = {}
@@ -232,6 +238,7 @@ def _loader(rank, world):
     return topo.data_parallel_rank, topo.rank("sp"), x, y, engine.train_batch_size()
 
 
+@pytest.mark.distributed
 def test_the_loader_hands_each_sp_rank_its_shard_of_the_same_samples():
     results = run_distributed(_loader, 4)
     windows = [batch(i, 1)[0][0] for i in range(16)]
@@ -272,6 +279,7 @@ def _refusals(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_bad_grids_are_refused_naming_the_key():
     out = run_distributed(_refusals, 4)[0]
     assert out == {
@@ -326,6 +334,7 @@ def _resume(rank, world, root, stage):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 def test_an_sp_checkpoint_resumes_exactly_and_loads_without_sp(stage, tmp_path):
     whole, same, plain = run_distributed(_resume, 2, args=(str(tmp_path), stage))[0]

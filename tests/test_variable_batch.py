@@ -21,7 +21,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from zerostack.compat.deepspeed.runtime.data_pipeline.data_sampling import (
     variable_batch_size_and_lr as ds_path,
@@ -35,6 +34,8 @@ from zerostack.data.variable_batch import (
     lr_scheduler_for_variable_batch_size,
     scale_lr,
 )
+
+from tests.support.ranks import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "tests", "golden", "variable_batch.json")) as _f:
@@ -387,6 +388,7 @@ def _engine_epochs(rank, world, seqlens, root):
     return engine.topology.data_parallel_rank, seen, rates
 
 
+@pytest.mark.distributed
 def test_entry_point_on_a_two_rank_engine_equals_deepspeeds(tmp_path):
     """Each rank reads its replica's golden micro-batches, twice; the LR after each step is
     the golden one, back to the first batch's after step(0). A checkpoint keeps the

@@ -22,9 +22,10 @@ from zerostack.config import ConfigError, load_config
 from zerostack.core.clock import Clock
 from zerostack.watchdog import EXIT_CODE, PREFIX, Watchdog
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "watchdog_job.py")
-TIMEOUT, INTERVAL = 2.0, 0.25  # as tests/watchdog_job.py configures the watchdog
+from tests.support.ranks import job, job_env
+
+JOB = job("watchdog_job.py")
+TIMEOUT, INTERVAL = 2.0, 0.25  # as tests/jobs/watchdog_job.py configures the watchdog
 
 
 # ------------------------------------------------------------------ the verdicts, in process
@@ -294,14 +295,12 @@ def _launch(phase: str, world: int) -> dict:
     holds it, it outlives any worker); SIGKILL whatever is left once the live ranks have ended
     (torchrun does the same after its grace period). Returns the ranks' outputs and timings."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(
-        os.environ,
+    env = job_env(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
         TORCHELASTIC_USE_AGENT_STORE="True",  # every rank joins this store as a client
-        OMP_NUM_THREADS="1",
     )
     procs = []
     for r in range(world):
@@ -345,6 +344,7 @@ def _frozen_at(out: str) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "phase, world, waiting",
     [
@@ -385,6 +385,7 @@ def test_a_frozen_rank_ends_the_job_within_the_bound(phase, world, waiting):
     assert got["victim_ended"] - frozen < TIMEOUT + 4 * INTERVAL + 6.0
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_ranks_in_different_collectives_are_reported_and_end():
     """Rank 1 skips a forward: the ranks wait in different collectives; each report lists both
@@ -404,6 +405,7 @@ def test_ranks_in_different_collectives_are_reported_and_end():
     assert f"rank {1 - waiter} at step " in first, first
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_rank_that_raises_is_named_by_every_rank():
     """Rank 1 raises: it ends with its traceback, and rank 0 names rank 1, its exception and its

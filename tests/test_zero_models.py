@@ -11,11 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from common import max_rel_diff
-from distributed import run_distributed
 from torch import nn
 
 import zerostack
+
+from tests.support.models import max_rel_diff
+from tests.support.ranks import run_distributed
+
+pytestmark = pytest.mark.distributed  # every test here starts ranks
 
 STEPS, B = 5, 8
 

@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from common import TINY, batch, max_rel_diff, tiny_gpt
-from distributed import run_distributed
 
 import zerostack
 from zerostack.config import ConfigError, load_config
 from zerostack.zero import quantize as qz
+
+from tests.support.models import TINY, batch, max_rel_diff, tiny_gpt
+from tests.support.ranks import run_distributed
 
 STEPS, GLOBAL_BATCH, LR = 3, 4, 0.5
 TOL = 1e-5  # fp32, the two ranks' gradients summed in another order than one process's
@@ -221,11 +222,13 @@ def trains_as(results, want, what: str, plain=None) -> None:
         assert worst > 100 * TOL, f"plain stage 3 is within {worst:.2e} of the {what} reference"
 
 
+@pytest.mark.distributed
 def test_qwz_trains_at_the_quantized_weights_and_keeps_exact_masters(runs):
     plain, quantized = runs
     trains_as(quantized, quantized_reference(STEPS), "qwZ", plain)
 
 
+@pytest.mark.distributed
 def test_qwz_gathers_under_a_third_of_the_bytes(runs):
     """One step's parameter all-gathers (forward and backward): as many as plain stage 3's, each
     of int8 blocks, 3.76x fewer bytes than fp32 in all; the CommLog counts what torch got."""
@@ -238,6 +241,7 @@ def test_qwz_gathers_under_a_third_of_the_bytes(runs):
     print(f"qwZ: {sum(plain_handed)} -> {sum(quant_handed)} bytes gathered a step ({ratio:.2f}x)")
 
 
+@pytest.mark.distributed
 def test_qgz_trains_at_the_quantized_gradients_and_moves_under_a_third_of_the_bytes(runs):
     """qgZ alone: each rank's gradient pieces round-tripped before the sum (the reference), an
     all-to-all instead of the reduce-scatter, 3.76x fewer bytes than fp32's."""
@@ -251,6 +255,7 @@ def test_qgz_trains_at_the_quantized_gradients_and_moves_under_a_third_of_the_by
     print(f"qgZ: {plain_moved['reduce_scatter']} -> {moved['all_to_all']} bytes a step")
 
 
+@pytest.mark.distributed
 def test_int4_qgz_trains_at_its_coarser_gradients_and_moves_seven_times_fewer_bytes(runs):
     """``zero_quantized_gradients_bits: 4``: each rank's pieces round-tripped through values
     -7 .. 7 (the reference), two to a byte: 7.11x fewer bytes than fp32's reduce-scatter."""
@@ -299,11 +304,13 @@ def test_an_int4_payload_holds_two_values_to_a_byte():
         qz.pack(pieces, bits=2)
 
 
+@pytest.mark.distributed
 def test_qwz_and_qgz_together_train_as_the_reference_with_both():
     results = run_distributed(_train, world=2, args=(True, STEPS, True))
     trains_as(results, quantized_reference(STEPS, weights=True, grads=True), "qwZ + qgZ")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "quantized,offload", [(False, None), (True, None), (False, "cpu")], ids=["plain", "qwz", "cpu"]
 )
@@ -333,6 +340,7 @@ def _refused_hpz(rank, world):
         return str(e)
 
 
+@pytest.mark.distributed
 def test_an_hpz_size_that_does_not_divide_dp_is_refused_at_initialize():
     for message in run_distributed(_refused_hpz, world=2):
         assert message == (

@@ -14,6 +14,12 @@ checkout) can never be handed the same port.
 A rank's exception fails the test with that rank's traceback; a run that outlives ``timeout``
 fails with the ranks that had not finished, instead of hanging the suite. Collectives inside carry
 their own timeout (``collective_timeout``) so a mismatched collective errors out in the rank.
+
+Ranks also run as processes of their own: a script in tests/jobs (:func:`job`, :func:`job_env`)
+under torchrun, the zerostack launcher, or a plain interpreter given a rank's variables. A test
+that starts ranks either way carries ``@pytest.mark.distributed``; tests/conftest.py refuses
+them to any other test (:func:`starts_ranks`, :data:`UNMARKED`), so ``pytest -m "not
+distributed"`` is the in-process tests.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import subprocess
 import threading
 import time
 import traceback
@@ -30,6 +37,11 @@ from datetime import timedelta
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 HOST = "127.0.0.1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+UNMARKED = "ZEROSTACK_TEST_NOT_DISTRIBUTED"
+"""Set (to the test's id) by tests/conftest.py while a test without the ``distributed`` marker
+runs: :func:`run_distributed` then refuses to start ranks, in that test's process or any it
+starts."""
 _CTX = None
 _CTX_LOCK = threading.Lock()
 
@@ -99,6 +111,9 @@ def run_distributed(
     """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; return their results."""
     import torch.distributed as dist
 
+    if os.environ.get(UNMARKED):
+        refuse(f"run_distributed({fn.__name__}, world={world})")
+
     ctx = _context()
     results = ctx.Queue()
     # The listening socket stays open (held by this process) until the run ends.
@@ -157,3 +172,56 @@ def run_distributed(
         lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
         raise DistributedTestError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(lines))
     return [out[r] for r in range(world)]
+
+
+def refuse(what: str) -> None:
+    """Fail the running test (named by :data:`UNMARKED`), which starts ranks unmarked."""
+    import pytest
+
+    pytest.fail(
+        f"{os.environ.get(UNMARKED)} starts ranks ({what}) but is not marked "
+        "@pytest.mark.distributed",
+        pytrace=False,
+    )
+
+
+def starts_ranks(cmd, env: dict | None) -> bool:
+    """Whether command ``cmd`` (argv, or a shell string) started with ``env`` starts ranks: it
+    is torchrun, the zerostack launcher or ``zerostack train`` (both start torchrun), or it is
+    given a rank's variables (``WORLD_SIZE``, or Open MPI's ``OMPI_COMM_WORLD_SIZE``)."""
+    names = {os.path.basename(w) for w in argv(cmd)}
+    if names & {"torch.distributed.run", "torchrun", "zerostack.launcher"}:
+        return True
+    if names & {"zerostack", "zerostack.cli"} and names & {"train", "launch"}:
+        return True
+    return bool(env) and bool({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"} & set(env))
+
+
+def argv(cmd) -> list[str]:
+    """A command as ``subprocess`` takes it (a list of str or paths, or one string) as words."""
+    if isinstance(cmd, (str, bytes, os.PathLike)):
+        return os.fsdecode(cmd).split()
+    return [os.fsdecode(w) for w in cmd]
+
+
+def job(name: str) -> str:
+    """The path of ``tests/jobs/<name>``, a script run as a rank."""
+    return os.path.join(ROOT, "tests", "jobs", name)
+
+
+def job_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (``os.environ`` by default) for a rank process: the checkout's root first on
+    ``PYTHONPATH`` (a job runs as a file, and imports ``tests.support``), one OpenMP thread,
+    and ``extra``."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def session(cmd: list[str], env: dict):
+    """``cmd`` started in a session of its own (its whole tree can be killed as one), its
+    stdout and stderr together, as text."""
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip

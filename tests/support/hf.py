@@ -7,8 +7,9 @@ import functools
 import logging
 
 import torch
-from parity import global_norm
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from tests.support.parity import global_norm
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
-from common import batch
-from parity import step_masters
 
 import zerostack
 from zerostack import ConfigError, Topology
 from zerostack.models import GPT, GPTConfig
+
+from tests.support.models import batch
+from tests.support.parity import step_masters
 
 WORLD = 4
 STEPS = 3
@@ -424,7 +425,7 @@ def measure(
 ) -> tuple[list[Combo], list[tuple[str, str]]]:
     """Run every combination on ``world`` gloo ranks (4: the matrix) and judge each:
     (combinations, verdicts)."""
-    from distributed import run_distributed
+    from tests.support.ranks import run_distributed
 
     combos = combos if combos is not None else globals()["combos"]()
     refs = {key(c): reference(*key(c)) for c in combos}

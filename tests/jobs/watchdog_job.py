@@ -1,7 +1,8 @@
 """A short training job for tests/test_watchdog.py: one rank freezes itself (``SIGSTOP``) or
 skips a forward at a chosen point, and the others must end with the watchdog's report.
 
-    python tests/watchdog_job.py <phase>    # with RANK, WORLD_SIZE, MASTER_ADDR/PORT set
+    # from the checkout's root, with RANK, WORLD_SIZE, MASTER_ADDR/PORT set:
+    PYTHONPATH=. python tests/jobs/watchdog_job.py <phase>
 
 Phases: forward, backward, step (stage 3), checkpoint (stage 1, in save_checkpoint), pipeline
 (pp 2 x dp 2, inside a stage's forward), skip (stage 3: rank 1 skips a forward), raise (stage 3:
@@ -16,13 +17,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import TINY, batch, tiny_gpt  # noqa: E402
+import zerostack
 
-import zerostack  # noqa: E402
+from tests.support.models import TINY, batch, tiny_gpt
 
 VICTIM, AT_STEP = 1, 2
 

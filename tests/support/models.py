@@ -35,17 +35,6 @@ def micro_batches(step: int, micro: int, gas: int) -> list[tuple[torch.Tensor, t
     return [(x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]) for m in range(gas)]
 
 
-def session(cmd: list[str], env: dict):
-    """``cmd`` started in a session of its own (its whole tree can be killed as one), its
-    stdout and stderr together, as text."""
-    import subprocess
-
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-
-
 def reference_train(
     steps: int,
     global_batch: int,

@@ -22,11 +22,12 @@ import functools
 import os
 
 import torch
-from common import batch
 
 import zerostack
 from zerostack import Topology
 from zerostack.models import GPT, GPTConfig
+
+from tests.support.models import batch
 
 # 4 heads so that tp = 2 splits them; 2 blocks so that pp = 2 puts one on each stage; no biases
 # (see common.TINY).

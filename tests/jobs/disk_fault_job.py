@@ -3,23 +3,22 @@ for real (``RLIMIT_FSIZE``: the kernel refuses writes past a size, EFBIG; Python
 SIGXFSZ that comes with it, so ``write`` raises) just before ``engine.step()``, whose NVMe swap
 writes then fail. Nothing catches the error: the job must end on every rank, naming it.
 
-    python tests/disk_fault_job.py <stage> <nvme_path>   # with RANK, WORLD_SIZE, MASTER_* set
+    # from the checkout's root, with RANK, WORLD_SIZE, MASTER_* set:
+    PYTHONPATH=. python tests/jobs/disk_fault_job.py <stage> <nvme_path>
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import batch, tiny_gpt  # noqa: E402
+import zerostack
 
-import zerostack  # noqa: E402
+from tests.support.models import batch, tiny_gpt
 
 VICTIM, AT_STEP = 1, 2
 

@@ -1,7 +1,7 @@
 """A short ZeRO-2 training job for tests/test_launch.py, started by ``zerostack launch`` (one node
 or two) or with Open MPI's variables alone; it writes what it saw and what it learnt.
 
-    python tests/launch_job.py [--local_rank=N] OUT_DIR
+    PYTHONPATH=. python tests/jobs/launch_job.py [--local_rank=N] OUT_DIR
 
 Each rank writes ``OUT_DIR/rank{R}.json`` (rank, world, local rank from the environment and from
 ``--local_rank``, torchrun's node index, its losses); rank 0 writes the final parameters to
@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import batch, tiny_gpt  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import zerostack
 
-import zerostack  # noqa: E402
+from tests.support.models import batch, tiny_gpt
 
 STEPS, PER_RANK = 3, 2
 

@@ -1,7 +1,7 @@
 """A short training job for tests/test_auto_resume.py and benchmarks/faults.py, run under
 torchrun: a DeepSpeed-style script whose only resume code is the config's ``checkpoint`` block.
 
-    torchrun --nproc_per_node 2 --max-restarts 1 tests/resume_job.py <out> [options]
+    PYTHONPATH=. torchrun --nproc_per_node 2 --max-restarts 1 tests/jobs/resume_job.py <out> [opts]
 
 On the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) rank ``--victim`` SIGKILLs itself at
 ``--kill`` (``<where>:<step>``: in the forward, backward or optimizer step of optimizer step
@@ -18,18 +18,16 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+from torch.utils.data import Dataset
 
-import torch  # noqa: E402
-from common import TINY  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import zerostack
+from zerostack.demo.corpus import load_corpus
+from zerostack.models import GPT, GPTConfig
 
-import zerostack  # noqa: E402
-from zerostack.demo.corpus import load_corpus  # noqa: E402
-from zerostack.models import GPT, GPTConfig  # noqa: E402
+from tests.support.models import TINY
 
 
 class Windows(Dataset):
