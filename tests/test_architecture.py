@@ -183,7 +183,7 @@ def _declared() -> set[str]:
     """Every member the strategy's interfaces declare (zero/strategy.py's Protocols)."""
     from zerostack.zero import strategy
 
-    parts = (strategy.ZeroStrategy, strategy.FlatBuffers, strategy.Pieces)
+    parts = (strategy.ZeroStrategy, strategy.WholeGrads, strategy.Pieces)
     names = set()
     for proto in parts:
         for cls in proto.__mro__:

@@ -94,10 +94,10 @@ MUTANTS: list[Mutant] = [
         "stage 1-2 grad norm over whole buckets (another sum order than DeepSpeed's)",
         "zero/sharded_optimizer.py",
         "            st.master.grad[lo:hi]\n"
-        "            for st in self.buckets\n"
+        "            for st in self.flat.buckets\n"
         "            for lo, hi, p in st.segments\n"
         "            if hi > lo and p not in skip\n",
-        "            st.master.grad\n            for st in self.buckets\n",
+        "            st.master.grad\n            for st in self.flat.buckets\n",
         ("tests/test_hf_trainer.py::test_trainer_losses_and_reload_equal_deepspeeds[zero2_gas2]",),
     ),
     Mutant(
@@ -328,7 +328,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "memory by device: stages 0-2 put every buffer on the compute device",
-        "zero/flat_state.py",
+        "zero/flat_checkpoint.py",
         "            yield kind, t.device.type, t.nbytes",
         "            yield kind, self.comm.topo.device.type, t.nbytes",
         ("tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart",),
@@ -444,7 +444,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "safe_get_full_grad mid-window at stages 0-1: the local gradients not summed over dp",
         "zero/grad_buffers.py",
-        "f.comm.all_reduce(grad, axis=cut.axis)",
+        "self.comm.all_reduce(grad, axis=cut.axis)",
         "pass",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
     ),
@@ -524,8 +524,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "nvme space check off by the dtype size (stages 1-2)",
         "zero/sharded_optimizer.py",
-        "need = sum(st.master.numel() for st in self.buckets) * 4 * 3",
-        "need = sum(st.master.numel() for st in self.buckets) * 3",
+        "need = sum(st.master.numel() for st in self.flat.buckets) * 4 * 3",
+        "need = sum(st.master.numel() for st in self.flat.buckets) * 3",
         ("tests/test_disk_faults.py::test_an_nvme_path_too_small_is_refused",),
     ),
     Mutant(
@@ -604,7 +604,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "safe_set_full_grad at stage 1: written before the boundary's reduction is waited for",
         "zero/grad_buffers.py",
-        "        reduced = f.reduces and f.reducer.settle()\n"
+        "        reduced = self.flat.reduces and self.reducer.settle()\n"
         "        if cut.size > 1 and not reduced:  # every rank",
         "        reduced = False\n        if cut.size > 1 and not reduced:  # every rank",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s1]",),
@@ -840,9 +840,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "stage 2: staged buckets held to the end of backward",
-        "zero/sharded_optimizer.py",
-        "self.reducer = GradReducer(sizes, self.grads.launch, done)",
-        "self.reducer = GradReducer(sizes, self.grads.launch, done, in_flight=1 << 30)",
+        "zero/grad_buffers.py",
+        "self.reducer = GradReducer(sizes, self.start_grad_sync, self.done())",
+        "self.reducer = GradReducer(sizes, self.start_grad_sync, self.done(), in_flight=1 << 30)",
         ("tests/test_stage2_live.py::test_staged_buckets_go_during_backward[True]",),
     ),
     Mutant(
@@ -868,8 +868,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "a checkpoint of stage 1 written by dp rank 0 alone",
-        "zero/flat_state.py",
-        "return self.sharded_state or self.rank == 0",
+        "zero/flat_checkpoint.py",
+        "return self.sharded or self.rank == 0",
         "return self.rank == 0",
         ("tests/test_checkpoint.py::test_exact_resume[1-2-False]",),
     ),
@@ -890,14 +890,14 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "reduce_scatter false ignored: buckets reduce-scattered",
         "zero/grad_buffers.py",
-        "if not f.reduce_scatter:",
+        "if not self.reduce_scatter:",
         "if False:",
         ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-False]",),
     ),
     Mutant(
         "reduce_scatter true: buckets all-reduced",
         "zero/grad_buffers.py",
-        "if not f.reduce_scatter:",
+        "if not self.reduce_scatter:",
         "if True:",
         ("tests/test_comm_log.py::test_stages_1_2_move_two_psi[2-1-2-None]",),
     ),
@@ -1010,7 +1010,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "stage 2's offloaded pieces come down in a blocking copy inside backward again",
         "zero/grad_buffers.py",
-        "                f.downloads.fetch(st.piece, shard.add_)",
+        "                self.downloads.fetch(st.piece, shard.add_)",
         "                shard.add_(st.piece.to(shard.device))",
         (
             "tests/test_cuda_path.py::"
@@ -1020,7 +1020,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "a mid-window gradient read misses the pieces still coming down",
         "zero/grad_buffers.py",
-        "        self.flat.downloads.settle()\n        lo, hi",
+        "        self.downloads.settle()\n        lo, hi",
         "        pass\n        lo, hi",
         ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[2]",),
     ),
@@ -1095,8 +1095,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "MoE: a bucket reduce-scattered over dp, not over its own cut's axis",
         "zero/grad_buffers.py",
-        "axis=cut.axis, async_op=True, pool=f.buffers)",
-        'axis="dp", async_op=True, pool=f.buffers)',
+        "axis=cut.axis, async_op=True, pool=self.pool)",
+        'axis="dp", async_op=True, pool=self.pool)',
         (
             "tests/test_moe.py::"
             "test_shared_gradients_are_reduced_over_dp_and_ep_at_once_in_buckets[1]",
@@ -1132,14 +1132,14 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "the pool keeps a step's bucket buffers between steps (not trimmed)",
         "zero/sharded_optimizer.py",
-        "        self.buffers.trim(self.rest_bytes)",
+        "        self.flat.pool.trim(self.flat.rest_bytes)",
         "        pass",
         ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
     ),
     Mutant(
         "memory_breakdown leaves out the buffers the pool keeps",
-        "zero/flat_state.py",
-        "        scratch = list(self.buffers.kept())",
+        "zero/flat_checkpoint.py",
+        "        scratch = list(self.flat.pool.kept())",
         "        scratch = []",
         ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
     ),
@@ -1294,10 +1294,10 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "an optimizer group's parameters in another order",
-        "zero/flat_state.py",
-        "return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]",
+        "zero/flat_buffers.py",
+        "return [[p for g in flats for p in self.groups[g].params] for flats in self.of_group]",
         "return [[p for g in flats for p in self.groups[g].params][::-1] for flats in "
-        "self._of_group]",
+        "self.of_group]",
         (
             "tests/test_deepspeed_write.py::"
             "test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit[zero1]",
@@ -1391,5 +1391,22 @@ MUTANTS: list[Mutant] = [
         "        if p.ds_grad_is_ready:",
         "        if True:",
         ("tests/test_grad_is_ready.py::test_a_tiled_backward_is_taken_once_per_parameter[2]",),
+    ),
+    Mutant(
+        "stages 0-2: the parameter index sends every gradient to the first bucket",
+        "zero/flat_buffers.py",
+        "self._index.update({p: (len(self.buckets), rng) for p, rng in st.ranges})",
+        "self._index.update({p: (0, rng) for p, rng in st.ranges})",
+        ("tests/test_zero_models.py::test_odd_sizes_and_an_unused_parameter[2-2-AdamW]",),
+    ),
+    Mutant(
+        "the offload set-up does not pin host memory when pin_memory asks for it",
+        "zero/offload.py",
+        "    pin = bool(offload is not None and offload.pin_memory)",
+        "    pin = False",
+        (
+            "tests/test_cuda_path.py::"
+            "test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
+        ),
     ),
 ]

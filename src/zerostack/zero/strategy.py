@@ -178,7 +178,7 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
 
 
 @runtime_checkable
-class FlatBuffers(Protocol):
+class WholeGrads(Protocol):
     """What stages 0-2 offer besides: whole accumulated gradients (a pipeline's tied weights
     are summed between its stages on them)."""
 
