@@ -28,7 +28,7 @@ from zerostack.estimate import (
     zero_paper_bytes,
 )
 from zerostack.moe import is_moe_param
-from zerostack.zero.params import full_shape
+from zerostack.zero.stage3.params import full_shape
 
 PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO paper, Figure 1: 7.5B params, N = 64
 

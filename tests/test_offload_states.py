@@ -21,7 +21,7 @@ from zerostack.compat.deepspeed.runtime.zero.offload_config import (
     OffloadDeviceEnum,
     OffloadStateTypeEnum,
 )
-from zerostack.zero.state_offload import StateOffload
+from zerostack.zero.offload.states import StateOffload
 
 MICRO = 2
 KINDS = ("params", "grads", "master", "optimizer")  # the census's categories of state

@@ -22,7 +22,7 @@ from distributed import run_distributed
 
 import zerostack
 from zerostack.models import GPT
-from zerostack.zero.coordinator import PREFETCH_UNITS
+from zerostack.zero.stage3.coordinator import PREFETCH_UNITS
 
 CFG = dataclasses.replace(TINY, n_layer=4, d_model=64, n_head=4)
 WORLD, STEPS = 2, 2

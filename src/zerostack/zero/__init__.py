@@ -4,8 +4,8 @@
 """
 
 from .init import GatheredParameters, Init
-from .module_hooks import register_external_parameter, unregister_external_parameter
-from .params import StorageMeter
+from .stage3.module_hooks import register_external_parameter, unregister_external_parameter
+from .stage3.params import StorageMeter
 
 __all__ = [
     "GatheredParameters",

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .grad_buffers import FullGrads, ShardedGrads
-from .offload import host_offload
-from .sharded_optimizer import ShardedDataParallel
-from .stage3 import Stage3
+from .flat.grads import FullGrads, ShardedGrads
+from .flat.strategy import ShardedDataParallel
+from .offload.host import host_offload
+from .stage3.strategy import Stage3
 from .strategy import ZeroStrategy
 
 

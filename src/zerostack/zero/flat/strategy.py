@@ -39,17 +39,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..core.pinned import host_empty
-from ..core.precision import Precision
-from .flat_buffers import FlatBuffers
-from .flat_checkpoint import FlatCheckpoint
-from .flat_params import sync_from_rank0
-from .grad_buffers import GradBuffer
-from .masters import master_store
-from .offload import HostOffload, host_offload
-from .params import hook_grads
-from .strategy import StepSequence
+from ...comm import Comm
+from ...core.pinned import host_empty
+from ...core.precision import Precision
+from ..offload.host import HostOffload, host_offload
+from ..offload.masters import master_store
+from ..reducer import hook_grads
+from ..strategy import StepSequence, sync_from_rank0
+from .buffers import FlatBuffers
+from .checkpoint import FlatCheckpoint
+from .grads import GradBuffer
 from .write_back import WriteBack
 
 

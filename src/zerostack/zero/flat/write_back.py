@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
-from .flat_buffers import FlatBuffers
-from .flat_params import BucketState
-from .offload import Uploads
+from ...comm import Comm
+from ..offload.host import Uploads
+from .buffers import FlatBuffers
+from .params import BucketState
 
 # Optimizers whose step updates each parameter from its own gradient and state alone: stepping
 # the masters one bucket at a time gives what one step of all of them gives.

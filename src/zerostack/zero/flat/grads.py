@@ -47,10 +47,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..comm import Comm, Handle
-from .flat_buffers import FlatBuffers
-from .offload import Downloads
-from .reducer import CastBack, GradReducer, in_dtype
+from ...comm import Comm, Handle
+from ..offload.host import Downloads
+from ..reducer import CastBack, GradReducer, in_dtype
+from .buffers import FlatBuffers
 
 
 class KeepPiece:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from .flat_buffers import FlatBuffers
-from .strategy import tally
+from ...comm import Comm
+from ..strategy import tally
+from .buffers import FlatBuffers
 from .write_back import WriteBack
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..core import scratch
-from ..core.pinned import host_zeros
-from ..core.precision import Precision
-from .flat_params import BucketState, Cut, FlatGroup, flat_parts
-from .offload import HostOffload, host_device
-from .partition import FlatLayout
+from ...comm import Comm
+from ...core import scratch
+from ...core.pinned import host_zeros
+from ...core.precision import Precision
+from ..offload.host import HostOffload, host_device
+from ..partition import FlatLayout
+from .params import BucketState, Cut, FlatGroup, flat_parts
 
 
 class FlatBuffers:

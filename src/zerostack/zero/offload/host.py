@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.pinned import host_empty
+from ...core.pinned import host_empty
 from .nvme import NVMeStore
 
 

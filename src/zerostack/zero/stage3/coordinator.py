@@ -36,13 +36,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..comm import Comm
-from .gathers import Subgroup
+from ...comm import Comm
+from ..offload.param_swap import ParamSwapper, ResidentPieces
+from .collectives import Subgroup
+from .gather import Gatherer, UnitGather
 from .leaves import z3_leaf_module
 from .module_hooks import ModuleHooks, eager
-from .param_swap import ParamSwapper, ResidentPieces
 from .params import ShardState, StorageMeter, release
-from .unit_gather import Gatherer, UnitGather
 
 PREFETCH_UNITS = 2
 """The default prefetch, in units of the largest one: what is gathered ahead of the running

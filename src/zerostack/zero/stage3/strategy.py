@@ -21,21 +21,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..core.precision import Precision
+from ...comm import Comm
+from ...core.precision import Precision
+from ..offload.host import HostOffload, host_device, host_offload
+from ..offload.masters import GradFiles, GradShards, master_store
+from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
+from ..reducer import hook_grads
+from ..strategy import StepSequence, sync_from_rank0
+from .checkpoint import Stage3State
+from .collectives import Subgroup
 from .coordinator import ParamCoordinator
-from .flat_params import sync_from_rank0
 from .frozen_pieces import quantize_at_start
-from .gathers import Subgroup
-from .masters import GradFiles, GradShards, master_store
-from .offload import HostOffload, host_device, host_offload
-from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
-from .params import StorageMeter, cut_all, hook_grads
-from .stage3_groups import Group, make_group, sub_groups
-from .stage3_reduce import piece_reducers
-from .stage3_state import Stage3State
-from .strategy import StepSequence
-from .unit_gather import gather_now
+from .gather import gather_now
+from .groups import Group, make_group, sub_groups
+from .params import StorageMeter, cut_all
+from .reduce import piece_reducers
 
 
 class Stage3(Stage3State, StepSequence):
