@@ -31,7 +31,8 @@ bucket size that is one tensor per flat group). In fp32 training at stages 0-2 t
 views of the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate
 fp32 masters made from the original fp32 weights. After a step at stages 1-2 the updated pieces
 are all-gathered into every rank's parameter buffer, overlapping the step where the optimizer
-allows it (:mod:`.write_back`).
+allows it (:mod:`.write_back`). The words (flat group, bucket, piece, cut, master) are the
+vocabulary note's in :mod:`zerostack.zero`.
 """
 
 from __future__ import annotations

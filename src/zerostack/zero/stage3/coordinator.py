@@ -1,6 +1,7 @@
 """ZeRO stage 3's parameter coordinator: which parameters are gathered when, and for how long.
 
-A *unit* is a module that owns parameters directly (and the root, always): a forward pre-hook
+A *unit* (the vocabulary note in :mod:`zerostack.zero`) is a module that owns parameters
+directly (and the root, always): a forward pre-hook
 all-gathers its parameters (one coalesced collective) and a forward hook frees them again, after
 attaching a hook to the module's outputs that gathers them once more when backward reaches the
 module. In backward a unit stays gathered until each of its trainable parameters has its gradient
