@@ -1,7 +1,7 @@
 """DeepNVMe's handles (``deepspeed.ops.op_builder``: ``AsyncIOBuilder().load().aio_handle()``,
-served by :mod:`zerostack.zero.aio`): tensors written and read back, sync and async, at offsets,
-with DeepSpeed 0.19.8's return values and refusals; and the DeepNVMe tutorial's own snippets,
-copied verbatim below and run as doctests."""
+served by :mod:`zerostack.zero.offload.aio`): tensors written and read back, sync and async, at
+offsets, with DeepSpeed 0.19.8's return values and refusals; and the DeepNVMe tutorial's own
+snippets, copied verbatim below and run as doctests."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 import zerostack.compat.deepspeed as deepspeed
 from zerostack.compat.deepspeed.ops.op_builder import AsyncIOBuilder, GDSBuilder, PinMemoryBuilder
-from zerostack.zero.aio import AioHandle
+from zerostack.zero.offload.aio import AioHandle
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
 DTYPES.append(torch.bool)

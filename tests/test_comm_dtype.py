@@ -155,7 +155,7 @@ def _reduced_elements(engine) -> int:
     zero = engine.zero
     if zero.stage == 3:
         return zero.dp * sum(zero.reduce.width)
-    return sum(fg.layout.padded_numel for fg in zero.groups)
+    return sum(fg.layout.padded_numel for fg in zero.flat.groups)
 
 
 def _grad_storage(engine, base) -> dict[str, int]:
@@ -174,8 +174,8 @@ def _accum_numel(engine) -> int:
     if zero.stage == 3:
         return sum(g.grad_shard.numel() for g in zero.groups)
     if zero.stage == 2:
-        return sum(fg.layout.shard_numel for fg in zero.groups)
-    return sum(fg.layout.padded_numel for fg in zero.groups)
+        return sum(fg.layout.shard_numel for fg in zero.flat.groups)
+    return sum(fg.layout.padded_numel for fg in zero.flat.groups)
 
 
 def _run(rank, world, cases):

@@ -612,7 +612,7 @@ def test_a_staging_buffer_is_written_again_only_after_its_copy():
     """Uploads' guard, and virtual CUDA's model of an in-flight copy that it relies on: the
     second write of a staging buffer waits for the event behind the first copy; writing the
     buffer without that wait is refused as the race it is on a GPU."""
-    from zerostack.zero.offload import Uploads
+    from zerostack.zero.offload.host import Uploads
 
     with virtual_cuda():
         uploads = Uploads(torch.device("cuda", 0), pin=True)
@@ -661,7 +661,7 @@ def test_offloaded_gradients_come_down_on_a_side_stream():
     piece: the compute stream goes on without them (writing the piece on it now would be the
     race virtual CUDA refuses), the piece may be freed at once (announced to the copy's stream),
     and the host waits only for the copy's event when it settles."""
-    from zerostack.zero.offload import Downloads
+    from zerostack.zero.offload.host import Downloads
 
     with virtual_cuda():
         downloads = Downloads(torch.device("cuda", 0))

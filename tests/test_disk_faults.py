@@ -103,7 +103,7 @@ import os, sys, time
 import torch.distributed as dist
 from zerostack.comm import CommLog
 from zerostack.watchdog import PREFIX, Watchdog
-from zerostack.zero.nvme import NVMeStore
+from zerostack.zero.offload.nvme import NVMeStore
 swap = NVMeStore(sys.argv[1], 0, 0, "zero_optimization.offload_param")
 with open(swap.path("w"), "wb") as f:
     f.write(bytes(64))
@@ -233,7 +233,7 @@ def _initialize(rank, world, stage, key, nvme, free=None, as_user=None, capacity
     the free bytes the file system reports; ``capacity``: a disk that size, whose free space is
     what the files under ``nvme`` leave; ``as_user``: run it under that uid (a root test process
     cannot be refused a write by permissions). Returns the ConfigError's text, or None."""
-    import zerostack.zero.nvme as nvme_files
+    import zerostack.zero.offload.nvme as nvme_files
 
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     for k in (key,) if isinstance(key, str) else key:

@@ -25,7 +25,7 @@ from zerostack.estimate import (
     zero_paper_bytes,
 )
 from zerostack.moe import is_moe_param
-from zerostack.zero.params import full_shape
+from zerostack.zero.stage3.params import full_shape
 
 from tests.support.models import TINY, batch, run_cli, tiny_gpt, tiny_transformer
 from tests.support.ranks import run_distributed

@@ -26,7 +26,7 @@ from zerostack.profiling.flops_profiler import (
     number_to_string,
     params_to_string,
 )
-from zerostack.zero.params import ShardState, is_sharded
+from zerostack.zero.stage3.params import ShardState, is_sharded
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, block_size=32, vocab_size=256)
 B, S, L, H, V = 2, CFG.block_size, CFG.n_layer, CFG.d_model, CFG.vocab_size

@@ -23,7 +23,7 @@ import torch
 import zerostack
 from zerostack import Topology
 from zerostack.config import ConfigError
-from zerostack.zero.params import is_sharded
+from zerostack.zero.stage3.params import is_sharded
 
 from tests.support.hf import GAS, SGD_LR, STEPS, B, hf_model, reference, tokens
 from tests.support.models import max_rel_diff
@@ -154,7 +154,7 @@ def _ds_attributes(rank, world):
 
 
 def test_stage3_parameters_carry_deepspeeds_attributes():
-    from zerostack.zero.params import ZeroParamStatus
+    from zerostack.zero.stage3.params import ZeroParamStatus
 
     want = {n: tuple(p.shape) for n, p in hf_model("gpt2").named_parameters()}
     for shapes, ids, seen in run_distributed(_ds_attributes, 2):

@@ -240,14 +240,14 @@ def test_missing_model_is_an_error():
 
 
 def _strategies(rank, world):
-    from zerostack.zero.strategy import FlatBuffers, Pieces, ZeroStrategy
+    from zerostack.zero.strategy import Pieces, WholeGrads, ZeroStrategy
 
     out = {}
     for stage in range(4):
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": OPT}
         cfg["zero_optimization"] = {"stage": stage}
         engine, *_ = zerostack.initialize(model=tiny_gpt(), config=cfg)
-        kinds = [isinstance(engine.zero, k) for k in (ZeroStrategy, FlatBuffers, Pieces)]
+        kinds = [isinstance(engine.zero, k) for k in (ZeroStrategy, WholeGrads, Pieces)]
         out[stage] = (*kinds, engine.zero.stage)
     return out
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerostack
-from zerostack.zero.leaves import (
+from zerostack.zero.stage3.leaves import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
     set_z3_leaf_modules_by_name,

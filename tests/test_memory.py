@@ -110,7 +110,7 @@ def census_expected(
 def pool_expected(
     stage: int, precision: str, psi: float, n: int, reduce_scatter, point: str
 ) -> float:
-    """Bytes stages 1-2 keep for reuse in ``engine.zero.buffers`` (core/scratch.py's Pool), with
+    """Bytes stages 1-2 keep for reuse in ``engine.zero.flat.pool`` (core/scratch.py's Pool), with
     the tiny GPT in one bucket, after the second backward or step, all in the compute dtype.
 
     A step leaves what its window had live: the bucket's staged gradients (stage 2), the

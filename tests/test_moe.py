@@ -636,7 +636,7 @@ def _ep_reductions(rank, world, stage):
         for r in log.since(first)
         if r.op in ("all_reduce", "reduce_scatter") and r.seq not in reading
     )
-    shared = [fg for fg in engine.zero.groups if fg.cut.axis == "dp_ep"]
+    shared = [fg for fg in engine.zero.flat.groups if fg.cut.axis == "dp_ep"]
     assert {p for fg in shared for p in fg.params} == engine.replicas.ep_shared
     buckets = sum(len(fg.buckets) for fg in shared)
     n_shared = len(engine.replicas.ep_shared)

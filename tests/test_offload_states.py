@@ -17,7 +17,7 @@ from zerostack.compat.deepspeed.runtime.zero.offload_config import (
     OffloadDeviceEnum,
     OffloadStateTypeEnum,
 )
-from zerostack.zero.state_offload import StateOffload
+from zerostack.zero.offload.states import StateOffload
 
 from tests.support.census import baseline, take
 from tests.support.models import batch, tiny_gpt

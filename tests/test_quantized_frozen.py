@@ -216,8 +216,8 @@ def test_writing_back_the_value_a_piece_holds_keeps_its_blocks():
     """Quantizing twice is not the identity: a block whose largest value is 1.0 gets the scale
     bf16_up(1 / 127) and 126 steps, and those 126 steps quantized again become 127 of a finer
     scale. A checkpoint of the run written back into its pieces must keep the blocks."""
-    from zerostack.zero import quantize
-    from zerostack.zero.frozen_pieces import QuantizedPiece
+    from zerostack.zero.stage3 import quantize
+    from zerostack.zero.stage3.frozen_pieces import QuantizedPiece
 
     x = torch.linspace(-0.5, 1.0, 64)
     st = QuantizedPiece(torch.Size([64]), 64, x)

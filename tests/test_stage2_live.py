@@ -49,7 +49,7 @@ def _staged(rank, world, reduce_scatter: bool):
         engine.step()
 
     seen = census.held_at_grad_hooks(engine, before, train, STEPS, "staging")
-    sizes = [4 * st.bucket.numel for st in engine.zero.buckets]
+    sizes = [4 * st.bucket.numel for st in engine.zero.flat.buckets]
     before.release()
     return {"peak": max(seen), "bucket": max(sizes), "all": sum(sizes), "n": len(sizes)}
 
@@ -74,7 +74,7 @@ def _into_shard(rank, world):
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 20_000},
     }
     engine, *_ = zerostack.initialize(model=GPT(CFG), config=config)
-    comm, shard = engine.zero.comm, engine.zero.groups[0].grad_shard
+    comm, shard = engine.zero.comm, engine.zero.flat.groups[0].grad_shard
     lo, hi = shard.data_ptr(), shard.data_ptr() + shard.nbytes
     outputs = []
     real = comm.reduce_scatter
@@ -143,7 +143,8 @@ def _piped(rank, world, stage):
 
     seen = census.held_at_grad_hooks(engine, before, train, STEPS, gradients)
     params = sum(4 * p.numel() for p in model.parameters())
-    bucket = max((4 * st.bucket.numel for st in getattr(engine.zero, "buckets", [])), default=0)
+    buckets = engine.zero.flat.buckets
+    bucket = max((4 * st.bucket.numel for st in buckets), default=0)
     before.release()
     return max(seen), params, bucket
 
@@ -193,7 +194,7 @@ def _step_order(rank, world, stage, client_optimizer):
     engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
     events.clear()
     engine.step()
-    return events, len(engine.zero.buckets)
+    return events, len(engine.zero.flat.buckets)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -19,7 +19,7 @@ import torch
 
 import zerostack
 from zerostack.models import GPT
-from zerostack.zero.coordinator import PREFETCH_UNITS
+from zerostack.zero.stage3.coordinator import PREFETCH_UNITS
 
 from tests.support import census
 from tests.support.models import TINY, batch

@@ -168,7 +168,7 @@ def test_hooks_taken_off_and_put_back_with_trls_functions():
 
 
 def test_clearing_a_parameters_active_modules_leaves_other_holders():
-    from zerostack.zero.params import ActiveUses, ShardState
+    from zerostack.zero.stage3.params import ActiveUses, ShardState
 
     state = ShardState(torch.Size([4]), 4, torch.zeros(2), active=3, by_modules=2)
     uses = ActiveUses(state)

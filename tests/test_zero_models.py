@@ -67,8 +67,8 @@ def _reference(gas, optimizer):
 def _poison(engine) -> None:
     """Fill stage 2's buffer pool with NaN buffers of every bucket's sizes, as many as it
     keeps: whatever a reused buffer held must never reach a gradient."""
-    pool = engine.zero.buffers
-    for st in engine.zero.buckets:
+    pool = engine.zero.flat.pool
+    for st in engine.zero.flat.buckets:
         for numel in (st.bucket.numel, st.bucket.piece_numel):
             for _ in range(pool.keep):
                 pool.give(torch.full((numel,), float("nan")))

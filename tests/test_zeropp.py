@@ -1,6 +1,6 @@
 """ZeRO++ quantized weights (qwZ, ``zero_quantized_weights``): the int8 block quantizer's error
 bound, training on two gloo ranks against a single-process run that computes at the quantized
-weights the same spec describes (written here, apart from zerostack.zero.quantize), the bytes
+weights the same spec describes (written here, apart from zerostack.zero.stage3.quantize), the bytes
 the all-gathers put on the wire (counted by gloo's side of the CommLog: the tensors handed to
 the collective), and the config's refusals."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import zerostack
 from zerostack.config import ConfigError, load_config
-from zerostack.zero import quantize as qz
+from zerostack.zero.stage3 import quantize as qz
 
 from tests.support.models import TINY, batch, max_rel_diff, tiny_gpt
 from tests.support.ranks import run_distributed
@@ -23,7 +23,7 @@ STEPS, GLOBAL_BATCH, LR = 3, 4, 0.5
 TOL = 1e-5  # fp32, the two ranks' gradients summed in another order than one process's
 
 
-SPEC_BLOCK = 32  # elements per scale, as zerostack.zero.quantize.BLOCK must be
+SPEC_BLOCK = 32  # elements per scale, as zerostack.zero.stage3.quantize.BLOCK must be
 
 
 def spec_round_trip(piece: torch.Tensor, block: int = SPEC_BLOCK, top: int = 127) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .tensor_parallel.autotp import parallelize as autotp_parallelize
 from .topology import Topology
 from .validate import agreed, validate
 from .world import default_timeout, init_distributed
-from .zero.leaves import apply_leaf_config
+from .zero.stage3.leaves import apply_leaf_config
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:

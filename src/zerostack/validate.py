@@ -29,7 +29,7 @@ from .pipeline.simulate import check_schedule
 from .plan.auto import resolve as resolve_auto
 from .topology import Topology
 from .watchdog import default_store
-from .zero.params import is_sharded
+from .zero.stage3.params import is_sharded
 
 log = logging.getLogger("zerostack")
 

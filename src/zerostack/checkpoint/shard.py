@@ -20,8 +20,8 @@ import torch
 
 from ..moe.utils import global_names
 from ..tensor_parallel import partition_spec
-from ..zero.params import full_shape
 from ..zero.partition import piece_numel
+from ..zero.stage3.params import full_shape
 from .stream import Entry, ShardWriter
 
 

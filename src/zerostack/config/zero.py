@@ -171,7 +171,7 @@ def _one_or_list(v: Any) -> Any:
 
 class LeafModuleConfig(_Model):
     """``zero_optimization.leaf_module``: the modules stage 3 gathers and releases as one unit,
-    their descendants included (:mod:`zerostack.zero.leaves`). ``initialize`` flags them at
+    their descendants included (:mod:`zerostack.zero.stage3.leaves`). ``initialize`` flags them at
     every stage (only stage 3 reads the flag), as DeepSpeed does."""
 
     classes: Annotated[list[str], BeforeValidator(_one_or_list)] = Field(
@@ -278,12 +278,12 @@ class ZeroConfig(_Model):
     """Stage 3 (ZeRO++ qwZ): parameters are all-gathered for forward and backward as int8 blocks
     of 32 elements with one bf16 scale each (3.76x fewer bytes than fp32, 1.88x than bf16);
     the gathered weights are within half a step of their block's scale, the masters, optimizer
-    and checkpoints stay exact (:mod:`zerostack.zero.quantize`)."""
+    and checkpoints stay exact (:mod:`zerostack.zero.stage3.quantize`)."""
     zero_quantized_nontrainable_weights: bool = False
     """Stage 3 (DeepSpeed's Mixed Precision ZeRO++): each frozen parameter's piece is quantized
     once at initialize into qwZ's int8 blocks and kept so (1.0625 bytes an element), gathered
     as it is held; the frozen weights become their quantized values, trained ones are exact
-    (:mod:`zerostack.zero.frozen_pieces`)."""
+    (:mod:`zerostack.zero.stage3.frozen_pieces`)."""
     zero_quantized_gradients: bool = False
     """Stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as an all-to-all of int8 blocks
     (each rank's contribution within half a step of its block's scale, summed in fp32 by the

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
-from ..zero.gathers import gather_full
-from ..zero.params import full_shape
+from ..zero.stage3.collectives import gather_full
+from ..zero.stage3.params import full_shape
 from ..zero.strategy import Pieces
 
 

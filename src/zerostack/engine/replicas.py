@@ -14,7 +14,7 @@ from torch import nn
 
 from ..moe.utils import is_moe_param
 from ..tensor_parallel import partition_spec
-from ..zero.params import is_sharded
+from ..zero.stage3.params import is_sharded
 
 
 class Replicas:

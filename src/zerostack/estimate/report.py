@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from ..zero.coordinator import PREFETCH_UNITS
+from ..zero.stage3.coordinator import PREFETCH_UNITS
 from .activations import Transformer, stage_activation_bytes
 from .memory import (
     GIB,

@@ -44,7 +44,7 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..topology import Topology
-from ..zero.params import is_sharded
+from ..zero.stage3.params import is_sharded
 from .gpt_tp import PositionShards, check_tp_split, parallelize_block, sp_norm
 
 

@@ -148,7 +148,7 @@ def _cut(p: nn.Parameter, dim: int, tp: int, rank: int, chunks: int) -> nn.Param
 def parallelize(model: nn.Module, topology: Topology, specs=None) -> nn.Module:
     """Split ``model``'s linear layers over ``topology``'s tp ranks by its architecture's policy,
     or by ``specs`` (``tensor_parallel.partition_config``, see :func:`parallelize_by_specs`)."""
-    from ..zero.params import is_sharded
+    from ..zero.stage3.params import is_sharded
 
     tp = topology.tp
     if any(is_sharded(p) for p in model.parameters()):

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..comm.grid import comm_for
 from ..topology import Topology
-from ..zero.linear import linear_saving_weight
+from ..zero.stage3.linear import linear_saving_weight
 from .mappings import (
     copy_to_tp,
     gather_from_tp,

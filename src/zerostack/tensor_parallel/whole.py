@@ -33,7 +33,7 @@ def tp_topology(module: nn.Module) -> Topology | None:
 def whole_tp(params: list[nn.Parameter], topology: Topology):
     """Within, each tp-split one of ``params`` holds its whole value (see the module); a
     collective over tp on the way in and none on the way out."""
-    from ..zero.params import is_sharded
+    from ..zero.stage3.params import is_sharded
 
     split = [p for p in params if partition_spec(p) is not None]
     if any(is_sharded(p) for p in split):

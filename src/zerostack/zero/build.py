@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .grad_buffers import FullGrads, ShardedGrads
-from .sharded_optimizer import ShardedDataParallel
-from .stage3 import Stage3
+from .flat.grads import FullGrads, ShardedGrads
+from .flat.strategy import ShardedDataParallel
+from .offload.host import host_offload
+from .stage3.strategy import Stage3
 from .strategy import ZeroStrategy
 
 
@@ -32,7 +33,11 @@ def build_strategy(
     common = dict(comm=comm, precision=precision, prescale=prescale)
     offload = zcfg.offload_optimizer
     if offload is not None and offload.device != "none":
-        common.update(offload=offload, sub_group_numel=zcfg.sub_group_size)
+        common.update(sub_group_numel=zcfg.sub_group_size)
+    else:
+        offload = None
+    # the offload set-up, made once: where the optimizer's state lives and how it travels
+    common.update(host=host_offload(offload, comm.topo.device))
     if stage == 3:
         if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
             common.update(offload_param=zcfg.offload_param)

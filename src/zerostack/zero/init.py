@@ -18,9 +18,9 @@ from torch import nn
 from ..comm import Comm
 from ..comm.grid import comm_for
 from ..topology import Topology
-from .gathers import gather_full
 from .hf_init import patch_init_weights
-from .params import (
+from .stage3.collectives import gather_full
+from .stage3.params import (
     ShardState,
     StorageMeter,
     hold,
@@ -151,8 +151,8 @@ class Init:
 
     def _make_swapper(self):
         from ..config import ConfigError, load_config
-        from .offload import HostMeter, HostStore, NVMeStore
-        from .param_swap import ParamSwapper
+        from .offload.host import HostMeter, HostStore, NVMeStore
+        from .offload.param_swap import ParamSwapper
 
         if self.remote_device == "cpu":
             store = HostStore(self._pin)

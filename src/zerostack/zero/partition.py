@@ -7,7 +7,8 @@ padded so that it splits into ``world`` equal pieces of a multiple of :data:`ALI
 elements (:func:`piece_numel`): a bucket of ready gradients is one contiguous range, all-reduced
 (stage 0) or reduce-scattered (stages 1-2) without a copy, and rank ``r`` owns piece ``r`` of
 every bucket.
-A rank's shard is its pieces of all buckets, end to end::
+A rank's shard is its pieces of all buckets, end to end (the words: the vocabulary note in
+:mod:`zerostack.zero`)::
 
     layout = FlatLayout.build([(4, 3), (3,)], world=2, bucket_numel=3)
     [(b.start, b.end) for b in layout.buckets]   # [(0, 16), (16, 32)]: pieces of 8 elements

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from ..comm import Handle
 
@@ -123,3 +124,19 @@ class GradReducer:
         done = [b for b, _ in self._handles]
         self.reset()
         return done
+
+
+def hook_grads(params: list[nn.Parameter], hook) -> list:
+    """``hook(p)`` registered as each of ``params``' post-accumulate-grad hook, skipped while
+    ``p.ds_grad_is_ready`` is False: DeepSpeed's flag (True on each parameter here, as its
+    default), which a tiled backward calling autograd once per tile sets False on all but the
+    last tile (ALST's TiledMLP in axolotl), so that the gradient, summed in ``p.grad``, is
+    taken once."""
+
+    def when_ready(p: nn.Parameter) -> None:
+        if p.ds_grad_is_ready:
+            hook(p)
+
+    for p in params:
+        p.ds_grad_is_ready = True
+    return [p.register_post_accumulate_grad_hook(when_ready) for p in params]

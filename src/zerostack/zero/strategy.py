@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .coordinator import ParamCoordinator
+    from ..comm import Comm
+    from .stage3.coordinator import ParamCoordinator
 
 
 def tally(held, by_device: bool = False) -> dict:
@@ -41,6 +42,16 @@ def tally(held, by_device: bool = False) -> dict:
     for kind, device, nbytes in held:
         out.setdefault(device, dict.fromkeys(kinds, 0))[kind] += nbytes
     return out
+
+
+def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
+    """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
+    so every rank starts alike, and cast the floating-point ones to the compute dtype."""
+    for t in tensors:
+        if comm.topo.dp > 1:
+            comm.broadcast(t.data, src=0, axis="dp")
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -178,7 +189,7 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
 
 
 @runtime_checkable
-class FlatBuffers(Protocol):
+class WholeGrads(Protocol):
     """What stages 0-2 offer besides: whole accumulated gradients (a pipeline's tied weights
     are summed between its stages on them)."""
 

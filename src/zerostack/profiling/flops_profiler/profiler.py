@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...zero.params import full_shape
+from ...zero.stage3.params import full_shape
 from . import report
 from .units import duration_to_string, macs_to_string, number_to_string, params_to_string
 

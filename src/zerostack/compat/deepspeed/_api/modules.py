@@ -135,7 +135,7 @@ MODULES: dict[str, dict[str, Api]] = {
         ),
         "deepspeed.zero.GatheredParameters": _works("modifier_rank writes back; fwd_module"),
         "deepspeed.zero.ZeroParamStatus": _different(
-            "not re-exported by zerostack.zero", "zerostack.zero.params.ZeroParamStatus"
+            "not re-exported by zerostack.zero", "zerostack.zero.stage3.params.ZeroParamStatus"
         ),
         "deepspeed.zero.register_external_parameter": _works(
             "before or after initialize; a parameter read as `module.weight` in another "
@@ -238,7 +238,7 @@ MODULES: dict[str, dict[str, Api]] = {
         **{
             f"deepspeed.utils.{name}": _served(
                 "DeepSpeed's flag (`module._z3_leaf`); stage 3 gathers a leaf and all under it "
-                "as one unit (zerostack.zero.leaves)"
+                "as one unit (zerostack.zero.stage3.leaves)"
             )
             for name in (
                 "set_z3_leaf_modules",

@@ -20,8 +20,8 @@ from zerostack.checkpoint.model_files import consolidated_16bit, save_16bit_mode
 from zerostack.data import token_drop
 from zerostack.engine import Engine
 from zerostack.profiling.throughput import ThroughputTimer
-from zerostack.zero.frozen_pieces import quantize_nontrainable
-from zerostack.zero.state_offload import StateOffload
+from zerostack.zero.offload.states import StateOffload
+from zerostack.zero.stage3.frozen_pieces import quantize_nontrainable
 from zerostack.zero.strategy import Pieces
 
 from .data_efficiency import DataEfficiency
@@ -129,7 +129,7 @@ class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
         ``include``: the :class:`OffloadStateTypeEnum` kinds to move (None: all of them);
         ``device``: only ``cpu`` (``none`` warns and does nothing, ``nvme`` is refused, as in
         DeepSpeed). Meanwhile forward is refused while the parameters are away, and backward,
-        step and checkpoints while anything is (:mod:`zerostack.zero.state_offload`)."""
+        step and checkpoints while anything is (:mod:`zerostack.zero.offload.states`)."""
         if self.optimizer is None:
             raise RuntimeError("offload_states: this engine has no optimizer (forward only)")
         device = OffloadDeviceEnum(getattr(device, "value", device))

@@ -13,7 +13,7 @@ import contextlib
 import functools
 
 from zerostack.zero import GatheredParameters
-from zerostack.zero.params import is_sharded
+from zerostack.zero.stage3.params import is_sharded
 
 
 def gather_around_generate(module, config) -> None:

@@ -1,10 +1,10 @@
 """``deepspeed.utils``: zerostack's ``safe_get_*`` / ``safe_set_*`` (:mod:`zerostack.utils`),
-ZeRO-3's leaf-module flags (:mod:`zerostack.zero.leaves`), the logger, ``RepeatingLoader``, and
-the ``groups`` and ``zero_to_fp32`` modules."""
+ZeRO-3's leaf-module flags (:mod:`zerostack.zero.stage3.leaves`), the logger,
+``RepeatingLoader``, and the ``groups`` and ``zero_to_fp32`` modules."""
 
 from zerostack.utils import *  # noqa: F403
 from zerostack.utils import __all__ as _zerostack_utils
-from zerostack.zero.leaves import (
+from zerostack.zero.stage3.leaves import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
     set_z3_leaf_modules,

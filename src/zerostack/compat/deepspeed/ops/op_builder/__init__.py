@@ -1,6 +1,6 @@
 """``deepspeed.ops.op_builder``: the DeepNVMe builders, ``AsyncIOBuilder``, ``GDSBuilder`` and
 ``PinMemoryBuilder``. DeepSpeed compiles a C++ extension at ``load()``; these hand back the
-Python handles of :mod:`zerostack.zero.aio` in a module of the extension's name::
+Python handles of :mod:`zerostack.zero.offload.aio` in a module of the extension's name::
 
     h = AsyncIOBuilder().load().aio_handle(intra_op_parallelism=4)
     h.async_pwrite(t, "/local_nvme/t.pt")
@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from zerostack.zero.aio import AioHandle, GdsHandle, PinHandle
+from zerostack.zero.offload.aio import AioHandle, GdsHandle, PinHandle
 
 from ...utils.logging import logger
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from zerostack.zero.state_offload import StateKind as OffloadStateTypeEnum
+from zerostack.zero.offload.states import StateKind as OffloadStateTypeEnum
 
 
 class OffloadDeviceEnum(enum.StrEnum):

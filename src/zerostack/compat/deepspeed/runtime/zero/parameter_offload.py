@@ -6,8 +6,8 @@ gathers the whole model with ``GatheredParameters``, clears each parameter's
 ``ds_active_sub_modules``, removes every handle in ``forward_hooks`` and ``backward_hooks``,
 generates with the plain module, then invalidates the coordinator's trace and calls
 ``_register_deepspeed_module(module)``. Here those are zerostack's own: the handles are stage
-3's (:class:`~zerostack.zero.module_hooks.ModuleHooks`), so removing them really leaves a plain
-module, and registering puts every hook back; training then continues exactly as if the hooks
+3's (:class:`~zerostack.zero.stage3.module_hooks.ModuleHooks`), so removing them really leaves a
+plain module, and registering puts every hook back; training then continues exactly as if the hooks
 had never come off (tests/test_trl.py).
 """
 
@@ -17,7 +17,7 @@ import weakref
 
 from torch import nn
 
-from zerostack.zero.coordinator import ParamCoordinator
+from zerostack.zero.stage3.coordinator import ParamCoordinator
 
 
 class PartitionedParameterCoordinator:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 
 from zerostack.zero import GatheredParameters, Init
-from zerostack.zero.module_hooks import register_external_parameter, unregister_external_parameter
-from zerostack.zero.params import ZeroParamStatus
+from zerostack.zero.stage3.module_hooks import (
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from zerostack.zero.stage3.params import ZeroParamStatus
 
 from ...accelerator import get_accelerator
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
-from ..core import scratch
-from .flat_params import BucketState, FlatGroup
-from .offload import Uploads
+from ...comm import Comm
+from ..offload.host import Uploads
+from .buffers import FlatBuffers
+from .params import BucketState
 
 # Optimizers whose step updates each parameter from its own gradient and state alone: stepping
 # the masters one bucket at a time gives what one step of all of them gives.
@@ -23,21 +23,13 @@ _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class WriteBack:
-    """The write-back of ``buckets`` (of ``groups``, each gathered over its cut's axis when its
-    state is cut); ``uploads`` brings offloaded masters up, ``buffers`` lends the gathers'
-    inputs."""
+    """The write-back of ``flat``'s buckets (each gathered over its flat group's cut's axis
+    when its state is cut); ``uploads`` brings offloaded masters up, ``flat.pool`` lends the
+    gathers' inputs."""
 
-    def __init__(
-        self,
-        groups: list[FlatGroup],
-        buckets: list[BucketState],
-        *,
-        comm: Comm,
-        uploads: Uploads,
-        buffers: scratch.Pool,
-    ) -> None:
-        self.groups, self.buckets, self.comm = groups, buckets, comm
-        self.uploads, self.buffers = uploads, buffers
+    def __init__(self, flat: FlatBuffers, *, comm: Comm, uploads: Uploads) -> None:
+        self.groups, self.buckets, self.comm = flat.groups, flat.buckets, comm
+        self.uploads, self.buffers = uploads, flat.pool
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
 
     def steps_by_bucket(self, optimizer, offload: str) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .offload import HostMeter, NVMeStore, OptimizerSwapper, host_device
+from .host import HostMeter, NVMeStore, OptimizerSwapper, host_device
 
 OnUpdated = Callable[[nn.Parameter, torch.Tensor], None]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from .gathers import Subgroup, gather_full, secondary_piece
-from .param_swap import ParamSwapper, ResidentPieces
+from ...comm import Comm
+from ..offload.param_swap import ParamSwapper, ResidentPieces
+from .collectives import Subgroup, gather_full, secondary_piece
 from .params import StorageMeter, hold
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..config import ConfigError
-from . import partition
+from ...comm import Comm
+from ...config import ConfigError
+from .. import partition
 
 
 class StorageMeter:
@@ -234,19 +234,3 @@ def cut_all(params: list[nn.Parameter], comm: Comm, meter: StorageMeter, wide: s
         else:
             meter.track(p._zs.piece)
         p._zs.comm, p._zs.meter = comm, meter
-
-
-def hook_grads(params: list[nn.Parameter], hook) -> list:
-    """``hook(p)`` registered as each of ``params``' post-accumulate-grad hook, skipped while
-    ``p.ds_grad_is_ready`` is False: DeepSpeed's flag (True on each parameter here, as its
-    default), which a tiled backward calling autograd once per tile sets False on all but the
-    last tile (ALST's TiledMLP in axolotl), so that the gradient, summed in ``p.grad``, is
-    taken once."""
-
-    def when_ready(p: nn.Parameter) -> None:
-        if p.ds_grad_is_ready:
-            hook(p)
-
-    for p in params:
-        p.ds_grad_is_ready = True
-    return [p.register_post_accumulate_grad_hook(when_ready) for p in params]

@@ -3,9 +3,13 @@
 Stages 0-2 are one strategy (:class:`~.sharded_optimizer.ShardedDataParallel`: flat parameter
 buffers and the fp32 masters of this rank's pieces, each flat group reduced and cut over the
 ranks of its :class:`~.flat_params.Cut`)
-composed with one of two gradient buffers. As backward accumulates each gradient, the buffer
-takes it into its bucket, and the :class:`~.reducer.GradReducer` launches the bucket's
-collective once the bucket is complete, in bucket order on every rank.
+composed with one of two gradient buffers. Each is given the state it works on, the strategy's
+:class:`~.flat_buffers.FlatBuffers` (groups, buckets, the parameter index), and owns the
+:class:`~.reducer.GradReducer` of those buckets. As backward accumulates each gradient, the
+buffer takes it into its bucket, and the reducer starts the bucket's collective
+(:meth:`GradBuffer.start_grad_sync`) once the bucket is complete, in bucket order on every
+rank; :meth:`GradBuffer.finish_grad_sync` waits for what is left before the step (Megatron's
+verbs).
 
 ============  ====================================  ==========================================
 buffer        held over the accumulation window     reduced
@@ -21,7 +25,7 @@ ShardedGrads  this rank's pieces (the shard)        every micro-step: the bucket
 ============  ====================================  ==========================================
 
 With :class:`ShardedGrads` the buffers a bucket needs for one micro-step (its staging, the
-reduce-scatter's received rows, a piece) come from and go back to the strategy's ``buffers``
+reduce-scatter's received rows, a piece) come from and go back to the buffers' ``pool``
 (:class:`~.scratch.Pool`), so the same few bucket-sized buffers serve every bucket and step. A
 bucket whose part of the shard is still zero since the last step (``st.shard_clean``; the first
 micro-step of a window) is reduce-scattered straight into the shard when it is in the reduce
@@ -30,7 +34,7 @@ dtype: no piece, no add.
 With ``reduce_scatter: false`` a bucket of a sharded state is all-reduced in place instead
 (twice the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
 
-Two dtypes (``precision.py``): the buffer holds the window's sum in the strategy's
+Two dtypes (``precision.py``): the buffer holds the window's sum in the buffers'
 ``accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the parameters' dtype, each
 micro-step's ``.grad`` is added into the buffer and dropped. A bucket is reduced in
 ``reduce_dtype`` (``communication_data_type``), cast when the gradients are held in another.
@@ -43,8 +47,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..comm import Handle
-from .reducer import CastBack, in_dtype
+from ...comm import Comm, Handle
+from ..offload.host import Downloads
+from ..reducer import CastBack, GradReducer, in_dtype
+from .buffers import FlatBuffers
 
 
 class KeepPiece:
@@ -66,21 +72,32 @@ class KeepPiece:
 
 class GradBuffer:
     """What both buffers share: the hook's bookkeeping, the reduction of a bucket, the flush.
-    ``flat`` is the strategy whose parts it uses: ``groups``, ``buckets``, ``_where``,
-    ``reducer``, ``boundary``, ``comm``, ``buffers``, ``downloads``."""
+    ``flat``: the buckets it reduces; ``downloads`` brings reduced pieces into a shard in host
+    memory; ``reduce_scatter``: a sharded state's buckets are reduce-scattered (else
+    all-reduced, the piece kept)."""
 
     every_micro_step = False  # whether each micro-step reduces (only pieces are kept)
     shard_held = False  # whether the window's sum is held as this rank's shard
 
-    def __init__(self, flat) -> None:
-        self.flat = flat
+    def __init__(
+        self, flat: FlatBuffers, *, comm: Comm, downloads: Downloads, reduce_scatter: bool = True
+    ) -> None:
+        self.flat, self.comm, self.downloads = flat, comm, downloads
+        self.reduce_scatter = reduce_scatter
+        self.pool = flat.pool
+        self.boundary = True  # whether this micro-step closes the window
         self._ready: set[nn.Parameter] = set()
+        sizes = [len(st.bucket.slots) for st in flat.buckets]
+        self.reducer = GradReducer(sizes, self.start_grad_sync, self.done())
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
 
     @property
     def communicates_now(self) -> bool:
         """Whether this micro-step's backward launches collectives (at dp 1 without ep, none;
         a bucket whose cut has one rank is then handled where it launches)."""
-        return self.flat.reduces and (self.every_micro_step or self.flat.boundary)
+        return self.flat.reduces and (self.every_micro_step or self.boundary)
 
     def done(self) -> Callable[[int], None] | None:
         """What the reducer calls as each bucket completes; given one, it waits for buckets in
@@ -97,34 +114,31 @@ class GradBuffer:
 
     def _reduce(self, st, chunk: torch.Tensor) -> Handle | KeepPiece:
         """Reduce bucket ``st``'s gradients ``chunk`` so that this rank gets its piece."""
-        f = self.flat
-        cut = f.groups[st.group].cut
-        sent = in_dtype(chunk, f.reduce_dtype, cut.prescale)
-        if not f.reduce_scatter:
-            handle = f.comm.all_reduce(sent, axis=cut.axis, async_op=True)
+        cut = self.flat.cut_of(st)
+        sent = in_dtype(chunk, self.flat.reduce_dtype, cut.prescale)
+        if not self.reduce_scatter:
+            handle = self.comm.all_reduce(sent, axis=cut.axis, async_op=True)
             return KeepPiece(handle, sent, st, cut.rank, copy=sent is not chunk)
         out = self._piece_out(st, sent)
-        return f.comm.reduce_scatter(out, sent, axis=cut.axis, async_op=True, pool=f.buffers)
+        return self.comm.reduce_scatter(out, sent, axis=cut.axis, async_op=True, pool=self.pool)
 
     def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _whole_bucket(self, st, piece: torch.Tensor) -> torch.Tensor:
         """Bucket ``st``, fp32, from every rank's piece of it (all-gathered over its cut)."""
-        f = self.flat
-        cut = f.groups[st.group].cut
-        piece = piece.to(device=f.comm.topo.device, dtype=torch.float32)
+        cut = self.flat.cut_of(st)
+        piece = piece.to(device=self.comm.topo.device, dtype=torch.float32)
         if cut.world == 1:
             return piece
         out = piece.new_empty(piece.numel() * cut.world)
-        f.comm.all_gather(out, piece, axis=cut.axis)
+        self.comm.all_gather(out, piece, axis=cut.axis)
         return out
 
     def _write_piece(self, st, rng: slice, value: torch.Tensor) -> None:
         """Write the elements of ``value`` (a parameter's whole flat gradient, at ``rng`` of
         the group's buffer) that fall in this rank's piece of bucket ``st``."""
-        f = self.flat
-        fg = f.groups[st.group]
+        fg = self.flat.group_of(st)
         lo, hi = fg.layout.piece(st.bucket, fg.cut.piece_rank)
         a, b = max(rng.start, lo), min(rng.stop, hi)
         if a < b:
@@ -136,19 +150,31 @@ class GradBuffer:
         copies) may reduce in place; ``p.grad`` for a parameter the optimizer does not train,
         None with a sharded buffer (only reduced pieces are kept)."""
         f = self.flat
-        if p not in f._where:
+        if p not in f:
             return p.grad
-        b, rng = f._where[p]
-        grads_flat = f.groups[f.buckets[b].group].grads_flat
+        b, rng = f.locate(p)
+        grads_flat = f.group_of(f.buckets[b]).grads_flat
         return None if grads_flat is None else grads_flat[rng].view_as(p)
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
+        over its cut's ranks and scaled as its master gets it at the step (a collective)."""
+        b, rng = self.flat.locate(p)
+        return self._window_grad(self.flat.buckets[b], rng)
+
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (flat fp32, as :meth:`window_grad` gives it) ``p``'s gradient in
+        this window, where the step reads it."""
+        b, rng = self.flat.locate(p)
+        self._hold_grad(self.flat.buckets[b], rng, value)
 
     def flush(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for every collective
         (at dp = 1 without ep there is nothing to reduce)."""
         if self.flat.reduces:
-            self.flat.reducer.flush()
+            self.reducer.flush()
         else:
-            self.flat.reducer.reset()
+            self.reducer.reset()
         self._ready.clear()
 
 
@@ -162,8 +188,8 @@ class FullGrads(GradBuffer):
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
         f = self.flat
-        b, rng = f._where[p]
-        view = f.groups[f.buckets[b].group].grads_flat[rng].view_as(p)
+        b, rng = f.locate(p)
+        view = f.group_of(f.buckets[b]).grads_flat[rng].view_as(p)
         if p.grad.data_ptr() != view.data_ptr():
             # A .grad of its own (the buffer is in another dtype, or someone replaced .grad):
             # fold it into the flat buffer.
@@ -171,20 +197,20 @@ class FullGrads(GradBuffer):
             p.grad = view if view.dtype == p.grad.dtype else None
         if self.communicates_now:
             self._mark(p)
-            f.reducer.arrived(b)
+            self.reducer.arrived(b)
 
-    def launch(self, b: int) -> Handle | CastBack | KeepPiece:
-        f = self.flat
-        st = f.buckets[b]
-        cut = f.groups[st.group].cut
-        chunk = f.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
+    def start_grad_sync(self, b: int) -> Handle | CastBack | KeepPiece | None:
+        """Launch bucket ``b``'s collective (the reducer calls it once the bucket is ready)."""
+        st = self.flat.buckets[b]
+        cut = self.flat.cut_of(st)
+        chunk = self.flat.group_of(st).grads_flat[st.bucket.start : st.bucket.end]
         if cut.size == 1:  # its own sum already
             return None
         if cut.world > 1:
             return self._reduce(st, chunk)
         # every rank holds the whole state: the sum is kept in place
-        sent = in_dtype(chunk, f.reduce_dtype, cut.prescale)
-        handle = f.comm.all_reduce(sent, axis=cut.axis, async_op=True)
+        sent = in_dtype(chunk, self.flat.reduce_dtype, cut.prescale)
+        handle = self.comm.all_reduce(sent, axis=cut.axis, async_op=True)
         return handle if sent is chunk else CastBack(handle, sent, chunk)
 
     def _piece_out(self, st, sent: torch.Tensor) -> torch.Tensor:
@@ -195,40 +221,42 @@ class FullGrads(GradBuffer):
         """A sharded state waits for the boundary's reduction, so no collective's buffers
         outlive backward (as DeepSpeed's engine does)."""
         if self.flat.grads_sharded and self.communicates_now:
-            self.flat.reducer.settle()
+            self.reducer.settle()
 
-    def before_step(self) -> None:
+    def finish_grad_sync(self) -> None:
+        """Before the step: launch what backward did not, and wait for every collective."""
         self.flush()
 
     def grad_piece(self, st) -> torch.Tensor:
         """This rank's summed gradient for the bucket."""
-        if self.flat.groups[st.group].cut.world > 1:
+        fg = self.flat.group_of(st)
+        if fg.cut.world > 1:
             return st.piece
-        return self.flat.groups[st.group].grads_flat[st.bucket.start : st.bucket.end]
+        return fg.grads_flat[st.bucket.start : st.bucket.end]
 
-    def window_grad(self, p: nn.Parameter, st, rng: slice) -> torch.Tensor:
+    def _window_grad(self, st, rng: slice) -> torch.Tensor:
         """It waits for the boundary's reduction if backward launched it, or sums a copy of the
         local gradients mid-window."""
-        f = self.flat
-        cut = f.groups[st.group].cut
-        reduced = f.reduces and f.reducer.settle()
+        fg = self.flat.group_of(st)
+        cut = fg.cut
+        reduced = self.flat.reduces and self.reducer.settle()
         if reduced and cut.world > 1:
             lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
             return self._whole_bucket(st, st.piece)[lo:hi]
-        grad = f.groups[st.group].grads_flat[rng].to(torch.float32, copy=True)
+        grad = fg.grads_flat[rng].to(torch.float32, copy=True)
         if cut.size > 1 and not reduced:
             grad.mul_(cut.prescale)
-            f.comm.all_reduce(grad, axis=cut.axis)
+            self.comm.all_reduce(grad, axis=cut.axis)
         return grad
 
-    def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
-        """The inverse of :meth:`window_grad`: before the boundary's reduction each rank's
+    def _hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
+        """The inverse of :meth:`_window_grad`: before the boundary's reduction each rank's
         own gradient, which the reduction sums over dp (prescaled) into ``value``."""
-        f = self.flat
-        cut = f.groups[st.group].cut
-        reduced = f.reduces and f.reducer.settle()
+        fg = self.flat.group_of(st)
+        cut = fg.cut
+        reduced = self.flat.reduces and self.reducer.settle()
         if cut.size > 1 and not reduced:  # every rank holds an equal share: the sum is the value
-            f.groups[st.group].grads_flat[rng].copy_(value / (cut.prescale * cut.size))
+            fg.grads_flat[rng].copy_(value / (cut.prescale * cut.size))
             return
         self._write_piece(st, rng, value)
 
@@ -244,25 +272,23 @@ class ShardedGrads(GradBuffer):
         return self._add_piece_of
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
-        f = self.flat
-        b, rng = f._where[p]
-        st = f.buckets[b]
+        b, rng = self.flat.locate(p)
+        st = self.flat.buckets[b]
         self._mark(p)
         if st.staging is None:  # in the dtype it is reduced in
             st.staging = self._staging_for(st, p.device)
-        st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(
-            p.grad.view(-1)
-        )
+        st.staging[rng.start - st.bucket.start : rng.stop - st.bucket.start].copy_(p.grad.view(-1))
         p.grad = None  # the full-size gradient does not outlive its bucket
-        f.reducer.arrived(b, launch=self.communicates_now)
+        self.reducer.arrived(b, launch=self.communicates_now)
 
-    def launch(self, b: int) -> Handle | KeepPiece:
-        f = self.flat
-        st = f.buckets[b]
+    def start_grad_sync(self, b: int) -> Handle | KeepPiece | None:
+        """Launch bucket ``b``'s reduce-scatter (the reducer calls it once the bucket is
+        ready); its piece is added into the shard as it completes."""
+        st = self.flat.buckets[b]
         if st.staging is None:  # no parameter of this bucket got a gradient
-            st.staging = self._staging_for(st, f.groups[st.group].params_flat.device)
+            st.staging = self._staging_for(st, self.flat.group_of(st).params_flat.device)
         self._zero_missing(st)
-        if f.groups[st.group].cut.size == 1:  # the staged bucket is the whole piece
+        if self.flat.cut_of(st).size == 1:  # the staged bucket is the whole piece
             st.piece, st.staging = st.staging, None
             return None
         return self._reduce(st, st.staging)
@@ -272,14 +298,14 @@ class ShardedGrads(GradBuffer):
             st.piece = None  # the sum is the shard's value: no piece to add
             st.shard_clean = False
             return shard
-        st.piece = out = self.flat.buffers.take(st.bucket.piece_numel, sent.dtype, sent.device)
+        st.piece = out = self.pool.take(st.bucket.piece_numel, sent.dtype, sent.device)
         return out
 
     def _staging_for(self, st, device: torch.device) -> torch.Tensor:
         """A buffer (from the pool: old contents) to stage bucket ``st`` in, its padding zero;
         each parameter's range is written when its gradient arrives (:meth:`_zero_missing`
         zeroes those that did not)."""
-        staging = self.flat.buffers.take(st.bucket.numel, self.flat.reduce_dtype, device)
+        staging = self.pool.take(st.bucket.numel, self.flat.reduce_dtype, device)
         end = max((rng.stop for _, rng in st.ranges), default=st.bucket.start)  # an empty group
         staging[end - st.bucket.start :].zero_()
         return staging
@@ -293,7 +319,7 @@ class ShardedGrads(GradBuffer):
     def _shard_of(self, st) -> torch.Tensor:
         """This rank's part of the group's gradient shard for bucket ``st``."""
         off = st.bucket.shard_offset
-        return self.flat.groups[st.group].grad_shard[off : off + st.bucket.piece_numel]
+        return self.flat.group_of(st).grad_shard[off : off + st.bucket.piece_numel]
 
     def _add_piece_of(self, b: int) -> None:
         self._add_piece(self.flat.buckets[b])
@@ -304,15 +330,14 @@ class ShardedGrads(GradBuffer):
         gets it from a copy that does not stop the host (:class:`~.offload.Downloads`): added
         once the copy is settled; the pool's next use of the piece's buffer is in stream order
         after the copy."""
-        f = self.flat
         if st.piece is not None:
             shard = self._shard_of(st)
             if shard.device == st.piece.device:
                 shard.add_(st.piece)
             else:
-                f.downloads.settle_sealed()  # the last micro-step's: done long ago
-                f.downloads.fetch(st.piece, shard.add_)
-        f.buffers.give(st.piece, st.staging)
+                self.downloads.settle_sealed()  # the last micro-step's: done long ago
+                self.downloads.fetch(st.piece, shard.add_)
+        self.pool.give(st.piece, st.staging)
         st.piece = st.staging = None
 
     def end_backward(self) -> None:
@@ -328,21 +353,21 @@ class ShardedGrads(GradBuffer):
             for st in f.buckets:
                 st.piece, st.staging = st.staging, None
                 self._add_piece(st)
-        f.downloads.seal()
+        self.downloads.seal()
 
-    def before_step(self) -> None:
+    def finish_grad_sync(self) -> None:
         pass  # every micro-step's reduction finished in its backward
 
     def grad_piece(self, st) -> torch.Tensor:
         return self._shard_of(st)
 
-    def window_grad(self, p: nn.Parameter, st, rng: slice) -> torch.Tensor:
-        self.flat.downloads.settle()
+    def _window_grad(self, st, rng: slice) -> torch.Tensor:
+        self.downloads.settle()
         lo, hi = rng.start - st.bucket.start, rng.stop - st.bucket.start
         return self._whole_bucket(st, self._shard_of(st))[lo:hi]
 
-    def hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
-        self.flat.downloads.settle()  # no late add over what is written
+    def _hold_grad(self, st, rng: slice, value: torch.Tensor) -> None:
+        self.downloads.settle()  # no late add over what is written
         self._write_piece(st, rng, value)
 
 

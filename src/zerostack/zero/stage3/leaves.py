@@ -19,7 +19,7 @@ import logging
 
 from torch import nn
 
-from ..config.zero import DEFAULT_LEAF_CLASSES
+from ...config.zero import DEFAULT_LEAF_CLASSES
 
 log = logging.getLogger("zerostack")
 

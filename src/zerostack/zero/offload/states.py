@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.pinned import host_empty
-from .strategy import Pieces
+from ...core.pinned import host_empty
+from ..strategy import Pieces
 
 log = logging.getLogger("zerostack")
 

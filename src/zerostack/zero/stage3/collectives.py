@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm
-from ..config import ConfigError
-from ..core import scratch
-from . import partition, quantize
+from ...comm import Comm
+from ...config import ConfigError
+from ...core import scratch
+from .. import partition
+from . import quantize
 from .params import ShardState
 
 

@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ...config import ConfigError
 from . import quantize
 from .params import ShardState, is_sharded
 
@@ -113,7 +113,7 @@ def quantize_nontrainable(zero, module: nn.Module) -> int:
             "initialize and keep their masters and optimizer state; freeze them before "
             "initialize (DeepSpeed-Chat's LoRA scripts do)"
         )
-    from .unit_gather import gather_now
+    from .gather import gather_now
 
     zero.release_gathered()
     frozen = [p for p in params if not zero.is_trained(p)]

@@ -1,13 +1,13 @@
-"""What a checkpoint reads and writes of ZeRO stages 0-2 (mixed into
-:class:`~.sharded_optimizer.ShardedDataParallel`).
+"""What a checkpoint reads and writes of ZeRO stages 0-2 (the strategy's
+:class:`~.strategy.CheckpointView`, delegated to :class:`FlatCheckpoint`).
 
-This rank's slice of each parameter (:meth:`FlatState.owned_slices`; frozen parameters, held
-whole, in ``frozen_slices``), each master's value and optimizer state through the master store
-(``read_master`` / ``write_master``), the full parameters for a consolidated state dict
+This rank's slice of each parameter (:meth:`FlatCheckpoint.owned_slices`; frozen parameters,
+held whole, in ``frozen_slices``), each master's value and optimizer state through the master
+store (``read_master`` / ``write_master``), the full parameters for a consolidated state dict
 (``full_master``, all-gathering the pieces at stages 1-2), and what goes back into the
-compute-dtype parameters after a load (``after_load``). It uses the strategy's own parts:
-``groups`` (flat buffers and layouts), ``buckets`` (each bucket's master and segments),
-``store`` and ``_where``.
+compute-dtype parameters after a load (``after_load``). It is given what it reads: the
+:class:`~.flat_buffers.FlatBuffers` (groups, buckets, the parameter index), the masters'
+``store`` and the :class:`~.write_back.WriteBack`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .strategy import tally
+from ...comm import Comm
+from ..strategy import tally
+from .buffers import FlatBuffers
+from .write_back import WriteBack
 
 
-class FlatState:
+class FlatCheckpoint:
+    """The checkpoint's view of ``flat`` (of ``module``, whose other parameters are frozen):
+    ``sharded``: each rank holds its own part of the state (stages 1-2), else dp rank
+    ``rank`` 0 writes it all."""
+
+    def __init__(
+        self,
+        flat: FlatBuffers,
+        *,
+        module: nn.Module,
+        comm: Comm,
+        store,
+        writer: WriteBack,
+        sharded: bool,
+        rank: int,
+    ) -> None:
+        self.flat, self.module, self.comm = flat, module, comm
+        self.store, self.writer = store, writer
+        self.sharded, self.rank = sharded, rank
+
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
         """Every trained parameter's fp32 value (all-gathering the pieces at stages 1-2, over
         each flat group's axis)."""
         out = {}
-        for fg in self.groups:
+        for fg in self.flat.groups:
             full = torch.empty(
                 fg.layout.padded_numel, dtype=torch.float32, device=fg.params_flat.device
             )
             for b in fg.buckets:
-                st = self.buckets[b]
+                st = self.flat.buckets[b]
                 region = full[st.bucket.start : st.bucket.end]
                 master = self.master_value(st.master).to(full.device)
                 if fg.cut.world == 1:
@@ -43,26 +65,22 @@ class FlatState:
     def owns_replica(self) -> bool:
         """Whether this rank writes the state it holds: its own part, or dp rank 0 the whole
         (replicated, stage 0)."""
-        return self.sharded_state or self.rank == 0
-
-    def group_params(self) -> list[list[nn.Parameter]]:
-        """Each optimizer group's trained parameters, in the group's order."""
-        return [[p for g in flats for p in self.groups[g].params] for flats in self._of_group]
+        return self.sharded or self.rank == 0
 
     def owned_slices(self):
         """``(param, lo, hi, master, a, b)``: this rank's master holds elements ``[lo, hi)`` of
         the flattened parameter at ``master[a:b]`` (at stage 0, every rank holds all of them)."""
-        for st in self.buckets:
-            fg = self.groups[st.group]
+        for st in self.flat.buckets:
+            fg = self.flat.group_of(st)
             piece_lo, _ = fg.layout.piece(st.bucket, fg.cut.piece_rank)
             for a, b, p in st.segments:
-                start = self._where[p][1].start
+                start = self.flat.locate(p)[1].start
                 yield p, piece_lo + a - start, piece_lo + b - start, st.master, a, b
 
     def frozen_extents(self):
         """``(param, lo, hi)`` of :meth:`frozen_slices`, without touching the values."""
         for p in self.module.parameters():
-            if p not in self._where:
+            if p not in self.flat:
                 yield p, 0, p.numel()
 
     def frozen_slices(self, writes: bool = True):
@@ -71,44 +89,14 @@ class FlatState:
         parameter itself, in the compute dtype (a checkpoint reads it and loads into it in
         place, so ``writes`` changes nothing)."""
         for p in self.module.parameters():
-            if p not in self._where:
+            if p not in self.flat:
                 if not p.data.is_contiguous():  # so that ``held`` is a view, not a copy
                     p.data = p.data.contiguous()
                 yield p, 0, p.numel(), p.data.view(-1)
 
     def after_load(self) -> None:
         """Loaded masters into the compute-dtype parameters (frozen ones were loaded in place)."""
-        self.write_back()
-
-    # ------------------------------------------------------------------ one parameter
-    def state_axis(self, p: nn.Parameter) -> str | None:
-        """The axis over which ``p``'s master is cut, None where every rank holds it whole."""
-        b, _ = self._where[p]
-        fcut = self.groups[self.buckets[b].group].cut
-        return fcut.axis if fcut.world > 1 else None
-
-    def is_trained(self, p: nn.Parameter) -> bool:
-        """Whether the optimizer steps ``p`` (it has a master and gradients here)."""
-        return p in self._where
-
-    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
-        over dp and scaled as its master gets it at the step (times :meth:`grad_post` is the
-        mean). A collective over dp: at stages 0-1 it waits for the boundary's reduction if
-        backward launched it, or sums a copy of the local gradients mid-window."""
-        b, rng = self._where[p]
-        return self.grads.window_grad(p, self.buckets[b], rng)
-
-    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
-        it) ``p``'s gradient in this window, where the step reads it."""
-        b, rng = self._where[p]
-        self.grads.hold_grad(self.buckets[b], rng, value)
-
-    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
-        every rank holds all of it, so nothing is gathered."""
-        p.data.copy_(value.view_as(p))
+        self.writer.finish()
 
     def master_value(self, master: nn.Parameter) -> torch.Tensor:
         """A master's current fp32 value (read back from its file when it is on NVMe)."""
@@ -131,8 +119,8 @@ class FlatState:
         if self.store.in_memory:
             return
         self.store.write_state(master, optimizer, values)
-        st = next(st for st in self.buckets if st.master is master)
-        dtype = self.groups[st.group].params_flat.dtype
+        st = next(st for st in self.flat.buckets if st.master is master)
+        dtype = self.flat.group_of(st).params_flat.dtype
         st.updated = values["master"].to(device=self.comm.topo.device, dtype=dtype, copy=True)
 
     def close(self) -> None:
@@ -153,16 +141,16 @@ class FlatState:
         """``(kind, tensor)`` of every buffer this rank keeps between steps: ``params`` (the
         flat compute-dtype buffers and frozen parameters), ``grads``, ``master`` (separate
         fp32 masters only) and ``scratch`` (bucket buffers kept for the next backward)."""
-        params = [fg.params_flat for fg in self.groups]
-        params += [p for p in self.module.parameters() if p not in self._where]
-        grads = [buf for fg in self.groups for buf in (fg.grads_flat, fg.grad_shard)]
-        grads += [st.host_grad for st in self.buckets]
+        params = [fg.params_flat for fg in self.flat.groups]
+        params += [p for p in self.module.parameters() if p not in self.flat]
+        grads = [buf for fg in self.flat.groups for buf in (fg.grads_flat, fg.grad_shard)]
+        grads += [st.host_grad for st in self.flat.buckets]
         masters = []
-        for st in self.buckets:
-            base = self.groups[st.group].params_flat
+        for st in self.flat.buckets:
+            base = self.flat.group_of(st).params_flat
             if not base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes:
                 masters.append(st.master)
-        scratch = list(self.buffers.kept())  # bucket-sized buffers kept for the next backward
+        scratch = list(self.flat.pool.kept())  # bucket-sized buffers kept for the next backward
         kinds = {"params": params, "grads": grads, "master": masters, "scratch": scratch}
         for kind, tensors in kinds.items():
             for t in tensors:

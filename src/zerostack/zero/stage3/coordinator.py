@@ -1,6 +1,7 @@
 """ZeRO stage 3's parameter coordinator: which parameters are gathered when, and for how long.
 
-A *unit* is a module that owns parameters directly (and the root, always): a forward pre-hook
+A *unit* (the vocabulary note in :mod:`zerostack.zero`) is a module that owns parameters
+directly (and the root, always): a forward pre-hook
 all-gathers its parameters (one coalesced collective) and a forward hook frees them again, after
 attaching a hook to the module's outputs that gathers them once more when backward reaches the
 module. In backward a unit stays gathered until each of its trainable parameters has its gradient
@@ -36,13 +37,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..comm import Comm
-from .gathers import Subgroup
+from ...comm import Comm
+from ..offload.param_swap import ParamSwapper, ResidentPieces
+from .collectives import Subgroup
+from .gather import Gatherer, UnitGather
 from .leaves import z3_leaf_module
 from .module_hooks import ModuleHooks, eager
-from .param_swap import ParamSwapper, ResidentPieces
 from .params import ShardState, StorageMeter, release
-from .unit_gather import Gatherer, UnitGather
 
 PREFETCH_UNITS = 2
 """The default prefetch, in units of the largest one: what is gathered ahead of the running

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .offload import to_host
+from ..offload.host import to_host
 
 
 @dataclass

@@ -15,11 +15,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..core.pinned import host_empty
+from ...core.pinned import host_empty
 from .nvme import NVMeStore
 
 
@@ -44,6 +45,35 @@ class HostMeter:
 
 def host_device() -> torch.device:
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class HostOffload:
+    """Where an offloaded optimizer's state lives and how it travels, made once
+    (:func:`host_offload`) and given to every strategy: ``device`` ("none", "cpu" or "nvme"),
+    ``pin`` (page-locked host buffers), ``uploads`` (offloaded masters up to the device),
+    ``downloads`` (reduced gradients down into host memory), ``meter`` (host bytes held) and
+    ``config`` (the ``offload_optimizer`` section, for the masters' store; None: not asked)."""
+
+    device: str
+    pin: bool
+    uploads: Uploads
+    downloads: Downloads
+    meter: HostMeter
+    config: object = None
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the optimizer's state is off the device (host memory or files)."""
+        return self.device != "none"
+
+
+def host_offload(offload, device: torch.device) -> HostOffload:
+    """The offload set-up of ``offload`` (an ``offload_optimizer`` section, or None) for a
+    model on ``device``."""
+    kind = offload.device if offload is not None else "none"
+    pin = bool(offload is not None and offload.pin_memory)
+    return HostOffload(kind, pin, Uploads(device, pin), Downloads(device), HostMeter(), offload)
 
 
 def to_host(t: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:

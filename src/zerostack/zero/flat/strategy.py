@@ -31,7 +31,8 @@ bucket size that is one tensor per flat group). In fp32 training at stages 0-2 t
 views of the parameter buffer itself, so no master copy exists; in fp16/bf16 they are separate
 fp32 masters made from the original fp32 weights. After a step at stages 1-2 the updated pieces
 are all-gathered into every rank's parameter buffer, overlapping the step where the optimizer
-allows it (:mod:`.write_back`).
+allows it (:mod:`.write_back`). The words (flat group, bucket, piece, cut, master) are the
+vocabulary note's in :mod:`zerostack.zero`.
 """
 
 from __future__ import annotations
@@ -39,27 +40,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..core import scratch
-from ..core.pinned import host_empty, host_zeros
-from ..core.precision import Precision
-from .flat_params import BucketState, FlatGroup, flat_parts, sync_from_rank0
-from .flat_state import FlatState
-from .grad_buffers import GradBuffer
-from .masters import master_store
-from .offload import Downloads, HostMeter, Uploads, host_device
-from .params import hook_grads
-from .partition import FlatLayout
-from .reducer import GradReducer
-from .strategy import StepSequence
+from ...comm import Comm
+from ...core.pinned import host_empty
+from ...core.precision import Precision
+from ..offload.host import HostOffload, host_offload
+from ..offload.masters import master_store
+from ..reducer import hook_grads
+from ..strategy import StepSequence, sync_from_rank0
+from .buffers import FlatBuffers
+from .checkpoint import FlatCheckpoint
+from .grads import GradBuffer
 from .write_back import WriteBack
 
 
-class ShardedDataParallel(FlatState, StepSequence):
-    """Owns parameters, gradients and master weights at ZeRO stage 0, 1 or 2: the state
-    replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's ranks,
-    the gradients held in ``grads`` (a :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or
-    sharded, stage 2). ``shared``: at ep > 1, the parameters every ep rank holds."""
+class ShardedDataParallel(StepSequence):
+    """Sequences the step of ZeRO stage 0, 1 or 2 over the parts it composes: ``flat`` (a
+    :class:`~.flat_buffers.FlatBuffers`: the flat groups, buckets and parameter index), the
+    state replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's
+    ranks; ``grads`` (a :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or sharded,
+    stage 2); ``writer`` (the :class:`~.write_back.WriteBack`); ``checkpoint`` (the
+    :class:`~.flat_checkpoint.FlatCheckpoint`, which the checkpoint view's calls go to).
+    ``host``: the offload set-up (:func:`~.offload.host_offload`); ``shared``: at ep > 1, the
+    parameters every ep rank holds."""
 
     def __init__(
         self,
@@ -73,132 +75,84 @@ class ShardedDataParallel(FlatState, StepSequence):
         grads: type[GradBuffer],
         bucket_numel: int,
         prescale: float = 1.0,
-        offload=None,
+        host: HostOffload | None = None,
         sub_group_numel: int | None = None,
         reduce_scatter: bool = True,
         shared: set[nn.Parameter] | frozenset = frozenset(),
     ) -> None:
         # offload_optimizer: fp32 masters and optimizer state in host memory ("cpu") or files
         # ("nvme"); the optimizer steps on the host either way.
-        self.offload = offload.device if offload is not None else "none"
-        self._pin = bool(offload is not None and offload.pin_memory)
-        self.uploads = Uploads(comm.topo.device, self._pin)  # offloaded masters to the device
-        self.downloads = Downloads(comm.topo.device)  # stage 2's pieces to an offloaded shard
-        self.buffers = scratch.Pool()  # bucket-sized buffers of one backward, or one step
-        self.host_meter = HostMeter()
+        self.host = host if host is not None else host_offload(None, comm.topo.device)
+        self.offload = self.host.device
+        self.uploads = self.host.uploads  # offloaded masters to the device
+        self.downloads = self.host.downloads  # stage 2's pieces to an offloaded shard
+        self.host_meter = self.host.meter
         self.module, self.comm, self.precision = module, comm, precision
         self.stage = stage  # a label (the Protocol's): the choices are the two below
         topo = comm.topo
         self.dp, self.rank = topo.dp, topo.dp_rank
         self.sharded_state = sharded_state
-        self.grads = grads(self)
-        self.reduces_each_backward = self.grads.every_micro_step  # stage 2 (the Protocol's)
         self.prescale = prescale
-        self.reduce_scatter = reduce_scatter  # sharded state; else all-reduce, keep the piece
-        self.reduce_dtype = precision.reduce_dtype
-        self.accum_dtype = precision.accum_dtype(stage)
-        self.groups: list[FlatGroup] = []
-        self.buckets: list[BucketState] = []
-        # param -> (bucket state index, its range in the group's flat buffer)
-        self._where: dict[nn.Parameter, tuple[int, slice]] = {}
         self.boundary = True
-        device = next(module.parameters()).device
         dtype = precision.compute_dtype
-        # a sharded buffer keeps gradient pieces (on the host when offloaded), else full ones
-        shard_device = host_device() if self.offload != "none" else device
-        shard_device = shard_device if self.grads.shard_held else None
-
-        def master_for(numel: int) -> torch.Tensor | None:
-            """A zeroed fp32 master: in host memory when offloaded (pinned if asked and a GPU
-            is there), else on the device; None where the master is the parameter buffer's
-            own piece (fp32, not offloaded)."""
-            if self.offload != "none":
-                return host_zeros(numel, torch.float32, self._pin)
-            if dtype == torch.float32:
-                return None
-            return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
-
-        self._of_group = [[] for _ in groups]
-        parts = flat_parts(groups, shared, topo, sharded=sharded_state, prescale=prescale)
-        for g, (i, options, fcut, params) in enumerate(parts):
-            self._of_group[i].append(g)
-            numel = bucket_numel
-            if self.offload == "nvme" and sub_group_numel:
-                # a rank's piece of a bucket is one sub-group: the unit swapped with the disk
-                numel = min(bucket_numel, sub_group_numel * fcut.world)
-            layout = FlatLayout.build(
-                [tuple(p.shape) for p in params], world=fcut.world, bucket_numel=numel
-            )
-            pieces = [layout.piece(bucket, fcut.piece_rank) for bucket in layout.buckets]
-            fg, masters = FlatGroup.build(
-                params,
-                options,
-                layout,
-                comm=comm,
-                cut=fcut,
-                dtype=dtype,
-                device=device,
-                grad_shard_device=shard_device,
-                grad_dtype=self.accum_dtype,
-                pieces=pieces,
-                master_for=master_for,
-            )
-            for bucket, (lo, hi), master in zip(layout.buckets, pieces, masters, strict=True):
-                fg.buckets.append(len(self.buckets))
-                st = BucketState.build(g, bucket, nn.Parameter(master), lo, hi, fg)
-                self._where.update({p: (len(self.buckets), rng) for p, rng in st.ranges})
-                self.buckets.append(st)
-            self.groups.append(fg)
+        self.flat = FlatBuffers(
+            groups,
+            comm=comm,
+            precision=precision,
+            stage=stage,
+            sharded=sharded_state,
+            shard_grads=grads.shard_held,
+            bucket_numel=bucket_numel,
+            prescale=prescale,
+            host=self.host,
+            device=next(module.parameters()).device,
+            sub_group_numel=sub_group_numel,
+            shared=shared,
+        )
+        self.grads = grads(
+            self.flat, comm=comm, downloads=self.downloads, reduce_scatter=reduce_scatter
+        )
+        self.reduces_each_backward = self.grads.every_micro_step  # stage 2 (the Protocol's)
 
         # The masters' store: in memory, or with their optimizer state in files ("nvme").
-        need = sum(st.master.numel() for st in self.buckets) * 4 * 3  # master + two Adam moments
+        need = sum(st.master.numel() for st in self.flat.buckets) * 4 * 3  # master + two moments
         self.store, _ = master_store(
-            offload, rank=comm.topo.global_rank, need_bytes=need, meter=self.host_meter
+            self.host.config, rank=topo.global_rank, need_bytes=need, meter=self.host_meter
         )
-        for st in self.buckets:
+        for st in self.flat.buckets:
             self.store.add(st.master)
-        # what the pool keeps between steps: one bucket's staged gradients (DeepSpeed keeps one
-        # bucket-sized buffer too); a step's other buffers come back to the system at its end
-        biggest = max((st.bucket.numel for st in self.buckets), default=0)
-        self.rest_bytes = biggest * self.reduce_dtype.itemsize
-        self.writer = WriteBack(
-            self.groups, self.buckets, comm=comm, uploads=self.uploads, buffers=self.buffers
+        self.writer = WriteBack(self.flat, comm=comm, uploads=self.uploads)
+        self.checkpoint = FlatCheckpoint(
+            self.flat,
+            module=module,
+            comm=comm,
+            store=self.store,
+            writer=self.writer,
+            sharded=sharded_state,
+            rank=self.rank,
         )
         self._sync_untracked(dtype)
-        # fixed by the flat groups' cuts, read in every gradient hook and every step: whether
-        # any gradient is summed over other ranks (not at dp 1 without ep), whether each rank
-        # holds another part of the gradients (the norm needs a sum), and what every ep rank
-        # holds cut over dp x ep (each rank counts and saves its own piece of it)
-        self.reduces = any(fg.cut.size > 1 for fg in self.groups)
-        self.grads_sharded = any(fg.cut.world > 1 for fg in self.groups)
-        self.cut_over_ep = {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
-                            for p in fg.params}  # fmt: skip
-        done = self.grads.done()
-        sizes = [len(st.bucket.slots) for st in self.buckets]
-        self.reducer = GradReducer(sizes, self.grads.launch, done)
-        self._hooks = hook_grads(list(self._where), self.grads.on_grad_ready)
+        self.grads_sharded = self.flat.grads_sharded  # the Protocol's
+        self.cut_over_ep = self.flat.cut_over_ep
+        self._hooks = hook_grads(self.flat.params(), self.grads.on_grad_ready)
 
     def _sync_untracked(self, dtype) -> None:
-        others = [p for p in self.module.parameters() if p not in self._where]
+        others = [p for p in self.module.parameters() if p not in self.flat]
         sync_from_rank0(others + list(self.module.buffers()), self.comm, dtype)
 
     # ----------------------------------------------------------------------------- step
     def optimizer_groups(self) -> list[dict]:
-        out = []
-        for flats in self._of_group:
-            masters = [self.buckets[b].master for g in flats for b in self.groups[g].buckets]
-            out.append({"params": masters, **self.groups[flats[0]].options})
-        return out
+        return self.flat.optimizer_groups()
 
+    def begin_backward(self, boundary: bool) -> None:
+        super().begin_backward(boundary)
+        self.grads.begin_backward(boundary)
 
     def end_backward(self) -> None:
         self.grads.end_backward()
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         return self.grads.accumulated_grad(p)
-
-    def masters(self) -> list[nn.Parameter]:
-        return [st.master for st in self.buckets]
 
     def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
         """Sum of squares of this rank's master gradients, leaving out the parameters in
@@ -208,7 +162,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         # with the bucket's cut (how the optimizer groups the parameters).
         views = [
             st.master.grad[lo:hi]
-            for st in self.buckets
+            for st in self.flat.buckets
             for lo, hi, p in st.segments
             if hi > lo and p not in skip
         ]
@@ -219,15 +173,15 @@ class ShardedDataParallel(FlatState, StepSequence):
     def _prepare_step(self, loss_scale: float) -> float:
         """Wait for the reduction and hand each master its fp32 gradient, still summed over dp
         and scaled; return the factor that averages and unscales it."""
-        self.grads.before_step()
+        self.grads.finish_grad_sync()
         self.downloads.settle()
         on_device = not self.grads.shard_held  # a shard is where the optimizer steps already
         down = self.downloads.gpu and self.offload != "none" and on_device
-        for st in self.buckets:
+        for st in self.flat.buckets:
             grad = self.grads.grad_piece(st)
             if self.offload != "none" and on_device:
                 if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
-                    st.host_grad = host_empty(grad.numel(), torch.float32, self._pin)
+                    st.host_grad = host_empty(grad.numel(), torch.float32, self.host.pin)
                 # queued one after another (pinned: without stopping the host), waited for
                 # once below, where each blocking copy waited for the whole stream
                 grad = st.host_grad.copy_(grad, non_blocking=down)
@@ -245,7 +199,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         return 1.0 / (loss_scale * self.prescale * self.dp) if self.dp > 1 else 1.0 / loss_scale
 
     def scale_grads(self, factor: float) -> None:
-        for st in self.buckets:
+        for st in self.flat.buckets:
             st.master.grad.mul_(factor)
 
     def step_optimizer(self, optimizer) -> None:
@@ -255,7 +209,7 @@ class ShardedDataParallel(FlatState, StepSequence):
         if self.writer.steps_by_bucket(optimizer, self.offload):
             self.writer.step_and_gather(optimizer)
             return
-        bucket_of = {st.master: st for st in self.buckets}
+        bucket_of = {st.master: st for st in self.flat.buckets}
 
         def keep(master: nn.Parameter, value: torch.Tensor) -> None:
             st = bucket_of[master]
@@ -269,11 +223,87 @@ class ShardedDataParallel(FlatState, StepSequence):
 
     def zero_grad(self) -> None:
         self.downloads.settle()  # no late add after the zeros
-        for fg in self.groups:
+        for fg in self.flat.groups:
             for buf in (fg.grads_flat, fg.grad_shard):
                 if buf is not None:
                     buf.zero_()
-        for st in self.buckets:
+        for st in self.flat.buckets:
             st.master.grad = None
             st.shard_clean = True
-        self.buffers.trim(self.rest_bytes)
+        self.flat.pool.trim(self.flat.rest_bytes)
+
+    # ------------------------------------------------------------------ one parameter
+    def is_trained(self, p: nn.Parameter) -> bool:
+        """Whether the optimizer steps ``p`` (it has a master and gradients here)."""
+        return p in self.flat
+
+    def state_axis(self, p: nn.Parameter) -> str | None:
+        return self.flat.state_axis(p)
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
+        over dp and scaled as its master gets it at the step (times :meth:`grad_post` is the
+        mean). A collective over dp: at stages 0-1 it waits for the boundary's reduction if
+        backward launched it, or sums a copy of the local gradients mid-window."""
+        return self.grads.window_grad(p)
+
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
+        it) ``p``'s gradient in this window, where the step reads it."""
+        self.grads.hold_grad(p, value)
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
+        every rank holds all of it, so nothing is gathered."""
+        p.data.copy_(value.view_as(p))
+
+    # ------------------------------------------------------------------ the checkpoint's view
+    # (:class:`~.strategy.CheckpointView` and what the strategy holds, answered by its parts)
+    @property
+    def owns_replica(self) -> bool:
+        return self.checkpoint.owns_replica
+
+    def masters(self) -> list[nn.Parameter]:
+        return self.flat.masters()
+
+    def group_params(self) -> list[list[nn.Parameter]]:
+        return self.flat.group_params()
+
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        return self.checkpoint.full_master()
+
+    def owned_slices(self):
+        return self.checkpoint.owned_slices()
+
+    def frozen_extents(self):
+        return self.checkpoint.frozen_extents()
+
+    def frozen_slices(self, writes: bool = True):
+        return self.checkpoint.frozen_slices(writes)
+
+    def master_value(self, master: nn.Parameter) -> torch.Tensor:
+        return self.checkpoint.master_value(master)
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        return self.checkpoint.read_master(master, optimizer, kinds)
+
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        return self.checkpoint.master_kinds(master, optimizer)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        self.checkpoint.write_master(master, optimizer, values)
+
+    def after_load(self) -> None:
+        self.checkpoint.after_load()
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return self.checkpoint.memory_breakdown()
+
+    def held(self):
+        return self.checkpoint.held()
+
+    def state_tensors(self):
+        return self.checkpoint.state_tensors()

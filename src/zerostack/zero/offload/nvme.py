@@ -20,8 +20,8 @@ import weakref
 
 import torch
 
-from ..config import ConfigError
-from ..core.exit import before_hard_exit, forget
+from ...config import ConfigError
+from ...core.exit import before_hard_exit, forget
 
 _MMAP_SET = False
 

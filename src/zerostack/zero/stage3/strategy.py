@@ -21,21 +21,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..core.precision import Precision
+from ...comm import Comm
+from ...core.precision import Precision
+from ..offload.host import HostOffload, host_device, host_offload
+from ..offload.masters import GradFiles, GradShards, master_store
+from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
+from ..reducer import hook_grads
+from ..strategy import StepSequence, sync_from_rank0
+from .checkpoint import Stage3State
+from .collectives import Subgroup
 from .coordinator import ParamCoordinator
-from .flat_params import sync_from_rank0
 from .frozen_pieces import quantize_at_start
-from .gathers import Subgroup
-from .masters import GradFiles, GradShards, master_store
-from .offload import Downloads, HostMeter, Uploads, host_device
-from .param_swap import ParamSwapper, ResidentPieces, offload_pieces
-from .params import StorageMeter, cut_all, hook_grads
-from .stage3_groups import Group, make_group, sub_groups
-from .stage3_reduce import piece_reducers
-from .stage3_state import Stage3State
-from .strategy import StepSequence
-from .unit_gather import gather_now
+from .gather import gather_now
+from .groups import Group, make_group, sub_groups
+from .params import StorageMeter, cut_all
+from .reduce import piece_reducers
 
 
 class Stage3(Stage3State, StepSequence):
@@ -58,7 +58,7 @@ class Stage3(Stage3State, StepSequence):
         max_reuse_numel: int = 0,
         prescale: float = 1.0,
         meter: StorageMeter | None = None,
-        offload=None,
+        host: HostOffload | None = None,
         sub_group_numel: int | None = None,
         offload_param=None,
         quantized_weights: bool = False,
@@ -71,11 +71,11 @@ class Stage3(Stage3State, StepSequence):
         self.module, self.comm, self.precision = module, comm, precision
         # offload_optimizer: masters, gradient shards and optimizer state in host memory ("cpu")
         # or, masters and state, in files ("nvme"); the optimizer steps on the host.
-        self.offload = offload.device if offload is not None else "none"
-        pin = bool(offload is not None and offload.pin_memory)
-        self.uploads = Uploads(comm.topo.device, pin)  # offloaded masters to the device
-        self.downloads = Downloads(comm.topo.device)  # reduced rows to offloaded gradients
-        self.host_meter = HostMeter()
+        self.host = host if host is not None else host_offload(None, comm.topo.device)
+        self.offload, pin = self.host.device, self.host.pin
+        self.uploads = self.host.uploads  # offloaded masters to the device
+        self.downloads = self.host.downloads  # reduced rows to offloaded gradients
+        self.host_meter = self.host.meter
         self.dp, self.rank = comm.topo.dp, comm.topo.dp_rank
         self.prescale = prescale
         self.prefetch_numel = prefetch_numel
@@ -99,7 +99,7 @@ class Stage3(Stage3State, StepSequence):
         # the fp32 gradients are summed (a shard per group, or files beside the masters).
         need = sum(p._zs.piece.numel() for p in trainable) * 4 * 4  # master, 2 moments, grad
         self.store, files = master_store(
-            offload, rank=comm.topo.global_rank, need_bytes=need, meter=self.host_meter
+            self.host.config, rank=comm.topo.global_rank, need_bytes=need, meter=self.host_meter
         )
         self._group_of: dict[nn.Parameter, Group] = {}  # master -> its (sub-)group
         if files is not None:  # built sub-group by sub-group: never all in memory at once

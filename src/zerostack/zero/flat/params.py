@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm import Comm
-from .partition import Bucket, FlatLayout
+from ...comm import Comm
+from ..partition import Bucket, FlatLayout
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,6 @@ def flat_parts(groups: list[dict], shared, topo, *, sharded: bool, prescale: flo
         for axis, mine in [(a, ps) for a, ps in split if ps] or [("dp", params)]:
             parts.append((i, options, cut(axis), mine))
     return parts
-
-
-def sync_from_rank0(tensors: list[torch.Tensor], comm: Comm, dtype: torch.dtype) -> None:
-    """Broadcast tensors the optimizer does not own (frozen parameters, buffers) from dp rank 0,
-    so every rank starts alike, and cast the floating-point ones to the compute dtype."""
-    for t in tensors:
-        if comm.topo.dp > 1:
-            comm.broadcast(t.data, src=0, axis="dp")
-        if t.is_floating_point() and t.dtype != dtype:
-            t.data = t.data.to(dtype)
 
 
 @dataclass

@@ -28,12 +28,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..comm import Comm, Handle
-from ..core import scratch
+from ...comm import Comm, Handle
+from ...core import scratch
+from ..offload.host import Downloads
+from ..partition import PieceBuckets
+from ..reducer import GradReducer
 from . import quantize
-from .offload import Downloads
-from .partition import PieceBuckets
-from .reducer import GradReducer
 
 Deliver = Callable[[list[tuple[nn.Parameter, torch.Tensor]], bool], None]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gathers import gather_full
-from .strategy import tally
+from ..strategy import tally
+from .collectives import gather_full
 
 
 class Stage3State:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core import scratch
-from ..core.precision import autocast_as, autocast_state
+from ...core import scratch
+from ...core.precision import autocast_as, autocast_state
 
 
 class _LinearSavingWeight(torch.autograd.Function):

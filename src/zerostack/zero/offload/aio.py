@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.pinned import can_pin, host_empty
+from ...core.pinned import can_pin, host_empty
 
 O_DIRECT_ALIGNMENT = 512
 """DeepSpeed's per-thread alignment unit: ``get_alignment()`` is this times the parallelism."""

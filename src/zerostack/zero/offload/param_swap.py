@@ -13,9 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..core.pinned import host_empty
+from ...core.pinned import host_empty
+from .host import HostMeter, HostStore, _placeholder
 from .nvme import NVMeStore
-from .offload import HostMeter, HostStore, _placeholder
 
 
 class ResidentPieces:
