@@ -4,8 +4,8 @@ The grid's dp axis is the expert-data-parallel group: the ranks holding the same
 which ZeRO reduces and cuts the experts. The ``ep`` ranks of a group read different batches, so
 the full average over all ``dp * ep`` batches needs one more factor: a parameter every ep rank
 holds (all but the experts) is reduced over the ``dp * ep`` ranks of the ``dp_ep`` axis, its
-sum prescaled by ``1 / ep`` in the same collective (``zero.flat_params.Cut``,
-``zero.stage3_reduce.piece_reducers``), and an expert's gradient, which the all-to-all's
+sum prescaled by ``1 / ep`` in the same collective (``zero.flat.params.Cut``,
+``zero.stage3.reduce.piece_reducers``), and an expert's gradient, which the all-to-all's
 backward has already summed over the ep ranks' tokens, is divided by ep. The expert's division
 happens in a gradient hook (below), before the gradient reaches ZeRO's buckets.
 """

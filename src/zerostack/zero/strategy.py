@@ -11,8 +11,8 @@ engine drives one optimizer step through four calls::
 
 ``coef`` is where averaging over dp, unscaling (fp16) and clipping meet: the engine's update
 computes it from ``stats`` once (:meth:`zerostack.engine.update.BoundaryUpdate.apply`).
-Stages 0-2 are :class:`~.sharded_optimizer.ShardedDataParallel`, stage 3 is
-:class:`~.stage3.Stage3`; :func:`build_strategy` maps the config to one of them.
+Stages 0-2 are :class:`~.flat.strategy.ShardedDataParallel`, stage 3 is
+:class:`~.stage3.strategy.Stage3`; :func:`build_strategy` maps the config to one of them.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Modelled on Megatron-Core's ``_ParamAndGradBuffer`` (the buffer owns its buckets and the map
 from each parameter to its place in them). :class:`FlatBuffers` builds each flat group's
-buffers (:class:`~.flat_params.FlatGroup`) and each bucket's state
-(:class:`~.flat_params.BucketState`), and answers where a parameter is (:meth:`locate`). The
-gradient buffer (:mod:`.grad_buffers`), the write-back (:mod:`.write_back`) and the checkpoint
+buffers (:class:`~.params.FlatGroup`) and each bucket's state
+(:class:`~.params.BucketState`), and answers where a parameter is (:meth:`locate`). The
+gradient buffer (:mod:`.grads`), the write-back (:mod:`.write_back`) and the checkpoint
 (:mod:`.flat_checkpoint`) are each given it; none of them reads the strategy. The words
 (flat group, bucket, piece, cut, master) are defined in :mod:`zerostack.zero`'s vocabulary.
 """

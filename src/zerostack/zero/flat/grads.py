@@ -1,8 +1,8 @@
 """The gradient buffers of ZeRO stages 0-2: the one policy that tells the stages apart in backward.
 
-Stages 0-2 are one strategy (:class:`~.sharded_optimizer.ShardedDataParallel`: flat parameter
+Stages 0-2 are one strategy (:class:`~.strategy.ShardedDataParallel`: flat parameter
 buffers and the fp32 masters of this rank's pieces, each flat group reduced and cut over the
-ranks of its :class:`~.flat_params.Cut`)
+ranks of its :class:`~.params.Cut`)
 composed with one of two gradient buffers. Each is given the state it works on, the strategy's
 :class:`~.flat_buffers.FlatBuffers` (groups, buckets, the parameter index), and owns the
 :class:`~.reducer.GradReducer` of those buckets. As backward accumulates each gradient, the

@@ -16,15 +16,15 @@ stage     gradients held              reduction                        fp32 mast
 ========  ==========================  ===============================  =========================
 
 Stage 0 is the state replicated, stages 1-2 sharded over dp; the gradients
-are held in a :class:`~.grad_buffers.GradBuffer`, full (stages 0-1) or sharded (stage 2): the
+are held in a :class:`~.grads.GradBuffer`, full (stages 0-1) or sharded (stage 2): the
 builder (:mod:`.build`) makes both choices. The gradients held are in
 ``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0 only takes the compute
-dtype), and reduced in ``communication_data_type`` (see :mod:`.grad_buffers`).
+dtype), and reduced in ``communication_data_type`` (see :mod:`.grads`).
 
 With expert parallelism, each optimizer group's parameters are two flat groups: the experts,
 summed and cut over dp (the expert-data-parallel ranks), and the rest, which every ep rank
 holds, summed and cut over the ``dp * ep`` ranks of the grid's ``dp_ep`` axis, so no rank holds
-their state twice (DeepSpeed's MoE groups; each flat group's :class:`~.flat_params.Cut`).
+their state twice (DeepSpeed's MoE groups; each flat group's :class:`~.params.Cut`).
 
 The optimizer sees, per group, one fp32 tensor per bucket: this rank's piece (with the default
 bucket size that is one tensor per flat group). In fp32 training at stages 0-2 those tensors are
@@ -57,7 +57,7 @@ class ShardedDataParallel(StepSequence):
     """Sequences the step of ZeRO stage 0, 1 or 2 over the parts it composes: ``flat`` (a
     :class:`~.flat_buffers.FlatBuffers`: the flat groups, buckets and parameter index), the
     state replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's
-    ranks; ``grads`` (a :class:`~.grad_buffers.GradBuffer`: full, stages 0-1, or sharded,
+    ranks; ``grads`` (a :class:`~.grads.GradBuffer`: full, stages 0-1, or sharded,
     stage 2); ``writer`` (the :class:`~.write_back.WriteBack`); ``checkpoint`` (the
     :class:`~.flat_checkpoint.FlatCheckpoint`, which the checkpoint view's calls go to).
     ``host``: the offload set-up (:func:`~.offload.host_offload`); ``shared``: at ep > 1, the

@@ -161,7 +161,7 @@ class ParamCoordinator:
         hpz: Subgroup | None = None,
     ) -> None:
         self.meter = meter
-        # the collectives: qwZ's int8 gathers, hpZ's secondary pieces (see .unit_gather)
+        # the collectives: qwZ's int8 gathers, hpZ's secondary pieces (see .gather)
         self.gathers = Gatherer(comm, meter, swapper, quantized_weights, hpz)
         self.max_live_numel, self.max_reuse_numel = max_live_numel, max_reuse_numel
         self._trainable, self.param_swapper = trainable, swapper

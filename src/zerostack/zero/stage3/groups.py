@@ -1,6 +1,6 @@
 """ZeRO stage 3's optimizer groups: each group's parameters, cut into sub-groups on NVMe, get
 one fp32 master (this rank's pieces end to end) whose views the parameters keep as their piece,
-master and gradient shard (see :mod:`.stage3`).
+master and gradient shard (see :mod:`.strategy`).
 """
 
 from __future__ import annotations
