@@ -34,7 +34,7 @@ dtype: no piece, no add.
 With ``reduce_scatter: false`` a bucket of a sharded state is all-reduced in place instead
 (twice the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
 
-Two dtypes (``precision.py``): the buffer holds the window's sum in the buffers'
+Two dtypes (:mod:`zerostack.core.precision`): the buffer holds the window's sum in the buffers'
 ``accum_dtype`` (``data_types.grad_accum_dtype``); when that is not the parameters' dtype, each
 micro-step's ``.grad`` is added into the buffer and dropped. A bucket is reduced in
 ``reduce_dtype`` (``communication_data_type``), cast when the gradients are held in another.
