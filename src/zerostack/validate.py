@@ -70,9 +70,11 @@ def validate(
             "zero.Init with a MoE model: a gate's weight is read before zero.Init's pieces are "
             "gathered (not yet); build the model outside zero.Init"
         )
-    if (cfg.activation_checkpointing.cpu_checkpointing
-            and getattr(model, "supports_gradient_checkpointing", False)
-            and not model_checkpointed_layers(model)):  # fmt: skip
+    if (
+        cfg.activation_checkpointing.cpu_checkpointing
+        and getattr(model, "supports_gradient_checkpointing", False)
+        and not model_checkpointed_layers(model)
+    ):
         raise ConfigError(
             "activation_checkpointing.cpu_checkpointing: the Hugging Face model checkpoints no "
             "layer, so nothing would be kept on the CPU; call model.gradient_checkpointing_enable"
@@ -150,8 +152,10 @@ def _check_random_ltd(cfg, topo: Topology, model) -> None:
         return
     key = "data_efficiency.data_routing.random_ltd"
     if not served_as_deepspeed(cfg):
-        raise ConfigError(f"{key}: DeepSpeed's convert_to_random_ltd(engine, ...) drives it; "
-                          "initialize through zerostack.compat.deepspeed")  # fmt: skip
+        raise ConfigError(
+            f"{key}: DeepSpeed's convert_to_random_ltd(engine, ...) drives it; "
+            "initialize through zerostack.compat.deepspeed"
+        )
     split = [f"{k} {n}" for k, n in (("tp", topo.tp), ("sp", topo.sp), ("pp", topo.pp)) if n > 1]
     if split or isinstance(model, PipelineModule):
         raise ConfigError(

@@ -585,8 +585,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "DeepSpeed's expert groups cut over every dp rank, not the ep rank's own",
         "checkpoint/deepspeed_optim.py",
-        "layout.dp // layout.ep, rank // layout.ep) if g in layout.expert_groups else (",
-        "layout.dp, rank) if g in layout.expert_groups else (",
+        "            (layout.dp // layout.ep, rank // layout.ep)\n"
+        "            if g in layout.expert_groups\n",
+        "            (layout.dp, rank)\n            if g in layout.expert_groups\n",
         (
             "tests/test_deepspeed_write.py::"
             "test_a_deepspeed_folder_saved_again_is_deepspeeds_bit_for_bit[moe_zero2]",
@@ -699,8 +700,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "a checkpoint read back claims fp32 where DeepSpeed's files were bf16",
         "checkpoint/deepspeed_read.py",
-        '"precision": self._precision()},',
-        '"precision": "fp32"},',
+        '"precision": self._precision(),',
+        '"precision": "fp32",',
         (
             "tests/test_convert.py::"
             "test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit[zero2_bf16]",

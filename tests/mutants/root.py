@@ -16,8 +16,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu_checkpointing on a model that checkpoints nothing is accepted",
         "validate.py",
-        "            and not model_checkpointed_layers(model)):  # fmt: skip",
-        "            and False):  # fmt: skip",
+        "        and not model_checkpointed_layers(model)\n",
+        "        and False\n",
         (
             "tests/test_hf_long.py::"
             "test_cpu_checkpointing_on_a_model_that_checkpoints_nothing_is_refused",

@@ -1075,8 +1075,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "MoE: what every ep rank holds is cut and reduced over dp only (held twice, not summed)",
         "zero/flat/params.py",
-        '                 ("dp_ep", [p for p in params if p in shared])]',
-        '                 ("dp", [p for p in params if p in shared])]',
+        '            ("dp_ep", [p for p in params if p in shared]),',
+        '            ("dp", [p for p in params if p in shared]),',
         (
             "tests/test_moe.py::test_expert_parallel_gpt_matches_single_process[ep2-top2-stage2]",
             "tests/test_moe.py::test_no_rank_holds_the_shared_state_twice_at_ep_2",

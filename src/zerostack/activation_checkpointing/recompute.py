@@ -230,8 +230,12 @@ def checkpoint(function, *args):
 def model_checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers a Hugging Face model checkpoints (``gradient_checkpointing_enable()`` marks
     them: ``gradient_checkpointing`` True and a ``_gradient_checkpointing_func``)."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
-            and hasattr(m, "_gradient_checkpointing_func")]  # fmt: skip
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+        and hasattr(m, "_gradient_checkpointing_func")
+    ]
 
 
 def adopt_model_checkpointing(model: torch.nn.Module) -> int:

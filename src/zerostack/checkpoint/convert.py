@@ -105,10 +105,20 @@ def convert(
     folder, reader = open_reader(src, tag)
     os.makedirs(dst, exist_ok=True)
     began = time.monotonic()
-    write = {"hf": _to_hf, "zerostack": _to_zerostack, "deepspeed": _to_deepspeed,
-             "dcp": _to_dcp}[to]  # fmt: skip
-    report = write(folder, reader, dst, dtype=_DTYPES[dtype], max_shard_size=_bytes(max_shard_size),
-                   world=world, stage=stage, universal=universal, progress=progress)  # fmt: skip
+    write = {"hf": _to_hf, "zerostack": _to_zerostack, "deepspeed": _to_deepspeed, "dcp": _to_dcp}[
+        to
+    ]
+    report = write(
+        folder,
+        reader,
+        dst,
+        dtype=_DTYPES[dtype],
+        max_shard_size=_bytes(max_shard_size),
+        world=world,
+        stage=stage,
+        universal=universal,
+        progress=progress,
+    )
     report.seconds = time.monotonic() - began
     return report
 
@@ -118,8 +128,15 @@ def _bytes(size: str | int) -> int:
     if isinstance(size, int):
         return size
     text = size.strip().upper()
-    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
-                         ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
+    for unit, factor in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * factor)
     return int(text)
@@ -143,9 +160,11 @@ def _to_hf(folder, reader, dst, *, dtype, max_shard_size, progress, **_) -> Repo
         shards[-1].append(e)
         size += e.nbytes
     n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [
-        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
-    ]  # fmt: skip
+    names = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     total = sum(e.nbytes for e in entries)
     bar, report = _Progress(total, progress, "hf"), Report(dst)
     try:
@@ -170,9 +189,10 @@ def _to_hf(folder, reader, dst, *, dtype, max_shard_size, progress, **_) -> Repo
     finally:
         bar.close()
     if n > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {e.key: name for name, s in zip(names, shards, strict=True)
-                                for e in s}}  # fmt: skip
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {e.key: name for name, s in zip(names, shards, strict=True) for e in s},
+        }
         _text(os.path.join(dst, "model.safetensors.index.json"), json.dumps(index, indent=2))
     return report
 
@@ -229,8 +249,16 @@ def _to_zerostack(folder, reader, dst, *, progress, **_) -> Report:
         "format": FORMAT,
         "tag": tag,
         "aliases": manifest["aliases"],
-        "layout": {"dp": 1, "sp": 1, "ep": 1, "tp": 1, "pp": 1, "zero_stage": 0,
-                   "precision": "fp32", **layout},  # fmt: skip
+        "layout": {
+            "dp": 1,
+            "sp": 1,
+            "ep": 1,
+            "tp": 1,
+            "pp": 1,
+            "zero_stage": 0,
+            "precision": "fp32",
+            **layout,
+        },
         "params": dict(params),
         "excluded": manifest.get("excluded", []),
         "frozen": sorted(frozen),
@@ -241,9 +269,14 @@ def _to_zerostack(folder, reader, dst, *, progress, **_) -> Report:
         "random_ltd": manifest.get("random_ltd"),
         "lr_scheduler": manifest["lr_scheduler"],
         "optimizer_groups": manifest["optimizer_groups"],
-        "files": [{"file": file, "bytes": os.path.getsize(os.path.join(work, file)),
-                   "sha256": out.hashes,
-                   "slices": [[n, None, 0, math.prod(s)] for n, s in params]}],  # fmt: skip
+        "files": [
+            {
+                "file": file,
+                "bytes": os.path.getsize(os.path.join(work, file)),
+                "sha256": out.hashes,
+                "slices": [[n, None, 0, math.prod(s)] for n, s in params],
+            }
+        ],
         "client_state": state,
         "client_tensors": client.write(work, payload),
         "ds_config": manifest.get("ds_config"),
@@ -273,6 +306,7 @@ def _to_deepspeed(folder, reader, dst, *, world, stage, progress, universal=Fals
     os.makedirs(work)
     bar = _Progress(layout.dp, progress, "deepspeed ranks")
     written: dict[str, str] = {}
+
     def module():  # built only where a model-states file is written (rank 0; each at ZeRO-3)
         return module_from_checkpoint(reader, layout)
 
@@ -356,17 +390,36 @@ def add_parser(sub) -> None:
     c.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="hf: the weights'")
     c.add_argument("--max-shard-size", default="5GB", help="hf: the largest file")
     c.add_argument("--world", type=int, default=None, help="deepspeed: dp ranks (the source's)")
-    c.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
-                   help="deepspeed: the ZeRO stage (the source's)")  # fmt: skip
-    c.add_argument("--universal", action="store_true",
-                   help="deepspeed: a universal checkpoint, as ds_to_universal writes")  # fmt: skip
+    c.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        choices=[0, 1, 2, 3],
+        help="deepspeed: the ZeRO stage (the source's)",
+    )
+    c.add_argument(
+        "--universal",
+        action="store_true",
+        help="deepspeed: a universal checkpoint, as ds_to_universal writes",
+    )
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_command(args) -> int:
-    report = convert(args.src, args.dst, args.to, tag=args.tag, dtype=args.dtype,
-                     max_shard_size=args.max_shard_size, world=args.world, stage=args.stage,
-                     universal=args.universal, progress=not args.no_progress)  # fmt: skip
-    print(f"wrote {report.tensors} tensors, {report.bytes / 1e9:.3f} GB to {report.path} in "
-          f"{report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)")  # fmt: skip
+    report = convert(
+        args.src,
+        args.dst,
+        args.to,
+        tag=args.tag,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        world=args.world,
+        stage=args.stage,
+        universal=args.universal,
+        progress=not args.no_progress,
+    )
+    print(
+        f"wrote {report.tensors} tensors, {report.bytes / 1e9:.3f} GB to {report.path} in "
+        f"{report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)"
+    )
     return 0

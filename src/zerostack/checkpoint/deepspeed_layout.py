@@ -24,8 +24,10 @@ def refusal(cfg, topo, stage: int, model=None) -> str | None:
     sizes = {a: getattr(topo, a) for a in ("tp", "sp")}
     parts += [f"{a} {n}" for a, n in sizes.items() if n > 1]
     if topo.ep > 1 and (stage not in (1, 2) or topo.pp > 1):
-        parts.append(f"ep {topo.ep} at ZeRO stage {stage}, pp {topo.pp} (experts' files at ZeRO "
-                     "1-2 without a pipeline only)")  # fmt: skip
+        parts.append(
+            f"ep {topo.ep} at ZeRO stage {stage}, pp {topo.pp} (experts' files at ZeRO "
+            "1-2 without a pipeline only)"
+        )
     if topo.pp > 1 and stage != 1:  # DeepSpeed's pipeline engine takes ZeRO 0-1
         parts.append(f"pp {topo.pp} at ZeRO stage {stage} (a pipeline's files at ZeRO-1 only)")
     if topo.pp > 1 and getattr(model, "tied_modules", None):
@@ -52,11 +54,17 @@ def wanted(run) -> bool:
     if not served_as_deepspeed(cfg):
         return False
     stage = cfg.zero_optimization.stage
-    why = ("a forward-only engine" if run.optimizer is None
-           else refusal(cfg, run.topology, stage, run.module))  # fmt: skip
+    why = (
+        "a forward-only engine"
+        if run.optimizer is None
+        else refusal(cfg, run.topology, stage, run.module)
+    )
     if why and run.global_rank == 0 and not getattr(run, "_warned_deepspeed_files", False):
-        log.warning("checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
-                    "set checkpoint.deepspeed_files false to silence this)", why)  # fmt: skip
+        log.warning(
+            "checkpoint: the folder holds zerostack's files only, not DeepSpeed's (%s; "
+            "set checkpoint.deepspeed_files false to silence this)",
+            why,
+        )
         run._warned_deepspeed_files = True
     return why is None
 
@@ -125,14 +133,22 @@ def _scaler_settings(cfg, saved: dict) -> dict:
     """DeepSpeed's loss scaler settings: from the config, else from the scaler read back."""
     if cfg is not None:
         fp16 = cfg.fp16
-        return {"dynamic": not fp16.loss_scale > 0, "scale_factor": 2.0,
-                "scale_window": fp16.loss_scale_window, "min_scale": fp16.min_loss_scale,
-                "delayed_shift": fp16.hysteresis,
-                "consecutive_hysteresis": fp16.consecutive_hysteresis}  # fmt: skip
-    return {"dynamic": "cur_iter" in saved, "scale_factor": saved.get("scale_factor", 2.0),
-            "scale_window": saved.get("scale_window", 1000),
-            "min_scale": saved.get("min_scale", 1), "delayed_shift": saved.get("delayed_shift", 2),
-            "consecutive_hysteresis": saved.get("consecutive_hysteresis", False)}  # fmt: skip
+        return {
+            "dynamic": not fp16.loss_scale > 0,
+            "scale_factor": 2.0,
+            "scale_window": fp16.loss_scale_window,
+            "min_scale": fp16.min_loss_scale,
+            "delayed_shift": fp16.hysteresis,
+            "consecutive_hysteresis": fp16.consecutive_hysteresis,
+        }
+    return {
+        "dynamic": "cur_iter" in saved,
+        "scale_factor": saved.get("scale_factor", 2.0),
+        "scale_window": saved.get("scale_window", 1000),
+        "min_scale": saved.get("min_scale", 1),
+        "delayed_shift": saved.get("delayed_shift", 2),
+        "consecutive_hysteresis": saved.get("consecutive_hysteresis", False),
+    }
 
 
 def layout_of_run(run, manifest: dict) -> Layout:
@@ -146,13 +162,21 @@ def layout_of_run(run, manifest: dict) -> Layout:
         experts = _experts(run, names, groups)
     trained = {n for g in groups for n in g}
     return Layout(
-        stage=cfg.zero_optimization.stage, dp=topo.data_parallel_size, precision=cfg.model_dtype,
-        kind=_optimizer_kind(cfg), config=given_config(cfg), clip=float(cfg["gradient_clipping"]),
-        sub_group_size=cfg.zero_optimization.sub_group_size, groups=groups,
+        stage=cfg.zero_optimization.stage,
+        dp=topo.data_parallel_size,
+        precision=cfg.model_dtype,
+        kind=_optimizer_kind(cfg),
+        config=given_config(cfg),
+        clip=float(cfg["gradient_clipping"]),
+        sub_group_size=cfg.zero_optimization.sub_group_size,
+        groups=groups,
         frozen=[n for n, _ in run.module.named_parameters() if n not in trained],
-        buffers=_buffer_names(run.module), scaler=_scaler_settings(cfg, {}), pp=topo.pp,
-        mp=topo.rank("pp"), **experts,
-    )  # fmt: skip
+        buffers=_buffer_names(run.module),
+        scaler=_scaler_settings(cfg, {}),
+        pp=topo.pp,
+        mp=topo.rank("pp"),
+        **experts,
+    )
 
 
 def _experts(run, names: dict, groups: list) -> dict:
@@ -165,12 +189,19 @@ def _experts(run, names: dict, groups: list) -> dict:
         return {}
     known = global_names(run.module, topo.rank("ep"))
     as_read = {names[p]: n for p, n in known.items()}
-    layers = tuple((prefix, m.num_experts, m.num_local_experts)
-                   for prefix, m in run.module.named_modules() if isinstance(m, MoE))  # fmt: skip
+    layers = tuple(
+        (prefix, m.num_experts, m.num_local_experts)
+        for prefix, m in run.module.named_modules()
+        if isinstance(m, MoE)
+    )
     expert = {n for n in as_read if EXPERTS in n}
-    return {"ep": topo.ep, "ep_rank": topo.rank("ep"), "moe_layers": layers,
-            "expert_groups": tuple(g for g, ns in enumerate(groups) if set(ns) & expert),
-            "global_names": as_read}  # fmt: skip
+    return {
+        "ep": topo.ep,
+        "ep_rank": topo.rank("ep"),
+        "moe_layers": layers,
+        "expert_groups": tuple(g for g, ns in enumerate(groups) if set(ns) & expert),
+        "global_names": as_read,
+    }
 
 
 def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None) -> Layout:
@@ -180,35 +211,50 @@ def layout_of_checkpoint(reader, dp: int | None = None, stage: int | None = None
 
     manifest = reader.manifest
     saved = manifest["layout"]
-    if saved.get("pp", 1) > 1 or hasattr(reader, "parts") or saved.get("ep", 1) > 1 or (
-            getattr(reader, "ep", None)):  # fmt: skip
-        raise CheckpointError("a pipeline's or experts' checkpoint as DeepSpeed's files: not "
-                              "written by convert yet (the run's own save does)")  # fmt: skip
+    if (
+        saved.get("pp", 1) > 1
+        or hasattr(reader, "parts")
+        or saved.get("ep", 1) > 1
+        or (getattr(reader, "ep", None))
+    ):
+        raise CheckpointError(
+            "a pipeline's or experts' checkpoint as DeepSpeed's files: not "
+            "written by convert yet (the run's own save does)"
+        )
     stage = stage if stage is not None else saved.get("zero_stage", getattr(reader, "stage", 1))
     dp = dp if dp is not None else saved.get("dp", getattr(reader, "world", 1))
     if stage not in (0, 1, 2, 3) or dp < 1:
-        raise CheckpointError(f"DeepSpeed's files for ZeRO stage {stage} on {dp} ranks: "
-                              "expected stage 0, 1, 2 or 3 and at least one rank")  # fmt: skip
+        raise CheckpointError(
+            f"DeepSpeed's files for ZeRO stage {stage} on {dp} ranks: "
+            "expected stage 0, 1, 2 or 3 and at least one rank"
+        )
     config = manifest.get("ds_config") or {}
     cfg = load_config(config, unknown_keys="as_deepspeed") if config else None
     groups = [g.get("params") for g in manifest["optimizer_groups"]]
     frozen = [n for n in manifest["params"] if n in set(manifest.get("frozen", []))]
     if None in groups:
         if len(groups) > 1:
-            raise CheckpointError("the checkpoint does not say which parameters each of its "
-                                  f"{len(groups)} optimizer groups holds (written before "
-                                  "zerostack recorded it)")  # fmt: skip
+            raise CheckpointError(
+                "the checkpoint does not say which parameters each of its "
+                f"{len(groups)} optimizer groups holds (written before "
+                "zerostack recorded it)"
+            )
         groups = [[n for n in manifest["params"] if n not in set(frozen)]]
     hyper = manifest["optimizer_groups"][0]["hyper"] if manifest["optimizer_groups"] else {}
-    kind = _optimizer_kind(cfg) if cfg is not None else ("fused" if "betas" in hyper
-                                                             else "torch")  # fmt: skip
+    kind = _optimizer_kind(cfg) if cfg is not None else ("fused" if "betas" in hyper else "torch")
     return Layout(
-        stage=stage, dp=dp, precision=saved.get("precision", "fp32"), kind=kind, config=config,
+        stage=stage,
+        dp=dp,
+        precision=saved.get("precision", "fp32"),
+        kind=kind,
+        config=config,
         clip=float(cfg.gradient_clipping if cfg is not None else 1.0),
         sub_group_size=cfg.zero_optimization.sub_group_size if cfg is not None else 10**9,
-        groups=groups, frozen=frozen, buffers=list(reader.buffers),
+        groups=groups,
+        frozen=frozen,
+        buffers=list(reader.buffers),
         scaler=_scaler_settings(cfg, manifest["loss_scaler"]),
-    )  # fmt: skip
+    )
 
 
 def module_from_checkpoint(reader, layout: Layout) -> OrderedDict:
@@ -235,8 +281,11 @@ def state_dict_order(module) -> list[str]:
 
     def walk(m, prefix: str) -> None:
         out.extend(prefix + n for n, p in m._parameters.items() if p is not None)
-        out.extend(prefix + n for n, b in m._buffers.items()
-                   if b is not None and n not in m._non_persistent_buffers_set)  # fmt: skip
+        out.extend(
+            prefix + n
+            for n, b in m._buffers.items()
+            if b is not None and n not in m._non_persistent_buffers_set
+        )
         for n, child in m._modules.items():
             if child is not None:
                 walk(child, prefix + n + ".")
@@ -259,5 +308,3 @@ def _buffer_names(module) -> list[str]:
 
     walk(module, "")
     return out
-
-

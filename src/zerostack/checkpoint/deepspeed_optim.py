@@ -24,8 +24,13 @@ def _group(kind: str, hyper: dict, index: list[int]) -> dict:
     # the keys DeepSpeed's MoE tutorial gives a group come first (the client's dict, to which
     # the optimizer adds its defaults)
     out = {k: hyper[k] for k in ("name", "moe") if k in hyper}
-    out.update(lr=hyper["lr"], bias_correction=True, betas=tuple(hyper["betas"]), eps=hyper["eps"],
-               weight_decay=hyper["weight_decay"])  # fmt: skip
+    out.update(
+        lr=hyper["lr"],
+        bias_correction=True,
+        betas=tuple(hyper["betas"]),
+        eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"],
+    )
     if kind == "cpu":
         out["amsgrad"] = hyper.get("amsgrad", False)
     else:
@@ -43,10 +48,20 @@ def _state(kind: str, step, values: dict) -> dict:
     return {"step": int(step), **values}
 
 
-_ORDER_1_2 = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
-              "base_optimizer_state", "single_partition_of_fp32_groups", "zero_stage",
-              "group_paddings", "param_alignment_paddings", "partition_count", "ds_version",
-              "param_slice_mappings")  # fmt: skip
+_ORDER_1_2 = (
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "clip_grad",
+    "base_optimizer_state",
+    "single_partition_of_fp32_groups",
+    "zero_stage",
+    "group_paddings",
+    "param_alignment_paddings",
+    "partition_count",
+    "ds_version",
+    "param_slice_mappings",
+)
 
 
 def _scaler(layout, state: dict) -> _LossScaler:
@@ -59,13 +74,19 @@ def _scaler(layout, state: dict) -> _LossScaler:
     s = layout.scaler
     out = _DynamicLossScaler()
     out.__dict__.update(
-        cur_scale=state["cur_scale"], dynamic=True, cur_iter=state["cur_iter"],
-        last_overflow_iter=state["last_overflow_iter"], scale_factor=s["scale_factor"],
-        scale_window=s["scale_window"], min_scale=s["min_scale"], delayed_shift=s["delayed_shift"],
+        cur_scale=state["cur_scale"],
+        dynamic=True,
+        cur_iter=state["cur_iter"],
+        last_overflow_iter=state["last_overflow_iter"],
+        scale_factor=s["scale_factor"],
+        scale_window=s["scale_window"],
+        min_scale=s["min_scale"],
+        delayed_shift=s["delayed_shift"],
         cur_hysteresis=state.get("cur_hysteresis", s["delayed_shift"]),
-        consecutive_hysteresis=s["consecutive_hysteresis"], raise_error_at_min_scale=True,
+        consecutive_hysteresis=s["consecutive_hysteresis"],
+        raise_error_at_min_scale=True,
         dtype=torch.float16,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -87,16 +108,23 @@ def _stage_0(layout, reader, shapes, moments, hyper, steps, scaler: dict) -> dic
         return {"state": {i: s for i, s in states.items() if s}, "param_groups": param_groups}
     out: dict = {}
     if layout.fp16:
-        out.update(dynamic_loss_scale=layout.scaler["dynamic"], cur_scale=scaler["cur_scale"],
-                   cur_iter=scaler.get("cur_iter", 0))  # fmt: skip
+        out.update(
+            dynamic_loss_scale=layout.scaler["dynamic"],
+            cur_scale=scaler["cur_scale"],
+            cur_iter=scaler.get("cur_iter", 0),
+        )
         if layout.scaler["dynamic"]:
-            out.update(last_overflow_iter=scaler["last_overflow_iter"],
-                       scale_factor=layout.scaler["scale_factor"],
-                       scale_window=layout.scaler["scale_window"])  # fmt: skip
+            out.update(
+                last_overflow_iter=scaler["last_overflow_iter"],
+                scale_factor=layout.scaler["scale_factor"],
+                scale_window=layout.scaler["scale_window"],
+            )
     flats, states = [], {}
     for g, group in enumerate(layout.groups):
-        values = {k: torch.cat([reader.full(n, k).reshape(-1) for n in group])
-                  for k in ["master", *moments]}  # fmt: skip
+        values = {
+            k: torch.cat([reader.full(n, k).reshape(-1) for n in group])
+            for k in ["master", *moments]
+        }
         flats.append(values.pop("master"))
         states[g] = _state(layout.kind, steps[g], values)
     out["optimizer_state_dict"] = {
@@ -113,8 +141,11 @@ def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
     fp32, paddings, states, maps, counts, aligns = [], [], {}, [], [], []
     for g, group in enumerate(layout.groups):
         # experts: cut over their ep rank's dp // ep ranks, read under their global names
-        dp, part = (layout.dp // layout.ep, rank // layout.ep) if g in layout.expert_groups else (
-            layout.dp, rank)  # fmt: skip
+        dp, part = (
+            (layout.dp // layout.ep, rank // layout.ep)
+            if g in layout.expert_groups
+            else (layout.dp, rank)
+        )
         numels = [math.prod(shapes[names.get(n, n)]) for n in group]
         total = sum(numels)
         align = 2 * dp
@@ -127,8 +158,9 @@ def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
             x, y = max(offset, lo), min(offset + numel, lo + size)
             if x < y:
                 for k, dest in values.items():
-                    got = reader.fill(dest, names.get(n, n), k, None, x - offset, y - offset,
-                                      x - lo)  # fmt: skip
+                    got = reader.fill(
+                        dest, names.get(n, n), k, None, x - offset, y - offset, x - lo
+                    )
                     if k == "master" and got != y - x:
                         raise CheckpointError(f"{n}: {got} of {y - x} elements in the shards")
                 slices[n] = _address(y - x, x - lo)
@@ -139,8 +171,10 @@ def _stages_1_2(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
         maps.append(slices)
         counts.append(dp)
         aligns.append([0] * len(group))
-    base = {"state": {g: s for g, s in states.items() if s},
-            "param_groups": [_group(kind, h, [g]) for g, h in enumerate(hyper)]}  # fmt: skip
+    base = {
+        "state": {g: s for g, s in states.items() if s},
+        "param_groups": [_group(kind, h, [g]) for g, h in enumerate(hyper)],
+    }
     return {
         "clip_grad": layout.clip,
         "base_optimizer_state": base,
@@ -199,7 +233,9 @@ def _stage_3(layout, reader, shapes, moments, hyper, steps, rank) -> dict:
         param_groups.append(_group(kind, hyper[g], index))
     return {
         "partition_count": dp,
-        "optimizer_state_dict": {"state": {i: s for i, s in states.items() if s},
-                                 "param_groups": param_groups},  # fmt: skip
+        "optimizer_state_dict": {
+            "state": {i: s for i, s in states.items() if s},
+            "param_groups": param_groups,
+        },
         "fp32_flat_groups": flats,
     }

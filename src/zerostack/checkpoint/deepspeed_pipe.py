@@ -41,15 +41,19 @@ class PipelineReader(JoinedReader):
         self.folder, self.gas = folder, gas
         stages = mp_ranks(folder)
         if not stages:
-            raise CheckpointError(f"{folder}: a pipeline's folder without ZeRO optimizer states "
-                                  "(ZeRO-0): not read yet")  # fmt: skip
+            raise CheckpointError(
+                f"{folder}: a pipeline's folder without ZeRO optimizer states "
+                "(ZeRO-0): not read yet"
+            )
         self.parts = [DeepSpeedReader(folder, gas, mp=s, part=True) for s in stages]
         first = self.parts[0]
         self.stage, self.world = first.stage, first.world
         self.model_file, self.model = first.model_file, first.model
         count = max(len(p.shapes) for p in self.parts)
-        self.shapes = [{n: s for p in self.parts if g < len(p.shapes)
-                        for n, s in p.shapes[g].items()} for g in range(count)]  # fmt: skip
+        self.shapes = [
+            {n: s for p in self.parts if g < len(p.shapes) for n, s in p.shapes[g].items()}
+            for g in range(count)
+        ]
         self._weights: dict[str, torch.Tensor] = {}
         for path in layer_files(folder):
             index = int(re.search(r"layer_(\d+)-", os.path.basename(path)).group(1))
@@ -59,8 +63,10 @@ class PipelineReader(JoinedReader):
         trained = {n for g in self.shapes for n in g}
         other = [n for n in self._weights if n not in trained and n not in set(buffers)]
         if other:
-            raise CheckpointError(f"{folder}: {other[0]} is in a layer file but trained by no "
-                                  "stage (a frozen or tied layer's): not read yet")  # fmt: skip
+            raise CheckpointError(
+                f"{folder}: {other[0]} is in a layer file but trained by no "
+                "stage (a frozen or tied layer's): not read yet"
+            )
         self._start()
         self.buffers = {n: "module" for n in buffers}
 

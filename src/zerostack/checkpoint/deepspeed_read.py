@@ -72,6 +72,7 @@ class _ZeroStageEnum(enum.IntEnum):
 class _FragmentAddress:
     """DeepSpeed's ``fragment_address`` (a dataclass: ``numel``, ``start``) as pickled."""
 
+
 ALLOWED = {
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": _LossScaler,
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DynamicLossScaler,
@@ -82,13 +83,32 @@ ALLOWED = {
 the ZeRO stage, stage 1-2's per-rank slice map), each read into a stand-in."""
 
 _KNOWN = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "autoep_layers", "iteration", "num_experts", "ds_autoep_layers",
-    "universal_checkpoint_info", "folding",
-}  # fmt: skip
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "checkpoint_parallel_dimensions",
+    "ds_config",
+    "ds_version",
+    "autoep_layers",
+    "iteration",
+    "num_experts",
+    "ds_autoep_layers",
+    "universal_checkpoint_info",
+    "folding",
+}
 """The model-states keys DeepSpeed writes itself; any other top-level key is client state."""
 
 
@@ -178,9 +198,7 @@ class Reader:
             if frozen and self.stage == 3:  # each rank's model states hold its pieces
                 self._flat["frozen"] = self._frozen_pieces(frozen)
             else:
-                self._flat["frozen"] = {
-                    n: self.weights[n].float().reshape(-1) for n in frozen
-                }
+                self._flat["frozen"] = {n: self.weights[n].float().reshape(-1) for n in frozen}
         return self._flat["frozen"]
 
     def _frozen_pieces(self, frozen: dict) -> dict[str, torch.Tensor]:
@@ -196,8 +214,10 @@ class Reader:
             numel = math.prod(shape)
             whole = torch.cat([m["frozen_param_fragments"][n].float().reshape(-1) for m in ranks])
             if whole.numel() < numel:
-                raise CheckpointError(f"{self.model_file}: {n}: the ranks' pieces hold "
-                                      f"{whole.numel()} of {numel} elements")  # fmt: skip
+                raise CheckpointError(
+                    f"{self.model_file}: {n}: the ranks' pieces hold "
+                    f"{whole.numel()} of {numel} elements"
+                )
             out[n] = whole[:numel]
         return out
 
@@ -206,16 +226,23 @@ class Reader:
         params = {n: list(s) for shapes in self.shapes for n, s in shapes.items()}
         params.update({n: list(s) for n, s in (m.get("frozen_param_shapes") or {}).items()})
         groups = [
-            {"hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
-             "step": float(step) if step is not None else None,
-             "params": list(self.shapes[g]) if g < len(self.shapes) else []}
+            {
+                "hyper": {k: v for k, v in hyper.items() if k not in ("params", "step")},
+                "step": float(step) if step is not None else None,
+                "params": list(self.shapes[g]) if g < len(self.shapes) else [],
+            }
             for g, (hyper, step) in enumerate(self._groups())
-        ]  # fmt: skip
+        ]
         return {
             "params": params,
             "aliases": dict(m.get("shared_params") or {}),
-            "layout": {"tp": 1, "world_size": -1,  # DeepSpeed keeps no RNG states
-                       "dp": self.world, "zero_stage": self.stage, "precision": self._precision()},
+            "layout": {
+                "tp": 1,
+                "world_size": -1,  # DeepSpeed keeps no RNG states
+                "dp": self.world,
+                "zero_stage": self.stage,
+                "precision": self._precision(),
+            },
             "tp_specs": {},
             "files": [],
             "excluded": [],
@@ -239,8 +266,11 @@ class Reader:
     def _precision(self) -> str:
         """The run's compute dtype, as its weights are kept."""
         weights = [t for t in (self.weights or {}).values() if t.is_floating_point()]
-        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32") if (
-            weights) else "fp32"
+        return (
+            {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(weights[0].dtype, "fp32")
+            if (weights)
+            else "fp32"
+        )
 
 
 class DeepSpeedReader(Reader):
@@ -270,8 +300,10 @@ class DeepSpeedReader(Reader):
         self.model_file = os.path.join(folder, name if self.stage < 3 else f"zero_pp_rank_0_{name}")
         self.model = load_pickle(self.model_file)
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
-        self.base = [o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
-                     for o in self.optim]  # fmt: skip
+        self.base = [
+            o["base_optimizer_state" if self.stage < 3 else "optimizer_state_dict"]
+            for o in self.optim
+        ]
         self._experts(first["partition_count"])
         if part:
             self._flat = {}
@@ -298,8 +330,11 @@ class DeepSpeedReader(Reader):
                 if self.stage == 3:
                     raise CheckpointError(f"{self.folder}: MoE experts at ZeRO-3: not read yet")
                 self.ep[g] = self.world // count
-                self.shapes[g] = {self._global(n, e, g): s for e in range(self.ep[g])
-                                  for n, s in self.local_shapes[g].items()}  # fmt: skip
+                self.shapes[g] = {
+                    self._global(n, e, g): s
+                    for e in range(self.ep[g])
+                    for n, s in self.local_shapes[g].items()
+                }
         if self.ep:
             self._module = dict(self._module)
             pattern = os.path.join(self.folder, "layer_*_expert_*_model_states.pt")
@@ -345,11 +380,14 @@ class DeepSpeedReader(Reader):
                     for i, (name, shape) in enumerate(shapes.items()):
                         n = math.prod(shape)
                         out[self._global(name, e, g) if g in self.ep else name] = flat[
-                            offset : offset + n]  # fmt: skip
+                            offset : offset + n
+                        ]
                         offset += n + (pads[g][i] if pads is not None else 0)
                     if offset > flat.numel():
-                        raise CheckpointError(f"{self.folder}: group {g} holds {flat.numel()} "
-                                              f"elements, its parameters {offset}")  # fmt: skip
+                        raise CheckpointError(
+                            f"{self.folder}: group {g} holds {flat.numel()} "
+                            f"elements, its parameters {offset}"
+                        )
         else:
             flats = [torch.cat([t.float() for t in rank]) for rank in parts]
             offset = 0
@@ -360,16 +398,20 @@ class DeepSpeedReader(Reader):
                     out[name] = torch.cat([f[offset : offset + piece] for f in flats])[:n]
                     offset += piece
             if offset != flats[0].numel():
-                raise CheckpointError(f"{self.folder}: a partition holds {flats[0].numel()} "
-                                      f"elements, its parameters' pieces {offset}")  # fmt: skip
+                raise CheckpointError(
+                    f"{self.folder}: a partition holds {flats[0].numel()} "
+                    f"elements, its parameters' pieces {offset}"
+                )
         self._flat[kind] = out
         return out
 
     # ------------------------------------------------------------------ the manifest's parts
     def _groups(self) -> list[tuple[dict, object]]:
         state = self.base[0]["state"]
-        return [(hyper, state.get(g, {}).get("step"))
-                for g, hyper in enumerate(self.base[0]["param_groups"])]  # fmt: skip
+        return [
+            (hyper, state.get(g, {}).get("step"))
+            for g, hyper in enumerate(self.base[0]["param_groups"])
+        ]
 
     def _scaler(self) -> dict:
         scaler = self.optim[0].get("loss_scaler")

@@ -109,8 +109,10 @@ class Zero0Reader(Reader):
     def _check(self, weights: dict[str, torch.Tensor]) -> None:
         sizes = self._sizes()
         if len(sizes) != len(self.shapes):
-            raise CheckpointError(f"{self.model_file}: {len(sizes)} optimizer groups, the "
-                                  f"model's optimizer has {len(self.shapes)}")  # fmt: skip
+            raise CheckpointError(
+                f"{self.model_file}: {len(sizes)} optimizer groups, the "
+                f"model's optimizer has {len(self.shapes)}"
+            )
         for g, (have, names) in enumerate(zip(sizes, self.shapes, strict=True)):
             want = [math.prod(s) for s in names.values()]
             if self.flat:
@@ -138,8 +140,9 @@ class Zero0Reader(Reader):
         for g, names in enumerate(self.shapes):
             if self.flat:
                 index = self.inner["param_groups"][g]["params"][0]
-                flat = (self.opt["fp32_groups_flat"][g] if kind == "master"
-                        else state[index][kind]).float()  # fmt: skip
+                flat = (
+                    self.opt["fp32_groups_flat"][g] if kind == "master" else state[index][kind]
+                ).float()
                 offset = 0
                 for name, shape in names.items():
                     n = math.prod(shape)

@@ -59,8 +59,7 @@ class TensorParallelReader(JoinedReader):
         self.replicated = patterns("tp_replicated_parameter_patterns")
         self.vocab = patterns("vocabulary_parameter_patterns")
         self.vocab_size = info.get("original_vocab_size")
-        self._module = {n: self._join(n, [p.weights[n] for p in self.parts])
-                        for n in first.weights}  # fmt: skip
+        self._module = {n: self._join(n, [p.weights[n] for p in self.parts]) for n in first.weights}
         self.shapes = [{n: list(self._module[n].shape) for n in g} for g in first.shapes]
         self._start()
 
@@ -84,8 +83,10 @@ class TensorParallelReader(JoinedReader):
         out = {}
         for g, shapes in enumerate(self.parts[0].shapes):
             for name in shapes:
-                slices = [v[name].reshape(p.shapes[g][name])
-                          for v, p in zip(values, self.parts, strict=True)]  # fmt: skip
+                slices = [
+                    v[name].reshape(p.shapes[g][name])
+                    for v, p in zip(values, self.parts, strict=True)
+                ]
                 out[name] = self._join(name, slices).reshape(-1)
         self._flat[kind] = out
         return out

@@ -52,8 +52,9 @@ class UniversalReader(Reader):
         parallel = self.model.get("checkpoint_parallel_dimensions") or {}
         tp, pp = int(parallel.get("tp_degree", 1)), int(parallel.get("pp_degree", 1))
         if max(tp, pp, int(self.model.get("mp_world_size") or 1)) > 1:
-            raise CheckpointError(f"{self.model_file}: a universal checkpoint of tp {tp}, pp "
-                                  f"{pp}: not read yet")  # fmt: skip
+            raise CheckpointError(
+                f"{self.model_file}: a universal checkpoint of tp {tp}, pp {pp}: not read yet"
+            )
         self.world = int(self.model.get("dp_world_size") or 1)
         self.shapes = [dict(g) for g in self.model["param_shapes"]]
         self._start()
@@ -76,8 +77,9 @@ class UniversalReader(Reader):
                 value = load_pickle(path)
                 value = value["param"] if isinstance(value, dict) else value
                 if not torch.is_tensor(value) or value.numel() != math.prod(shape):
-                    raise CheckpointError(f"{path}: holds {_what(value)}, the parameter has "
-                                          f"shape {list(shape)}")  # fmt: skip
+                    raise CheckpointError(
+                        f"{path}: holds {_what(value)}, the parameter has shape {list(shape)}"
+                    )
                 out[name] = value.float().reshape(-1)
         self._flat[kind] = out
         return out
@@ -122,8 +124,10 @@ def write_universal(layout, work: str, manifest: dict, reader, module, client_st
     written: dict[str, str] = {}
     for rank in range(layout.dp):
         written.update(dw.write(layout, work, rank, manifest, reader, module, client_state, False))
-    optim = sorted((f for f in written if f.endswith("_optim_states.pt")),
-                   key=lambda f: int(f.split("zero_pp_rank_")[1].split("_")[0]))  # fmt: skip
+    optim = sorted(
+        (f for f in written if f.endswith("_optim_states.pt")),
+        key=lambda f: int(f.split("zero_pp_rank_")[1].split("_")[0]),
+    )
     sd = load_pickle(os.path.join(work, optim[0]))["optimizer_state_dict"]
     for f in optim:
         os.remove(os.path.join(work, f))

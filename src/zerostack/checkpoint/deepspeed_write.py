@@ -85,8 +85,16 @@ class _PickleModule:
 
 
 # ---------------------------------------------------------------------------- the files
-def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module,
-          client_state, exclude_frozen: bool) -> dict:  # fmt: skip
+def write(
+    layout: Layout,
+    folder: str,
+    rank: int,
+    manifest: dict,
+    reader,
+    module,
+    client_state,
+    exclude_frozen: bool,
+) -> dict:
     """DeepSpeed's files of dp rank ``rank`` into ``folder``, the values read through
     ``reader`` (zerostack's shards, or any checkpoint); ``module()`` gives the module's state
     dict for the model-states file. Returns ``{file: sha256}`` of what it wrote."""
@@ -105,15 +113,22 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
         dynamic = layout.fp16 and layout.scaler["dynamic"]
         # the last step's overflow, which DeepSpeed keeps beside the scaler
         overflow = dynamic and scaler["last_overflow_iter"] == scaler["cur_iter"] - 1
-        optim = {"zero_stage": _ZeroStageEnum(layout.stage), "loss_scaler": _scaler(layout, scaler),
-                 "dynamic_loss_scale": dynamic, "overflow": overflow, **optim}  # fmt: skip
+        optim = {
+            "zero_stage": _ZeroStageEnum(layout.stage),
+            "loss_scaler": _scaler(layout, scaler),
+            "dynamic_loss_scale": dynamic,
+            "overflow": overflow,
+            **optim,
+        }
         if layout.stage < 3:
             optim = {k: optim[k] for k in _ORDER_1_2}
         prefix = "bf16_" if layout.bf16 else ""
         name = f"{prefix}zero_pp_rank_{rank}_mp_rank_{layout.mp:02d}_optim_states.pt"
-        written[name] = _save(folder, name, {"optimizer_state_dict": optim,
-                                             "ds_config": layout.config,
-                                             "ds_version": VERSION})  # fmt: skip
+        written[name] = _save(
+            folder,
+            name,
+            {"optimizer_state_dict": optim, "ds_config": layout.config, "ds_version": VERSION},
+        )
         optimizer = None
     if layout.moe_layers and rank < layout.ep:  # each ep rank's experts, from its first rank
         state = module()
@@ -123,8 +138,9 @@ def write(layout: Layout, folder: str, rank: int, manifest: dict, reader, module
         if layout.pp > 1:  # the stage's layers in files of their own, the module nowhere else
             written.update(_layer_files(folder, module()))
             module = lambda: None  # noqa: E731
-        model = _model_states(layout, rank, manifest, shapes, module, client_state,
-                              exclude_frozen, reader, optimizer)  # fmt: skip
+        model = _model_states(
+            layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader, optimizer
+        )
         name = f"mp_rank_{layout.mp:02d}_model_states.pt"
         name = (f"zero_pp_rank_{rank}_" if layout.stage == 3 else "") + name
         written[name] = _save(folder, name, model)
@@ -141,9 +157,11 @@ def _expert_files(folder: str, layout, state: dict) -> dict:
         for index in range(local):
             number = layout.ep_rank * local + index
             mine = f"{experts}{EXPERTS}{index}."
-            sd = OrderedDict((k.replace(mine, f"{experts}{EXPERTS}{number}."),
-                              v.detach().cpu().clone())
-                             for k, v in state.items() if k.startswith(mine))  # fmt: skip
+            sd = OrderedDict(
+                (k.replace(mine, f"{experts}{EXPERTS}{number}."), v.detach().cpu().clone())
+                for k, v in state.items()
+                if k.startswith(mine)
+            )
             name = f"layer_{layer}_expert_{number}_mp_rank_00_model_states.pt"
             out[name] = _save(folder, name, sd)
     return out
@@ -157,12 +175,15 @@ def _layer_files(folder: str, state: dict) -> dict:
     for key, value in state.items():
         index, rest = key.split(".", 1)
         layers.setdefault(int(index), OrderedDict())[rest] = value.detach().cpu().clone()
-    return {f"layer_{i:02d}-model_states.pt": _save(folder, f"layer_{i:02d}-model_states.pt", sd)
-            for i, sd in sorted(layers.items())}  # fmt: skip
+    return {
+        f"layer_{i:02d}-model_states.pt": _save(folder, f"layer_{i:02d}-model_states.pt", sd)
+        for i, sd in sorted(layers.items())
+    }
 
 
-def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader,
-                  optimizer=None):  # fmt: skip
+def _model_states(
+    layout, rank, manifest, shapes, module, client_state, exclude_frozen, reader, optimizer=None
+):
     """DeepSpeed's model-states file: rank 0's at stages 0-2 (with ``optimizer`` at stage 0),
     each rank's at stage 3."""
     stage, dp = layout.stage, layout.dp
@@ -189,8 +210,9 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
     shared = {a: c for a, c in manifest["aliases"].items()} if rank == 0 else {}
     names = layout.global_names or {}
     shape = tuple if layout.moe_layers else torch.Size  # as DeepSpeed's MoE save keeps them
-    param_shapes = [OrderedDict((n, shape(shapes[names.get(n, n)])) for n in g)
-                    for g in layout.groups]  # fmt: skip
+    param_shapes = [
+        OrderedDict((n, shape(shapes[names.get(n, n)])) for n in g) for g in layout.groups
+    ]
     if stage == 0:  # DeepSpeed's stage 0 names none of it
         param_shapes = shared = None
     out = {
@@ -216,8 +238,10 @@ def _model_states(layout, rank, manifest, shapes, module, client_state, exclude_
     if layout.moe_layers:
         out.update(num_experts=[n for _, n, _ in layout.moe_layers], ds_autoep_layers=None)
     if "checkpoint_parallel_dimensions" in (client_state or {}):
-        raise CheckpointError("client_state: 'checkpoint_parallel_dimensions' is DeepSpeed's own "
-                              "key in its model-states file")  # fmt: skip
+        raise CheckpointError(
+            "client_state: 'checkpoint_parallel_dimensions' is DeepSpeed's own "
+            "key in its model-states file"
+        )
     out.update(client_state or {})
     return out
 

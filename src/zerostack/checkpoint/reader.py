@@ -111,5 +111,6 @@ class ShardReader:
         try:
             return self._open[file].get(key, lo, hi)
         except Exception as exc:
-            raise CheckpointError(f"{os.path.join(self.folder, file)}: cannot read {key} "
-                                  f"({exc})") from None  # fmt: skip
+            raise CheckpointError(
+                f"{os.path.join(self.folder, file)}: cannot read {key} ({exc})"
+            ) from None

@@ -159,8 +159,16 @@ def _deepspeed_files(run, folder: str, save_dir: str, client_state, exclude_froz
         reader = ShardReader(folder, manifest)
         layout = deepspeed_layout.layout_of_run(run, manifest)
         rank = run.topology.data_parallel_rank  # DeepSpeed's dp rank (over ep's too)
-        mine = deepspeed_write.write(layout, folder, rank, manifest, reader,
-                                     run.module.state_dict, client_state, exclude_frozen)
+        mine = deepspeed_write.write(
+            layout,
+            folder,
+            rank,
+            manifest,
+            reader,
+            run.module.state_dict,
+            client_state,
+            exclude_frozen,
+        )
         error = None
     except Exception as exc:
         mine, error = {}, f"{type(exc).__name__}: {exc}"
@@ -255,8 +263,11 @@ def _manifest(run, tag: str, records: list[dict], client_state, client_record=No
     groups = []
     every = global_names(run.module, topo.rank("ep"))
     # each group's trained parameters by name, where rank 0 knows them all (no pp or ep)
-    members = [[every[p] for p in ps] for ps in run.zero.group_params()] if (
-        run.optimizer is not None and topo.pp == 1 and topo.ep == 1) else None
+    members = (
+        [[every[p] for p in ps] for ps in run.zero.group_params()]
+        if (run.optimizer is not None and topo.pp == 1 and topo.ep == 1)
+        else None
+    )
     for i, g in enumerate(run.optimizer_groups()):  # none for a forward-only engine
         step = None
         for m in g["params"]:
@@ -265,8 +276,13 @@ def _manifest(run, tag: str, records: list[dict], client_state, client_record=No
                 step = float(s)
                 break
         hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({"hyper": json.loads(json.dumps(hyper, default=list)), "step": step,
-                       "params": members[i] if members is not None else None})  # fmt: skip
+        groups.append(
+            {
+                "hyper": json.loads(json.dumps(hyper, default=list)),
+                "step": step,
+                "params": members[i] if members is not None else None,
+            }
+        )
     merged = merge_records(records)
     excluded = set(merged["excluded"])
     canonical = {id(p): n for n, p in run.module.named_parameters()}

@@ -144,56 +144,102 @@ def _collective(buffer: str | None = None, *, asynchronous: bool = False):
 
 # ------------------------------------------------------------------ collectives
 @_collective("tensor")
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-               log_name="all_reduce", debug=None):  # fmt: skip
+def all_reduce(
+    tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_reduce",
+    debug=None,
+):
     return td.all_reduce(tensor, op=_op(op), group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                         log_name="all_reduce", debug=None):  # fmt: skip
+def inference_all_reduce(
+    tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_reduce",
+    debug=None,
+):
     return td.all_reduce(tensor, op=_op(op), group=group)
 
 
 @_collective("tensors")
-def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                         log_name="all_reduce", debug=None):  # fmt: skip
+def all_reduce_coalesced(
+    tensors,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_reduce",
+    debug=None,
+):
     return td.all_reduce_coalesced(tensors, op=_op(op), group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-           log_name="reduce", debug=None):  # fmt: skip
+def reduce(
+    tensor,
+    dst,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="reduce",
+    debug=None,
+):
     return td.reduce(tensor, dst, op=_op(op), group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def broadcast(tensor, src, group=None, async_op=False, prof=False, log_name="broadcast",
-              debug=None):  # fmt: skip
+def broadcast(
+    tensor, src, group=None, async_op=False, prof=False, log_name="broadcast", debug=None
+):
     return td.broadcast(tensor, src, group=group, async_op=async_op)
 
 
 @_collective()
-def broadcast_object_list(object_list, src, group=None, device=None, prof=False,
-                          log_name="broadcast_object_list", debug=None):  # fmt: skip
+def broadcast_object_list(
+    object_list,
+    src,
+    group=None,
+    device=None,
+    prof=False,
+    log_name="broadcast_object_list",
+    debug=None,
+):
     return td.broadcast_object_list(object_list, src, group=group, device=device)
 
 
 @_collective("tensor_list")
-def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False,
-               log_name="all_gather", debug=None):  # fmt: skip
+def all_gather(
+    tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None
+):
     return td.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
 @_collective()
-def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_gather_object",
-                      debug=None):  # fmt: skip
+def all_gather_object(
+    object_list, obj, group=None, prof=False, log_name="all_gather_object", debug=None
+):
     return td.all_gather_object(object_list, obj, group=group)
 
 
 @_collective("output_tensor")
-def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, prof=False,
-                           log_name="all_gather_into_tensor", debug=None):  # fmt: skip
+def all_gather_into_tensor(
+    output_tensor,
+    tensor,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_gather_into_tensor",
+    debug=None,
+):
     return _all_gather(output_tensor, tensor, group=group, async_op=async_op)
 
 
@@ -219,60 +265,115 @@ def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=Fal
 
 
 @_collective("tensor")
-def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False,
-                          prof=False, log_name="reduce_scatter_tensor", debug=None):  # fmt: skip
+def reduce_scatter_tensor(
+    output_tensor,
+    tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="reduce_scatter_tensor",
+    debug=None,
+):
     return _reduce_scatter(output_tensor, tensor, op=_op(op), group=group, async_op=async_op)
 
 
-def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False,
-                      prof=False, debug=None):  # fmt: skip
+def reduce_scatter_fn(
+    output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, debug=None
+):
     return reduce_scatter_tensor(
         output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof
     )
 
 
 @_collective("input_list")
-def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                   log_name="reduce_scatter", debug=None):  # fmt: skip
+def reduce_scatter(
+    output,
+    input_list,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="reduce_scatter",
+    debug=None,
+):
     return td.reduce_scatter(output, input_list, op=_op(op), group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op=False, prof=False, log_name="all_to_all_single",
-                      debug=None):  # fmt: skip
+def all_to_all_single(
+    output,
+    tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_to_all_single",
+    debug=None,
+):
     return td.all_to_all_single(
         output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
     )
 
 
 @_collective("input_tensor_list")
-def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, prof=False,
-               log_name="all_to_all", debug=None):  # fmt: skip
+def all_to_all(
+    output_tensor_list,
+    input_tensor_list,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_to_all",
+    debug=None,
+):
     return td.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False,
-           log_name="gather", debug=None):  # fmt: skip
+def gather(
+    tensor,
+    gather_list=None,
+    dst=0,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="gather",
+    debug=None,
+):
     return td.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
 
 
 @_collective("tensor")
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False,
-            log_name="scatter", debug=None):  # fmt: skip
+def scatter(
+    tensor,
+    scatter_list=None,
+    src=0,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="scatter",
+    debug=None,
+):
     return td.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
 
 
 @_collective()
-def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier",
-            debug=None):  # fmt: skip
+def barrier(
+    group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None
+):
     return td.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
 @_collective()
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, prof=False,
-                      log_name="monitored_barrier", debug=None):  # fmt: skip
+def monitored_barrier(
+    group=None,
+    timeout=None,
+    wait_all_ranks=False,
+    prof=False,
+    log_name="monitored_barrier",
+    debug=None,
+):
     return td.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 

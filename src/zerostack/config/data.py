@@ -138,8 +138,11 @@ class RandomLTDConfig(_Model):
     @model_validator(mode="after")
     def _layers(self) -> "RandomLTDConfig":
         if len(self.random_ltd_layer_id) != self.random_ltd_layer_num:
-            _fail(f"names {len(self.random_ltd_layer_id)} layers, random_ltd_layer_num "
-                  f"{self.random_ltd_layer_num}", "random_ltd_layer_id")  # fmt: skip
+            _fail(
+                f"names {len(self.random_ltd_layer_id)} layers, random_ltd_layer_num "
+                f"{self.random_ltd_layer_num}",
+                "random_ltd_layer_id",
+            )
         if self.random_ltd_layer_num > self.total_layer_num:
             _fail(f"above total_layer_num {self.total_layer_num}", "random_ltd_layer_num")
         return self

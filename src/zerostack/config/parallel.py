@@ -48,14 +48,23 @@ class LayerSpec(_Model):
                 _fail(f"{p!r} is no regular expression ({e})", "patterns")
         dim = 0 if self.partition_type == "column" else 1
         if self.partition_dim is not None and self.partition_dim != dim:
-            _fail(f"{self.partition_dim}: zerostack splits a {self.partition_type} layer along "
-                  f"dimension {dim} only", "partition_dim")  # fmt: skip
+            _fail(
+                f"{self.partition_dim}: zerostack splits a {self.partition_type} layer along "
+                f"dimension {dim} only",
+                "partition_dim",
+            )
         if self.shape is not None and (
-            self.partition_type != "column" or len(self.shape) != 2 or self.shape[1] != -1
-            or not isinstance(self.shape[0], int) or self.shape[0] < 1
-        ):  # fmt: skip
-            _fail(f"{self.shape}: zerostack splits [n, -1] (n equal parts) of a column layer; "
-                  "unequal parts and reshapes are not supported", "shape")  # fmt: skip
+            self.partition_type != "column"
+            or len(self.shape) != 2
+            or self.shape[1] != -1
+            or not isinstance(self.shape[0], int)
+            or self.shape[0] < 1
+        ):
+            _fail(
+                f"{self.shape}: zerostack splits [n, -1] (n equal parts) of a column layer; "
+                "unequal parts and reshapes are not supported",
+                "shape",
+            )
         for key in ("gather_output", "grad_allreduce"):
             if getattr(self, key):
                 _fail("not supported by zerostack's tensor-parallel layers", key)

@@ -49,8 +49,11 @@ FLUSH = 100  # samples of one value kept in memory before they are appended to i
 
 def find_fit_int_dtype(lo: int, hi: int) -> type[np.integer]:
     """The smallest integer dtype holding ``[lo, hi]`` (unsigned when ``lo >= 0``)."""
-    kinds = (np.uint8, np.uint16, np.uint32, np.uint64) if lo >= 0 else (
-        np.int8, np.int16, np.int32, np.int64)  # fmt: skip
+    kinds = (
+        (np.uint8, np.uint16, np.uint32, np.uint64)
+        if lo >= 0
+        else (np.int8, np.int16, np.int32, np.int64)
+    )
     for kind in kinds:
         info = np.iinfo(kind)
         if info.min <= lo and hi <= info.max:
@@ -86,11 +89,27 @@ def _same_dtype(values, dtype) -> bool:
 class DataAnalyzer:
     """DeepSpeed's arguments and files (see the module)."""
 
-    def __init__(self, dataset, num_workers=1, worker_id=0, num_threads=1, num_threads_reduce=1,
-                 specific_threads=(), batch_size=1, metric_names=(), metric_functions=(),
-                 metric_types=(), metric_dtypes=(), save_path="./", collate_fn=None,
-                 custom_map_init=None, custom_map_update=None, custom_map_finalize=None,
-                 custom_reduce=None, sample_indices=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset,
+        num_workers=1,
+        worker_id=0,
+        num_threads=1,
+        num_threads_reduce=1,
+        specific_threads=(),
+        batch_size=1,
+        metric_names=(),
+        metric_functions=(),
+        metric_types=(),
+        metric_dtypes=(),
+        save_path="./",
+        collate_fn=None,
+        custom_map_init=None,
+        custom_map_update=None,
+        custom_map_finalize=None,
+        custom_reduce=None,
+        sample_indices=None,
+    ) -> None:
         for kind in metric_types:
             if kind not in (SINGLE, ACCUMULATE):
                 raise ValueError(
@@ -108,8 +127,9 @@ class DataAnalyzer:
         self.custom_map_finalize, self.custom_reduce = custom_map_finalize, custom_reduce
 
     # ------------------------------------------------------------------ map
-    def init_metric_results(self, thread_id, metric_names, metric_types, metric_dtypes,
-                            save_path, worker_id) -> list[dict]:  # fmt: skip
+    def init_metric_results(
+        self, thread_id, metric_names, metric_types, metric_dtypes, save_path, worker_id
+    ) -> list[dict]:
         results = []
         for name, kind, dtype in zip(metric_names, metric_types, metric_dtypes, strict=True):
             where = f"{save_path}/{name}/worker{worker_id}_thread{thread_id}/"
@@ -119,25 +139,34 @@ class DataAnalyzer:
                 for stale in glob.glob(f"{glob.escape(to_sample)}*"):
                     os.remove(stale)  # a rerun appends to fresh files
                 prefix = f"{where}/{name}_sample_to_metric"
-                results.append({"sample_to_metric_fname": prefix,
-                                "sample_to_metric_builder": _builder(prefix, dtype),
-                                "metric_to_sample_fname": to_sample,
-                                "metric_to_sample_dict": defaultdict(list)})  # fmt: skip
+                results.append(
+                    {
+                        "sample_to_metric_fname": prefix,
+                        "sample_to_metric_builder": _builder(prefix, dtype),
+                        "metric_to_sample_fname": to_sample,
+                        "metric_to_sample_dict": defaultdict(list),
+                    }
+                )
             else:
-                results.append({"metric_value": None,
-                                "metric_value_fname": f"{where}/{name}_metric_value"})  # fmt: skip
+                results.append(
+                    {"metric_value": None, "metric_value_fname": f"{where}/{name}_metric_value"}
+                )
         return results
 
-    def update_metric_results(self, data, metric_types, metric_dtypes, metric_functions,
-                              metric_results, batch_start_idx=0) -> None:  # fmt: skip
-        for kind, dtype, fn, result in zip(metric_types, metric_dtypes, metric_functions,
-                                           metric_results, strict=True):  # fmt: skip
+    def update_metric_results(
+        self, data, metric_types, metric_dtypes, metric_functions, metric_results, batch_start_idx=0
+    ) -> None:
+        for kind, dtype, fn, result in zip(
+            metric_types, metric_dtypes, metric_functions, metric_results, strict=True
+        ):
             values = fn(data)
             if not (torch.is_tensor(values) or isinstance(values, np.ndarray)):
                 raise TypeError("DataAnalyzer: a metric function must return a tensor or array")
             if not _same_dtype(values, dtype):
-                raise TypeError(f"DataAnalyzer: metric function result dtype {values.dtype} does "
-                                f"not match metric_dtype {dtype}")  # fmt: skip
+                raise TypeError(
+                    f"DataAnalyzer: metric function result dtype {values.dtype} does "
+                    f"not match metric_dtype {dtype}"
+                )
             values = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
             if kind == ACCUMULATE:
                 if result["metric_value"] is None:
@@ -217,12 +246,16 @@ class DataAnalyzer:
     def _reduce_single(self, name: str, path: str) -> None:
         total = len(self.dataset)
         sample_dtype = find_fit_int_dtype(0, total - 1)
-        shares = [self._share(folder, f"{name}_sample_to_metric", w, t)
-                  for w, t, folder in self._parts(path)]  # fmt: skip
+        shares = [
+            self._share(folder, f"{name}_sample_to_metric", w, t)
+            for w, t, folder in self._parts(path)
+        ]
         count = sum(len(s) for s in shares)
         if count != total:
-            raise RuntimeError(f"DataAnalyzer: the map files of {name!r} hold {count} samples, the "
-                               f"dataset {total}: a map worker did not finish")  # fmt: skip
+            raise RuntimeError(
+                f"DataAnalyzer: the map files of {name!r} hold {count} samples, the "
+                f"dataset {total}: a map worker did not finish"
+            )
         values = sorted({int(v) for s in shares for v in np.unique(np.asarray(s[0 : len(s)]))})
         value_dtype = find_fit_int_dtype(values[0], values[-1])
         split = split_index(0, len(shares), self.num_threads_reduce)
@@ -258,9 +291,13 @@ class DataAnalyzer:
         _close(to_sample, f"{path}/{name}_index_to_sample")
         _close(to_metric, f"{path}/{name}_index_to_metric")
         self.output_index_to_sample_percentile(
-            f"{path}/{name}_index_to_sample", f"{path}/{name}_index_to_metric", name, path,
-            total, sample_dtype,
-        )  # fmt: skip
+            f"{path}/{name}_index_to_sample",
+            f"{path}/{name}_index_to_metric",
+            name,
+            path,
+            total,
+            sample_dtype,
+        )
 
     def _reduce_accumulate(self, name: str, path: str) -> None:
         total = None
@@ -273,9 +310,14 @@ class DataAnalyzer:
         _close(builder, prefix)
 
     @staticmethod
-    def output_index_to_sample_percentile(index_to_sample_fname, index_to_metric_fname,
-                                          metric_name, metric_save_path, total_num_samples,
-                                          sample_idx_dtype) -> dict:  # fmt: skip
+    def output_index_to_sample_percentile(
+        index_to_sample_fname,
+        index_to_metric_fname,
+        metric_name,
+        metric_save_path,
+        total_num_samples,
+        sample_idx_dtype,
+    ) -> dict:
         """Write ``<name>_index_to_sample_percentile_merged`` (the samples of about 1% of the
         values per item); returns the samples per value."""
         to_sample = MMapIndexedDataset(index_to_sample_fname, skip_warmup=True)
@@ -296,9 +338,14 @@ class DataAnalyzer:
         """Merge every worker's map files (once, after all of them)."""
         if self.custom_reduce is not None:
             self.custom_reduce(
-                self.dataset, self.metric_names, self.metric_types, self.save_path,
-                self.num_workers, self.num_threads, self.num_threads_reduce,
-            )  # fmt: skip
+                self.dataset,
+                self.metric_names,
+                self.metric_types,
+                self.save_path,
+                self.num_workers,
+                self.num_threads,
+                self.num_threads_reduce,
+            )
             return
         for name, kind in zip(self.metric_names, self.metric_types, strict=True):
             path = f"{self.save_path}/{name}/"

@@ -118,8 +118,9 @@ class RandomLTDScheduler:
             self.state[k] = state_dict[k]
 
 
-def sample_tokens(reserved: int, seq: int, batch: int, layers: int, device, mask=None,
-                  encoder: bool = False):  # fmt: skip
+def sample_tokens(
+    reserved: int, seq: int, batch: int, layers: int, device, mask=None, encoder: bool = False
+):
     """DeepSpeed's ``gpt_sample_tokens`` / ``bert_sample_tokens``: ``(indices, mask)``, the
     indices ``[layers, batch, reserved]`` (int32, sorted along the last dimension) and the mask
     for the kept tokens: a decoder's cut to ``[..., :reserved, :reserved]``, an encoder's a list
@@ -151,8 +152,9 @@ def gather_tokens(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool
     return torch.gather(hidden, dim, index)
 
 
-def scatter_tokens(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor,
-                   batch_first: bool) -> torch.Tensor:  # fmt: skip
+def scatter_tokens(
+    hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor, batch_first: bool
+) -> torch.Tensor:
     """A copy of ``hidden`` with ``part`` written at the kept positions."""
     dim, index = _index(hidden, indices, batch_first)
     return torch.scatter(hidden, dim, index, part)
@@ -193,8 +195,10 @@ class RandomLayerTokenDrop(nn.Module):
             self._signature = inspect.signature(self.random_ltd_layer.forward)
         params = self._signature.parameters.values()
         if any(p.kind is p.VAR_POSITIONAL for p in params):
-            raise TypeError("random-LTD: a layer taking *args gets the hidden states by position "
-                            "and the rest by keyword")  # fmt: skip
+            raise TypeError(
+                "random-LTD: a layer taking *args gets the hidden states by position "
+                "and the rest by keyword"
+            )
         bound = self._signature.bind(hidden, *args, **kwargs).arguments
         bound.pop(next(iter(bound)))  # the hidden states
         named = {}
@@ -215,9 +219,14 @@ class RandomLayerTokenDrop(nn.Module):
             batch = hidden_states.shape[0 if self.batch_first else 1]
             mask = named.get(self.mask_name) if self.mask_name is not None else None
             indices, part_mask = sample_tokens(
-                self.reserved_length, self.curr_seq, batch, self.random_ltd_num_layer,
-                hidden_states.device, mask, encoder=self.model_type == "encoder",
-            )  # fmt: skip
+                self.reserved_length,
+                self.curr_seq,
+                batch,
+                self.random_ltd_num_layer,
+                hidden_states.device,
+                mask,
+                encoder=self.model_type == "encoder",
+            )
             sched.state[SAMPLES], sched.state[MASK] = indices, part_mask
         indices, part_mask = sched.state[SAMPLES], sched.state[MASK]
         mine = indices[self.random_ltd_layer_id]
@@ -241,8 +250,9 @@ def convert_to_random_ltd(model, convert_type: type):
     for name, module in list(inner.named_modules()):
         if name and isinstance(module, convert_type):
             parent, _, leaf = name.rpartition(".")
-            setattr(inner.get_submodule(parent) if parent else inner, leaf,
-                    RandomLayerTokenDrop(module))  # fmt: skip
+            setattr(
+                inner.get_submodule(parent) if parent else inner, leaf, RandomLayerTokenDrop(module)
+            )
     model.random_ltd_initialize()
     return model
 

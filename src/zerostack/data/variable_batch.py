@@ -49,10 +49,17 @@ PICKING_ORDERS = ("dataloader", "seqlen", "random")
 
 
 def batch_by_seqlens(
-    seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_size=1, max_batch_size=None,
-    sequence_picking_order="dataloader", effective_batch_size=1,
-    required_microbatches_of_same_size=False, verbose=False, seed=None,
-):  # fmt: skip
+    seqlens,
+    max_tokens,
+    sequence_ids_per_mb=None,
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    effective_batch_size=1,
+    required_microbatches_of_same_size=False,
+    verbose=False,
+    seed=None,
+):
     """Pack samples into micro-batches of at most ``max_tokens`` tokens.
 
     ``seqlens``: every sample's length (non-negative); ``sequence_ids_per_mb``: the sample ids to
@@ -98,10 +105,14 @@ def batch_by_seqlens(
             log.info(
                 "dynamic batching: batch %d: %d samples in %d micro-batches; samples per "
                 "micro-batch %s, tokens per micro-batch %s, sample ids %s, lengths %s",
-                batch_id, batch_sizes[-1], len(batch), [len(mb) for mb in batch],
-                [sum(n for n, _ in mb) for mb in batch], [[i for _, i in mb] for mb in batch],
+                batch_id,
+                batch_sizes[-1],
+                len(batch),
+                [len(mb) for mb in batch],
+                [sum(n for n, _ in mb) for mb in batch],
+                [[i for _, i in mb] for mb in batch],
                 [[n for n, _ in mb] for mb in batch],
-            )  # fmt: skip
+            )
     return microbatch_ids, batch_sizes, batch_max_seqlens
 
 
@@ -124,8 +135,12 @@ def _without_too_long(pairs: list[tuple], max_tokens) -> list[tuple]:
     kept = [(n, i) for n, i in pairs if not n > max_tokens]
     log.warning(
         "dynamic batching: samples %s are longer than max_tokens=%s and are left out "
-        "(%d of %d samples kept)", too_long, max_tokens, len(kept), len(pairs),
-    )  # fmt: skip
+        "(%d of %d samples kept)",
+        too_long,
+        max_tokens,
+        len(kept),
+        len(pairs),
+    )
     return kept
 
 
@@ -209,11 +224,18 @@ class _LoadMicroBatches:
 
 
 def dataloader_for_variable_batch_size(
-    dataset, microbatch_ids, batch_max_seqlens, dataloader_rank=0, dataloader_batch_size=1,
-    dataloader_num_replicas=1, dataloader_collate_fn=None, dataloader_num_workers=2,
-    dataloader_pin_memory=False, required_microbatches_of_same_seqlen=False,
+    dataset,
+    microbatch_ids,
+    batch_max_seqlens,
+    dataloader_rank=0,
+    dataloader_batch_size=1,
+    dataloader_num_replicas=1,
+    dataloader_collate_fn=None,
+    dataloader_num_workers=2,
+    dataloader_pin_memory=False,
+    required_microbatches_of_same_seqlen=False,
     sample_padding_fn=None,
-):  # fmt: skip
+):
     """A DataLoader over this replica's micro-batches, and the same as ``deepspeed_io`` keyword
     arguments: ``(loader, kwargs)``.
 
@@ -222,27 +244,43 @@ def dataloader_for_variable_batch_size(
     ``dataloader_batch_size`` micro-batches' samples, collated (see :class:`_LoadMicroBatches`).
     """
     sampler = DistributedSampler(
-        microbatch_ids, num_replicas=dataloader_num_replicas, rank=dataloader_rank,
-        shuffle=False, drop_last=False,
-    )  # fmt: skip
+        microbatch_ids,
+        num_replicas=dataloader_num_replicas,
+        rank=dataloader_rank,
+        shuffle=False,
+        drop_last=False,
+    )
     collate = _LoadMicroBatches(
-        dataset, batch_max_seqlens, required_microbatches_of_same_seqlen, sample_padding_fn,
+        dataset,
+        batch_max_seqlens,
+        required_microbatches_of_same_seqlen,
+        sample_padding_fn,
         dataloader_collate_fn,
-    )  # fmt: skip
+    )
     loader = DataLoader(
-        microbatch_ids, batch_size=dataloader_batch_size, sampler=sampler,
-        num_workers=dataloader_num_workers, collate_fn=collate, pin_memory=dataloader_pin_memory,
-    )  # fmt: skip
+        microbatch_ids,
+        batch_size=dataloader_batch_size,
+        sampler=sampler,
+        num_workers=dataloader_num_workers,
+        collate_fn=collate,
+        pin_memory=dataloader_pin_memory,
+    )
     io_kwargs = dict(
-        dataset=microbatch_ids, batch_size=dataloader_batch_size,
-        pin_memory=dataloader_pin_memory, data_sampler=sampler, collate_fn=collate,
+        dataset=microbatch_ids,
+        batch_size=dataloader_batch_size,
+        pin_memory=dataloader_pin_memory,
+        data_sampler=sampler,
+        collate_fn=collate,
         num_local_io_workers=dataloader_num_workers,
-    )  # fmt: skip
+    )
     return loader, io_kwargs
 
 
-_MEANT = ("To get the last learning rate", "The epoch parameter in `scheduler.step()`",
-          "Detected call of `lr_scheduler.step()` before `optimizer.step()`")  # fmt: skip
+_MEANT = (
+    "To get the last learning rate",
+    "The epoch parameter in `scheduler.step()`",
+    "Detected call of `lr_scheduler.step()` before `optimizer.step()`",
+)
 
 
 def _quietly(call, *args):
@@ -266,9 +304,15 @@ class VariableBatchSizeLR(LRScheduler):
     ``get_lr()`` the optimizer's scaled one."""
 
     def __init__(
-        self, lr_scheduler, base_batch_size, batch_sizes, dataloader, lr_scaling_method="linear",
-        last_epoch=-1, verbose=False,
-    ) -> None:  # fmt: skip
+        self,
+        lr_scheduler,
+        base_batch_size,
+        batch_sizes,
+        dataloader,
+        lr_scaling_method="linear",
+        last_epoch=-1,
+        verbose=False,
+    ) -> None:
         # LRScheduler.__init__ is not called: the base scheduler owns the optimizer's schedule
         self.base_lr_scheduler = lr_scheduler
         self.base_batch_size, self.batch_sizes = base_batch_size, batch_sizes
@@ -304,11 +348,21 @@ class VariableBatchSizeLR(LRScheduler):
         if self.verbose:
             log.info(
                 "dynamic batching: batch %d: %d samples (base %d), learning rate %s -> %s",
-                self.last_epoch, size, self.base_batch_size, list(unscaled), self.get_lr(),
-            )  # fmt: skip
+                self.last_epoch,
+                size,
+                self.base_batch_size,
+                list(unscaled),
+                self.get_lr(),
+            )
 
-    _SAVED = ("base_batch_size", "lr_scaling_method", "batch_sizes", "base_lrs", "last_epoch",
-              "verbose")  # fmt: skip
+    _SAVED = (
+        "base_batch_size",
+        "lr_scaling_method",
+        "batch_sizes",
+        "base_lrs",
+        "last_epoch",
+        "verbose",
+    )
 
     def state_dict(self) -> dict:
         """The base scheduler's state and this one's batch sizes, rates and position."""
@@ -330,9 +384,13 @@ class _UnchangedLR(LRScheduler):
 
 
 def lr_scheduler_for_variable_batch_size(
-    base_batch_size, batch_sizes, dataloader, lr_scheduler_or_optimizer,
-    lr_scaling_method="linear", verbose=False,
-):  # fmt: skip
+    base_batch_size,
+    batch_sizes,
+    dataloader,
+    lr_scheduler_or_optimizer,
+    lr_scaling_method="linear",
+    verbose=False,
+):
     """A :class:`VariableBatchSizeLR` over a scheduler, or over an optimizer's constant rates.
 
     ``base_batch_size``: the batch size the unscaled rates are meant for; ``batch_sizes``: each
@@ -357,33 +415,66 @@ def lr_scheduler_for_variable_batch_size(
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
-    dataset, dataset_seqlens, max_tokens, effective_batch_size, dataset_filter_ids=None,
-    lr_scaling_method="linear", min_batch_size=1, max_batch_size=None,
-    sequence_picking_order="dataloader", dataloader_batch_size=1, dataloader_rank=0,
-    dataloader_num_replicas=1, dataloader_num_workers=0, dataloader_collate_fn=None,
-    dataloader_pin_memory=False, lr_scheduler_or_optimizer=None,
-    required_microbatches_of_same_size=False, required_microbatches_of_same_seqlen=False,
-    sample_padding_fn=None, verbose=False, seed=None,
-):  # fmt: skip
+    dataset,
+    dataset_seqlens,
+    max_tokens,
+    effective_batch_size,
+    dataset_filter_ids=None,
+    lr_scaling_method="linear",
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    dataloader_batch_size=1,
+    dataloader_rank=0,
+    dataloader_num_replicas=1,
+    dataloader_num_workers=0,
+    dataloader_collate_fn=None,
+    dataloader_pin_memory=False,
+    lr_scheduler_or_optimizer=None,
+    required_microbatches_of_same_size=False,
+    required_microbatches_of_same_seqlen=False,
+    sample_padding_fn=None,
+    verbose=False,
+    seed=None,
+):
     """``(loader, scheduler, deepspeed_io_kwargs)`` for packed batches: :func:`batch_by_seqlens`,
     then :func:`dataloader_for_variable_batch_size` and
     :func:`lr_scheduler_for_variable_batch_size` over its results. ``effective_batch_size`` is
     the train batch size in micro-batches (micro-batches per loader item x accumulation steps x
     replicas), and the batch size the unscaled learning rate is meant for."""
     microbatch_ids, batch_sizes, batch_max_seqlens = batch_by_seqlens(
-        dataset_seqlens, max_tokens, dataset_filter_ids, min_batch_size, max_batch_size,
-        sequence_picking_order, effective_batch_size, required_microbatches_of_same_size,
-        verbose, seed,
-    )  # fmt: skip
-    loader, io_kwargs = dataloader_for_variable_batch_size(
-        dataset, microbatch_ids, batch_max_seqlens, dataloader_rank, dataloader_batch_size,
-        dataloader_num_replicas, dataloader_collate_fn, dataloader_num_workers,
-        dataloader_pin_memory, required_microbatches_of_same_seqlen, sample_padding_fn,
-    )  # fmt: skip
-    scheduler = lr_scheduler_for_variable_batch_size(
-        effective_batch_size, batch_sizes, loader, lr_scheduler_or_optimizer, lr_scaling_method,
+        dataset_seqlens,
+        max_tokens,
+        dataset_filter_ids,
+        min_batch_size,
+        max_batch_size,
+        sequence_picking_order,
+        effective_batch_size,
+        required_microbatches_of_same_size,
         verbose,
-    )  # fmt: skip
+        seed,
+    )
+    loader, io_kwargs = dataloader_for_variable_batch_size(
+        dataset,
+        microbatch_ids,
+        batch_max_seqlens,
+        dataloader_rank,
+        dataloader_batch_size,
+        dataloader_num_replicas,
+        dataloader_collate_fn,
+        dataloader_num_workers,
+        dataloader_pin_memory,
+        required_microbatches_of_same_seqlen,
+        sample_padding_fn,
+    )
+    scheduler = lr_scheduler_for_variable_batch_size(
+        effective_batch_size,
+        batch_sizes,
+        loader,
+        lr_scheduler_or_optimizer,
+        lr_scaling_method,
+        verbose,
+    )
     return loader, scheduler, io_kwargs
 
 

@@ -298,8 +298,10 @@ class OneCycle(_Scheduler):
         self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
         self.cycle_momentum = cycle_momentum and "betas" in getattr(optimizer, "defaults", {})
         if cycle_momentum and not self.cycle_momentum:
-            warnings.warn(f"OneCycle: cycle_momentum is off: {type(optimizer).__name__} has no "
-                          "betas", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"OneCycle: cycle_momentum is off: {type(optimizer).__name__} has no betas",
+                stacklevel=2,
+            )
         if self.cycle_momentum:
             low = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
             high = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")

@@ -66,8 +66,11 @@ from .ring import ring_attention, zigzag_shard, zigzag_unshard
 logger = logging.getLogger("zerostack")
 
 _MASK = "it needs a 4D attention_mask (O(s^2) memory) and DeepSpeed refuses it too"
-UNSUPPORTED = {"eager": _MASK, "paged|eager": _MASK,
-               "flex_attention": "zerostack does not rebuild its BlockMask for the whole sequence"}
+UNSUPPORTED = {
+    "eager": _MASK,
+    "paged|eager": _MASK,
+    "flex_attention": "zerostack does not rebuild its BlockMask for the whole sequence",
+}
 
 
 class SequenceParallelState:
@@ -81,8 +84,10 @@ class SequenceParallelState:
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         if sequence_parallel_size != self.topology.sp:
-            raise ConfigError(f"sequence_parallel_size: {sequence_parallel_size}, but this mpu "
-                              f"was built with {self.topology.sp}")
+            raise ConfigError(
+                f"sequence_parallel_size: {sequence_parallel_size}, but this mpu "
+                f"was built with {self.topology.sp}"
+            )
 
     def get_sequence_parallel_group(self) -> dist.ProcessGroup:
         return self.topology.group("sp")
@@ -109,11 +114,14 @@ class SequenceParallelState:
 
 def _check_heads(heads: int, kv_heads: int, sp: int) -> None:
     if heads % sp:
-        raise ValueError(f"Ulysses: attention head count {heads} is not divisible by "
-                         f"sequence_parallel_size {sp}")
+        raise ValueError(
+            f"Ulysses: attention head count {heads} is not divisible by sequence_parallel_size {sp}"
+        )
     if kv_heads % sp and sp % kv_heads:
-        raise ValueError(f"Ulysses: kv head count {kv_heads} is not divisible by "
-                         f"sequence_parallel_size {sp}, nor sp by it")
+        raise ValueError(
+            f"Ulysses: kv head count {kv_heads} is not divisible by "
+            f"sequence_parallel_size {sp}, nor sp by it"
+        )
 
 
 def _ring_documents(positions: torch.Tensor, ring: cf.Axis) -> torch.Tensor | None:
@@ -195,14 +203,20 @@ class UlyssesSPAttentionHF(nn.Module):
     def _check(self, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> None:
         h, s = query.shape[1:3]
         if h != self.attn_head_count or key.shape[1] != self.global_kv_head_count:
-            raise ValueError(f"Ulysses: query/key heads {h}/{key.shape[1]}, registered for "
-                             f"{self.attn_head_count}/{self.global_kv_head_count}")
+            raise ValueError(
+                f"Ulysses: query/key heads {h}/{key.shape[1]}, registered for "
+                f"{self.attn_head_count}/{self.global_kv_head_count}"
+            )
         if not self.seq_length_is_variable and s != self.local_seq_length:
-            raise ValueError(f"Ulysses: a shard of {s} tokens; registered with seq_length "
-                             f"{self.global_seq_length} and seq_length_is_variable=False")
+            raise ValueError(
+                f"Ulysses: a shard of {s} tokens; registered with seq_length "
+                f"{self.global_seq_length} and seq_length_is_variable=False"
+            )
         if kwargs.get("position_ids") is None:
-            raise ValueError("Ulysses: called without position_ids, each rank would number its "
-                             "shard from 0; pass the shards' global positions (the adapter's)")
+            raise ValueError(
+                "Ulysses: called without position_ids, each rank would number its "
+                "shard from 0; pass the shards' global positions (the adapter's)"
+            )
 
     def forward(self, module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
         if self.disable_in_eval and not module.training:
@@ -210,8 +224,9 @@ class UlyssesSPAttentionHF(nn.Module):
         self._check(query, key, kwargs)
         groups = getattr(module, "num_key_value_groups", None)
         if self.kv_replication_factor > 1:  # every rank gets one (repeated) kv head
-            key, value = (t.repeat_interleave(self.kv_replication_factor, dim=1)
-                          for t in (key, value))
+            key, value = (
+                t.repeat_interleave(self.kv_replication_factor, dim=1) for t in (key, value)
+            )
             module.num_key_value_groups = self.local_q_head_count
         # [b, heads, s/sp, d] -> [b, heads/sp, s, d]
         q, k, v = (self._heads(t, 1, 2) for t in (query, key, value))
@@ -241,12 +256,21 @@ class UlyssesSPAttentionHF(nn.Module):
         this ring rank's zigzag shard; returns [b, s/ring, heads/u, d] as the core would."""
         for name in ("dropout", "sliding_window", "softcap"):
             if kwargs.get(name):
-                raise ValueError(f"ring attention: {name}={kwargs[name]!r} is not supported; "
-                                 "it needs 0 or None (the model's config sets it)")
+                raise ValueError(
+                    f"ring attention: {name}={kwargs[name]!r} is not supported; "
+                    "it needs 0 or None (the model's config sets it)"
+                )
         with torch.no_grad():
             docs = _ring_documents(positions.expand(q.shape[0], -1), self.ring)
-        out = ring_attention(q, k, v, self.ring, causal=getattr(module, "is_causal", True),
-                             scale=kwargs.get("scaling"), document_ids=docs)  # fmt: skip
+        out = ring_attention(
+            q,
+            k,
+            v,
+            self.ring,
+            causal=getattr(module, "is_causal", True),
+            scale=kwargs.get("scaling"),
+            document_ids=docs,
+        )
         return out.transpose(1, 2).contiguous()
 
     @classmethod
@@ -276,26 +300,35 @@ class UlyssesSPAttentionHF(nn.Module):
             logger.warning("register_with_transformers: max_length is deprecated, use seq_length")
             seq_length = seq_length if seq_length is not None else max_length
         if not seq_length_is_variable and seq_length is None:
-            raise ValueError("register_with_transformers: seq_length_is_variable=False needs "
-                             "seq_length")
+            raise ValueError(
+                "register_with_transformers: seq_length_is_variable=False needs seq_length"
+            )
         sp, ring = sequence_parallel_size, ring_parallel_size
         if sp % ring:
-            raise ValueError(f"register_with_transformers: ring_parallel_size {ring} does not "
-                             f"divide sequence_parallel_size {sp}")
+            raise ValueError(
+                f"register_with_transformers: ring_parallel_size {ring} does not "
+                f"divide sequence_parallel_size {sp}"
+            )
         if seq_length is not None and (seq_length % sp or ring > 1 and seq_length % (2 * ring)):
-            raise ValueError(f"register_with_transformers: seq_length {seq_length} is not "
-                             f"divisible by sequence_parallel_size {sp}" + (
-                                 f" and 2 * ring_parallel_size {2 * ring}" if ring > 1 else ""))
+            raise ValueError(
+                f"register_with_transformers: seq_length {seq_length} is not "
+                f"divisible by sequence_parallel_size {sp}"
+                + (f" and 2 * ring_parallel_size {2 * ring}" if ring > 1 else "")
+            )
         from transformers import AutoConfig, PretrainedConfig
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         impl = core_attn_implementation
         if impl in UNSUPPORTED:
-            raise ValueError(f"core_attn_implementation={impl!r} is not supported by Ulysses: "
-                             f"{UNSUPPORTED[impl]}; use 'sdpa' or a flash attention")
+            raise ValueError(
+                f"core_attn_implementation={impl!r} is not supported by Ulysses: "
+                f"{UNSUPPORTED[impl]}; use 'sdpa' or a flash attention"
+            )
         if impl not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"{impl!r} is not a valid attn_implementation: the choices are "
-                             f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}")
+            raise ValueError(
+                f"{impl!r} is not a valid attn_implementation: the choices are "
+                f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}"
+            )
         if isinstance(model_name_or_path, PretrainedConfig):
             config = model_name_or_path
         elif hasattr(model_name_or_path, "config"):
@@ -306,8 +339,10 @@ class UlyssesSPAttentionHF(nn.Module):
         if have is None:
             config._attn_implementation = impl
         elif have != impl:
-            raise ValueError(f"core_attn_implementation={impl!r} does not match model config "
-                             f"attn_implementation={have!r}: set both to the same value")
+            raise ValueError(
+                f"core_attn_implementation={impl!r} does not match model config "
+                f"attn_implementation={have!r}: set both to the same value"
+            )
         arch = config.get_text_config()
         heads = arch.num_attention_heads
         kv_heads = getattr(arch, "num_key_value_heads", None) or heads
@@ -353,5 +388,10 @@ def registered_ulysses(model: nn.Module) -> UlyssesSPAttentionHF | None:
     fn = ALL_ATTENTION_FUNCTIONS.get(impl)
     return getattr(fn, "ulysses", None)
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "registered_ulysses",
-           "ulysses_sp_loss"]
+
+__all__ = [
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
+    "registered_ulysses",
+    "ulysses_sp_loss",
+]

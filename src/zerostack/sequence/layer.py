@@ -66,8 +66,10 @@ class DistributedAttention(nn.Module):
         self.sp_stream = sp_stream  # DeepSpeed's overlap stream: accepted, the exchange is inline
 
     def forward(self, query, key, value, *args, **kwargs) -> torch.Tensor:
-        q, k, v = (seq_all_to_all(t, self.spg, self.scatter_idx, self.gather_idx) for t in
-                   (query, key, value))  # fmt: skip
+        q, k, v = (
+            seq_all_to_all(t, self.spg, self.scatter_idx, self.gather_idx)
+            for t in (query, key, value)
+        )
         context = self.local_attn(q, k, v, *args, **kwargs)
         return seq_all_to_all(context, self.spg, self.gather_idx, self.scatter_idx)
 

@@ -31,8 +31,7 @@ import torch
 
 from ..comm import functional as cf
 
-__all__ = ["ring_attention", "sequence_piece", "sequence_unpiece", "zigzag_shard",
-           "zigzag_unshard"]
+__all__ = ["ring_attention", "sequence_piece", "sequence_unpiece", "zigzag_shard", "zigzag_unshard"]
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
@@ -62,11 +61,17 @@ def _check_pieces(size: int, dim: int, sp: int, ring: int) -> None:
     if sp % ring:
         raise ValueError(f"ring_parallel_size {ring} does not divide sequence_parallel_size {sp}")
     if ring == 1 and size % sp or ring > 1 and (size % (2 * ring) or size // ring % (sp // ring)):
-        what = f"{sp} equal shards" if ring == 1 else (
-            f"2 * ring = {2 * ring} zigzag chunks, each ring shard into {sp // ring} Ulysses "
-            "shards")
-        raise ValueError(f"sequence_parallel_size: a sequence of {size} (dim {dim}) does not "
-                         f"split into {what}")
+        what = (
+            f"{sp} equal shards"
+            if ring == 1
+            else (
+                f"2 * ring = {2 * ring} zigzag chunks, each ring shard into {sp // ring} Ulysses "
+                "shards"
+            )
+        )
+        raise ValueError(
+            f"sequence_parallel_size: a sequence of {size} (dim {dim}) does not split into {what}"
+        )
 
 
 def sequence_piece(x: torch.Tensor, dim: int, rank: int, sp: int, ring: int = 1) -> torch.Tensor:
@@ -242,8 +247,14 @@ def _run(*args):
 _apply = torch.compiler.disable(_run, recursive=True)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world: int, causal: bool,
-           docs: torch.Tensor | None) -> None:  # fmt: skip
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    world: int,
+    causal: bool,
+    docs: torch.Tensor | None,
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "ring_attention: q, k and v are [batch, heads, sequence, head_dim]; got shapes "
@@ -306,8 +317,9 @@ def ring_attention(
     if tile is None:
         tile = _auto_tile(q.shape[0], q.shape[1])
     if not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"ring_attention: tile must be a positive number of positions, got "
-                         f"{tile!r}")
+        raise ValueError(
+            f"ring_attention: tile must be a positive number of positions, got {tile!r}"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     docs = None if document_ids is None else document_ids.contiguous()
     return _apply(q, k, v, docs, axis, causal, scale, tile)

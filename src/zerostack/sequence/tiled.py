@@ -49,8 +49,11 @@ def _tiles(n: int, shards: Any, what: str) -> list[tuple[int, int]]:
     return list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes, strict=True))
 
 
-def _params(compute_params: Iterable[torch.Tensor] | None, owners: Iterable[Any],
-            exclude: Iterable[Any] = ()) -> list[torch.Tensor]:  # fmt: skip
+def _params(
+    compute_params: Iterable[torch.Tensor] | None,
+    owners: Iterable[Any],
+    exclude: Iterable[Any] = (),
+) -> list[torch.Tensor]:
     """The tensors to differentiate ``fn`` by, besides its tensor arguments: ``compute_params``
     and the parameters of any module among ``owners``, each once, those requiring grad."""
     seen = {id(t) for t in exclude if torch.is_tensor(t)}
@@ -106,8 +109,14 @@ class TiledMLP(torch.autograd.Function):
     """
 
     @classmethod
-    def apply(cls, fn: Callable, self: Any, x: torch.Tensor, shards: int,
-              compute_params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def apply(
+        cls,
+        fn: Callable,
+        self: Any,
+        x: torch.Tensor,
+        shards: int,
+        compute_params: Iterable[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         params = _params(compute_params, [self], exclude=[x])
         return super().apply(fn, self, x, shards, compute_params, *params)
 
@@ -123,8 +132,10 @@ class TiledMLP(torch.autograd.Function):
             for start, size in tiles:
                 piece = fn(self, x.narrow(-2, start, size))
                 if piece.dim() < 2 or piece.shape[-2] != size:
-                    raise ValueError(f"TiledMLP: fn must keep dim -2: a tile of {size} "
-                                     f"positions became {tuple(piece.shape)}")  # fmt: skip
+                    raise ValueError(
+                        f"TiledMLP: fn must keep dim -2: a tile of {size} "
+                        f"positions became {tuple(piece.shape)}"
+                    )
                 if out is None:
                     out = piece.new_empty(*piece.shape[:-2], x.shape[-2], piece.shape[-1])
                 out.narrow(-2, start, size).copy_(piece)
@@ -150,11 +161,17 @@ class TiledMLP(torch.autograd.Function):
         return (None, None, x_grad, None, None, *sums.acc)
 
 
-def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_shard: dict,
-                           kwargs_to_pass: dict, grad_requiring_tensor_key: str,
-                           compute_params: Iterable[torch.Tensor] | None = None,
-                           output_unshard_dimension: int = 1,
-                           output_reduction: str | None = "mean") -> torch.Tensor:  # fmt: skip
+def sequence_tiled_compute(
+    fn: Callable,
+    seqlen: int,
+    shards: int,
+    kwargs_to_shard: dict,
+    kwargs_to_pass: dict,
+    grad_requiring_tensor_key: str,
+    compute_params: Iterable[torch.Tensor] | None = None,
+    output_unshard_dimension: int = 1,
+    output_reduction: str | None = "mean",
+) -> torch.Tensor:
     """``fn(**kwargs_to_shard, **kwargs_to_pass)`` over ``shards`` tiles of the sequence, the
     dimension 1 of every ``[b, seqlen, ...]`` tensor in ``kwargs_to_shard``; ``kwargs_to_pass``
     goes to every call whole. The tiles' outputs are joined along ``output_unshard_dimension``
@@ -167,10 +184,18 @@ def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_sha
     and the parameters of modules in ``kwargs_to_pass`` or bound to ``fn``.
     """
     return SequenceTiledCompute.apply(
-        fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),
-        grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction,
-        *kwargs_to_shard.values(), *kwargs_to_pass.values(),
-    )  # fmt: skip
+        fn,
+        seqlen,
+        shards,
+        list(kwargs_to_shard),
+        list(kwargs_to_pass),
+        grad_requiring_tensor_key,
+        compute_params,
+        output_unshard_dimension,
+        output_reduction,
+        *kwargs_to_shard.values(),
+        *kwargs_to_pass.values(),
+    )
 
 
 class SequenceTiledCompute(torch.autograd.Function):
@@ -180,34 +205,70 @@ class SequenceTiledCompute(torch.autograd.Function):
     output never exists."""
 
     @classmethod
-    def apply(cls, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
-              compute_params, output_unshard_dimension, output_reduction, *args):  # fmt: skip
+    def apply(
+        cls,
+        fn,
+        seqlen,
+        shards,
+        keys_to_shard,
+        keys_to_pass,
+        grad_requiring_tensor_key,
+        compute_params,
+        output_unshard_dimension,
+        output_reduction,
+        *args,
+    ):
         n = len(keys_to_shard) + len(keys_to_pass)
         if len(args) != n:
             raise ValueError(f"SequenceTiledCompute: {len(args)} values for {n} keys")
         owners = [fn, getattr(fn, "__self__", None), *args[len(keys_to_shard) :]]
         params = _params(compute_params, owners, exclude=args)
-        return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass,
-                             grad_requiring_tensor_key, compute_params, output_unshard_dimension,
-                             output_reduction, *args, *params)  # fmt: skip
+        return super().apply(
+            fn,
+            seqlen,
+            shards,
+            keys_to_shard,
+            keys_to_pass,
+            grad_requiring_tensor_key,
+            compute_params,
+            output_unshard_dimension,
+            output_reduction,
+            *args,
+            *params,
+        )
 
     @staticmethod
-    def forward(ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
-                compute_params, output_unshard_dimension, output_reduction, *args):  # fmt: skip
+    def forward(
+        ctx,
+        fn,
+        seqlen,
+        shards,
+        keys_to_shard,
+        keys_to_pass,
+        grad_requiring_tensor_key,
+        compute_params,
+        output_unshard_dimension,
+        output_reduction,
+        *args,
+    ):
         what = "SequenceTiledCompute"
         if grad_requiring_tensor_key not in keys_to_shard:
-            raise ValueError(f"{what}: grad_requiring_tensor_key {grad_requiring_tensor_key!r} "
-                             f"is not a key of kwargs_to_shard {list(keys_to_shard)}")  # fmt: skip
+            raise ValueError(
+                f"{what}: grad_requiring_tensor_key {grad_requiring_tensor_key!r} "
+                f"is not a key of kwargs_to_shard {list(keys_to_shard)}"
+            )
         if output_reduction not in _REDUCTIONS:
-            raise ValueError(f"{what}: output_reduction {output_reduction!r} is not one of "
-                             "None, 'mean', 'sum'")  # fmt: skip
+            raise ValueError(
+                f"{what}: output_reduction {output_reduction!r} is not one of None, 'mean', 'sum'"
+            )
         n_user = len(keys_to_shard) + len(keys_to_pass)
         shard_vals, params = args[: len(keys_to_shard)], args[n_user:]
         for k, v in zip(keys_to_shard, shard_vals, strict=True):
             if not torch.is_tensor(v) or v.dim() < 2 or v.shape[1] != seqlen:
                 shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
-                raise ValueError(f"{what}: kwargs_to_shard[{k!r}] must be [b, seqlen={seqlen}, "
-                                 f"...], got {shape}")  # fmt: skip
+                raise ValueError(
+                    f"{what}: kwargs_to_shard[{k!r}] must be [b, seqlen={seqlen}, ...], got {shape}"
+                )
         tiles = _tiles(seqlen, shards, what)
         user = args[:n_user]
         ctx.save_for_backward(*(a if torch.is_tensor(a) else None for a in user))
@@ -263,8 +324,10 @@ class SequenceTiledCompute(torch.autograd.Function):
             else:
                 g = grad / ctx.numel if ctx.reduction == "mean" else grad
                 g = g.to(out.dtype).expand(out.shape)
-            inputs = [kw[ctx.keys[j]] if j < ns else user[j] if j < n_user else
-                      ctx.params[j - n_user] for j in wanted]  # fmt: skip
+            inputs = [
+                kw[ctx.keys[j]] if j < ns else user[j] if j < n_user else ctx.params[j - n_user]
+                for j in wanted
+            ]
             for j, gj in zip(wanted, _grads(out, inputs, g), strict=True):
                 if j >= ns:
                     sums.add(j, gj)
@@ -276,8 +339,10 @@ class SequenceTiledCompute(torch.autograd.Function):
 
 def _tile_kwargs(ctx, user: list, start: int, size: int) -> dict[str, Any]:
     """The keyword arguments of one tile's call: sharded values narrowed, passed ones whole."""
-    return {k: v.narrow(1, start, size) if j < ctx.n_shard else v
-            for j, (k, v) in enumerate(zip(ctx.keys, user, strict=True))}  # fmt: skip
+    return {
+        k: v.narrow(1, start, size) if j < ctx.n_shard else v
+        for j, (k, v) in enumerate(zip(ctx.keys, user, strict=True))
+    }
 
 
 def _check_loss_args(x, y, mask, output_reduction) -> None:
@@ -285,17 +350,21 @@ def _check_loss_args(x, y, mask, output_reduction) -> None:
     if output_reduction not in ("mean", "sum"):
         raise ValueError(f"{what}: output_reduction {output_reduction!r} is not 'mean' or 'sum'")
     if x.dim() < 2 or y.dim() < 2:
-        raise ValueError(f"{what}: x and y must be [batch, seq, ...], got shapes "
-                         f"{tuple(x.shape)} and {tuple(y.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{what}: x and y must be [batch, seq, ...], got shapes "
+            f"{tuple(x.shape)} and {tuple(y.shape)}"
+        )
     if x.shape[:2] != y.shape[:2]:
         raise ValueError(f"{what}: x {tuple(x.shape)} and y {tuple(y.shape)} differ in batch/seq")
     if mask is not None and mask.shape != x.shape[:2]:
-        raise ValueError(f"{what}: mask must be [batch, seq] = {tuple(x.shape[:2])}, "
-                         f"got {tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{what}: mask must be [batch, seq] = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
+        )
 
 
-def _tiled_loss(fn, self, x, y, mask, shards, reduction, need_x: bool,
-                params: list[torch.Tensor]) -> tuple:  # fmt: skip
+def _tiled_loss(
+    fn, self, x, y, mask, shards, reduction, need_x: bool, params: list[torch.Tensor]
+) -> tuple:
     """The loss over the tiles of the flattened tokens, and (taken tile by tile as it goes)
     its gradients by ``x`` (when ``need_x``) and by ``params``."""
     xf, yf = x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:])
@@ -324,8 +393,9 @@ def _tiled_loss(fn, self, x, y, mask, shards, reduction, need_x: bool,
         with torch.enable_grad() if grads else torch.no_grad():
             out = fn(*args)
         if out.numel() != 1:
-            raise ValueError(f"TiledFusedLogitsLoss: fn must return a scalar loss, got shape "
-                             f"{tuple(out.shape)}")  # fmt: skip
+            raise ValueError(
+                f"TiledFusedLogitsLoss: fn must return a scalar loss, got shape {tuple(out.shape)}"
+            )
         dtype = out.dtype
         part = out.detach().float().reshape(()) * w
         loss = part if loss is None else loss + part
@@ -379,15 +449,17 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         if not (torch.is_grad_enabled() and (x.requires_grad or params)):
             return _tiled_loss(fn, self, x, y, mask, shards, output_reduction, False, [])[0]
         with GatheredParameters(list(compute_params or ())):
-            return super().apply(fn, self, x, y, mask, shards, compute_params, output_reduction,
-                                 *params)  # fmt: skip
+            return super().apply(
+                fn, self, x, y, mask, shards, compute_params, output_reduction, *params
+            )
 
     @staticmethod
     def forward(ctx, fn, self, x, y, mask, shards, compute_params, output_reduction, *params):
         need_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[8:]) if need]
-        loss, x_grad, got = _tiled_loss(fn, self, x, y, mask, shards, output_reduction, need_x,
-                                        [params[i] for i in wanted])  # fmt: skip
+        loss, x_grad, got = _tiled_loss(
+            fn, self, x, y, mask, shards, output_reduction, need_x, [params[i] for i in wanted]
+        )
         p_grads: list[torch.Tensor | None] = [None] * len(params)
         for i, g in zip(wanted, got, strict=True):
             p_grads[i] = g

@@ -197,11 +197,23 @@ def _mode(policy: Policy, qualified: str) -> str | None:
 # DeepSpeed's AutoTP divides these attributes by tp on every module holding a split parameter
 # (its update_mp_params), so a model's own head counts match its split projections
 SHARDED_ATTRIBUTES = (
-    "n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
-    "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
-    "kv_n_heads", "d_model", "num_attention_heads_per_partition",
-    "num_multi_query_groups_per_partition", "hidden_size_per_partition",
-)  # fmt: skip
+    "n_heads",
+    "inner_dim",
+    "num_heads",
+    "num_kv",
+    "num_attention_heads",
+    "num_attn_heads",
+    "all_head_size",
+    "embed_dim",
+    "hidden_size",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "kv_n_heads",
+    "d_model",
+    "num_attention_heads_per_partition",
+    "num_multi_query_groups_per_partition",
+    "hidden_size_per_partition",
+)
 
 
 def parallelize_by_specs(model: nn.Module, topology: Topology, specs) -> nn.Module:

@@ -58,8 +58,12 @@ class Heartbeats:
         if pending is not None:
             waited = time.monotonic() - pending.started
             waiting = [pending.op, pending.seq, pending.axis, waited, pending.on_device]
-        return {"beat": self.beat, "step": self.log.step, "calls": self.log.count,
-                "waiting": waiting}  # fmt: skip
+        return {
+            "beat": self.beat,
+            "step": self.log.step,
+            "calls": self.log.count,
+            "waiting": waiting,
+        }
 
     def publish(self, left: bool = False) -> None:
         self.beat += 1

@@ -113,8 +113,12 @@ class FlatBuffers:
         # holds cut over dp x ep (each rank counts and saves its own piece of it)
         self.reduces = any(fg.cut.size > 1 for fg in self.groups)
         self.grads_sharded = any(fg.cut.world > 1 for fg in self.groups)
-        self.cut_over_ep = {p for fg in self.groups if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
-                            for p in fg.params}  # fmt: skip
+        self.cut_over_ep = {
+            p
+            for fg in self.groups
+            if fg.cut.world > 1 and fg.cut.axis == "dp_ep"
+            for p in fg.params
+        }
 
     # ------------------------------------------------------------------ the parameter index
     def __contains__(self, p: nn.Parameter) -> bool:

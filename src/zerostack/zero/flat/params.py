@@ -54,8 +54,10 @@ def flat_parts(groups: list[dict], shared, topo, *, sharded: bool, prescale: flo
     for i, group in enumerate(groups):
         options = {k: v for k, v in group.items() if k != "params"}
         params = list(group["params"])
-        split = [("dp", [p for p in params if p not in shared]),
-                 ("dp_ep", [p for p in params if p in shared])]  # fmt: skip
+        split = [
+            ("dp", [p for p in params if p not in shared]),
+            ("dp_ep", [p for p in params if p in shared]),
+        ]
         for axis, mine in [(a, ps) for a, ps in split if ps] or [("dp", params)]:
             parts.append((i, options, cut(axis), mine))
     return parts

@@ -39,18 +39,36 @@ from torch import nn
 log = logging.getLogger("zerostack")
 
 _DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
     "int8": torch.int8,
-}  # fmt: skip
+}
 _SPEED_ONLY = ("replace_with_kernel_inject", "enable_cuda_graph", "use_triton", "triton_autotune")
-_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel",
-            "max_tokens": "max_out_tokens", "min_tokens": "min_out_tokens",
-            "injection_dict": "injection_policy"}  # fmt: skip
-_KNOWN = {"dtype", "tensor_parallel", "mp_size", "injection_policy", "max_out_tokens",
-          "min_out_tokens", "keep_module_on_host", "return_tuple", "triangular_masking",
-          *_SPEED_ONLY}  # fmt: skip
+_ALIASES = {
+    "kernel_inject": "replace_with_kernel_inject",
+    "tp": "tensor_parallel",
+    "max_tokens": "max_out_tokens",
+    "min_tokens": "min_out_tokens",
+    "injection_dict": "injection_policy",
+}
+_KNOWN = {
+    "dtype",
+    "tensor_parallel",
+    "mp_size",
+    "injection_policy",
+    "max_out_tokens",
+    "min_out_tokens",
+    "keep_module_on_host",
+    "return_tuple",
+    "triangular_masking",
+    *_SPEED_ONLY,
+}
 
 
 def _dtype(value) -> torch.dtype:

@@ -76,9 +76,7 @@ def convert_zero_checkpoint_to_state_dict(
     dtype = _DTYPES.get(dtype, dtype)
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype {dtype!r}: expected torch.float32, float16 or bfloat16")
-    state = get_fp32_state_dict_from_zero_checkpoint(
-        checkpoint_dir, tag, exclude_frozen_parameters
-    )
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     if max_shard_size is None:
@@ -136,10 +134,12 @@ def get_optim_files(checkpoint_dir) -> list[str]:
     """DeepSpeed's optimizer-state files in a tag folder, in dp rank order."""
     found = glob.glob(os.path.join(checkpoint_dir, "*_optim_states.pt"))
     if not found:
-        raise FileNotFoundError(f"can't find '*_optim_states.pt' files in directory "
-                                f"'{checkpoint_dir}'")  # fmt: skip
-    return sorted(found, key=lambda p: [int(t) if t.isdigit() else t
-                                        for t in re.split(r"(\d+)", p)])  # fmt: skip
+        raise FileNotFoundError(
+            f"can't find '*_optim_states.pt' files in directory '{checkpoint_dir}'"
+        )
+    return sorted(
+        found, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+    )
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
