@@ -378,10 +378,7 @@ MUTANTS: list[Mutant] = [
         "engine/__init__.py",
         "        self.watchdog = start_watchdog(self.comm.log, config.watchdog, self.topology)",
         "        self.watchdog = None",
-        (
-            "tests/test_watchdog.py::"
-            "test_the_verdict_and_the_traceback_reach_the_log_when_a_rank_raises",
-        ),
+        ("tests/test_watchdog.py::test_a_rank_that_raises_is_named_by_every_rank",),
     ),
     Mutant(
         "one part of the engine imports a sibling part (the engine composes them)",
