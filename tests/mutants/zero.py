@@ -180,7 +180,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "stage-3 NVMe load not written into the parameter pieces",
         "zero/stage3/checkpoint.py",
-        'self._write_pieces(self._group_of[master], values["master"])',
+        'self.writer.write(self.group_of[master], values["master"])',
         "pass",
         ("tests/test_checkpoint.py::test_exact_resume_with_offload",),
     ),
@@ -308,7 +308,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "a frozen piece in host memory (offload_param) not written back after a load",
         "zero/stage3/checkpoint.py",
-        "self.param_swapper.update(p, p._zs.piece)",
+        "self.swapper.update(p, p._zs.piece)",
         "pass",
         ("tests/test_frozen.py",),
     ),
@@ -336,9 +336,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "memory by device: stage 3's masters counted where the parameters compute",
         "zero/stage3/checkpoint.py",
-        "            yield kind, t.device.type, t.nbytes\n        for p in self._owner:",
+        "            yield kind, t.device.type, t.nbytes\n        for p in self.owner:",
         '            yield kind, device if kind == "master" else t.device.type, t.nbytes\n'
-        "        for p in self._owner:",
+        "        for p in self.owner:",
         ("tests/test_cuda_path.py::test_device_and_host_bytes_are_reported_apart",),
     ),
     Mutant(
@@ -1056,7 +1056,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "a stage-3 mid-window gradient read misses the rows still coming down",
-        "zero/stage3/checkpoint.py",
+        "zero/stage3/strategy.py",
         "        self.downloads.settle()\n        piece = self.grads.piece(p)",
         "        piece = self.grads.piece(p)",
         ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[3]",),
@@ -1408,5 +1408,19 @@ MUTANTS: list[Mutant] = [
             "tests/test_cuda_path.py::"
             "test_offloading_queues_its_uploads_and_waits_only_for_the_gradients",
         ),
+    ),
+    Mutant(
+        "stage 3: trained persistent parameters not gathered again after the step",
+        "zero/stage3/write_back.py",
+        "        self.refresh(self.stepped)",
+        "        pass",
+        ("tests/test_data_parallel.py::test_stage3_with_small_parameters_kept_whole",),
+    ),
+    Mutant(
+        "stage 3: frozen persistent parameters not gathered again after a load",
+        "zero/stage3/checkpoint.py",
+        "        self.writer.refresh(self.writer.frozen)",
+        "        pass",
+        ("tests/test_frozen.py::test_frozen_parameters_save_load_and_consolidate_at_every_stage",),
     ),
 ]

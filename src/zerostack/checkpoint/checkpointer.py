@@ -37,7 +37,7 @@ log = logging.getLogger("zerostack")
 
 class Checkpointer:
     """The engine's checkpoints (``engine.checkpoints``), given the run's parts (a
-    :class:`~.view.Run`, not the engine): saves now or in the background, loads, and
+    :class:`~..core.run.Run`, not the engine): saves now or in the background, loads, and
     the config's ``checkpoint`` block: resume at ``initialize``, save every ``save_interval``
     steps (:meth:`after_step`, a step callback), prune."""
 

@@ -1,7 +1,7 @@
 """Whole-model weights from a sharded run (collectives: every rank calls them): the full fp32
 weights (``engine.full_state_dict()``) and DeepSpeed's 16-bit model file
 (``engine.save_16bit_model``, ``engine._zero3_consolidated_16bit_state_dict``), from the run's
-parts (a :class:`~.view.Run`).
+parts (a :class:`~..core.run.Run`).
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class ParallelWriteConfig(_Model):
 
 class CheckpointConfig(_Model):
     """The ``checkpoint`` block: DeepSpeed's I/O options (accepted, no effect) and zerostack's
-    automatic checkpoints (:mod:`zerostack.checkpoint.auto_resume`, :mod:`.async_save`)."""
+    automatic checkpoints (:mod:`zerostack.checkpoint.checkpointer`, and
+    :mod:`~zerostack.checkpoint.async_save` for the writes in the background)."""
 
     save_dir: str | None = None
     """Folder of the automatic checkpoints (``auto_resume``, ``save_interval``)."""

@@ -274,7 +274,7 @@ class Engine(nn.Module):
         self.after_step.count(self.outcome, loss)
 
     def add_callback(self, callback: StepCallback) -> StepCallback:
-        """Hand ``callback`` a :class:`~.core.steps.StepReport` after each optimizer step
+        """Hand ``callback`` a :class:`~..core.steps.StepReport` after each optimizer step
         (:mod:`.after_step`)."""
         return self.after_step.add(callback)
 

@@ -1,5 +1,5 @@
 """What follows each optimizer step: it is counted (``global_steps``, ``global_samples``), and
-its :class:`~.core.steps.StepReport` is handed to each step callback in the order they were
+its :class:`~..core.steps.StepReport` is handed to each step callback in the order they were
 added (``initialize`` adds the built-in ones: :mod:`zerostack.engine.callbacks`)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``zero.Init`` builds a model already sharded, ``GatheredParameters`` gathers some of it back
-for a moment (the shard record and the gathers: :mod:`.params`)::
+for a moment (the shard record and the gathers: :mod:`.stage3.params`)::
 
     with zerostack.zero.Init():
         model = GPT(cfg)               # each layer is sharded as soon as its constructor returns

@@ -5,7 +5,7 @@ from each parameter to its place in them). :class:`FlatBuffers` builds each flat
 buffers (:class:`~.params.FlatGroup`) and each bucket's state
 (:class:`~.params.BucketState`), and answers where a parameter is (:meth:`locate`). The
 gradient buffer (:mod:`.grads`), the write-back (:mod:`.write_back`) and the checkpoint
-(:mod:`.flat_checkpoint`) are each given it; none of them reads the strategy. The words
+(:mod:`.checkpoint`) are each given it; none of them reads the strategy. The words
 (flat group, bucket, piece, cut, master) are defined in :mod:`zerostack.zero`'s vocabulary.
 """
 

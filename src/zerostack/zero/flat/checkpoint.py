@@ -1,12 +1,12 @@
 """What a checkpoint reads and writes of ZeRO stages 0-2 (the strategy's
-:class:`~.strategy.CheckpointView`, delegated to :class:`FlatCheckpoint`).
+:class:`~..strategy.CheckpointView`, delegated to :class:`FlatCheckpoint`).
 
 This rank's slice of each parameter (:meth:`FlatCheckpoint.owned_slices`; frozen parameters,
 held whole, in ``frozen_slices``), each master's value and optimizer state through the master
 store (``read_master`` / ``write_master``), the full parameters for a consolidated state dict
 (``full_master``, all-gathering the pieces at stages 1-2), and what goes back into the
 compute-dtype parameters after a load (``after_load``). It is given what it reads: the
-:class:`~.flat_buffers.FlatBuffers` (groups, buckets, the parameter index), the masters'
+:class:`~.buffers.FlatBuffers` (groups, buckets, the parameter index), the masters'
 ``store`` and the :class:`~.write_back.WriteBack`.
 """
 

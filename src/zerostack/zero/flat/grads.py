@@ -4,8 +4,8 @@ Stages 0-2 are one strategy (:class:`~.strategy.ShardedDataParallel`: flat param
 buffers and the fp32 masters of this rank's pieces, each flat group reduced and cut over the
 ranks of its :class:`~.params.Cut`)
 composed with one of two gradient buffers. Each is given the state it works on, the strategy's
-:class:`~.flat_buffers.FlatBuffers` (groups, buckets, the parameter index), and owns the
-:class:`~.reducer.GradReducer` of those buckets. As backward accumulates each gradient, the
+:class:`~.buffers.FlatBuffers` (groups, buckets, the parameter index), and owns the
+:class:`~..reducer.GradReducer` of those buckets. As backward accumulates each gradient, the
 buffer takes it into its bucket, and the reducer starts the bucket's collective
 (:meth:`GradBuffer.start_grad_sync`) once the bucket is complete, in bucket order on every
 rank; :meth:`GradBuffer.finish_grad_sync` waits for what is left before the step (Megatron's
@@ -26,10 +26,10 @@ ShardedGrads  this rank's pieces (the shard)        every micro-step: the bucket
 
 With :class:`ShardedGrads` the buffers a bucket needs for one micro-step (its staging, the
 reduce-scatter's received rows, a piece) come from and go back to the buffers' ``pool``
-(:class:`~.scratch.Pool`), so the same few bucket-sized buffers serve every bucket and step. A
-bucket whose part of the shard is still zero since the last step (``st.shard_clean``; the first
-micro-step of a window) is reduce-scattered straight into the shard when it is in the reduce
-dtype: no piece, no add.
+(:class:`~...core.scratch.Pool`), so the same few bucket-sized buffers serve every bucket and
+step. A bucket whose part of the shard is still zero since the last step (``st.shard_clean``;
+the first micro-step of a window) is reduce-scattered straight into the shard when it is in the
+reduce dtype: no piece, no add.
 
 With ``reduce_scatter: false`` a bucket of a sharded state is all-reduced in place instead
 (twice the bytes) and ``st.piece`` is this rank's slice of the sum (:class:`KeepPiece`).
@@ -327,7 +327,7 @@ class ShardedGrads(GradBuffer):
     def _add_piece(self, st) -> None:
         """Add a bucket's reduced piece (if it was not reduced into the shard) into the group's
         gradient shard; its buffers go back to the pool. A shard in host memory (offloaded)
-        gets it from a copy that does not stop the host (:class:`~.offload.Downloads`): added
+        gets it from a copy that does not stop the host (:class:`~..offload.host.Downloads`): added
         once the copy is settled; the pool's next use of the piece's buffer is in stream order
         after the copy."""
         if st.piece is not None:

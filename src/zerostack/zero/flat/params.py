@@ -2,7 +2,7 @@
 the parameters as views of one compute-dtype buffer, the gradients as a full buffer or this
 rank's shard) and each bucket's part of them (:class:`BucketState`: its master, the pieces and
 staging of its reduction, which parameter elements its master holds). The layout itself is
-:mod:`.partition`'s.
+:mod:`..partition`'s.
 """
 
 from __future__ import annotations

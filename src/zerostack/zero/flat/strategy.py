@@ -1,7 +1,7 @@
 """ZeRO stages 0, 1 and 2: flat buffers, bucketed overlapped gradient reduction, sharded masters.
 
 Each optimizer group's trainable parameters become views into one flat buffer in the compute
-dtype (see :mod:`.partition` for the layout: buckets padded to a multiple of the dp size, rank
+dtype (see :mod:`..partition` for the layout: buckets padded to a multiple of the dp size, rank
 ``r`` owning piece ``r`` of each bucket). A post-accumulate-grad hook counts the ready parameters
 of each bucket and launches its collective asynchronously while backward goes on. Buckets launch
 strictly in order, so every rank issues the same collectives in the same order even when gradients
@@ -17,7 +17,7 @@ stage     gradients held              reduction                        fp32 mast
 
 Stage 0 is the state replicated, stages 1-2 sharded over dp; the gradients
 are held in a :class:`~.grads.GradBuffer`, full (stages 0-1) or sharded (stage 2): the
-builder (:mod:`.build`) makes both choices. The gradients held are in
+builder (:mod:`..build`) makes both choices. The gradients held are in
 ``data_types.grad_accum_dtype`` when it is given (stages 1-2; stage 0 only takes the compute
 dtype), and reduced in ``communication_data_type`` (see :mod:`.grads`).
 
@@ -55,12 +55,12 @@ from .write_back import WriteBack
 
 class ShardedDataParallel(StepSequence):
     """Sequences the step of ZeRO stage 0, 1 or 2 over the parts it composes: ``flat`` (a
-    :class:`~.flat_buffers.FlatBuffers`: the flat groups, buckets and parameter index), the
+    :class:`~.buffers.FlatBuffers`: the flat groups, buckets and parameter index), the
     state replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's
     ranks; ``grads`` (a :class:`~.grads.GradBuffer`: full, stages 0-1, or sharded,
     stage 2); ``writer`` (the :class:`~.write_back.WriteBack`); ``checkpoint`` (the
-    :class:`~.flat_checkpoint.FlatCheckpoint`, which the checkpoint view's calls go to).
-    ``host``: the offload set-up (:func:`~.offload.host_offload`); ``shared``: at ep > 1, the
+    :class:`~.checkpoint.FlatCheckpoint`, which the checkpoint view's calls go to).
+    ``host``: the offload set-up (:func:`~..offload.host.host_offload`); ``shared``: at ep > 1, the
     parameters every ep rank holds."""
 
     def __init__(
@@ -258,7 +258,7 @@ class ShardedDataParallel(StepSequence):
         p.data.copy_(value.view_as(p))
 
     # ------------------------------------------------------------------ the checkpoint's view
-    # (:class:`~.strategy.CheckpointView` and what the strategy holds, answered by its parts)
+    # (:class:`~..strategy.CheckpointView` and what the strategy holds, answered by its parts)
     @property
     def owns_replica(self) -> bool:
         return self.checkpoint.owns_replica

@@ -72,7 +72,7 @@ class MemoryMasters:
 
 
 class FileMasters:
-    """Masters and their optimizer state in an NVMe store (:class:`~.offload.OptimizerSwapper`):
+    """Masters and their optimizer state in an NVMe store (:class:`~.host.OptimizerSwapper`):
     between steps a master holds no storage; :meth:`step` swaps each in, steps it, hands its new
     value to ``on_updated`` and writes it back."""
 

@@ -1,11 +1,13 @@
-"""What a checkpoint reads and writes of ZeRO stage 3 (mixed into :class:`~.stage3.Stage3`).
+"""What a checkpoint reads and writes of ZeRO stage 3 (the strategy's
+:class:`~..strategy.CheckpointView`, delegated to :class:`Stage3Checkpoint`).
 
-This rank's slice of each parameter (:meth:`Stage3State.owned_slices`, ``frozen_slices``), its
-master's value and optimizer state through the master store (``read_master`` /
+This rank's slice of each parameter (:meth:`Stage3Checkpoint.owned_slices`, ``frozen_slices``),
+its master's value and optimizer state through the master store (``read_master`` /
 ``write_master``), the full parameters for a consolidated state dict (``full_master``, a
-collective), and what goes back into the compute-dtype pieces after a load (``after_load``).
-It uses the strategy's own parts: ``groups`` (fp32 masters by sub-group), ``store`` (the
-masters' store), ``param_swapper`` (where the pieces live), ``_owner`` and ``_trainable``.
+collective), what goes back into the compute-dtype pieces after a load (``after_load``), and
+the bytes this rank holds. It is given what it reads: the (sub-)groups, the coordinator's
+``owner`` (every parameter, in unit order), the trained parameters, each master's group, the
+masters' ``store``, the piece ``swapper`` and the :class:`~.write_back.Stage3WriteBack`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...comm import Comm
+from ..offload.param_swap import ParamSwapper, ResidentPieces
 from ..strategy import tally
 from .collectives import gather_full
+from .groups import Group
+from .write_back import Stage3WriteBack
 
 
-class Stage3State:
+class Stage3Checkpoint:
+    """The checkpoint's view of stage 3's ``groups``; ``owner`` holds every parameter of the
+    module (the others than ``trainable`` are frozen)."""
+
+    def __init__(
+        self,
+        groups: list[Group],
+        *,
+        owner: dict[nn.Parameter, int],
+        trainable: set[nn.Parameter],
+        group_of: dict[nn.Parameter, Group],
+        store,
+        swapper: ParamSwapper | ResidentPieces,
+        writer: Stage3WriteBack,
+        comm: Comm,
+    ) -> None:
+        self.groups, self.owner, self.trainable = groups, owner, trainable
+        self.store, self.swapper, self.writer, self.comm = store, swapper, writer, comm
+        self.group_of = group_of  # master -> its (sub-)group
+
     def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
         """Every parameter's full value, fp32 for trained ones (a collective over dp)."""
         out = {}
-        params = list(self._owner)
+        params = list(self.owner)
         states = [p._zs for p in params]
         trained: dict[nn.Parameter, torch.Tensor] = {}
         for g in self.groups:
@@ -30,7 +55,7 @@ class Stage3State:
                 trained[p] = value[off : off + p._zs.piece.numel()]
                 off += p._zs.piece.numel()
         device = self.comm.topo.device
-        self.param_swapper.fetch([p for p in params if p not in self._trainable])
+        self.swapper.fetch([p for p in params if p not in self.trainable])
         masters = []
         for p, st in zip(params, states, strict=True):
             m = trained[p] if p in trained else st.piece.float()
@@ -38,17 +63,13 @@ class Stage3State:
             masters.append(st.like(m))
         for p, full in zip(params, gather_full(masters, self.comm), strict=True):
             out[p] = full
-        self.param_swapper.drop([p for p in params if p not in self._trainable])
+        self.swapper.drop([p for p in params if p not in self.trainable])
         return out
 
     @property
     def owns_replica(self) -> bool:
         """Every rank writes its own shard."""
         return True
-
-    def state_axis(self, p: nn.Parameter) -> str | None:
-        """The axis over which ``p``'s master is cut, None where one rank holds all of it."""
-        return p._zs.axis if p._zs.world > 1 else None
 
     def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
         """As :meth:`ShardedDataParallel.read_master`."""
@@ -64,7 +85,7 @@ class Stage3State:
         if self.store.in_memory:
             return
         self.store.write_state(master, optimizer, values)
-        self._write_pieces(self._group_of[master], values["master"])
+        self.writer.write(self.group_of[master], values["master"])
 
     def group_params(self) -> list[list[nn.Parameter]]:
         """Each optimizer group's trained parameters, in the group's order."""
@@ -86,8 +107,8 @@ class Stage3State:
 
     def frozen_extents(self):
         """``(param, lo, hi)`` of :meth:`frozen_slices`, no piece read in."""
-        for p in self._owner:
-            if p not in self._trainable:
+        for p in self.owner:
+            if p not in self.trainable:
                 yield p, *p._zs.extent()
 
     def frozen_slices(self, writes: bool = True):
@@ -97,77 +118,24 @@ class Stage3State:
         file (offload_param) is read in for that, one at a time, and written back after (a load
         may have filled it; a save, ``writes=False``, leaves the file alone)."""
         for p, lo, hi in self.frozen_extents():
-            swapped = self.param_swapper.holds(p)
-            self.param_swapper.fetch([p])
+            swapped = self.swapper.holds(p)
+            self.swapper.fetch([p])
             yield p, lo, hi, p._zs.piece[: hi - lo]
             if swapped:
                 if writes:
-                    self.param_swapper.update(p, p._zs.piece)
-                self.param_swapper.drop([p])
+                    self.swapper.update(p, p._zs.piece)
+                self.swapper.drop([p])
 
     def after_load(self) -> None:
         """Loaded masters into the pieces, and loaded frozen pieces into the gathered copies of
         persistent parameters (a collective over dp)."""
-        self.write_back()
-        self._refresh_persistent([p for p in self._persistent if p not in self._trainable])
-
-    # ------------------------------------------------------------------ one parameter
-    def is_trained(self, p: nn.Parameter) -> bool:
-        """Whether the optimizer steps ``p`` (it has a master and gradient pieces here)."""
-        return p in self._trainable
-
-    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
-        over dp and scaled as its master gets it (times :meth:`grad_post` is the mean): every
-        rank's piece, all-gathered (a collective over dp). ``p.grad`` is None after backward
-        at stage 3; the pieces are where the gradient is."""
-        st = p._zs
-        self.downloads.settle()
-        piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
-        return gather_full([st.like(piece)], self.comm)[0].reshape(-1)
-
-    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
-        self.downloads.settle()
-        return self.grads.piece(p).to(torch.float32, copy=True)
-
-    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
-        it) ``p``'s gradient in this window: this rank's piece of it."""
-        self.hold_local_grad(p, self._own_piece(p, value))
-
-    def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
-        """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
-        gives it) ``p``'s gradient piece, in its shard or its file."""
-        lo, hi = p._zs.extent()
-        piece = piece.to(torch.float32, copy=True)
-        piece[hi - lo :] = 0.0  # the padding is no part of the gradient
-        self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
-
-    def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-        """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
-        lo, hi = p._zs.extent()
-        piece = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=value.device)
-        piece[: hi - lo] = value[lo:hi]
-        return piece
-
-    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
-        this rank's piece (in memory or its file), and the gathered copy a persistent one
-        keeps."""
-        st = p._zs
-        piece = self._own_piece(p, value)
-        if self.param_swapper.holds(p):  # its file (offload_param)
-            self.param_swapper.update(p, piece)
-        if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
-            st.write(piece)
-        if st.gathered and p.numel() == st.numel:
-            p.data.copy_(value.view_as(p))
+        self.writer.finish()
+        self.writer.refresh(self.writer.frozen)
 
     def close(self) -> None:
         """Remove the NVMe files (also done at process exit)."""
         self.store.close()
-        self.param_swapper.close()
+        self.swapper.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameter shards (and gathered copies), gradient shards and
@@ -179,7 +147,7 @@ class Stage3State:
         device = self.comm.topo.device.type
         for kind, t in self.state_tensors(gathered=False):
             yield kind, t.device.type, t.nbytes
-        for p in self._owner:  # gathered copies held right now, on the compute device
+        for p in self.owner:  # gathered copies held right now, on the compute device
             yield "params", device, p._zs.held_bytes
 
     def state_tensors(self, gathered: bool = True):
@@ -187,13 +155,13 @@ class Stage3State:
         pieces in memory, and with ``gathered`` the whole values of the parameters gathered
         now: persistent ones, and those kept or in use), ``grads`` (gradient shards) and
         ``master`` (separate fp32 masters)."""
-        if not self.param_swapper.offloads:
+        if not self.swapper.offloads:
             pieces = [g.pieces for g in self.groups]
-            pieces += [p._zs.stored for p in self._owner if p not in self._trainable]
+            pieces += [p._zs.stored for p in self.owner if p not in self.trainable]
         else:  # pieces in memory now (a swapped-out one is a stride-0 placeholder)
-            pieces = [p._zs.stored for p in self._owner if p._zs.piece.stride() != (0,)]
+            pieces = [p._zs.stored for p in self.owner if p._zs.piece.stride() != (0,)]
         if gathered:
-            pieces += [p.data for p in self._owner if p._zs.gathered]
+            pieces += [p.data for p in self.owner if p._zs.gathered]
         for t in pieces:
             yield "params", t
         for g in self.groups:  # in files the masters hold no storage between steps

@@ -26,7 +26,7 @@ collectives in the same order.
 With the pieces offloaded to NVMe (``offload_param``), the files of the units after the prefetched
 ones (up to ``prefetch_numel`` elements more) are read ahead on the swapper's thread, so that the
 disk works while the current unit computes and a gather only queues its copy; reads a pass did not
-use are dropped as it ends (:meth:`.param_swap.ParamSwapper.forget_reads`).
+use are dropped as it ends (:meth:`..offload.param_swap.ParamSwapper.forget_reads`).
 """
 
 from __future__ import annotations

@@ -41,15 +41,16 @@ def sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Pa
     return out
 
 
-def make_group(params, options, index, *, dtype, pin, where) -> Group:
+def make_group(
+    params, options, index, *, dtype, pin, device, offload, swapper, grads, store, meter
+) -> Group:
     """One (sub-)group's fp32 master: this rank's pieces of ``params`` end to end (on the host
-    when offloaded), its compute-dtype pieces and gradient shard as views each parameter keeps
-    (``where``: the strategy, for its device, offload, piece swapper, meter, master store and
-    ``grads``, where the fp32 gradients are summed)."""
-    device = where.comm.topo.device
-    swapped = [p for p in params if where.param_swapper.holds(p)]
+    when ``offload`` is not "none"), its compute-dtype pieces and gradient shard as views each
+    parameter keeps. ``swapper`` says where the pieces live, ``grads`` gives the shard where the
+    fp32 gradients are summed, ``store`` keeps the master, ``meter`` counts the pieces."""
+    swapped = [p for p in params if swapper.holds(p)]
     if swapped:
-        where.param_swapper.fetch(swapped)
+        swapper.fetch(swapped)
     swapped = set(swapped)
     total = sum(p._zs.piece.numel() for p in params) or 1
     master = torch.zeros(total, dtype=torch.float32, device=device)
@@ -60,14 +61,14 @@ def make_group(params, options, index, *, dtype, pin, where) -> Group:
         off += pn
     # The group's pieces, end to end; the per-parameter pieces they replace are freed.
     pieces = master if dtype == torch.float32 else master.to(dtype)
-    if where.offload != "none":
+    if offload != "none":
         master = to_host(master, pin)  # a host copy, separate even in fp32
-    grad_shard = where.grads.shard_for(master)
+    grad_shard = grads.shard_for(master)
     off = 0
     for p in params:
         st, pn = p._zs, p._zs.piece.numel()
         if p in swapped:  # back to its file, in the compute dtype
-            where.param_swapper.rewrite(p, pieces[off : off + pn], dtype)
+            swapper.rewrite(p, pieces[off : off + pn], dtype)
             st.master = st.grad = None
         else:
             st.piece, st.master = pieces[off : off + pn], master[off : off + pn]
@@ -76,10 +77,10 @@ def make_group(params, options, index, *, dtype, pin, where) -> Group:
     if swapped:
         pieces = None
     else:
-        where.meter.track(pieces)
+        meter.track(pieces)
     group = Group(params, options, nn.Parameter(master), pieces, grad_shard, index)
-    if not where.store.in_memory:
+    if not store.in_memory:
         for p in params:
             p._zs.master = None  # the master lives in a file now, not in views of it
-    where.store.add(group.master)
+    store.add(group.master)
     return group

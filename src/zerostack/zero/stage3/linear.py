@@ -3,7 +3,7 @@
 Stage 3 routes plain ``nn.Linear`` modules through it, and the tensor-parallel layers use it too,
 so a released weight is freed during forward whichever layer holds it. Its weight gradient, as
 large as the weight and dropped as soon as it is staged, is made in a mapping of its own on the
-CPU (:mod:`.scratch`).
+CPU (:mod:`zerostack.core.scratch`).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ gathering and releasing the whole parameter from the dp ranks' pieces.
 
 A sharded parameter keeps its full shape in ``p._zs`` and holds in ``p.data`` an empty tensor
 until gathered. Every rank stores piece ``r`` of the parameter, flattened and padded to ``dp``
-equal pieces of whole 16-byte blocks (:func:`.partition.piece_numel`); with expert parallelism,
+equal pieces of whole 16-byte blocks (:func:`..partition.piece_numel`); with expert parallelism,
 what every ep rank holds is cut over the ``dp * ep`` ranks of the ``dp_ep`` axis instead
 (``p._zs.axis``). ``zero.Init`` and
-``GatheredParameters`` (:mod:`.init`), the coordinator and the stage build on these.
+``GatheredParameters`` (:mod:`..init`), the coordinator and the stage build on these.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Stage 3's gradient reduction: full gradients staged into buckets, reduce-scattered to pieces.
 
-At stage 3 every parameter already is ``dp`` equal pieces (:mod:`.init`), so a bucket (a few
-modules' parameters, :class:`~.partition.PieceBuckets`) is staged as a ``(dp, width)`` matrix whose
+At stage 3 every parameter already is ``dp`` equal pieces (:mod:`..init`), so a bucket (a few
+modules' parameters, :class:`~..partition.PieceBuckets`) is staged as a ``(dp, width)`` matrix whose
 row ``r`` holds every parameter's ``r``-th piece; one reduce-scatter hands each rank its row. A
 parameter's full gradient is copied into the matrix and dropped as soon as backward produces it;
-the :class:`~.reducer.GradReducer` launches each bucket, in order, once all its parameters
+the :class:`~..reducer.GradReducer` launches each bucket, in order, once all its parameters
 arrived, and ``deliver([(param, piece), ...], final)`` receives each bucket's reduced row as soon
 as its collective is waited for: at most two buckets are in flight, so the reduced rows do not
 pile up until the end of backward (at dp = 1 the row is delivered when the bucket is launched:
 there is nothing to reduce). ``final`` says whether the row is the accumulation window's last
 (:attr:`PieceReducer.final`, set for each backward). Rows bound for host memory (an offloaded
-optimizer) come down without stopping the host (:class:`~.offload.Downloads`) and are delivered
-once settled.
+optimizer) come down without stopping the host (:class:`~..offload.host.Downloads`) and are
+delivered once settled.
 
 With ZeRO++'s quantized gradients (qgZ, ``zero_quantized_gradients``) the reduce-scatter is an
 all-to-all of int8 (or, with ``zero_quantized_gradients_bits: 4``, int4) blocks

@@ -1,6 +1,6 @@
 """ZeRO stage 3: parameters sharded too, gathered per module just before use, freed right after.
 
-Every parameter is stored as this rank's piece (see :mod:`.init`). :mod:`.coordinator` gathers
+Every parameter is stored as this rank's piece (see :mod:`..init`). :mod:`.coordinator` gathers
 a module's parameters just before its forward and again before its backward, and frees them right
 after (prefetching in the recorded order). When every trainable parameter of a unit has its
 gradient (post-accumulate-grad hooks), its gradients are reduce-scattered, asynchronously and a
@@ -28,17 +28,18 @@ from ..offload.masters import GradFiles, GradShards, master_store
 from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from ..reducer import hook_grads
 from ..strategy import StepSequence, sync_from_rank0
-from .checkpoint import Stage3State
-from .collectives import Subgroup
+from .checkpoint import Stage3Checkpoint
+from .collectives import Subgroup, gather_full
 from .coordinator import ParamCoordinator
 from .frozen_pieces import quantize_at_start
 from .gather import gather_now
 from .groups import Group, make_group, sub_groups
 from .params import StorageMeter, cut_all
 from .reduce import piece_reducers
+from .write_back import Stage3WriteBack
 
 
-class Stage3(Stage3State, StepSequence):
+class Stage3(StepSequence):
     """Owns the parameter shards, gradient shards and fp32 masters at ZeRO stage 3."""
 
     stage = 3
@@ -113,9 +114,20 @@ class Stage3(Stage3State, StepSequence):
         for index, group in enumerate(groups):
             options = {k: v for k, v in group.items() if k != "params"}
             for params in sub_groups(list(group["params"]), limit):
-                self.groups.append(
-                    make_group(params, options, index, dtype=dtype, pin=pin, where=self)
+                group = make_group(
+                    params,
+                    options,
+                    index,
+                    dtype=dtype,
+                    pin=pin,
+                    device=comm.topo.device,
+                    offload=self.offload,
+                    swapper=self.param_swapper,
+                    grads=self.grads,
+                    store=self.store,
+                    meter=self.meter,
                 )
+                self.groups.append(group)
         self._group_of.update({g.master: g for g in self.groups})
         for p in everything:
             if self.param_swapper.holds(p):
@@ -135,7 +147,7 @@ class Stage3(Stage3State, StepSequence):
             p.ds_persist = True
             if self.param_swapper.holds(p):
                 self.param_swapper.keep(p)
-        self._refresh_persistent(self._persistent)
+        gather_now(self._persistent, comm, self.meter)
         # offload_param: every non-persistent piece lives in a file ("nvme") or in host memory
         # ("cpu"), and is read in for each gather
         wanted = offload_param is not None and offload_param.device != "none"
@@ -177,6 +189,26 @@ class Stage3(Stage3State, StepSequence):
             downloads=self.downloads,
         )
         self.reduce = self.reducers["dp"]
+        self.writer = Stage3WriteBack(
+            self.groups,
+            persistent=self._persistent,
+            trainable=self._trainable,
+            store=self.store,
+            swapper=self.param_swapper,
+            uploads=self.uploads,
+            comm=comm,
+            meter=self.meter,
+        )
+        self.checkpoint = Stage3Checkpoint(
+            self.groups,
+            owner=owner,
+            trainable=self._trainable,
+            group_of=self._group_of,
+            store=self.store,
+            swapper=self.param_swapper,
+            writer=self.writer,
+            comm=comm,
+        )
         self._hooks = hook_grads(trainable, self._on_grad_ready)
 
     # ----------------------------------------------------------------------------- gathering
@@ -186,23 +218,6 @@ class Stage3(Stage3State, StepSequence):
     def release_gathered(self) -> None:
         """Release the parameters gathered ahead of use or kept for a reuse."""
         self.coord.release_gathered()
-
-    def _refresh_persistent(self, params: list[nn.Parameter]) -> None:
-        gather_now(params, self.comm, self.meter)
-
-    def _write_pieces(self, g: Group, value: torch.Tensor) -> None:
-        """The stepped fp32 values of a (sub-)group into its compute-dtype pieces (or files)."""
-        if g.pieces is not None:  # one flat buffer (no piece of the group is swapped out)
-            self.uploads.copy(g.master, g.pieces, value)
-            return
-        off = 0
-        for p in g.params:
-            pn = p._zs.piece.numel()
-            if self.param_swapper.holds(p):
-                self.param_swapper.update(p, value[off : off + pn])
-            else:
-                self.uploads.copy(p, p._zs.piece, value[off : off + pn])
-            off += pn
 
     @property
     def prefetched(self) -> int:
@@ -276,15 +291,113 @@ class Stage3(Stage3State, StepSequence):
     def step_optimizer(self, optimizer) -> None:
         """``optimizer.step()`` on the masters (in files: sub-group by sub-group, each written
         into the compute-dtype pieces while it is in memory)."""
-        self.store.step(optimizer, lambda m, value: self._write_pieces(self._group_of[m], value))
+        self.store.step(optimizer, lambda m, value: self.writer.write(self._group_of[m], value))
 
     def write_back(self) -> None:
-        for g in self.groups:  # in files: written while each sub-group was in memory
-            separate = g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
-            if self.store.in_memory and separate:
-                self._write_pieces(g, g.master.detach())
-        self._refresh_persistent([p for p in self._persistent if p in self._trainable])
+        self.writer.finish()
 
     def zero_grad(self) -> None:
         self.downloads.settle()  # no late add after the zeros
         self.grads.clear(self.groups)
+
+    # ------------------------------------------------------------------ one parameter
+    def state_axis(self, p: nn.Parameter) -> str | None:
+        """The axis over which ``p``'s master is cut, None where one rank holds all of it."""
+        return p._zs.axis if p._zs.world > 1 else None
+
+    def is_trained(self, p: nn.Parameter) -> bool:
+        """Whether the optimizer steps ``p`` (it has a master and gradient pieces here)."""
+        return p in self._trainable
+
+    def window_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
+        over dp and scaled as its master gets it (times :meth:`grad_post` is the mean): every
+        rank's piece, all-gathered (a collective over dp). ``p.grad`` is None after backward
+        at stage 3; the pieces are where the gradient is."""
+        st = p._zs
+        self.downloads.settle()
+        piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
+        return gather_full([st.like(piece)], self.comm)[0].reshape(-1)
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
+        self.downloads.settle()
+        return self.grads.piece(p).to(torch.float32, copy=True)
+
+    def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
+        it) ``p``'s gradient in this window: this rank's piece of it."""
+        self.hold_local_grad(p, self._own_piece(p, value))
+
+    def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
+        """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
+        gives it) ``p``'s gradient piece, in its shard or its file."""
+        lo, hi = p._zs.extent()
+        piece = piece.to(torch.float32, copy=True)
+        piece[hi - lo :] = 0.0  # the padding is no part of the gradient
+        self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
+
+    def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
+        lo, hi = p._zs.extent()
+        piece = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=value.device)
+        piece[: hi - lo] = value[lo:hi]
+        return piece
+
+    def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
+        this rank's piece (in memory or its file), and the gathered copy a persistent one
+        keeps."""
+        st = p._zs
+        piece = self._own_piece(p, value)
+        if self.param_swapper.holds(p):  # its file (offload_param)
+            self.param_swapper.update(p, piece)
+        if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
+            st.write(piece)
+        if st.gathered and p.numel() == st.numel:
+            p.data.copy_(value.view_as(p))
+
+    # ------------------------------------------------------------------ the checkpoint's view
+    # (:class:`~..strategy.CheckpointView` and what the strategy holds, answered by its parts)
+    @property
+    def owns_replica(self) -> bool:
+        return self.checkpoint.owns_replica
+
+    def group_params(self) -> list[list[nn.Parameter]]:
+        return self.checkpoint.group_params()
+
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        return self.checkpoint.full_master()
+
+    def owned_slices(self):
+        return self.checkpoint.owned_slices()
+
+    def frozen_extents(self):
+        return self.checkpoint.frozen_extents()
+
+    def frozen_slices(self, writes: bool = True):
+        return self.checkpoint.frozen_slices(writes)
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        return self.checkpoint.read_master(master, optimizer, kinds)
+
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        return self.checkpoint.master_kinds(master, optimizer)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        self.checkpoint.write_master(master, optimizer, values)
+
+    def after_load(self) -> None:
+        self.checkpoint.after_load()
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return self.checkpoint.memory_breakdown()
+
+    def held(self):
+        return self.checkpoint.held()
+
+    def state_tensors(self, gathered: bool = True):
+        return self.checkpoint.state_tensors(gathered)

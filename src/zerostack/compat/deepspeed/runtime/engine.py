@@ -219,7 +219,8 @@ class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the pending background save is written and ``latest`` moved; raise
-        :class:`~.checkpoint.CheckpointError` (on every rank) if it failed on any rank."""
+        :class:`~zerostack.checkpoint.errors.CheckpointError` (on every rank) if it failed on
+        any rank."""
         self.checkpoints.wait()
 
     def load_checkpoint(
@@ -235,7 +236,7 @@ class DeepSpeedEngine(EngineQueries, DataEfficiency, Engine):
         """DeepSpeed's load (``tag=None``: the ``latest`` one), on any ZeRO stage and dp size;
         returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
         and there is no ``latest`` file (nothing saved yet). A named tag that is missing, or a
-        damaged checkpoint, raises :class:`~.checkpoint.CheckpointError`.
+        damaged checkpoint, raises :class:`~zerostack.checkpoint.errors.CheckpointError`.
 
         ``load_module_strict=False``: parameters and buffers the checkpoint lacks keep their
         values, and those the model lacks are ignored (shapes must still agree).
