@@ -90,7 +90,13 @@ def _torchrun(engine: str, script: str, args: list[str], timeout: float, ranks: 
         str(ranks), *runner, script, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if engine == "zerostack" and os.environ.get("ZEROSTACK_TEST_SCRIPT_SERVER") == "1":
+        # the test suite: the same ranks, forked from a server that imported the libraries
+        from tests.support.script_server import run_script
+
+        done = run_script([script, *args], ranks, env, timeout)
+    else:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT {")]
     # DeepSpeed itself sometimes aborts at exit, after the script's end ("terminate called
     # without an active exception": a gloo group destroyed while a peer still runs), and so do

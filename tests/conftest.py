@@ -6,6 +6,11 @@ import pytest
 from tests.support import ranks
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The downstream scripts' ranks (scripts/hf_trainer_runs.py's _torchrun) are forked from a server
+# that imported their libraries once (tests/support/script_server.py); ZEROSTACK_TEST_TORCHRUN=1
+# starts each under torchrun instead.
+if os.environ.get("ZEROSTACK_TEST_TORCHRUN") != "1":
+    os.environ["ZEROSTACK_TEST_SCRIPT_SERVER"] = "1"
 
 
 @pytest.hookimpl(hookwrapper=True)
