@@ -170,9 +170,14 @@ def _pytest(tests: tuple[str, ...], pythonpath: str | None, timeout: int) -> tup
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def _killer(output: str) -> str:
+def _killer(code: int, output: str) -> str | None:
+    """The test that failed (pytest's FAILED or ERROR line), ``signal N`` where pytest itself was
+    killed, or None: the tests did not run (no interpreter, a broken environment), which is no
+    kill."""
     found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
-    return found.group(1) if found else "(no test named)"
+    if found and code in (1, 2):
+        return found.group(1)
+    return f"signal {-code}" if code < 0 else None
 
 
 def run(mutants: list[Mutant], timeout: int, verbose: bool, budget: float | None) -> tuple:
@@ -197,9 +202,15 @@ def run(mutants: list[Mutant], timeout: int, verbose: bool, budget: float | None
         if code == 0:
             survived.append(m.name)
             print(f"SURVIVED  {m.name:<{width}}  ({took:.0f}s)", flush=True)
+            continue
+        by = _killer(code, out)
+        if by is None:  # counted with the survivors: the gate fails
+            survived.append(m.name)
+            tail = "\n".join(out.splitlines()[-5:])
+            print(f"NOT RUN   {m.name:<{width}}  pytest exit {code}:\n{tail}", flush=True)
         else:
             killed += 1
-            print(f"killed    {m.name:<{width}}  by {_killer(out)}  ({took:.0f}s)", flush=True)
+            print(f"killed    {m.name:<{width}}  by {by}  ({took:.0f}s)", flush=True)
             if verbose:
                 lines = [ln for ln in out.splitlines() if re.match(r"^E\s", ln)]
                 print("\n".join("          " + ln for ln in lines[-6:]), flush=True)

@@ -83,3 +83,15 @@ def test_a_changed_helper_selects_the_tests_that_use_it():
     assert "tests/test_auto_resume.py" in jobs
     models = mutants._importers({"tests/support/models.py"})
     assert {"tests/support/parity.py", "tests/test_parity.py"} <= models  # through parity.py
+
+
+def test_only_a_failing_test_or_a_killed_pytest_counts_as_a_kill():
+    """A mutant is killed when one of its tests fails (or pytest dies of a signal); tests that
+    never ran (no interpreter, a broken environment, a usage error) kill nothing."""
+    failed = "FAILED tests/test_x.py::test_y - AssertionError\n1 failed in 2.0s"
+    assert mutants._killer(1, failed) == "tests/test_x.py::test_y"
+    assert mutants._killer(2, "ERROR tests/test_x.py - ImportError\n") == "tests/test_x.py"
+    assert mutants._killer(-9, "") == "signal 9"
+    assert mutants._killer(1, "Fatal Python error: init_fs_encoding\n") is None
+    assert mutants._killer(4, "ERROR: file or directory not found: tests/x.py\n") is None
+    assert mutants._killer(3, "INTERNALERROR> OSError\nFAILED x\n") is None
