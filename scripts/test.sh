@@ -13,6 +13,6 @@ ruff check src tests benchmarks examples scripts
 lint-imports --no-cache  # pyproject.toml's layers: imports only point down
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q --site-dir "$(mktemp -d)"  # docs: pages, links
 echo "lint: $((SECONDS - t0)) s"
-# Two workers, a test file each at a time: the multi-process tests wait on process starts and
-# timeouts often enough that a second file overlaps them (6.6 min on 2 cores, 8.5 on one worker).
+# Two workers, a test file each at a time (the suite is CPU-bound on 2 cores: four workers took
+# as long). The downstream examples run on ranks forked from tests/support/script_server.py.
 python -m pytest -q -n 2 --dist loadfile "$@"
