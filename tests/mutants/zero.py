@@ -1056,7 +1056,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "a stage-3 mid-window gradient read misses the rows still coming down",
-        "zero/stage3/strategy.py",
+        "zero/stage3/one_param.py",
         "        self.downloads.settle()\n        piece = self.grads.piece(p)",
         "        piece = self.grads.piece(p)",
         ("tests/test_cuda_path.py::test_a_mid_window_gradient_read_sees_the_pending_downloads[3]",),
@@ -1422,5 +1422,12 @@ MUTANTS: list[Mutant] = [
         "        self.writer.refresh(self.writer.frozen)",
         "        pass",
         ("tests/test_frozen.py::test_frozen_parameters_save_load_and_consolidate_at_every_stage",),
+    ),
+    Mutant(
+        "stage 3: safe_set_full_fp32_param leaves a persistent parameter's whole copy stale",
+        "zero/stage3/one_param.py",
+        "            p.data.copy_(value.view_as(p))",
+        "            pass",
+        ("tests/test_engine_surface.py::test_full_values_match_single_process[s3]",),
     ),
 ]

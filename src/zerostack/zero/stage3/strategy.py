@@ -29,11 +29,12 @@ from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from ..reducer import hook_grads
 from ..strategy import StepSequence, sync_from_rank0
 from .checkpoint import Stage3Checkpoint
-from .collectives import Subgroup, gather_full
+from .collectives import Subgroup
 from .coordinator import ParamCoordinator
 from .frozen_pieces import quantize_at_start
 from .gather import gather_now
 from .groups import Group, make_group, sub_groups
+from .one_param import OneParam
 from .params import StorageMeter, cut_all
 from .reduce import piece_reducers
 from .write_back import Stage3WriteBack
@@ -209,6 +210,9 @@ class Stage3(StepSequence):
             writer=self.writer,
             comm=comm,
         )
+        self.one = OneParam(
+            comm=comm, grads=self.grads, downloads=self.downloads, swapper=self.param_swapper
+        )
         self._hooks = hook_grads(trainable, self._on_grad_ready)
 
     # ----------------------------------------------------------------------------- gathering
@@ -310,52 +314,19 @@ class Stage3(StepSequence):
         return p in self._trainable
 
     def window_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """``p``'s gradient so far in this accumulation window, whole and flat in fp32, summed
-        over dp and scaled as its master gets it (times :meth:`grad_post` is the mean): every
-        rank's piece, all-gathered (a collective over dp). ``p.grad`` is None after backward
-        at stage 3; the pieces are where the gradient is."""
-        st = p._zs
-        self.downloads.settle()
-        piece = self.grads.piece(p).to(device=self.comm.topo.device, dtype=torch.float32)
-        return gather_full([st.like(piece)], self.comm)[0].reshape(-1)
+        return self.one.window_grad(p)
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """This rank's piece of ``p``'s gradient (padding included), summed and scaled."""
-        self.downloads.settle()
-        return self.grads.piece(p).to(torch.float32, copy=True)
+        return self.one.local_grad(p)
 
     def hold_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Make ``value`` (flat fp32, summed over dp and scaled, as :meth:`window_grad` gives
-        it) ``p``'s gradient in this window: this rank's piece of it."""
-        self.hold_local_grad(p, self._own_piece(p, value))
+        self.one.hold_grad(p, value)
 
     def hold_local_grad(self, p: nn.Parameter, piece: torch.Tensor) -> None:
-        """Make ``piece`` (this rank's, padded, summed and scaled as :meth:`local_grad`
-        gives it) ``p``'s gradient piece, in its shard or its file."""
-        lo, hi = p._zs.extent()
-        piece = piece.to(torch.float32, copy=True)
-        piece[hi - lo :] = 0.0  # the padding is no part of the gradient
-        self.grads.replace(p, piece)  # a shard in memory, or a file and its norm
-
-    def _own_piece(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-        """This rank's piece (padded with zeros) of ``value``, ``p``'s whole flat value."""
-        lo, hi = p._zs.extent()
-        piece = torch.zeros(p._zs.piece.numel(), dtype=torch.float32, device=value.device)
-        piece[: hi - lo] = value[lo:hi]
-        return piece
+        self.one.hold_local_grad(p, piece)
 
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
-        this rank's piece (in memory or its file), and the gathered copy a persistent one
-        keeps."""
-        st = p._zs
-        piece = self._own_piece(p, value)
-        if self.param_swapper.holds(p):  # its file (offload_param)
-            self.param_swapper.update(p, piece)
-        if st.piece.stride() != (0,):  # in memory (a swapped-out piece is a placeholder)
-            st.write(piece)
-        if st.gathered and p.numel() == st.numel:
-            p.data.copy_(value.view_as(p))
+        self.one.write_param(p, value)
 
     # ------------------------------------------------------------------ the checkpoint's view
     # (:class:`~..strategy.CheckpointView` and what the strategy holds, answered by its parts)
