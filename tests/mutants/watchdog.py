@@ -4,6 +4,13 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "watchdog: a rank ended by an exception finalises with the thread inside a store call",
+        "watchdog/__init__.py",
+        "        atexit.register(self.stop)\n",
+        "",
+        ("tests/test_watchdog.py::test_a_rank_ended_by_an_exception_exits_with_it_not_an_abort",),
+    ),
+    Mutant(
         "the watchdog's stop leaves its wake sockets open (two descriptors an engine)",
         "watchdog/__init__.py",
         "            self._selector.close()\n            self._wake_r.close()\n",

@@ -22,6 +22,7 @@ while the training thread is blocked inside a collective).
 
 from __future__ import annotations
 
+import atexit
 import os
 import selectors
 import signal
@@ -85,12 +86,18 @@ class Watchdog:
         self.beats.start()
         self._thread = threading.Thread(target=self._run, name="zerostack-watchdog", daemon=True)
         self._thread.start()
+        # a rank that ends without ``destroy`` (an exception, ``sys.exit``) stops the thread
+        # before the interpreter finalises: a daemon thread that comes back from a store call
+        # then is ended inside torch's C++ (pthread_exit through a noexcept frame) and the
+        # process aborts with "terminate called without an active exception"
+        atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
         """Stop beating, telling the peers this rank left on purpose (it is not stale)."""
         if self._thread is None:
             return
+        atexit.unregister(self.stop)
         self._stop.set()
         if self.log.explain == self.beats.posted_verdict:
             self.log.explain = None
