@@ -363,6 +363,42 @@ def _net_step(engine, rank, world, step):
     engine.step()
 
 
+def _padded_piece(rank, world):
+    """Stage 3: a local gradient set with garbage in its piece's padding (``b.bias``: 3
+    elements over 2 ranks, rank 1's piece one element short)."""
+    engine = _net_engine(world, 3, seed=11)
+    x, y = _data(0)
+    per = B // world
+    engine.backward(engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    p = engine.module.b.bias
+    value = torch.tensor([0.5, -1.0, 2.0])
+    lo, hi = p._zs.extent()
+    piece = torch.full((p._zs.piece.numel(),), 1000.0)
+    piece[: hi - lo] = value[lo:hi]
+    safe_set_local_grad(p, piece)
+    local = safe_get_local_grad(p).cpu()
+    full = safe_get_full_grad(p).cpu()
+    others = [safe_get_full_grad(q) for q in engine.module.parameters() if q is not p]
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in [*others, value]]))
+    engine.step()
+    got = engine.get_global_grad_norm()
+    engine.destroy()
+    return hi - lo, piece.numel(), local, full, float(got), float(want)
+
+
+def test_the_padding_of_a_local_gradient_is_no_part_of_it():
+    """``safe_set_local_grad`` takes the piece with its padding (as ``safe_get_local_grad``
+    gives it); what a caller leaves there is not gradient: it reads back as zeros and is not
+    in the full gradient or the norm."""
+    value = torch.tensor([0.5, -1.0, 2.0])
+    results = run_distributed(_padded_piece, 2)
+    assert any(n < pn for n, pn, *_ in results)  # a piece with padding is in the test
+    for n, pn, local, full, got, want in results:
+        assert torch.equal(local[n:], torch.zeros(pn - n)), local
+        assert torch.equal(full, value), full
+        assert abs(got - want) <= 1e-6 * want, (got, want)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()

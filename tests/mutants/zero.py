@@ -1430,4 +1430,25 @@ MUTANTS: list[Mutant] = [
         "            pass",
         ("tests/test_engine_surface.py::test_full_values_match_single_process[s3]",),
     ),
+    Mutant(
+        "stage 3: a local gradient's padding, left as the caller gave it, counts as gradient",
+        "zero/stage3/one_param.py",
+        "        piece[hi - lo :] = 0.0  # the padding is no part of the gradient\n",
+        "",
+        ("tests/test_engine_surface.py::test_the_padding_of_a_local_gradient_is_no_part_of_it",),
+    ),
+    Mutant(
+        "stage 3: fp32 masters that are the pieces counted as separate masters too",
+        "zero/stage3/groups.py",
+        "        return self.pieces is None or self.pieces.data_ptr() != self.master.data_ptr()",
+        "        return True",
+        ("tests/test_memory.py::test_bytes_per_rank_match_the_zero_formulas[2-3-fp32]",),
+    ),
+    Mutant(
+        "stage 3: bf16 masters never written back into the pieces",
+        "zero/stage3/groups.py",
+        "        return self.pieces is None or self.pieces.data_ptr() != self.master.data_ptr()",
+        "        return False",
+        ("tests/test_memory.py::test_bytes_per_rank_match_the_zero_formulas[2-3-bf16]",),
+    ),
 ]

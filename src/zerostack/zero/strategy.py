@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -235,3 +235,55 @@ class StepSequence:
             self.scale_grads(coef)
         self.step_optimizer(optimizer)
         self.write_back()
+
+
+class ForwardsCheckpointView:
+    """:class:`CheckpointView`, ``close``, ``memory_breakdown``, ``held`` and ``state_tensors``
+    answered by the strategy's ``checkpoint`` part, one call each: stages 0-2's
+    :class:`~.flat.checkpoint.FlatCheckpoint`, stage 3's
+    :class:`~.stage3.checkpoint.Stage3Checkpoint`."""
+
+    checkpoint: Any
+
+    @property
+    def owns_replica(self) -> bool:
+        return self.checkpoint.owns_replica
+
+    def group_params(self) -> list[list[nn.Parameter]]:
+        return self.checkpoint.group_params()
+
+    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
+        return self.checkpoint.full_master()
+
+    def owned_slices(self):
+        return self.checkpoint.owned_slices()
+
+    def frozen_extents(self):
+        return self.checkpoint.frozen_extents()
+
+    def frozen_slices(self, writes: bool = True):
+        return self.checkpoint.frozen_slices(writes)
+
+    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
+        return self.checkpoint.read_master(master, optimizer, kinds)
+
+    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
+        return self.checkpoint.master_kinds(master, optimizer)
+
+    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
+        self.checkpoint.write_master(master, optimizer, values)
+
+    def after_load(self) -> None:
+        self.checkpoint.after_load()
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return self.checkpoint.memory_breakdown()
+
+    def held(self):
+        return self.checkpoint.held()
+
+    def state_tensors(self):
+        return self.checkpoint.state_tensors()

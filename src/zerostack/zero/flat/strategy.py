@@ -46,14 +46,14 @@ from ...core.precision import Precision
 from ..offload.host import HostOffload, host_offload
 from ..offload.masters import master_store
 from ..reducer import hook_grads
-from ..strategy import StepSequence, sync_from_rank0
+from ..strategy import ForwardsCheckpointView, StepSequence, sync_from_rank0
 from .buffers import FlatBuffers
 from .checkpoint import FlatCheckpoint
 from .grads import GradBuffer
 from .write_back import WriteBack
 
 
-class ShardedDataParallel(StepSequence):
+class ShardedDataParallel(StepSequence, ForwardsCheckpointView):
     """Sequences the step of ZeRO stage 0, 1 or 2 over the parts it composes: ``flat`` (a
     :class:`~.buffers.FlatBuffers`: the flat groups, buckets and parameter index), the
     state replicated (stage 0) or cut (``sharded_state``, stages 1-2) over each flat group's
@@ -258,52 +258,10 @@ class ShardedDataParallel(StepSequence):
         p.data.copy_(value.view_as(p))
 
     # ------------------------------------------------------------------ the checkpoint's view
-    # (:class:`~..strategy.CheckpointView` and what the strategy holds, answered by its parts)
-    @property
-    def owns_replica(self) -> bool:
-        return self.checkpoint.owns_replica
-
+    # (the masters from the flat buffers; the rest of :class:`~..strategy.CheckpointView` from
+    # :class:`~..strategy.ForwardsCheckpointView`)
     def masters(self) -> list[nn.Parameter]:
         return self.flat.masters()
 
     def group_params(self) -> list[list[nn.Parameter]]:
         return self.flat.group_params()
-
-    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
-        return self.checkpoint.full_master()
-
-    def owned_slices(self):
-        return self.checkpoint.owned_slices()
-
-    def frozen_extents(self):
-        return self.checkpoint.frozen_extents()
-
-    def frozen_slices(self, writes: bool = True):
-        return self.checkpoint.frozen_slices(writes)
-
-    def master_value(self, master: nn.Parameter) -> torch.Tensor:
-        return self.checkpoint.master_value(master)
-
-    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
-        return self.checkpoint.read_master(master, optimizer, kinds)
-
-    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
-        return self.checkpoint.master_kinds(master, optimizer)
-
-    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
-        self.checkpoint.write_master(master, optimizer, values)
-
-    def after_load(self) -> None:
-        self.checkpoint.after_load()
-
-    def close(self) -> None:
-        self.checkpoint.close()
-
-    def memory_breakdown(self) -> dict[str, int]:
-        return self.checkpoint.memory_breakdown()
-
-    def held(self):
-        return self.checkpoint.held()
-
-    def state_tensors(self):
-        return self.checkpoint.state_tensors()

@@ -165,9 +165,7 @@ class Stage3Checkpoint:
         for t in pieces:
             yield "params", t
         for g in self.groups:  # in files the masters hold no storage between steps
-            if self.store.in_memory and (
-                g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
-            ):
+            if self.store.in_memory and g.separate_master:
                 yield "master", g.master
             if g.grad_shard is not None:
                 yield "grads", g.grad_shard

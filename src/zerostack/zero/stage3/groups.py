@@ -24,6 +24,12 @@ class Group:
     grad_shard: torch.Tensor  # the accumulation dtype (fp32 by default)
     index: int = 0  # the optimizer group it belongs to
 
+    @property
+    def separate_master(self) -> bool:
+        """Whether the fp32 master has storage of its own (not the pieces themselves, as in
+        fp32 training with the pieces in memory)."""
+        return self.pieces is None or self.pieces.data_ptr() != self.master.data_ptr()
+
 
 def sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Parameter]]:
     """Consecutive runs of parameters whose pieces add up to at most ``limit`` elements."""

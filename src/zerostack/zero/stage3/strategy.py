@@ -27,7 +27,7 @@ from ..offload.host import HostOffload, host_device, host_offload
 from ..offload.masters import GradFiles, GradShards, master_store
 from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from ..reducer import hook_grads
-from ..strategy import StepSequence, sync_from_rank0
+from ..strategy import ForwardsCheckpointView, StepSequence, sync_from_rank0
 from .checkpoint import Stage3Checkpoint
 from .collectives import Subgroup
 from .coordinator import ParamCoordinator
@@ -40,7 +40,7 @@ from .reduce import piece_reducers
 from .write_back import Stage3WriteBack
 
 
-class Stage3(StepSequence):
+class Stage3(StepSequence, ForwardsCheckpointView):
     """Owns the parameter shards, gradient shards and fp32 masters at ZeRO stage 3."""
 
     stage = 3
@@ -327,48 +327,3 @@ class Stage3(StepSequence):
 
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
         self.one.write_param(p, value)
-
-    # ------------------------------------------------------------------ the checkpoint's view
-    # (:class:`~..strategy.CheckpointView` and what the strategy holds, answered by its parts)
-    @property
-    def owns_replica(self) -> bool:
-        return self.checkpoint.owns_replica
-
-    def group_params(self) -> list[list[nn.Parameter]]:
-        return self.checkpoint.group_params()
-
-    def full_master(self) -> dict[nn.Parameter, torch.Tensor]:
-        return self.checkpoint.full_master()
-
-    def owned_slices(self):
-        return self.checkpoint.owned_slices()
-
-    def frozen_extents(self):
-        return self.checkpoint.frozen_extents()
-
-    def frozen_slices(self, writes: bool = True):
-        return self.checkpoint.frozen_slices(writes)
-
-    def read_master(self, master: nn.Parameter, optimizer, kinds=()) -> dict[str, torch.Tensor]:
-        return self.checkpoint.read_master(master, optimizer, kinds)
-
-    def master_kinds(self, master: nn.Parameter, optimizer) -> list[tuple[str, torch.dtype]]:
-        return self.checkpoint.master_kinds(master, optimizer)
-
-    def write_master(self, master: nn.Parameter, optimizer, values: dict) -> None:
-        self.checkpoint.write_master(master, optimizer, values)
-
-    def after_load(self) -> None:
-        self.checkpoint.after_load()
-
-    def close(self) -> None:
-        self.checkpoint.close()
-
-    def memory_breakdown(self) -> dict[str, int]:
-        return self.checkpoint.memory_breakdown()
-
-    def held(self):
-        return self.checkpoint.held()
-
-    def state_tensors(self, gathered: bool = True):
-        return self.checkpoint.state_tensors(gathered)

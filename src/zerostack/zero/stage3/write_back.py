@@ -61,8 +61,7 @@ class Stage3WriteBack:
         storage with (in files each sub-group was written while it was in memory), then the
         trained persistent parameters gathered again."""
         for g in self.groups:
-            separate = g.pieces is None or g.pieces.data_ptr() != g.master.data_ptr()
-            if self.store.in_memory and separate:
+            if self.store.in_memory and g.separate_master:
                 self.write(g, g.master.detach())
         self.refresh(self.stepped)
 
