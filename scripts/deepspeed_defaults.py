@@ -61,8 +61,11 @@ fp16.initial_scale_power fp16.loss_scale fp16.loss_scale_window fp16.min_loss_sc
 gradient_accumulation_steps gradient_clipping gradient_predivide_factor log_level loss_spike.factor
 loss_spike.max_rollbacks loss_spike.patience loss_spike.window memory_breakdown on_nonfinite_grads
 optimizer.params.adam_w_mode optimizer.params.amsgrad optimizer.params.betas
-optimizer.params.dampening optimizer.params.eps optimizer.params.lr optimizer.params.momentum
-optimizer.params.nesterov optimizer.params.torch_adam optimizer.params.weight_decay optimizer.type
+optimizer.params.dampening optimizer.params.eps optimizer.params.foreach
+optimizer.params.fp32_optimizer_states optimizer.params.initial_accumulator_value
+optimizer.params.lr optimizer.params.lr_decay optimizer.params.maximize optimizer.params.momentum
+optimizer.params.nesterov optimizer.params.set_grad_none optimizer.params.torch_adam
+optimizer.params.weight_decay optimizer.type
 pipeline.activation_checkpoint_interval pipeline.partition pipeline.schedule pipeline.seed_layers
 pipeline.stages pipeline.virtual_stages prescale_gradients ring_parallel_size
 scheduler.params.cos_min_ratio scheduler.params.last_batch_iteration
@@ -179,7 +182,9 @@ def deepspeed_defaults():
     import torch
     from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.monitor.config import DeepSpeedMonitorConfig
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
     from deepspeed.profiling import constants as flops_constants
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime import constants, engine, lr_schedules
@@ -248,8 +253,10 @@ def deepspeed_defaults():
             found = from_model(DeepSpeedMonitorConfig, [head, *rest])
         elif found is None and head == "pipeline" and leaf in pipeline:
             found = pipeline[leaf], f"{cfg}:get_pipeline_config.default_pipeline"
-        elif found is None and block == "optimizer.params":  # type Adam/AdamW, or SGD
-            found = from_signatures([FusedAdam, torch.optim.SGD], leaf)
+        elif found is None and block == "optimizer.params":  # Adam/AdamW, SGD, Lion, Adagrad
+            optimizers = [FusedAdam, torch.optim.SGD, FusedLion, DeepSpeedCPULion,
+                          torch.optim.Adagrad, DeepSpeedCPUAdagrad]  # fmt: skip
+            found = from_signatures(optimizers, leaf)
         elif found is None and block == "scheduler.params":
             found = from_signatures(schedulers, leaf)
         elif found is None and block in scalars:

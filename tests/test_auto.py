@@ -115,3 +115,22 @@ def test_initialize_resolves_and_logs():
         "train_micro_batch_size_per_gpu: auto -> 4, gradient_accumulation_steps: auto -> 1"
         in records
     )
+
+
+@pytest.mark.parametrize(
+    "optimizer, kept",
+    [
+        ({"type": "SGD", "params": {"lr": 0.1}}, "sgd"),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "momentum"),
+        ({"type": "Lion"}, "lion"),
+        ({"type": "Adagrad"}, "adagrad"),
+        ({"type": "AdamW"}, "adamw"),
+    ],
+)
+def test_the_optimizer_state_counted_is_the_configs(optimizer, kept):
+    """The automatic stage counts what the configured optimizer keeps per parameter: SGD a
+    momentum buffer only with momentum, Lion and Adagrad one fp32 tensor, Adam two."""
+    from zerostack.plan.auto import _layout
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": optimizer})
+    assert _layout(cfg, SimpleNamespace(dp=2), 2).optimizer == kept

@@ -542,8 +542,11 @@ BAD_CONFIGS = [
     (
         {"optimizer": {"type": "Lamb"}},
         "optimizer.type",
-        "'Lamb' is not supported (supported: Adam, AdamW, SGD)",
+        "'Lamb' is not supported (supported: Adam, AdamW, SGD, Lion, Adagrad)",
     ),
+    (opt("Lion", eps=1e-8), "optimizer.params.eps", "unknown key"),
+    (opt("Adagrad", amsgrad=True), "optimizer.params.amsgrad", "Adagrad has no AMSGrad variant"),
+    (opt("Adagrad", betas=[0.9, 0.99]), "optimizer.params.betas", "unknown key"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type", "'OneBitAdam' is not supported"),
     ({"optimizer": {"params": {"lr": 0.1}}}, "optimizer.type", "required key is missing"),
     (opt("SGD", lr=0.1, nesterov=True), "optimizer.params.nesterov", "requires momentum > 0"),

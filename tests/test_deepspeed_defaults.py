@@ -28,7 +28,20 @@ REQUIRED = "required"
 
 # DeepSpeed's scheduler classes differ from each other in one default (its WarmupDecayLR keeps
 # warmup_max_lr=0.001 where WarmupLR takes the optimizer's lr); the recorded value is WarmupLR's.
-PER_CLASS = {("scheduler.params.warmup_max_lr", "WarmupDecayLRParams"): 0.001}
+# Its optimizers too: the recorded lr and eps are FusedAdam's, and the golden's source notes
+# Adagrad's (torch's and DeepSpeedCPUAdagrad's), checked here against it.
+PER_CLASS = {
+    ("scheduler.params.warmup_max_lr", "WarmupDecayLRParams"): 0.001,
+    ("optimizer.params.lr", "AdagradParams"): 0.01,
+    ("optimizer.params.eps", "AdagradParams"): 1e-10,
+}
+
+
+def test_adagrads_own_defaults_are_the_ones_deepspeed_notes():
+    for (key, cls), value in PER_CLASS.items():
+        if cls == "AdagradParams":
+            source = GOLDEN["defaults"][key]["source"]
+            assert f"(Adagrad: {value!r}; DeepSpeedCPUAdagrad: {value!r})" in source, source
 
 
 def _models(annotation) -> list[type[BaseModel]]:

@@ -17,15 +17,17 @@ from tests.support.parity import STEPS, describe, merge_stages, reference, run_c
 from tests.support.ranks import run_distributed
 
 TOL = 1e-5
-OPTIMIZERS_AND_GAS = list(itertools.product(["sgd", "adamw"], [1, 2, 4]))
+OPTIMIZERS_AND_GAS = list(itertools.product(["sgd", "adamw", "lion", "adagrad"], [1, 2, 4]))
 
 
 def _cases(**fixed) -> list[dict]:
     stages = fixed.pop("stages")
+    optimizers = fixed.pop("optimizers", ("sgd", "adamw"))
     return [
         {"stage": s, "optimizer": o, "gas": g, **fixed}
         for s in stages
         for o, g in OPTIMIZERS_AND_GAS
+        if o in optimizers
     ]
 
 
@@ -63,6 +65,12 @@ FAMILIES = {
     "pp2xdp2-offload-nvme": (4, _cases(stages=[3], pp=2, offload="nvme")),
     "offload-cpu": (2, _cases(stages=[1, 2, 3], offload="cpu")),
     "offload-nvme": (2, _cases(stages=[1, 2, 3], offload="nvme")),
+    # the optimizer types that update each element alone: their shards step as the whole does
+    "lion-adagrad-dp2": (2, _cases(stages=[0, 1, 2, 3], optimizers=("lion", "adagrad"))),
+    "lion-adagrad-offload-cpu": (
+        2,
+        _cases(stages=[1, 2, 3], optimizers=("lion", "adagrad"), offload="cpu"),
+    ),
 }
 
 

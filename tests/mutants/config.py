@@ -4,6 +4,13 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "optimizer type Adagrad: amsgrad true accepted (and ignored)",
+        "config/optim.py",
+        '        if v:\n            _fail("Adagrad has no AMSGrad variant',
+        '        if False:\n            _fail("Adagrad has no AMSGrad variant',
+        ("tests/test_config.py::test_bad_config[38-optimizer.params.amsgrad]",),
+    ),
+    Mutant(
         "gradient_clipping defaults to 0 (DeepSpeed clips at 1.0)",
         "config/top.py",
         "    gradient_clipping: NonNegFloat = 1.0",

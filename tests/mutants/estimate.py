@@ -4,6 +4,13 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "the automatic stage counts Adam's two states for Lion",
+        "estimate/memory.py",
+        '    "lion": 4,\n',
+        "",
+        ("tests/test_auto.py::test_the_optimizer_state_counted_is_the_configs[optimizer2-lion]",),
+    ),
+    Mutant(
         "estimate --sp: the activations of the whole sequence on every Ulysses rank",
         "estimate/report.py",
         "    if sp == 1:\n        return model",

@@ -4,6 +4,51 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "optimizer type Lion: the config's weight decay not passed on",
+        "optim/__init__.py",
+        "return Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)",
+        "return Lion(groups, lr=p.lr, betas=tuple(p.betas))",
+        (
+            "tests/test_optimizer_types.py::test_losses_are_deepspeeds[lion_zero2_offload-2]",
+            "tests/test_optimizer_types.py::test_the_types_build_their_optimizers_with_the_configs_values",
+        ),
+    ),
+    Mutant(
+        "optimizer type Lion: the betas swapped",
+        "optim/__init__.py",
+        "return Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)",
+        "return Lion(groups, lr=p.lr, betas=tuple(p.betas)[::-1], weight_decay=p.weight_decay)",
+        (
+            "tests/test_optimizer_types.py::test_losses_are_deepspeeds[lion_zero3_offload_clipped-2]",
+        ),
+    ),
+    Mutant(
+        "optimizer type Adagrad: the config's lr_decay not passed on",
+        "optim/__init__.py",
+        "            lr_decay=p.lr_decay,\n",
+        "",
+        (
+            "tests/test_optimizer_types.py::test_losses_are_deepspeeds[adagrad_zero1-2]",
+            "tests/test_optimizer_types.py::test_the_types_build_their_optimizers_with_the_configs_values",
+        ),
+    ),
+    Mutant(
+        "optimizer type Adagrad: the initial accumulator starts at zero whatever the config",
+        "optim/__init__.py",
+        "            initial_accumulator_value=p.initial_accumulator_value,\n",
+        "",
+        ("tests/test_optimizer_types.py::test_losses_are_deepspeeds[adagrad_zero1-1]",),
+    ),
+    Mutant(
+        "Lion moves a weight without gradient by a whole lr (DeepSpeed's copysign)",
+        "optim/lion.py",
+        "p.add_(torch.sign(m * beta1 + g * (1 - beta1)), alpha=-lr)",
+        "p.add_(torch.where(m * beta1 + g * (1 - beta1) >= 0, 1.0, -1.0), alpha=-lr)",
+        (
+            "tests/test_optimizer_types.py::test_where_deepspeeds_lion_moves_a_weight_without_gradient_ours_leaves_it",
+        ),
+    ),
+    Mutant(
         "WarmupLR without warmup_max_lr warms up to 0.001, not the optimizer's lr",
         "optim/lr_schedules.py",
         'warmup_max_lr = [group["lr"] for group in optimizer.param_groups]',

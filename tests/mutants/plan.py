@@ -4,6 +4,15 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "the automatic stage counts no momentum buffer for SGD with momentum",
+        "plan/auto.py",
+        '        opt = "momentum"  # SGD keeps a momentum buffer only with momentum\n',
+        "        pass\n",
+        (
+            "tests/test_auto.py::test_the_optimizer_state_counted_is_the_configs[optimizer1-momentum]",
+        ),
+    ),
+    Mutant(
         "plan: the pipeline bubble left out of the step time",
         "plan/cost.py",
         "bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]",

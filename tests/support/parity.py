@@ -12,8 +12,9 @@ wrong factor in the gradient moves the parameters by that factor times the updat
 running scale and hides such factors in the parameters: there the per-step gradient norm catches
 them.
 
-A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw"), ``gas``, and optionally ``tp``,
-``pp``, ``offload`` ("cpu" | "nvme"), ``precision`` ("fp16" | "bf16"), ``loss_scale``.
+A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw" | "lion" | "adagrad"), ``gas``,
+and optionally ``tp``, ``pp``, ``offload`` ("cpu" | "nvme"), ``precision`` ("fp16" | "bf16"),
+``loss_scale``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import zerostack
 from zerostack import Topology
 from zerostack.models import GPT, GPTConfig
+from zerostack.optim import Lion
 
 from tests.support.models import batch
 
@@ -36,6 +38,8 @@ STEPS = 3
 B = 8  # sequences per micro-step window, over all dp ranks; a step is B * gas sequences
 SGD_LR = 0.5
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+LION = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
+ADAGRAD = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
 
 
 def _model(topology: Topology | None = None) -> GPT:
@@ -46,12 +50,22 @@ def _model(topology: Topology | None = None) -> GPT:
 def _opt_config(name: str) -> dict:
     if name == "sgd":
         return {"type": "SGD", "params": {"lr": SGD_LR, "momentum": 0.0}}
+    if name == "lion":
+        return {"type": "Lion", "params": {**LION, "betas": list(LION["betas"])}}
+    if name == "adagrad":
+        return {"type": "Adagrad", "params": dict(ADAGRAD)}
     return {"type": "AdamW", "params": dict(ADAMW)}
 
 
 def _torch_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """The single process's optimizer. Lion is zerostack's (torch has none): its update is held
+    to DeepSpeed's kernels in tests/test_ds_optimizers.py; here the sharding is on trial."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=SGD_LR, momentum=0.0)
+    if name == "lion":
+        return Lion(params, **LION)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, **ADAGRAD)
     return torch.optim.AdamW(params, **ADAMW)
 
 

@@ -86,9 +86,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         bool,
     ),
     "steps_per_print": _works("the progress line on rank 0; inf (as Accelerate sets it): never"),
-    "gradient_clipping": _works(
-        "global-norm clipping; default 1.0, as DeepSpeed 0.19.8 (0: off)"
-    ),
+    "gradient_clipping": _works("global-norm clipping; default 1.0, as DeepSpeed 0.19.8 (0: off)"),
     "prescale_gradients": _works("divide by dp before the reduction"),
     "gradient_predivide_factor": _works("divide by it before the reduction, by dp / it after"),
     "gradient_allreduce_op": _unsupported(
@@ -112,7 +110,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     ),
     "amp": _unsupported(_REMOVED + "; use fp16 or bf16"),
     # optimizer
-    "optimizer": _works("Adam, AdamW, SGD; any other: pass a torch optimizer"),
+    "optimizer": _works("Adam, AdamW, SGD, Lion, Adagrad; any other: pass a torch optimizer"),
     "scheduler": _works("WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     "zero_allow_untested_optimizer": _no_effect(
         "any torch optimizer runs under ZeRO", _differs(False), bool
@@ -131,8 +129,7 @@ DEEPSPEED_KEYS: dict[str, Key] = {
         (int, float),
     ),
     "tensor_parallel": _works(
-        "autotp_size: Megatron-style tensor parallelism; partition_config: which layers, by "
-        "pattern"
+        "autotp_size: Megatron-style tensor parallelism; partition_config: which layers, by pattern"
     ),
     "pipeline": _works("stages, partition, seed_layers, activation_checkpoint_interval"),
     "activation_checkpointing": _works("CPU, partitioned and contiguous checkpoints"),

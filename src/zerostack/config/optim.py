@@ -70,6 +70,57 @@ class SGDParams(_Model):
         return self
 
 
+class LionParams(_Model):
+    """``optimizer.params`` for Lion (DeepSpeed's ``FusedLion``, or ``DeepSpeedCPULion`` with the
+    optimizer offloaded: the same update, :class:`zerostack.optim.Lion`)."""
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)] = (0.9, 0.999)
+    """The first interpolates the gradient into the update's sign, the second the momentum."""
+    weight_decay: NonNegFloat = 0.0
+    """Decoupled weight decay: each step multiplies the weights by ``1 - lr * weight_decay``."""
+    set_grad_none: bool = True
+    """FusedLion's: its ``zero_grad`` sets gradients to None. The engine releases them after
+    every step either way, so either value trains the same."""
+    fp32_optimizer_states: bool = True
+    """DeepSpeedCPULion's: states in fp32 or in the parameters' dtype. The optimizer steps the
+    fp32 masters, so both give fp32 states (as DeepSpeed's, which also steps its masters)."""
+
+
+class AdagradParams(_Model):
+    """``optimizer.params`` for Adagrad (DeepSpeed builds ``torch.optim.Adagrad``, or
+    ``DeepSpeedCPUAdagrad`` with the optimizer offloaded, which is torch's Adagrad without
+    learning-rate decay and with a zero initial accumulator)."""
+
+    lr: NonNegFloat = 1e-2
+    """Learning rate."""
+    eps: PositiveFloat = 1e-10
+    """Term added to the denominator for numerical stability."""
+    weight_decay: NonNegFloat = 0.0
+    """L2 penalty (added to the gradient)."""
+    lr_decay: NonNegFloat = 0.0
+    """torch's: the learning rate divided by ``1 + (step - 1) * lr_decay``."""
+    initial_accumulator_value: NonNegFloat = 0.0
+    """torch's: where the sum of squared gradients starts."""
+    maximize: bool = False
+    """torch's: ascend the objective instead."""
+    foreach: bool | None = None
+    """torch's choice of implementation (None: torch picks); the figures are the same."""
+    amsgrad: bool = False
+    """DeepSpeedCPUAdagrad's argument; Adagrad has no AMSGrad variant (DeepSpeed's kernel
+    ignores it), so true is refused."""
+    fp32_optimizer_states: bool = True
+    """DeepSpeedCPUAdagrad's: the optimizer steps the fp32 masters, so both give fp32 states."""
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _no_amsgrad(cls, v: bool) -> bool:
+        if v:
+            _fail("Adagrad has no AMSGrad variant (DeepSpeed's CPU Adagrad ignores it)")
+        return v
+
+
 class WarmupLRParams(_Model):
     """``scheduler.params`` for WarmupLR."""
 
@@ -194,15 +245,22 @@ class _TypedBlock(_Model):
 class OptimizerConfig(_TypedBlock):
     """The ``optimizer`` block."""
 
-    _PARAMS = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+    _PARAMS = {
+        "Adam": AdamParams,
+        "AdamW": AdamParams,
+        "SGD": SGDParams,
+        "Lion": LionParams,
+        "Adagrad": AdagradParams,
+    }
     _CASE_INSENSITIVE = True  # DeepSpeed lower-cases optimizer names
 
-    type: Literal["Adam", "AdamW", "SGD"]
+    type: Literal["Adam", "AdamW", "SGD", "Lion", "Adagrad"]
     """Optimizer name, case-insensitive on input ("adamw" becomes "AdamW")."""
-    params: Annotated[AdamParams | SGDParams, SkipValidation] = Field(
+    params: Annotated[AdamParams | SGDParams | LionParams | AdagradParams, SkipValidation] = Field(
         default=None, validate_default=True
     )
-    """Optimizer arguments, checked against the type's own keys (AdamParams or SGDParams)."""
+    """Optimizer arguments, checked against the type's own keys (AdamParams, SGDParams,
+    LionParams or AdagradParams)."""
 
     @property
     def decoupled_weight_decay(self) -> bool:

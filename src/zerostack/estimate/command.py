@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     g.add_argument("--sp", type=int, default=1, help="Ulysses ranks (sequence_parallel_size)")
     g.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all")
     g.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
-    g.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, adagrad, momentum, sgd")
+    g.add_argument(
+        "--optimizer", default="adam", help="adam, adamw, lamb, adagrad, lion, momentum, sgd"
+    )
     g.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none")
     g.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none")
     w = e.add_argument_group("the step")

@@ -16,7 +16,15 @@ from ..zero.partition import piece_numel
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 # Optimizer state bytes per trained parameter (fp32 state, as torch keeps it).
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "adagrad": 4, "momentum": 4, "sgd": 0}
+OPTIMIZER_STATE_BYTES = {
+    "adam": 8,
+    "adamw": 8,
+    "lamb": 8,
+    "adagrad": 4,
+    "lion": 4,
+    "momentum": 4,
+    "sgd": 0,
+}
 
 
 OFFLOAD = ("none", "cpu", "nvme")

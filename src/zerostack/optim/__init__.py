@@ -24,7 +24,10 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
     has one for the device (on CPU it is several times faster than the default loop). With the
     optimizer offloaded, Adam and AdamW are :class:`CPUAdam` (as DeepSpeed uses its CPU Adam).
     ``torch_adam`` asks for torch.optim's default implementation instead, offloaded or not (as
-    DeepSpeed's ``torch_adam`` does).
+    DeepSpeed's ``torch_adam`` does). "Lion" is :class:`Lion` (DeepSpeed's FusedLion, or its CPU
+    Lion when offloaded: one update), "Adagrad" torch's Adagrad (DeepSpeed's choice without
+    offload; its CPU Adagrad is the same update at torch's defaults). Both update each element
+    from its own gradient and state alone, so they step shards as they step whole tensors.
     """
     p = spec.params
     if spec.type in ("Adam", "AdamW"):
@@ -54,5 +57,18 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
             dampening=p.dampening,
             weight_decay=p.weight_decay,
             nesterov=p.nesterov,
+        )
+    if spec.type == "Lion":  # DeepSpeed's FusedLion and DeepSpeedCPULion: the same update
+        return Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    if spec.type == "Adagrad":  # DeepSpeed builds torch's (DeepSpeedCPUAdagrad is torch's too)
+        return torch.optim.Adagrad(
+            groups,
+            lr=p.lr,
+            lr_decay=p.lr_decay,
+            weight_decay=p.weight_decay,
+            initial_accumulator_value=p.initial_accumulator_value,
+            eps=p.eps,
+            foreach=p.foreach,
+            maximize=p.maximize,
         )
     raise ValueError(f"optimizer.type: {spec.type!r} is not supported")

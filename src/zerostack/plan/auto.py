@@ -65,6 +65,8 @@ def _layout(cfg: ZeroStackConfig, topology, stage: int) -> Layout:
     zero = cfg.zero_optimization
     precision = Precision.from_config(cfg).name
     opt = (cfg.optimizer.type if cfg.optimizer is not None else "adam").lower()
+    if opt == "sgd" and cfg.optimizer.params.momentum:
+        opt = "momentum"  # SGD keeps a momentum buffer only with momentum
     return Layout(
         dp=topology.dp,
         stage=stage,

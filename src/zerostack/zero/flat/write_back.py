@@ -3,9 +3,9 @@
 Where every rank holds the whole state (stage 0, or dp 1) each bucket's master is copied into
 the parameter buffer (up from host memory when offloaded, without blocking); where each rank
 holds a piece (stages 1-2) the pieces are all-gathered, at most two gathers in flight. With
-torch's Adam, AdamW or SGD (each parameter updated on its own) and masters in memory, the
-optimizer steps one bucket's master at a time and each bucket's all-gather starts as soon as
-it is stepped, so the gathers overlap the rest of the step.
+torch's Adam, AdamW, SGD or Adagrad, or zerostack's Lion (each parameter updated on its own)
+and masters in memory, the optimizer steps one bucket's master at a time and each bucket's
+all-gather starts as soon as it is stepped, so the gathers overlap the rest of the step.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import torch
 
 from ...comm import Comm
+from ...optim.lion import Lion
 from ..offload.host import Uploads
 from .buffers import FlatBuffers
 from .params import BucketState
 
 # Optimizers whose step updates each parameter from its own gradient and state alone: stepping
 # the masters one bucket at a time gives what one step of all of them gives.
-_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion)
 
 
 class WriteBack:
@@ -33,9 +34,9 @@ class WriteBack:
         self._gathering: list[tuple] | None = None  # all-gathers launched as buckets stepped
 
     def steps_by_bucket(self, optimizer, offload: str) -> bool:
-        """Whether the optimizer may step one bucket's master at a time: an optimizer of torch
-        that updates each parameter from its own gradient and state alone, masters in memory,
-        and gathers to overlap."""
+        """Whether the optimizer may step one bucket's master at a time: one that updates each
+        parameter from its own gradient and state alone, masters in memory, and gathers to
+        overlap."""
         return (
             any(fg.cut.world > 1 for fg in self.groups)
             and offload == "none"

@@ -97,8 +97,9 @@ MODULES: dict[str, dict[str, Api]] = {
             "torch code with the kernel's math (tanh GELU, fp32 softmax, pre-/post-LN), "
             "DeepSpeed's parameters, initialisation and initial_weights; no fused kernels"
         ),
-        "deepspeed.DeepSpeedTransformerConfig": _served("DeepSpeed's fields, from_dict, "
-                                                        "from_json_file"),
+        "deepspeed.DeepSpeedTransformerConfig": _served(
+            "DeepSpeed's fields, from_dict, from_json_file"
+        ),
         "deepspeed.module_inject.layers.GatherReplacedLayerParams": _served(
             "AutoTP-split parameters whole inside (all-gathered over tp), sliced again after: "
             "OpenRLHF's weight sync"
@@ -294,7 +295,9 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.ops.adam.FusedAdam": _served(
             "torch's Adam with DeepSpeed's arguments (decoupled decay when adam_w_mode)"
         ),
-        "deepspeed.ops.lamb.FusedLamb": _no("no LAMB: optimizer types are Adam, AdamW, SGD"),
+        "deepspeed.ops.lamb.FusedLamb": _no(
+            "no LAMB: optimizer types are Adam, AdamW, SGD, Lion, Adagrad"
+        ),
         "deepspeed.ops.lion.DeepSpeedCPULion": _served(
             "zerostack.optim.Lion (torch code) with DeepSpeed's arguments; equal to DeepSpeed's "
             "kernel within 1e-6"
