@@ -177,6 +177,10 @@ def _killer(code: int, output: str) -> str | None:
     found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
     if found and code in (1, 2):
         return found.group(1)
+    # a test named inside a module the mutant broke: the module's import fails (its ERROR
+    # line), and pytest then finds no test by that name (a usage error, 4)
+    if found and code == 4 and "::" not in found.group(1) and "found no collectors" in output:
+        return found.group(1)
     return f"signal {-code}" if code < 0 else None
 
 

@@ -87,11 +87,15 @@ def test_a_changed_helper_selects_the_tests_that_use_it():
 
 def test_only_a_failing_test_or_a_killed_pytest_counts_as_a_kill():
     """A mutant is killed when one of its tests fails (or pytest dies of a signal); tests that
-    never ran (no interpreter, a broken environment, a usage error) kill nothing."""
+    never ran (no interpreter, a broken environment, a usage error) kill nothing, but a test
+    module that the mutant keeps from importing does."""
     failed = "FAILED tests/test_x.py::test_y - AssertionError\n1 failed in 2.0s"
     assert mutants._killer(1, failed) == "tests/test_x.py::test_y"
     assert mutants._killer(2, "ERROR tests/test_x.py - ImportError\n") == "tests/test_x.py"
     assert mutants._killer(-9, "") == "signal 9"
     assert mutants._killer(1, "Fatal Python error: init_fs_encoding\n") is None
     assert mutants._killer(4, "ERROR: file or directory not found: tests/x.py\n") is None
+    broken = "ERROR tests/test_x.py - AttributeError: no name\nERROR: found no collectors for x"
+    assert mutants._killer(4, broken) == "tests/test_x.py"  # the mutant broke its import
+    assert mutants._killer(4, "ERROR tests/test_x.py::test_y - x\nfound no collectors") is None
     assert mutants._killer(3, "INTERNALERROR> OSError\nFAILED x\n") is None
