@@ -202,10 +202,12 @@ def test_optimizer_and_scheduler_param_defaults():
         "adam_w_mode": True,
         "torch_adam": False,
         "amsgrad": False,
+        "set_grad_none": True,
     }
     sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}).optimizer.params
     assert isinstance(sgd, SGDParams)
     assert (sgd.momentum, sgd.dampening, sgd.weight_decay, sgd.nesterov) == (0, 0, 0, False)
+    assert (sgd.maximize, sgd.foreach) == (False, None)  # torch's
     assert load_config({"optimizer": {"type": "SGD"}}).optimizer.params.lr == 0.001  # torch's
 
     # WarmupLR warms up to each group's own lr (None), WarmupDecayLR to 0.001: DeepSpeed's

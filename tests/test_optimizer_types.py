@@ -148,3 +148,18 @@ def test_a_checkpoint_resumes_exactly(name, stage, tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_sgds_torch_keys_reach_it_and_fused_adams_set_grad_none_loads():
+    """DeepSpeed hands SGD's params to torch's SGD and Adam's to FusedAdam: ``maximize`` and
+    ``foreach`` are torch's, ``set_grad_none`` FusedAdam's (gradients are released after every
+    step here either way)."""
+    from zerostack.config import load_config
+    from zerostack.optim import build_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    spec = {"type": "SGD", "params": {"lr": 0.1, "maximize": True, "foreach": False}}
+    got = build_optimizer(load_config({"optimizer": spec}).optimizer, [{"params": p}]).defaults
+    assert (got["maximize"], got["foreach"]) == (True, False)
+    adam = {"type": "Adam", "params": {"set_grad_none": False}}
+    assert load_config({"optimizer": adam}).optimizer.params.set_grad_none is False

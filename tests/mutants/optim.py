@@ -4,6 +4,16 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "optimizer type SGD: the config's maximize not passed on (torch's SGD descends)",
+        "optim/__init__.py",
+        "            maximize=p.maximize,\n            foreach=p.foreach,\n        )",
+        "            foreach=p.foreach,\n        )",
+        (
+            "tests/test_optimizer_types.py::"
+            "test_sgds_torch_keys_reach_it_and_fused_adams_set_grad_none_loads",
+        ),
+    ),
+    Mutant(
         "optimizer type Lion: the config's weight decay not passed on",
         "optim/__init__.py",
         "return Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)",

@@ -47,6 +47,9 @@ class AdamParams(_Model):
     CPUAdam is the default), as DeepSpeed does."""
     amsgrad: bool = False
     """Use the AMSGrad variant."""
+    set_grad_none: bool = True
+    """FusedAdam's: its ``zero_grad`` sets gradients to None. The engine releases them after
+    every step either way, so either value trains the same."""
 
 
 class SGDParams(_Model):
@@ -62,6 +65,10 @@ class SGDParams(_Model):
     """Weight decay (L2 penalty)."""
     nesterov: bool = False
     """Nesterov momentum; needs momentum > 0 and dampening 0."""
+    maximize: bool = False
+    """torch's: ascend the objective instead."""
+    foreach: bool | None = None
+    """torch's choice of implementation (None: torch picks); the figures are the same."""
 
     @model_validator(mode="after")
     def _nesterov(self) -> "SGDParams":

@@ -57,6 +57,8 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
             dampening=p.dampening,
             weight_decay=p.weight_decay,
             nesterov=p.nesterov,
+            maximize=p.maximize,
+            foreach=p.foreach,
         )
     if spec.type == "Lion":  # DeepSpeed's FusedLion and DeepSpeedCPULion: the same update
         return Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
