@@ -41,15 +41,22 @@ from tests.mutants import MUTANTS, Mutant  # noqa: E402
 
 
 def stale(mutants: list[Mutant], src: str = os.path.join(ROOT, "src")) -> list[str]:
-    """Mutants whose text does not occur exactly once in their file, or that change nothing."""
+    """Mutants whose text does not occur exactly once in their file, that change nothing, or
+    that leave the file no longer Python (any import fails then: killed, but it tests nothing)."""
     problems = []
     for m in mutants:
         path = os.path.join(src, "zerostack", m.file)
-        count = open(path).read().count(m.old) if os.path.exists(path) else 0
+        text = open(path).read() if os.path.exists(path) else ""
+        count = text.count(m.old)
         if count != 1:
             problems.append(f"mutant {m.name!r}: {m.file} holds its text {count} times, not once")
         if m.new == m.old:
             problems.append(f"mutant {m.name!r}: its replacement is its text")
+        if count == 1:
+            try:
+                compile(text.replace(m.old, m.new), path, "exec")
+            except SyntaxError as exc:
+                problems.append(f"mutant {m.name!r}: leaves {m.file} unparsable ({exc.msg})")
     return problems
 
 

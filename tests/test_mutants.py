@@ -39,12 +39,15 @@ def test_a_mutant_whose_text_was_edited_away_is_named(tmp_path):
     path.write_text(path.read_text().replace(m.old, m.old[:half] + "#" + m.old[half:]))
     twice = dataclasses.replace(m, name="twice", old="\n")
     same = dataclasses.replace(other, name="same", new=other.old)
-    assert mutants.stale([m, twice, same], str(src)) == [
+    broken = dataclasses.replace(other, name="broken", new=other.old + "\n  (")
+    *found, unparsable = mutants.stale([m, twice, same, broken], str(src))
+    assert found == [
         f"mutant {m.name!r}: {m.file} holds its text 0 times, not once",
         f"mutant 'twice': {m.file} holds its text {path.read_text().count(chr(10))} times, "
         "not once",
         "mutant 'same': its replacement is its text",
     ]
+    assert unparsable.startswith(f"mutant 'broken': leaves {other.file} unparsable ("), unparsable
 
 
 def test_a_test_id_that_does_not_exist_is_named():
