@@ -51,7 +51,7 @@ NOT_DEEPSPEEDS = {
 """Rows the census's static reading took for DeepSpeed's API that are not (read at their file
 and line): left out of the figures and listed on the page with why."""
 
-_LOOKUP = r'''
+_LOOKUP = r"""
 import json, os, sys
 import zerostack.compat.deepspeed as compat
 compat.install()
@@ -107,7 +107,7 @@ for name, candidates in names["attributes"].items():
     out[name] = any(hasattr(h, attr) for c in where for h in holders.get(c, []))
     delegated += [name] if hasattr(llama, attr) else []
 print("LOOKUP " + json.dumps({"works": out, "delegated": delegated}))
-'''
+"""
 
 
 def distinct(rows: list[dict]) -> dict[str, dict]:
@@ -225,8 +225,10 @@ def table(names: dict[str, dict], works: dict[str, bool], absent: list[str]) -> 
     for n in missing:
         e = names[n]
         rows.append(f"- `{n}` ({e['kind']}: {', '.join(sorted(e['packages'], key=str.lower))})")
-    rows += ["", "Left out: names real code reaches for that DeepSpeed 0.19.8 lacks or refuses "
-             "too: "]
+    rows += [
+        "",
+        "Left out: names real code reaches for that DeepSpeed 0.19.8 lacks or refuses too: ",
+    ]
     rows[-1] += ", ".join(f"`{n}`" for n in absent) + "."
     rows += ["", "Left out: rows that are not DeepSpeed's API, read at their line:", ""]
     rows += [f"- {p} `{f}:{line}`: {why}" for (p, f, line), why in NOT_DEEPSPEEDS.items()]

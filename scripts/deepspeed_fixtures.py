@@ -54,9 +54,17 @@ save are DeepSpeed's resumed from it (``checkpoint.load_universal``)."""
 
 
 def ds_config(
-    stage: int, bf16: bool = False, frozen: bool = False, sgd: bool = False, odd: bool = False,
-    fp16: bool = False, clip: float | None = None, universal: bool = False, pipe: bool = False,
-    moe: bool = False, tp: int = 1,
+    stage: int,
+    bf16: bool = False,
+    frozen: bool = False,
+    sgd: bool = False,
+    odd: bool = False,
+    fp16: bool = False,
+    clip: float | None = None,
+    universal: bool = False,
+    pipe: bool = False,
+    moe: bool = False,
+    tp: int = 1,
 ) -> dict:
     """The case's DeepSpeed config (``sgd``: torch's SGD with momentum, where both engines'
     arithmetic is torch's, in place of AdamW; ``fp16``: dynamic loss scaling from 2^18, where
@@ -254,9 +262,7 @@ def _train_pipe(case, out, steps, load, deepspeed) -> list[float]:
     return losses
 
 
-def train(
-    case: dict, out: str, steps=range(STEPS), load: str | None = None, deepspeed=None
-):
+def train(case: dict, out: str, steps=range(STEPS), load: str | None = None, deepspeed=None):
     """Run in each rank: DeepSpeed's loop for ``case`` (a :data:`CASES` entry); returns this
     rank's losses. ``deepspeed``: the module to run it with (None: ``import deepspeed``)."""
     if deepspeed is None:
@@ -386,8 +392,11 @@ def main(argv=None) -> int:
         record = {
             "command": "DS_ACCELERATOR=cpu .peers/bin/python scripts/deepspeed_fixtures.py "
             "--engine deepspeed",
-            "versions": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__},  # fmt: skip
+            "versions": {
+                "deepspeed": deepspeed.__version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },  # fmt: skip
             "save_at": SAVE_AT,
             "cases": expected,
         }

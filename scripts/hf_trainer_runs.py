@@ -86,8 +86,15 @@ def _torchrun(engine: str, script: str, args: list[str], timeout: float, ranks: 
     Raises with the output when the run fails."""
     runner = ["-m", "zerostack.as_deepspeed"] if engine == "zerostack" else []
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(ranks), *runner, script, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        *runner,
+        script,
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     if engine == "zerostack" and os.environ.get("ZEROSTACK_TEST_SCRIPT_SERVER") == "1":
@@ -182,7 +189,9 @@ def main(argv=None) -> int:
             first = os.path.join(tmp, "resume")
             run(args.engine, {**case, "reload": False}, first, steps=2, save_steps=2)
             results["zero3_gas2_resumed"] = run(
-                args.engine, {**case, "reload": False}, first,
+                args.engine,
+                {**case, "reload": False},
+                first,
                 resume=os.path.join(first, "checkpoint-2"),
             )
             print("zero3_gas2_resumed", json.dumps(results["zero3_gas2_resumed"]), flush=True)

@@ -27,9 +27,14 @@ CASES = {
     "int32_docs": {
         "dtype": "torch.int32",
         "ops": [
-            ["add", [5, -3, 7]], ["add", [2**31 - 1]], ["end"],
-            ["add", []], ["add", [0, 1, 2, 3, 4, 5]], ["end"],
-            ["add", [-(2**31), 9]], ["end"],
+            ["add", [5, -3, 7]],
+            ["add", [2**31 - 1]],
+            ["end"],
+            ["add", []],
+            ["add", [0, 1, 2, 3, 4, 5]],
+            ["end"],
+            ["add", [-(2**31), 9]],
+            ["end"],
         ],
     },
     "uint16_part": {
@@ -39,8 +44,13 @@ CASES = {
     "uint16_merged": {
         "dtype": "uint16",
         "ops": [
-            ["add", [9, 8, 7]], ["end"], ["merge", "uint16_part"],
-            ["add", []], ["add", [300]], ["merge", "uint16_part"], ["end"],
+            ["add", [9, 8, 7]],
+            ["end"],
+            ["merge", "uint16_part"],
+            ["add", []],
+            ["add", [300]],
+            ["merge", "uint16_part"],
+            ["end"],
         ],
     },
     "int64_default": {

@@ -21,8 +21,7 @@ import os
 import sys
 
 import torch
-from _golden import emit
-from torch import nn
+from _golden import TinyNet, emit
 
 WIDTH, VOCAB, SEQ, MICRO, STEPS = 16, 32, 9, 4, 6
 LION = {"type": "Lion", "params": {"lr": 2e-3, "betas": [0.8, 0.95], "weight_decay": 0.1}}
@@ -52,36 +51,14 @@ CASES = {
 }  # fmt: skip
 
 
-class Net(nn.Module):
-    """Embedding, one attention block with layer norms, an MLP, a head and the loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        att = (q @ k.transpose(-1, -2) / WIDTH**0.5).softmax(-1)
-        x = x + self.proj(att @ v)
-        x = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
-        logits = self.head(x)
-        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
-                                           ids[:, 1:].reshape(-1))  # fmt: skip
-
-
 def config(name: str) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             **CASES[name]}  # fmt: skip
 
 
-def model() -> Net:
+def model() -> TinyNet:
     torch.manual_seed(0)
-    return Net()
+    return TinyNet(WIDTH, VOCAB)
 
 
 def batches():

@@ -37,25 +37,44 @@ BATCH_CASES = {
     "dataloader": dict(max_tokens=30, effective_batch_size=2),
     "dataloader_eb3": dict(max_tokens=24, effective_batch_size=3),
     "seqlen": dict(max_tokens=30, sequence_picking_order="seqlen", effective_batch_size=2),
-    "random_seed7": dict(max_tokens=30, sequence_picking_order="random", seed=7,
-                         effective_batch_size=2),
-    "random_seed42": dict(max_tokens=30, sequence_picking_order="random", seed=42,
-                          effective_batch_size=2),
+    "random_seed7": dict(
+        max_tokens=30, sequence_picking_order="random", seed=7, effective_batch_size=2
+    ),
+    "random_seed42": dict(
+        max_tokens=30, sequence_picking_order="random", seed=42, effective_batch_size=2
+    ),
     "min_max": dict(max_tokens=40, min_batch_size=2, max_batch_size=3, effective_batch_size=2),
-    "min_stops_early": dict(max_tokens=30, min_batch_size=3, sequence_picking_order="seqlen",
-                            effective_batch_size=1),
+    "min_stops_early": dict(
+        max_tokens=30, min_batch_size=3, sequence_picking_order="seqlen", effective_batch_size=1
+    ),
     "min_too_big": dict(max_tokens=22, min_batch_size=3, effective_batch_size=1),
-    "same_size": dict(max_tokens=30, sequence_picking_order="seqlen", effective_batch_size=4,
-                      required_microbatches_of_same_size=True),
-    "same_size_random": dict(max_tokens=26, sequence_picking_order="random", seed=3,
-                             effective_batch_size=3, required_microbatches_of_same_size=True),
+    "same_size": dict(
+        max_tokens=30,
+        sequence_picking_order="seqlen",
+        effective_batch_size=4,
+        required_microbatches_of_same_size=True,
+    ),
+    "same_size_random": dict(
+        max_tokens=26,
+        sequence_picking_order="random",
+        seed=3,
+        effective_batch_size=3,
+        required_microbatches_of_same_size=True,
+    ),
     "too_long": dict(max_tokens=15, effective_batch_size=2),
-    "too_long_seqlen": dict(max_tokens=12, sequence_picking_order="seqlen",
-                            effective_batch_size=2),
-    "filter_ids": dict(max_tokens=25, effective_batch_size=2,
-                       sequence_ids_per_mb=[i for i, s in enumerate(SEQLENS) if 5 <= s <= 15]),
-    "filter_ids_random": dict(max_tokens=25, sequence_picking_order="random", seed=11,
-                              effective_batch_size=2, sequence_ids_per_mb=list(range(40, 0, -3))),
+    "too_long_seqlen": dict(max_tokens=12, sequence_picking_order="seqlen", effective_batch_size=2),
+    "filter_ids": dict(
+        max_tokens=25,
+        effective_batch_size=2,
+        sequence_ids_per_mb=[i for i, s in enumerate(SEQLENS) if 5 <= s <= 15],
+    ),
+    "filter_ids_random": dict(
+        max_tokens=25,
+        sequence_picking_order="random",
+        seed=11,
+        effective_batch_size=2,
+        sequence_ids_per_mb=list(range(40, 0, -3)),
+    ),
     "not_enough": dict(max_tokens=30, effective_batch_size=40),
     "all_too_long": dict(max_tokens=0, effective_batch_size=1),
 }
@@ -75,8 +94,12 @@ LR_CASES = {
     "multiplicative_sqrt": ("multiplicative", "sqrt"),
 }
 
-LOADER = dict(max_tokens=24, effective_batch_size=8, required_microbatches_of_same_size=True,
-              sequence_picking_order="seqlen")
+LOADER = dict(
+    max_tokens=24,
+    effective_batch_size=8,
+    required_microbatches_of_same_size=True,
+    sequence_picking_order="seqlen",
+)
 """Micro-batches for the loader cases: 2 replicas x 2 micro-batches x 2 accumulation steps."""
 
 
@@ -116,8 +139,12 @@ def run_scheduler(vb, kind, method) -> dict:
     """The LRs a VariableBatchSizeLR sets: after construction, 8 steps, step(0), 2 steps."""
     opt = sgd()
     sched = vb.lr_scheduler_for_variable_batch_size(
-        base_batch_size=4, batch_sizes=LR_BATCH_SIZES, dataloader=None,
-        lr_scheduler_or_optimizer=base_scheduler(kind, opt), lr_scaling_method=method)
+        base_batch_size=4,
+        batch_sizes=LR_BATCH_SIZES,
+        dataloader=None,
+        lr_scheduler_or_optimizer=base_scheduler(kind, opt),
+        lr_scaling_method=method,
+    )
     out = {"lrs": [lrs(opt)], "last_lr": [list(sched.get_last_lr())], "last_epoch": []}
     for epoch in [None] * 8 + [0, None, None]:
         opt.step()
@@ -138,12 +165,26 @@ def run_loader(vb) -> dict:
     out = {}
     for rank in (0, 1):
         loader, io_kwargs = vb.dataloader_for_variable_batch_size(
-            dataset, ids, maxlens, dataloader_rank=rank, dataloader_batch_size=2,
-            dataloader_num_replicas=2, dataloader_collate_fn=collate, dataloader_num_workers=0,
-            required_microbatches_of_same_seqlen=True, sample_padding_fn=pad)
+            dataset,
+            ids,
+            maxlens,
+            dataloader_rank=rank,
+            dataloader_batch_size=2,
+            dataloader_num_replicas=2,
+            dataloader_collate_fn=collate,
+            dataloader_num_workers=0,
+            required_microbatches_of_same_seqlen=True,
+            sample_padding_fn=pad,
+        )
         plain, _ = vb.dataloader_for_variable_batch_size(
-            dataset, ids, maxlens, dataloader_rank=rank, dataloader_batch_size=2,
-            dataloader_num_replicas=2, dataloader_num_workers=0)
+            dataset,
+            ids,
+            maxlens,
+            dataloader_rank=rank,
+            dataloader_batch_size=2,
+            dataloader_num_replicas=2,
+            dataloader_num_workers=0,
+        )
         out[rank] = {
             "padded": batches(loader),
             "plain": batches(plain),
@@ -161,26 +202,52 @@ def run_end_to_end(vb) -> dict:
     for rank in (0, 1):
         opt = sgd()
         loader, sched, io_kwargs = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            dataset, SEQLENS, max_tokens=20, effective_batch_size=4,
-            dataset_filter_ids=list(range(2, 46)), lr_scaling_method="sqrt", min_batch_size=1,
-            max_batch_size=3, sequence_picking_order="random", dataloader_batch_size=1,
-            dataloader_rank=rank, dataloader_num_replicas=2, dataloader_collate_fn=collate,
-            lr_scheduler_or_optimizer=opt, required_microbatches_of_same_seqlen=True,
-            sample_padding_fn=pad, seed=5)
+            dataset,
+            SEQLENS,
+            max_tokens=20,
+            effective_batch_size=4,
+            dataset_filter_ids=list(range(2, 46)),
+            lr_scaling_method="sqrt",
+            min_batch_size=1,
+            max_batch_size=3,
+            sequence_picking_order="random",
+            dataloader_batch_size=1,
+            dataloader_rank=rank,
+            dataloader_num_replicas=2,
+            dataloader_collate_fn=collate,
+            lr_scheduler_or_optimizer=opt,
+            required_microbatches_of_same_seqlen=True,
+            sample_padding_fn=pad,
+            seed=5,
+        )
         seen, lr_steps = batches(loader), [lrs(opt)]
         for _ in range(5):
             sched.step()
             lr_steps.append(lrs(opt))
-        out[rank] = {"batches": seen, "lrs": lr_steps, "batch_sizes": list(sched.batch_sizes),
-                     "io_workers": io_kwargs["num_local_io_workers"]}
+        out[rank] = {
+            "batches": seen,
+            "lrs": lr_steps,
+            "batch_sizes": list(sched.batch_sizes),
+            "io_workers": io_kwargs["num_local_io_workers"],
+        }
     return out
 
 
-ENGINE = dict(max_tokens=20, effective_batch_size=8, lr_scaling_method="sqrt", min_batch_size=1,
-              max_batch_size=4, sequence_picking_order="random", dataloader_batch_size=2,
-              dataloader_num_replicas=2, dataloader_num_workers=0, dataloader_pin_memory=False,
-              required_microbatches_of_same_size=False,
-              required_microbatches_of_same_seqlen=False, seed=7)
+ENGINE = dict(
+    max_tokens=20,
+    effective_batch_size=8,
+    lr_scaling_method="sqrt",
+    min_batch_size=1,
+    max_batch_size=4,
+    sequence_picking_order="random",
+    dataloader_batch_size=2,
+    dataloader_num_replicas=2,
+    dataloader_num_workers=0,
+    dataloader_pin_memory=False,
+    required_microbatches_of_same_size=False,
+    required_microbatches_of_same_seqlen=False,
+    seed=7,
+)
 """What get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed passes for an engine
 without a pipeline, train_batch_size 8, micro-batch 2, 2 data-parallel ranks, an SGD optimizer
 and no scheduler, and data_efficiency {seed: 7, data_sampling: {num_workers: 0,
@@ -195,8 +262,14 @@ def run_engine_case(vb) -> dict:
     for rank in (0, 1):
         opt = sgd()
         loader, sched, _ = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            dataset, SEQLENS, dataloader_rank=rank, dataloader_collate_fn=collate,
-            lr_scheduler_or_optimizer=opt, sample_padding_fn=pad, **ENGINE)
+            dataset,
+            SEQLENS,
+            dataloader_rank=rank,
+            dataloader_collate_fn=collate,
+            lr_scheduler_or_optimizer=opt,
+            sample_padding_fn=pad,
+            **ENGINE,
+        )
         lr_steps = [opt.param_groups[0]["lr"]]
         for _ in range(6):
             sched.step()
@@ -221,8 +294,12 @@ def run_batch_case(vb, kwargs: dict) -> dict:
         ids, sizes, maxlens = vb.batch_by_seqlens(SEQLENS, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the refusal is what is recorded
         return {"kwargs": kwargs, "error": type(exc).__name__}
-    return {"kwargs": kwargs, "microbatch_ids": ids, "batch_sizes": sizes,
-            "batch_max_seqlens": maxlens}
+    return {
+        "kwargs": kwargs,
+        "microbatch_ids": ids,
+        "batch_sizes": sizes,
+        "batch_max_seqlens": maxlens,
+    }
 
 
 def main(argv=None) -> int:
