@@ -4,6 +4,13 @@ from . import Mutant
 
 MUTANTS: list[Mutant] = [
     Mutant(
+        "a load leaves the optimizer's step count where the fresh engine had it",
+        "checkpoint/restore.py",
+        '            if saved_g["step"] is not None:',
+        '            if False and saved_g["step"] is not None:',
+        ("tests/test_optimizer_types.py::test_a_checkpoint_resumes_exactly[adagrad-1]",),
+    ),
+    Mutant(
         "zero_to_fp32 leaves out the tied weight's second name",
         "checkpoint/consolidate.py",
         "        if name in out:\n            out[alias] = out[name]",
