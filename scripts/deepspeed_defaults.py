@@ -64,6 +64,8 @@ optimizer.params.adam_w_mode optimizer.params.amsgrad optimizer.params.betas
 optimizer.params.dampening optimizer.params.eps optimizer.params.foreach
 optimizer.params.fp32_optimizer_states optimizer.params.initial_accumulator_value
 optimizer.params.lr optimizer.params.lr_decay optimizer.params.maximize optimizer.params.momentum
+optimizer.params.adam_lr optimizer.params.muon_lr optimizer.params.ns_method
+optimizer.params.per_head_muon
 optimizer.params.nesterov optimizer.params.set_grad_none optimizer.params.torch_adam
 optimizer.params.weight_decay optimizer.type
 pipeline.activation_checkpoint_interval pipeline.partition pipeline.schedule pipeline.seed_layers

@@ -544,7 +544,7 @@ BAD_CONFIGS = [
     (
         {"optimizer": {"type": "Lamb"}},
         "optimizer.type",
-        "'Lamb' is not supported (supported: Adam, AdamW, SGD, Lion, Adagrad)",
+        "'Lamb' is not supported (supported: Adam, AdamW, SGD, Lion, Adagrad, Muon)",
     ),
     (opt("Lion", eps=1e-8), "optimizer.params.eps", "unknown key"),
     (opt("Adagrad", amsgrad=True), "optimizer.params.amsgrad", "Adagrad has no AMSGrad variant"),

@@ -29,11 +29,17 @@ REQUIRED = "required"
 # DeepSpeed's scheduler classes differ from each other in one default (its WarmupDecayLR keeps
 # warmup_max_lr=0.001 where WarmupLR takes the optimizer's lr); the recorded value is WarmupLR's.
 # Its optimizers too: the recorded lr and eps are FusedAdam's, and the golden's source notes
-# Adagrad's (torch's and DeepSpeedCPUAdagrad's), checked here against it.
+# Adagrad's (torch's and DeepSpeedCPUAdagrad's), checked here against it. Muon's are
+# MuonWithAuxAdam's group defaults, recorded in tests/golden/muon.json and held to MuonParams by
+# tests/test_muon.py (its lr: none, each half's own unless the config gives one).
 PER_CLASS = {
     ("scheduler.params.warmup_max_lr", "WarmupDecayLRParams"): 0.001,
     ("optimizer.params.lr", "AdagradParams"): 0.01,
     ("optimizer.params.eps", "AdagradParams"): 1e-10,
+    ("optimizer.params.lr", "MuonParams"): None,
+    ("optimizer.params.betas", "MuonParams"): [0.9, 0.95],
+    ("optimizer.params.eps", "MuonParams"): 1e-10,
+    ("optimizer.params.momentum", "MuonParams"): 0.95,
 }
 
 

@@ -17,7 +17,9 @@ from tests.support.parity import STEPS, describe, merge_stages, reference, run_c
 from tests.support.ranks import run_distributed
 
 TOL = 1e-5
-OPTIMIZERS_AND_GAS = list(itertools.product(["sgd", "adamw", "lion", "adagrad"], [1, 2, 4]))
+OPTIMIZERS_AND_GAS = list(
+    itertools.product(["sgd", "adamw", "lion", "adagrad", "muon"], [1, 2, 4])
+)
 
 
 def _cases(**fixed) -> list[dict]:
@@ -71,6 +73,10 @@ FAMILIES = {
         2,
         _cases(stages=[1, 2, 3], optimizers=("lion", "adagrad"), offload="cpu"),
     ),
+    # Muon: each matrix put together from the pieces of the masters, orthogonalised whole
+    "muon-dp2": (2, _cases(stages=[0, 1, 2, 3], optimizers=("muon",))),
+    "muon-dp4-all-reduce": (4, _cases(stages=[1, 2], optimizers=("muon",), reduce_scatter=False)),
+    "muon-offload-cpu": (2, _cases(stages=[1, 2, 3], optimizers=("muon",), offload="cpu")),
 }
 
 

@@ -28,6 +28,7 @@ from .moe import MoE
 from .moe.sync import divide_expert_grads_by_ep
 from .mpu import check_mpu_groups, mpu_sizes
 from .optim import CPUAdam, build_lr_scheduler, build_optimizer
+from .optim.muon import muon_groups
 from .pipeline import PipelineModule, PipelineRunner
 from .sequence import shard_sequence
 from .sequence.check import wires_sequence
@@ -329,6 +330,8 @@ def initialize(
     cfg, forward_only = resolved.config, resolved.forward_only
     apply_leaf_config(model, cfg.zero_optimization.leaf_module)  # stage 3's leaf modules
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
+    if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        groups = muon_groups(model, groups, cfg.optimizer.params)  # DeepSpeed's two halves
     opt_factory = _no_optimizer if forward_only else _optimizer_factory(optimizer, cfg)
     sched = _scheduler_factory(lr_scheduler, cfg)
     if cfg.activation_checkpointing.model_fields_set:  # else a user's own configure() stands

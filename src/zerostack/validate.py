@@ -83,6 +83,7 @@ def validate(
     _check_deepspeed_files(cfg, topo, stage, forward_only, model)
     _check_random_ltd(cfg, topo, model)
     _check_torch_autocast(cfg, topo, stage, model)
+    _check_muon(cfg, topo, model)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -96,6 +97,26 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
     why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage, model)
     if cfg.checkpoint.deepspeed_files and why:
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
+
+
+def _check_muon(cfg, topo: Topology, model) -> None:
+    """``optimizer.type`` Muon where its pieces are known to meet as whole matrices (ZeRO 0-3
+    over dp, in memory or offloaded to the CPU); the rest refused, naming why."""
+    if cfg.optimizer is None or cfg.optimizer.type != "Muon":
+        return
+    zero = cfg.zero_optimization
+    why = None
+    if topo.tp > 1:
+        why = f"tensor parallelism (tp {topo.tp}): a matrix cut over tp ranks is not put "
+    elif topo.ep > 1:
+        why = f"expert parallelism (ep {topo.ep}): experts are not put "
+    elif topo.pp > 1 or isinstance(model, PipelineModule):
+        why = "a pipeline: its stages' pieces are not put "
+    elif any(o is not None and o.device == "nvme" for o in (zero.offload_optimizer,
+                                                              zero.offload_param)):  # fmt: skip
+        why = "NVMe offload: pieces stepped from files are not put "
+    if why:
+        raise ConfigError(f"optimizer.type Muon with {why}together whole for Newton-Schulz yet")
 
 
 def _check_torch_autocast(cfg, topo: Topology, stage: int, model) -> None:

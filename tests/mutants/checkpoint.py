@@ -741,4 +741,11 @@ MUTANTS: list[Mutant] = [
             "test_deepspeeds_folder_converted_to_deepspeed_is_itself_bit_for_bit[zero2_frozen]",
         ),
     ),
+    Mutant(
+        "a load gives every master every moment the checkpoint holds (Muon's get Adam's)",
+        "checkpoint/restore.py",
+        "held = [k for k in kinds if any(reader.has(names[p], k) for p, *_ in owned[master])]",
+        "held = list(kinds)",
+        ("tests/test_muon.py::test_a_checkpoint_resumes_exactly[1]",),
+    ),
 ]

@@ -1451,4 +1451,25 @@ MUTANTS: list[Mutant] = [
         "        return False",
         ("tests/test_memory.py::test_bytes_per_rank_match_the_zero_formulas[2-3-bf16]",),
     ),
+    Mutant(
+        "Muon under ZeRO: a matrix put together from this rank's pieces alone (the others zero)",
+        "zero/matrices.py",
+        "whole = torch.cat([rows[r, lo:hi] for r, lo, hi in runs]).view(shape)",
+        "whole = torch.cat([rows[r, lo:hi] * (r == m.rank) for r, lo, hi in runs]).view(shape)",
+        ("tests/test_parity.py::test_matches_single_process_at_every_step[muon-dp2]",),
+    ),
+    Mutant(
+        "Muon at stages 0-2: a parameter's runs placed as if it began its bucket",
+        "zero/flat/strategy.py",
+        "(w, max(rng.start, lo) - lo, min(rng.stop, hi) - lo)",
+        "(w, lo - lo, min(rng.stop, hi) - max(rng.start, lo))",
+        ("tests/test_muon.py::test_matrices_cut_mid_row_into_padded_pieces_match_one_process[2]",),
+    ),
+    Mutant(
+        "Muon at stage 3: a parameter's pieces placed end to end without their padding",
+        "zero/stage3/strategy.py",
+        "                at += st.piece.numel()\n",
+        "                at += hi - lo\n",
+        ("tests/test_muon.py::test_matrices_cut_mid_row_into_padded_pieces_match_one_process[3]",),
+    ),
 ]

@@ -12,7 +12,8 @@ wrong factor in the gradient moves the parameters by that factor times the updat
 running scale and hides such factors in the parameters: there the per-step gradient norm catches
 them.
 
-A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw" | "lion" | "adagrad"), ``gas``,
+A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw" | "lion" | "adagrad" | "muon"),
+``gas``,
 and optionally ``tp``, ``pp``, ``offload`` ("cpu" | "nvme"), ``precision`` ("fp16" | "bf16"),
 ``loss_scale``.
 """
@@ -26,8 +27,10 @@ import torch
 
 import zerostack
 from zerostack import Topology
+from zerostack.config.optim import MuonParams
 from zerostack.models import GPT, GPTConfig
-from zerostack.optim import Lion
+from zerostack.optim import Lion, Muon
+from zerostack.optim.muon import muon_groups
 
 from tests.support.models import batch
 
@@ -40,6 +43,7 @@ SGD_LR = 0.5
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 LION = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
 ADAGRAD = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
+MUON = {"muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.9, "weight_decay": 0.01}
 
 
 def _model(topology: Topology | None = None) -> GPT:
@@ -54,12 +58,18 @@ def _opt_config(name: str) -> dict:
         return {"type": "Lion", "params": {**LION, "betas": list(LION["betas"])}}
     if name == "adagrad":
         return {"type": "Adagrad", "params": dict(ADAGRAD)}
+    if name == "muon":
+        return {"type": "Muon", "params": dict(MUON)}
     return {"type": "AdamW", "params": dict(ADAMW)}
 
 
-def _torch_optimizer(name: str, params) -> torch.optim.Optimizer:
-    """The single process's optimizer. Lion is zerostack's (torch has none): its update is held
-    to DeepSpeed's kernels in tests/test_ds_optimizers.py; here the sharding is on trial."""
+def _torch_optimizer(name: str, params, model=None) -> torch.optim.Optimizer:
+    """The single process's optimizer. Lion and Muon are zerostack's (torch has neither): their
+    updates are held to DeepSpeed's in tests/test_ds_optimizers.py and tests/test_muon.py; here
+    the sharding is on trial (Muon's whole matrices, put together from pieces)."""
+    if name == "muon":
+        groups = muon_groups(model, [{"params": list(params)}], MuonParams(**MUON))
+        return Muon(groups)
     if name == "sgd":
         return torch.optim.SGD(params, lr=SGD_LR, momentum=0.0)
     if name == "lion":
@@ -79,7 +89,7 @@ def reference(optimizer: str, gas: int, grad_factor: float = 1.0):
 
     ``grad_factor`` multiplies the gradient before the step (to show what a scale bug does)."""
     model = _model()
-    opt = _torch_optimizer(optimizer, model.parameters())
+    opt = _torch_optimizer(optimizer, model.parameters(), model)
     out = []
     for step in range(STEPS):
         x, y = batch(step, B * gas)

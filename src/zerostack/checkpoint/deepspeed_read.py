@@ -172,6 +172,10 @@ class Reader:
         self.buffers = {n: "module" for n in self.model.get("buffer_names", [])}
         self.manifest = self._manifest()
 
+    def has(self, name: str, kind: str) -> bool:
+        """Whether the folder holds ``kind`` for ``name``."""
+        return name in self._values(kind)
+
     def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
         values = self._values(kind).get(name)
         if values is None:  # a frozen parameter: its value only, from the module's states

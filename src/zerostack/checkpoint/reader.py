@@ -56,6 +56,14 @@ class ShardReader:
         found = {k.split("/")[0] for rec in files for k in rec["sha256"]}
         return sorted(found - {"master", "rng", "buffer"})
 
+    def has(self, name: str, kind: str) -> bool:
+        """Whether the checkpoint holds ``kind`` for ``name`` (the moments differ by optimizer
+        group: Muon's momentum, its Adam half's two moments)."""
+        return any(
+            f"{kind}/{_key(name, tp, lo)}" in self.sha[file]
+            for tp, lo, _, file in self.index.get(name, ())
+        )
+
     def fill(self, dest, name: str, kind: str, tp_rank, lo: int, hi: int, offset: int) -> int:
         """Copy elements ``[lo, hi)`` of ``name``'s saved ``kind`` (the slice written by tp rank
         ``tp_rank``; None for a whole parameter) to ``dest[offset:]``; returns how many."""

@@ -247,9 +247,11 @@ def _load(
         if hi > lo and p in names:
             owned[master].append((p, lo, hi, a))
     for master in run.zero.masters():  # one at a time: on NVMe, read, filled, written back
-        values = run.zero.read_master(master, opt, kinds)
+        # the moments its parameters have (Muon's groups keep one, its Adam half's two)
+        held = [k for k in kinds if any(reader.has(names[p], k) for p, *_ in owned[master])]
+        values = run.zero.read_master(master, opt, held)
         for p, lo, hi, a in owned[master]:
-            for kind in ["master", *kinds]:
+            for kind in ["master", *held]:
                 read(values[kind], p, kind, lo, hi, a)
         run.zero.write_master(master, opt, values)
     for p, lo, hi, held in run.zero.frozen_slices():  # frozen: into what they hold, in place

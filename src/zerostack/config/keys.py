@@ -110,7 +110,10 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     ),
     "amp": _unsupported(_REMOVED + "; use fp16 or bf16"),
     # optimizer
-    "optimizer": _works("Adam, AdamW, SGD, Lion, Adagrad; any other: pass a torch optimizer"),
+    "optimizer": _works(
+        "Adam, AdamW, SGD, Lion, Adagrad, Muon (ZeRO 0-3 over dp; not yet with tp, ep, pp or "
+        "NVMe); any other: pass a torch optimizer"
+    ),
     "scheduler": _works("WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     "zero_allow_untested_optimizer": _no_effect(
         "any torch optimizer runs under ZeRO", _differs(False), bool

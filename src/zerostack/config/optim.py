@@ -224,6 +224,53 @@ class LRRangeTestParams(_Model):
     """Index of the last batch when resuming; -1 for a fresh start."""
 
 
+class MuonParams(_Model):
+    """``optimizer.params`` for Muon (DeepSpeed's ``MuonWithAuxAdam``,
+    :class:`zerostack.optim.Muon`): Muon for the weight matrices, an Adam for the rest (which
+    parameters take which: :func:`zerostack.optim.muon.muon_groups`)."""
+
+    lr: NonNegFloat | None = None
+    """Both halves' learning rate, unless ``muon_lr`` / ``adam_lr`` is given (unset: 0.02 for
+    Muon, 3e-4 for Adam, DeepSpeed's defaults)."""
+    muon_lr: NonNegFloat | None = None
+    """The Muon half's learning rate (over ``lr``)."""
+    adam_lr: NonNegFloat | None = None
+    """The auxiliary Adam's learning rate (over ``lr``)."""
+    momentum: Beta = 0.95
+    """Muon's momentum (Nesterov's, always)."""
+    weight_decay: NonNegFloat = 0.0
+    """Both halves': Muon's decoupled; Adam's decoupled with ``adam_w_mode``, else L2."""
+    ns_method: Literal["gram", "standard"] = "gram"
+    """Newton-Schulz on the Gram matrix (fp16 where the device has it, else fp32) or the
+    standard quintic iteration (bf16), as DeepSpeed runs them."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)] = (0.9, 0.95)
+    """The auxiliary Adam's coefficients."""
+    eps: PositiveFloat = 1e-10
+    """The auxiliary Adam's term added to the denominator."""
+    adam_w_mode: bool = True
+    """The auxiliary Adam's weight decay decoupled (AdamW), else added to the gradient."""
+    per_head_muon: bool = False
+    """DeepSpeed's: orthogonalise each attention head's rows apart. Not supported yet: true is
+    refused."""
+
+    @field_validator("per_head_muon")
+    @classmethod
+    def _no_per_head(cls, v: bool) -> bool:
+        if v:
+            _fail("not supported yet (each projection is orthogonalised whole)")
+        return v
+
+    @property
+    def muon_rate(self) -> float:
+        """The Muon half's learning rate."""
+        return next(x for x in (self.muon_lr, self.lr, 0.02) if x is not None)
+
+    @property
+    def adam_rate(self) -> float:
+        """The auxiliary Adam's learning rate."""
+        return next(x for x in (self.adam_lr, self.lr, 3e-4) if x is not None)
+
+
 class _TypedBlock(_Model):
     """A ``{"type": ..., "params": {...}}`` block whose params model depends on the type."""
 
@@ -258,16 +305,17 @@ class OptimizerConfig(_TypedBlock):
         "SGD": SGDParams,
         "Lion": LionParams,
         "Adagrad": AdagradParams,
+        "Muon": MuonParams,
     }
     _CASE_INSENSITIVE = True  # DeepSpeed lower-cases optimizer names
 
-    type: Literal["Adam", "AdamW", "SGD", "Lion", "Adagrad"]
+    type: Literal["Adam", "AdamW", "SGD", "Lion", "Adagrad", "Muon"]
     """Optimizer name, case-insensitive on input ("adamw" becomes "AdamW")."""
-    params: Annotated[AdamParams | SGDParams | LionParams | AdagradParams, SkipValidation] = Field(
-        default=None, validate_default=True
-    )
+    params: Annotated[
+        AdamParams | SGDParams | LionParams | AdagradParams | MuonParams, SkipValidation
+    ] = Field(default=None, validate_default=True)
     """Optimizer arguments, checked against the type's own keys (AdamParams, SGDParams,
-    LionParams or AdagradParams)."""
+    LionParams, AdagradParams or MuonParams)."""
 
     @property
     def decoupled_weight_decay(self) -> bool:

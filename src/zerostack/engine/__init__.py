@@ -47,9 +47,11 @@ from ..core.clock import device_clock
 from ..core.precision import Precision, forward_autocast, make_loss_scaler
 from ..core.run import Run
 from ..core.steps import StepCallback
+from ..optim.muon import Muon
 from ..topology import Topology
 from ..watchdog import Watchdog, start_watchdog
 from ..zero.build import build_strategy
+from ..zero.matrices import MatrixPieces
 from ..zero.strategy import ZeroStrategy
 from .accumulation import Accumulation
 from .after_step import AfterStep
@@ -134,6 +136,9 @@ class Engine(nn.Module):
         attach(self, module)
         self.state = TrainState(make_loss_scaler(config))  # counters, scaler, loader
         optimizer = optimizer_factory(self.zero.optimizer_groups())
+        if isinstance(optimizer, Muon):  # it steps pieces: where they meet as matrices
+            optimizer.matrices = MatrixPieces(self.comm)
+            self.zero.describe_matrices(optimizer.matrices)
         self.run = Run(  # what a checkpoint reads and writes: these parts, no engine
             module=module,
             zero=self.zero,

@@ -7,8 +7,9 @@ import torch
 from .cpu_adam import CPUAdam
 from .lion import Lion
 from .lr_schedules import SCHEDULERS, build_lr_scheduler
+from .muon import Muon
 
-__all__ = ["SCHEDULERS", "CPUAdam", "Lion", "build_lr_scheduler", "build_optimizer"]
+__all__ = ["SCHEDULERS", "CPUAdam", "Lion", "Muon", "build_lr_scheduler", "build_optimizer"]
 
 
 def _fused_ok(groups: list[dict]) -> bool:
@@ -28,6 +29,8 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
     Lion when offloaded: one update), "Adagrad" torch's Adagrad (DeepSpeed's choice without
     offload; its CPU Adagrad is the same update at torch's defaults). Both update each element
     from its own gradient and state alone, so they step shards as they step whole tensors.
+    "Muon" is :class:`Muon` over groups :func:`.muon.muon_groups` split (whose pieces of
+    matrices the engine describes to it).
     """
     p = spec.params
     if spec.type in ("Adam", "AdamW"):
@@ -73,4 +76,6 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
             foreach=p.foreach,
             maximize=p.maximize,
         )
+    if spec.type == "Muon":  # groups split by muon_groups, each half's settings in it
+        return Muon(groups, adam_w_mode=p.adam_w_mode)
     raise ValueError(f"optimizer.type: {spec.type!r} is not supported")

@@ -26,6 +26,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..comm import Comm
+    from .matrices import MatrixPieces
     from .stage3.coordinator import ParamCoordinator
 
 
@@ -176,6 +177,9 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held: params, grads, master."""
+
+    def describe_matrices(self, pieces: MatrixPieces) -> None:
+        """Tell ``pieces`` which parts of which parameters each master holds (Muon)."""
 
     def held(self) -> Iterator[tuple[str, str, int]]:
         """``(kind, device type, bytes)`` of each buffer :meth:`memory_breakdown` counts."""

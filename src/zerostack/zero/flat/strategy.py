@@ -43,6 +43,7 @@ from torch import nn
 from ...comm import Comm
 from ...core.pinned import host_empty
 from ...core.precision import Precision
+from ..matrices import MatrixPieces
 from ..offload.host import HostOffload, host_offload
 from ..offload.masters import master_store
 from ..reducer import hook_grads
@@ -256,6 +257,25 @@ class ShardedDataParallel(StepSequence, ForwardsCheckpointView):
         """Set the compute-dtype parameter to ``value`` (flat, this rank's whole parameter):
         every rank holds all of it, so nothing is gathered."""
         p.data.copy_(value.view_as(p))
+
+    def describe_matrices(self, pieces: MatrixPieces) -> None:
+        """Each bucket's master: rank ``w`` of its cut holds piece ``w`` of the bucket, and each
+        parameter is a range of it (see :mod:`..matrices`)."""
+        for st in self.flat.buckets:
+            fg = self.flat.group_of(st)
+            spans = [fg.layout.piece(st.bucket, w) for w in range(fg.layout.world)]
+            matrices = []
+            for p, rng in st.ranges:
+                runs = [
+                    (w, max(rng.start, lo) - lo, min(rng.stop, hi) - lo)
+                    for w, (lo, hi) in enumerate(spans)
+                    if max(rng.start, lo) < min(rng.stop, hi)
+                ]
+                matrices.append((p.shape, runs))
+            cut = fg.cut
+            pieces.add(
+                st.master, axis=cut.axis, world=cut.world, rank=cut.piece_rank, matrices=matrices
+            )
 
     # ------------------------------------------------------------------ the checkpoint's view
     # (the masters from the flat buffers; the rest of :class:`~..strategy.CheckpointView` from

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...comm import Comm
 from ...core.precision import Precision
+from ..matrices import MatrixPieces
 from ..offload.host import HostOffload, host_device, host_offload
 from ..offload.masters import GradFiles, GradShards, master_store
 from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
@@ -263,6 +264,26 @@ class Stage3(StepSequence, ForwardsCheckpointView):
 
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
+
+    def describe_matrices(self, pieces: MatrixPieces) -> None:
+        """Each group's master: its parameters' pieces end to end, the same widths on every
+        rank of their axis (see :mod:`..matrices`)."""
+        for g in self.groups:
+            at, matrices = 0, []
+            for p in g.params:
+                st = p._zs
+                runs = []
+                for w in range(st.world):
+                    lo, hi = st.extent(w)
+                    if hi > lo:
+                        runs.append((w, at, at + hi - lo))
+                matrices.append((st.shape, runs))
+                at += st.piece.numel()
+            cuts = {(p._zs.axis, p._zs.world, p._zs.rank) for p in g.params}
+            if len(cuts) != 1:
+                raise ValueError(f"a group's parameters are cut in {len(cuts)} ways: {cuts}")
+            axis, world, rank = cuts.pop()
+            pieces.add(g.master, axis=axis, world=world, rank=rank, matrices=matrices)
 
     def grad_norm_sq(self, skip: set[nn.Parameter]) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards, leaving out the parameters in ``skip``

@@ -296,7 +296,7 @@ MODULES: dict[str, dict[str, Api]] = {
             "torch's Adam with DeepSpeed's arguments (decoupled decay when adam_w_mode)"
         ),
         "deepspeed.ops.lamb.FusedLamb": _no(
-            "no LAMB: optimizer types are Adam, AdamW, SGD, Lion, Adagrad"
+            "no LAMB: optimizer types are Adam, AdamW, SGD, Lion, Adagrad, Muon"
         ),
         "deepspeed.ops.lion.DeepSpeedCPULion": _served(
             "zerostack.optim.Lion (torch code) with DeepSpeed's arguments; equal to DeepSpeed's "
