@@ -179,11 +179,14 @@ def test_per_head_muon_is_refused_naming_the_key():
         load_config({"optimizer": {"type": "Muon", "params": {"per_head_muon": True}}})
 
 
-def _refused(rank, world, config):
-    from tests.support.models import tiny_gpt
+def _refused(rank, world, config, ep=1):
+    from zerostack.models import GPT, GPTConfig
 
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16, bias=False)
+    if ep > 1:
+        cfg = GPTConfig(**{**cfg.__dict__, "moe_every": 2, "num_experts": 2, "moe_ep_size": ep})
     try:
-        zerostack.initialize(model=tiny_gpt(), config=config)
+        zerostack.initialize(model=GPT(cfg), config=config)
     except ConfigError as e:
         return str(e)
     return None
@@ -192,15 +195,17 @@ def _refused(rank, world, config):
 @pytest.mark.distributed
 def test_layouts_not_served_yet_are_refused_at_initialize(tmp_path):
     base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Muon"}}
-    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
     [why] = run_distributed(_refused, 1, args=({**base, "zero_optimization": nvme},))
     assert why == (
-        "optimizer.type Muon with NVMe offload: pieces stepped from files are not put together "
-        "whole for Newton-Schulz yet"
+        "optimizer.type Muon with offload_param on NVMe: pieces read from files are not put "
+        "together whole for Newton-Schulz yet"
     )
-    tp = {**base, "tensor_parallel": {"autotp_size": 2}}
-    for why in run_distributed(_refused, 2, args=(tp,)):
-        assert why.startswith("optimizer.type Muon with tensor parallelism (tp 2)"), why
+    for why in run_distributed(_refused, 2, args=(base, 2)):
+        assert why == (
+            "optimizer.type Muon with expert parallelism (ep 2): experts are not put together "
+            "whole for Newton-Schulz yet"
+        )
 
 
 def _resume(rank, world, stage, root):

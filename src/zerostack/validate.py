@@ -101,20 +101,16 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
 
 def _check_muon(cfg, topo: Topology, model) -> None:
     """``optimizer.type`` Muon where its pieces are known to meet as whole matrices (ZeRO 0-3
-    over dp, in memory or offloaded to the CPU); the rest refused, naming why."""
+    over dp and tp, under a pipeline, the optimizer in memory, host memory or files); the rest
+    refused, naming why."""
     if cfg.optimizer is None or cfg.optimizer.type != "Muon":
         return
     zero = cfg.zero_optimization
     why = None
-    if topo.tp > 1:
-        why = f"tensor parallelism (tp {topo.tp}): a matrix cut over tp ranks is not put "
-    elif topo.ep > 1:
+    if topo.ep > 1:
         why = f"expert parallelism (ep {topo.ep}): experts are not put "
-    elif topo.pp > 1 or isinstance(model, PipelineModule):
-        why = "a pipeline: its stages' pieces are not put "
-    elif any(o is not None and o.device == "nvme" for o in (zero.offload_optimizer,
-                                                              zero.offload_param)):  # fmt: skip
-        why = "NVMe offload: pieces stepped from files are not put "
+    elif zero.offload_param is not None and zero.offload_param.device == "nvme":
+        why = "offload_param on NVMe: pieces read from files are not put "
     if why:
         raise ConfigError(f"optimizer.type Muon with {why}together whole for Newton-Schulz yet")
 

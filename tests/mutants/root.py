@@ -374,9 +374,9 @@ MUTANTS: list[Mutant] = [
         ("tests/test_torch_autocast.py::test_combinations_not_served_are_refused",),
     ),
     Mutant(
-        "Muon with NVMe offload reaches the engine (not refused)",
+        "Muon with offload_param on NVMe reaches the engine (not refused)",
         "validate.py",
-        '        why = "NVMe offload: pieces stepped from files are not put "\n',
+        '        why = "offload_param on NVMe: pieces read from files are not put "\n',
         "        why = None\n",
         ("tests/test_muon.py::test_layouts_not_served_yet_are_refused_at_initialize",),
     ),

@@ -1472,4 +1472,11 @@ MUTANTS: list[Mutant] = [
         "                at += hi - lo\n",
         ("tests/test_muon.py::test_matrices_cut_mid_row_into_padded_pieces_match_one_process[3]",),
     ),
+    Mutant(
+        "Muon under tp: each tp slice orthogonalised alone (as DeepSpeed does)",
+        "zero/matrices.py",
+        "spec = self._split(p) if self.comm.topo.tp > 1 else None",
+        "spec = None",
+        ("tests/test_parity.py::test_matches_single_process_at_every_step[muon-tp2xdp2]",),
+    ),
 ]

@@ -63,12 +63,27 @@ def _opt_config(name: str) -> dict:
     return {"type": "AdamW", "params": dict(ADAMW)}
 
 
-def _torch_optimizer(name: str, params, model=None) -> torch.optim.Optimizer:
+class _PipelineNames:
+    """A plain GPT seen under its pipeline module's parameter names (Muon's rule reads names:
+    the tied embedding is ``tied_modules.embed.wte.weight`` there, an "embed", so Adam's)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model
+
+    def named_parameters(self):
+        from zerostack.models.gpt_pipe import pipeline_name
+
+        return ((pipeline_name(n, CFG), p) for n, p in self.model.named_parameters())
+
+
+def _torch_optimizer(name: str, params, model=None, pipeline=False) -> torch.optim.Optimizer:
     """The single process's optimizer. Lion and Muon are zerostack's (torch has neither): their
     updates are held to DeepSpeed's in tests/test_ds_optimizers.py and tests/test_muon.py; here
-    the sharding is on trial (Muon's whole matrices, put together from pieces)."""
+    the sharding is on trial (Muon's whole matrices, put together from pieces; its parameters
+    tagged by the names they have in the pipeline module when ``pipeline``)."""
     if name == "muon":
-        groups = muon_groups(model, [{"params": list(params)}], MuonParams(**MUON))
+        named = _PipelineNames(model) if pipeline else model
+        groups = muon_groups(named, [{"params": list(params)}], MuonParams(**MUON))
         return Muon(groups)
     if name == "sgd":
         return torch.optim.SGD(params, lr=SGD_LR, momentum=0.0)
@@ -84,12 +99,13 @@ def global_norm(grads) -> float:
 
 
 @functools.cache
-def reference(optimizer: str, gas: int, grad_factor: float = 1.0):
+def reference(optimizer: str, gas: int, grad_factor: float = 1.0, pipeline: bool = False):
     """Single-process fp32 training: per step, (parameters after it, gradient norm).
 
-    ``grad_factor`` multiplies the gradient before the step (to show what a scale bug does)."""
+    ``grad_factor`` multiplies the gradient before the step (to show what a scale bug does);
+    ``pipeline``: Muon's parameters tagged by their pipeline names."""
     model = _model()
-    opt = _torch_optimizer(optimizer, model.parameters(), model)
+    opt = _torch_optimizer(optimizer, model.parameters(), model, pipeline)
     out = []
     for step in range(STEPS):
         x, y = batch(step, B * gas)

@@ -48,6 +48,7 @@ from ..core.precision import Precision, forward_autocast, make_loss_scaler
 from ..core.run import Run
 from ..core.steps import StepCallback
 from ..optim.muon import Muon
+from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..topology import Topology
 from ..watchdog import Watchdog, start_watchdog
 from ..zero.build import build_strategy
@@ -137,7 +138,9 @@ class Engine(nn.Module):
         self.state = TrainState(make_loss_scaler(config))  # counters, scaler, loader
         optimizer = optimizer_factory(self.zero.optimizer_groups())
         if isinstance(optimizer, Muon):  # it steps pieces: where they meet as matrices
-            optimizer.matrices = MatrixPieces(self.comm)
+            optimizer.matrices = MatrixPieces(
+                self.comm, split=partition_spec, join=join_tensors, cut=split_tensor
+            )
             self.zero.describe_matrices(optimizer.matrices)
         self.run = Run(  # what a checkpoint reads and writes: these parts, no engine
             module=module,

@@ -10,6 +10,12 @@ master's axis, on the compute device (an offloaded master's too), each matrix th
 part of is put together and transformed whole, and this rank's runs of the results come back
 in the master's shape, where the master is. Every rank of the axis transforms the matrices it
 touches; a matrix cut over two ranks is transformed on both, which gives both the same bits.
+
+Under tensor parallelism a rank's parameter is its tp slice: the slices of a split matrix are
+all-gathered over the tp axis and joined (``split``'s ``(dim, chunks)`` of the parameter, the
+engine's ``join`` and ``split`` functions: the tensor-parallel package's), the whole matrix is
+transformed, and this rank's slice of the result kept. Every tp rank gathers every split matrix
+of its masters, in the masters' order, whether its own pieces touch it or not.
 """
 
 from __future__ import annotations
@@ -24,29 +30,38 @@ from ..comm import Comm
 Run = tuple[int, int, int]  # (rank, lo, hi): the rank's master holds the run at [lo, hi)
 
 
+Spec = tuple[int, int] | None  # a tp-split parameter's (dim, chunks); None: whole on every rank
+
+
 @dataclass(frozen=True)
 class _Master:
     axis: str
     world: int
     rank: int
-    matrices: tuple[tuple[torch.Size, tuple[Run, ...]], ...]
+    matrices: tuple[tuple[torch.Size, tuple[Run, ...], Spec], ...]
 
 
 class MatrixPieces:
-    """The masters of one model whose elements are pieces of matrices (see the module)."""
+    """The masters of one model whose elements are pieces of matrices (see the module).
+    ``split(p)``: parameter ``p``'s tp split (None for every parameter without tp), ``join``
+    and ``cut``: whole from the tp slices and a tp slice from the whole."""
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
+    def __init__(self, comm: Comm, *, split: Callable = lambda p: None, join=None, cut=None):
+        self.comm, self._split, self._join, self._cut = comm, split, join, cut
         self._masters: dict[torch.Tensor, _Master] = {}
 
     def add(self, master, *, axis: str, world: int, rank: int, matrices) -> None:
-        """``master`` (this rank's) holds parts of ``matrices``: ``(shape, runs)`` each, the
-        runs in the parameter's flat order; its ``world`` ranks on ``axis``, this one ``rank``."""
-        matrices = tuple((torch.Size(s), tuple(runs)) for s, runs in matrices)
-        for shape, runs in matrices:
+        """``master`` (this rank's) holds parts of ``matrices``: ``(param, shape, runs)`` each,
+        the runs in the parameter's flat order; its ``world`` ranks on ``axis``, this one
+        ``rank``."""
+        out = []
+        for p, shape, runs in matrices:
+            shape = torch.Size(shape)
             if sum(hi - lo for _, lo, hi in runs) != shape.numel():
                 raise ValueError(f"the runs of a {tuple(shape)} matrix do not cover it")
-        self._masters[master] = _Master(axis, world, rank, matrices)
+            spec = self._split(p) if self.comm.topo.tp > 1 else None
+            out.append((shape, tuple(runs), spec))
+        self._masters[master] = _Master(axis, world, rank, tuple(out))
 
     def holds(self, master) -> bool:
         return master in self._masters
@@ -67,14 +82,31 @@ class MatrixPieces:
         else:
             rows = flat.view(1, -1)
         out = torch.zeros_like(flat)
-        for shape, runs in m.matrices:
-            if not any(r == m.rank for r, _, _ in runs):
+        for shape, runs, spec in m.matrices:
+            mine = any(r == m.rank for r, _, _ in runs)
+            if not mine and spec is None:
                 continue
             whole = torch.cat([rows[r, lo:hi] for r, lo, hi in runs]).view(shape)
-            done = fn(whole).reshape(-1)
+            if spec is not None:  # this rank's tp slice: the others' joined to it
+                whole = self._tp_whole(whole, spec)
+            if not mine:
+                continue
+            done = fn(whole)
+            if spec is not None:
+                done = self._cut(done, parts=self.comm.topo.tp, rank=self.comm.topo.rank("tp"),
+                                 dim=spec[0], chunks=spec[1])  # fmt: skip
+            done = done.reshape(-1)
             at = 0
             for r, lo, hi in runs:
                 if r == m.rank:
                     out[lo:hi] = done[at : at + hi - lo]
                 at += hi - lo
         return out.view(value.shape).to(value.device)
+
+    def _tp_whole(self, local: torch.Tensor, spec: tuple[int, int]) -> torch.Tensor:
+        """The whole matrix from every tp rank's slice (``local`` this rank's)."""
+        tp = self.comm.topo.tp
+        out = torch.empty(tp * local.numel(), dtype=local.dtype, device=local.device)
+        self.comm.all_gather(out, local.reshape(-1), axis="tp")
+        slices = list(out.view(tp, *local.shape).unbind(0))
+        return self._join(slices, dim=spec[0], chunks=spec[1])

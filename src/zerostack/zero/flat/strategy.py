@@ -271,7 +271,7 @@ class ShardedDataParallel(StepSequence, ForwardsCheckpointView):
                     for w, (lo, hi) in enumerate(spans)
                     if max(rng.start, lo) < min(rng.stop, hi)
                 ]
-                matrices.append((p.shape, runs))
+                matrices.append((p, p.shape, runs))
             cut = fg.cut
             pieces.add(
                 st.master, axis=cut.axis, world=cut.world, rank=cut.piece_rank, matrices=matrices

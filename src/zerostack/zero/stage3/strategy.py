@@ -277,7 +277,7 @@ class Stage3(StepSequence, ForwardsCheckpointView):
                     lo, hi = st.extent(w)
                     if hi > lo:
                         runs.append((w, at, at + hi - lo))
-                matrices.append((st.shape, runs))
+                matrices.append((p, st.shape, runs))
                 at += st.piece.numel()
             cuts = {(p._zs.axis, p._zs.world, p._zs.rank) for p in g.params}
             if len(cuts) != 1:
