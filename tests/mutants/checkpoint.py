@@ -748,4 +748,18 @@ MUTANTS: list[Mutant] = [
         "held = list(kinds)",
         ("tests/test_muon.py::test_a_checkpoint_resumes_exactly[1]",),
     ),
+    Mutant(
+        "a load leaves Muon's momentum at zero (the moment not read)",
+        "checkpoint/restore.py",
+        "held = [k for k in kinds if any(",
+        'held = [k for k in kinds if k != "momentum_buffer" and any(',
+        ("tests/test_muon.py::test_the_momentum_reshards_onto_another_layout[1-3]",),
+    ),
+    Mutant(
+        "DeepSpeed's files written for Muon (not refused: a save then fails)",
+        "checkpoint/deepspeed_layout.py",
+        '        parts.append("optimizer.type Muon (its halves keep different moments)")\n',
+        "        pass\n",
+        ("tests/test_muon.py::test_layouts_not_served_yet_are_refused_at_initialize",),
+    ),
 ]

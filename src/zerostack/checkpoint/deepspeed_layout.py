@@ -38,6 +38,8 @@ def refusal(cfg, topo, stage: int, model=None) -> str | None:
         parts.append("zero_optimization.elastic_checkpoint")
     if cfg.checkpoint.async_save:
         parts.append("checkpoint.async_save")
+    if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        parts.append("optimizer.type Muon (its halves keep different moments)")
     if not parts:
         return None
     return f"{', '.join(parts)}: DeepSpeed's files are not written for it yet"
