@@ -65,6 +65,8 @@ optimizer.params.dampening optimizer.params.eps optimizer.params.foreach
 optimizer.params.fp32_optimizer_states optimizer.params.initial_accumulator_value
 optimizer.params.lr optimizer.params.lr_decay optimizer.params.maximize optimizer.params.momentum
 optimizer.params.adam_lr optimizer.params.muon_lr optimizer.params.ns_method
+optimizer.params.bias_correction optimizer.params.eps_inside_sqrt optimizer.params.max_coeff
+optimizer.params.min_coeff
 optimizer.params.per_head_muon
 optimizer.params.nesterov optimizer.params.set_grad_none optimizer.params.torch_adam
 optimizer.params.weight_decay optimizer.type
@@ -186,6 +188,7 @@ def deepspeed_defaults():
     from deepspeed.monitor.config import DeepSpeedMonitorConfig
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.lamb import FusedLamb
     from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
     from deepspeed.profiling import constants as flops_constants
     from deepspeed.runtime import config as ds_config
@@ -255,9 +258,9 @@ def deepspeed_defaults():
             found = from_model(DeepSpeedMonitorConfig, [head, *rest])
         elif found is None and head == "pipeline" and leaf in pipeline:
             found = pipeline[leaf], f"{cfg}:get_pipeline_config.default_pipeline"
-        elif found is None and block == "optimizer.params":  # Adam/AdamW, SGD, Lion, Adagrad
+        elif found is None and block == "optimizer.params":  # Adam/W, SGD, Lion, Adagrad, Lamb
             optimizers = [FusedAdam, torch.optim.SGD, FusedLion, DeepSpeedCPULion,
-                          torch.optim.Adagrad, DeepSpeedCPUAdagrad]  # fmt: skip
+                          torch.optim.Adagrad, DeepSpeedCPUAdagrad, FusedLamb]  # fmt: skip
             found = from_signatures(optimizers, leaf)
         elif found is None and block == "scheduler.params":
             found = from_signatures(schedulers, leaf)

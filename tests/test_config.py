@@ -542,9 +542,9 @@ BAD_CONFIGS = [
     (opt("Adam", lr=-0.1), "optimizer.params.lr", "must be greater than or equal to 0"),
     # optimizer / scheduler types and params
     (
-        {"optimizer": {"type": "Lamb"}},
+        {"optimizer": {"type": "MuAdam"}},
         "optimizer.type",
-        "'Lamb' is not supported (supported: Adam, AdamW, SGD, Lion, Adagrad, Muon)",
+        "'MuAdam' is not supported (supported: Adam, AdamW, SGD, Lion, Adagrad, Lamb, Muon)",
     ),
     (opt("Lion", eps=1e-8), "optimizer.params.eps", "unknown key"),
     (opt("Adagrad", amsgrad=True), "optimizer.params.amsgrad", "Adagrad has no AMSGrad variant"),

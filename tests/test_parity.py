@@ -18,7 +18,7 @@ from tests.support.ranks import run_distributed
 
 TOL = 1e-5
 OPTIMIZERS_AND_GAS = list(
-    itertools.product(["sgd", "adamw", "lion", "adagrad", "muon"], [1, 2, 4])
+    itertools.product(["sgd", "adamw", "lion", "adagrad", "muon", "lamb"], [1, 2, 4])
 )
 
 
@@ -80,6 +80,11 @@ FAMILIES = {
     "muon-offload-cpu": (2, _cases(stages=[1, 2, 3], optimizers=("muon",), offload="cpu")),
     "muon-offload-nvme": (2, _cases(stages=[1, 2], optimizers=("muon",), offload="nvme")),
     "muon-pp2xdp2": (4, _cases(stages=[0, 1, 2, 3], optimizers=("muon",), pp=2)),
+    # LAMB: each parameter's trust ratio, its norms summed over its pieces (and tp slices)
+    "lamb-dp1": (1, _cases(stages=[0, 1, 2, 3], optimizers=("lamb",))),
+    "lamb-dp2": (2, _cases(stages=[0, 1, 2, 3], optimizers=("lamb",))),
+    "lamb-tp2xdp2": (4, _cases(stages=[0, 1, 2, 3], optimizers=("lamb",), tp=2)),
+    "lamb-offload-cpu": (2, _cases(stages=[1, 2, 3], optimizers=("lamb",), offload="cpu")),
     # a tp rank's slices joined into the whole matrix (DeepSpeed orthogonalises each slice)
     "muon-tp2xdp2": (4, _cases(stages=[0, 1, 2, 3], optimizers=("muon",), tp=2)),
 }

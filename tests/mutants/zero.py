@@ -1453,7 +1453,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "Muon under ZeRO: a matrix put together from this rank's pieces alone (the others zero)",
-        "zero/matrices.py",
+        "zero/whole_params.py",
         "whole = torch.cat([rows[r, lo:hi] for r, lo, hi in runs]).view(shape)",
         "whole = torch.cat([rows[r, lo:hi] * (r == m.rank) for r, lo, hi in runs]).view(shape)",
         ("tests/test_parity.py::test_matches_single_process_at_every_step[muon-dp2]",),
@@ -1474,9 +1474,23 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "Muon under tp: each tp slice orthogonalised alone (as DeepSpeed does)",
-        "zero/matrices.py",
+        "zero/whole_params.py",
         "spec = self._split(p) if self.comm.topo.tp > 1 else None",
         "spec = None",
         ("tests/test_parity.py::test_matches_single_process_at_every_step[muon-tp2xdp2]",),
+    ),
+    Mutant(
+        "LAMB under ZeRO: a parameter's squares not summed over its pieces' ranks",
+        "zero/whole_params.py",
+        "            self.comm.all_reduce(sums, axis=m.axis)\n",
+        "            pass\n",
+        ("tests/test_parity.py::test_matches_single_process_at_every_step[lamb-dp2]",),
+    ),
+    Mutant(
+        "LAMB under tp: a split parameter's squares not summed over its tp slices",
+        "zero/whole_params.py",
+        '            self.comm.all_reduce(cut, axis="tp")\n',
+        "            pass\n",
+        ("tests/test_parity.py::test_matches_single_process_at_every_step[lamb-tp2xdp2]",),
     ),
 ]

@@ -12,7 +12,8 @@ wrong factor in the gradient moves the parameters by that factor times the updat
 running scale and hides such factors in the parameters: there the per-step gradient norm catches
 them.
 
-A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw" | "lion" | "adagrad" | "muon"),
+A case is a dict: ``stage``, ``optimizer`` ("sgd" | "adamw" | "lion" | "adagrad" | "muon" |
+"lamb"),
 ``gas``,
 and optionally ``tp``, ``pp``, ``offload`` ("cpu" | "nvme"), ``precision`` ("fp16" | "bf16"),
 ``loss_scale``.
@@ -29,7 +30,7 @@ import zerostack
 from zerostack import Topology
 from zerostack.config.optim import MuonParams
 from zerostack.models import GPT, GPTConfig
-from zerostack.optim import Lion, Muon
+from zerostack.optim import Lamb, Lion, Muon
 from zerostack.optim.muon import muon_groups
 
 from tests.support.models import batch
@@ -44,6 +45,7 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 LION = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
 ADAGRAD = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
 MUON = {"muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.9, "weight_decay": 0.01}
+LAMB = {"lr": 0.02, "betas": (0.9, 0.99), "weight_decay": 0.01, "max_coeff": 2.0}
 
 
 def _model(topology: Topology | None = None) -> GPT:
@@ -60,6 +62,8 @@ def _opt_config(name: str) -> dict:
         return {"type": "Adagrad", "params": dict(ADAGRAD)}
     if name == "muon":
         return {"type": "Muon", "params": dict(MUON)}
+    if name == "lamb":
+        return {"type": "Lamb", "params": {**LAMB, "betas": list(LAMB["betas"])}}
     return {"type": "AdamW", "params": dict(ADAMW)}
 
 
@@ -85,6 +89,8 @@ def _torch_optimizer(name: str, params, model=None, pipeline=False) -> torch.opt
         named = _PipelineNames(model) if pipeline else model
         groups = muon_groups(named, [{"params": list(params)}], MuonParams(**MUON))
         return Muon(groups)
+    if name == "lamb":
+        return Lamb(params, **LAMB)
     if name == "sgd":
         return torch.optim.SGD(params, lr=SGD_LR, momentum=0.0)
     if name == "lion":

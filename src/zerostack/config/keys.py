@@ -111,8 +111,8 @@ DEEPSPEED_KEYS: dict[str, Key] = {
     "amp": _unsupported(_REMOVED + "; use fp16 or bf16"),
     # optimizer
     "optimizer": _works(
-        "Adam, AdamW, SGD, Lion, Adagrad, Muon (not yet with ep or offload_param on NVMe); "
-        "any other: pass a torch optimizer"
+        "Adam, AdamW, SGD, Lion, Adagrad, Lamb, Muon (Muon not yet with ep or offload_param "
+        "on NVMe); any other: pass a torch optimizer"
     ),
     "scheduler": _works("WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     "zero_allow_untested_optimizer": _no_effect(

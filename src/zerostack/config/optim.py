@@ -224,6 +224,43 @@ class LRRangeTestParams(_Model):
     """Index of the last batch when resuming; -1 for a fresh start."""
 
 
+class LambParams(_Model):
+    """``optimizer.params`` for Lamb (DeepSpeed's ``FusedLamb``, :class:`zerostack.optim.Lamb`):
+    the trust ratio per parameter."""
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate."""
+    bias_correction: bool = True
+    """Scale the step by ``sqrt(1 - beta2^t) / (1 - beta1^t)``."""
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_to_tuple)] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: PositiveFloat = 1e-8
+    """Term added to the denominator."""
+    eps_inside_sqrt: bool = False
+    """Add ``eps`` under the square root instead of after it."""
+    weight_decay: NonNegFloat = 0.0
+    """Added to the update times the weights, before the trust ratio."""
+    max_coeff: NonNegFloat = 10.0
+    """The largest trust ratio."""
+    min_coeff: NonNegFloat = 0.01
+    """The smallest trust ratio."""
+    amsgrad: bool = False
+    """FusedLamb's argument; it has no AMSGrad variant, so true is refused."""
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _no_amsgrad(cls, v: bool) -> bool:
+        if v:
+            _fail("FusedLamb does not support the AMSGrad variant")
+        return v
+
+    @model_validator(mode="after")
+    def _coeff_order(self) -> "LambParams":
+        if self.min_coeff > self.max_coeff:
+            _fail(f"{self.min_coeff} is above max_coeff {self.max_coeff}", "min_coeff")
+        return self
+
+
 class MuonParams(_Model):
     """``optimizer.params`` for Muon (DeepSpeed's ``MuonWithAuxAdam``,
     :class:`zerostack.optim.Muon`): Muon for the weight matrices, an Adam for the rest (which
@@ -305,17 +342,19 @@ class OptimizerConfig(_TypedBlock):
         "SGD": SGDParams,
         "Lion": LionParams,
         "Adagrad": AdagradParams,
+        "Lamb": LambParams,
         "Muon": MuonParams,
     }
     _CASE_INSENSITIVE = True  # DeepSpeed lower-cases optimizer names
 
-    type: Literal["Adam", "AdamW", "SGD", "Lion", "Adagrad", "Muon"]
+    type: Literal["Adam", "AdamW", "SGD", "Lion", "Adagrad", "Lamb", "Muon"]
     """Optimizer name, case-insensitive on input ("adamw" becomes "AdamW")."""
     params: Annotated[
-        AdamParams | SGDParams | LionParams | AdagradParams | MuonParams, SkipValidation
+        AdamParams | SGDParams | LionParams | AdagradParams | LambParams | MuonParams,
+        SkipValidation,
     ] = Field(default=None, validate_default=True)
     """Optimizer arguments, checked against the type's own keys (AdamParams, SGDParams,
-    LionParams, AdagradParams or MuonParams)."""
+    LionParams, AdagradParams, LambParams or MuonParams)."""
 
     @property
     def decoupled_weight_decay(self) -> bool:

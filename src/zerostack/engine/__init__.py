@@ -47,13 +47,13 @@ from ..core.clock import device_clock
 from ..core.precision import Precision, forward_autocast, make_loss_scaler
 from ..core.run import Run
 from ..core.steps import StepCallback
-from ..optim.muon import Muon
+from ..optim import Lamb, Muon
 from ..tensor_parallel import join_tensors, partition_spec, split_tensor
 from ..topology import Topology
 from ..watchdog import Watchdog, start_watchdog
 from ..zero.build import build_strategy
-from ..zero.matrices import MatrixPieces
 from ..zero.strategy import ZeroStrategy
+from ..zero.whole_params import WholeParams
 from .accumulation import Accumulation
 from .after_step import AfterStep
 from .callbacks import register_step_callbacks
@@ -137,11 +137,11 @@ class Engine(nn.Module):
         attach(self, module)
         self.state = TrainState(make_loss_scaler(config))  # counters, scaler, loader
         optimizer = optimizer_factory(self.zero.optimizer_groups())
-        if isinstance(optimizer, Muon):  # it steps pieces: where they meet as matrices
-            optimizer.matrices = MatrixPieces(
+        if isinstance(optimizer, (Muon, Lamb)):  # they step pieces of whole parameters
+            optimizer.whole = WholeParams(
                 self.comm, split=partition_spec, join=join_tensors, cut=split_tensor
             )
-            self.zero.describe_matrices(optimizer.matrices)
+            self.zero.describe_pieces(optimizer.whole)
         self.run = Run(  # what a checkpoint reads and writes: these parts, no engine
             module=module,
             zero=self.zero,

@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 
 from .cpu_adam import CPUAdam
+from .lamb import Lamb
 from .lion import Lion
 from .lr_schedules import SCHEDULERS, build_lr_scheduler
 from .muon import Muon
 
-__all__ = ["SCHEDULERS", "CPUAdam", "Lion", "Muon", "build_lr_scheduler", "build_optimizer"]
+__all__ = [
+    "SCHEDULERS",
+    "CPUAdam",
+    "Lamb",
+    "Lion",
+    "Muon",
+    "build_lr_scheduler",
+    "build_optimizer",
+]
 
 
 def _fused_ok(groups: list[dict]) -> bool:
@@ -29,6 +38,7 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
     Lion when offloaded: one update), "Adagrad" torch's Adagrad (DeepSpeed's choice without
     offload; its CPU Adagrad is the same update at torch's defaults). Both update each element
     from its own gradient and state alone, so they step shards as they step whole tensors.
+    "Lamb" is :class:`Lamb` (DeepSpeed's FusedLamb, whose trust ratio here is each parameter's).
     "Muon" is :class:`Muon` over groups :func:`.muon.muon_groups` split (whose pieces of
     matrices the engine describes to it).
     """
@@ -75,6 +85,18 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
             eps=p.eps,
             foreach=p.foreach,
             maximize=p.maximize,
+        )
+    if spec.type == "Lamb":  # DeepSpeed's FusedLamb: the trust ratio per parameter here
+        return Lamb(
+            groups,
+            lr=p.lr,
+            bias_correction=p.bias_correction,
+            betas=tuple(p.betas),
+            eps=p.eps,
+            eps_inside_sqrt=p.eps_inside_sqrt,
+            weight_decay=p.weight_decay,
+            max_coeff=p.max_coeff,
+            min_coeff=p.min_coeff,
         )
     if spec.type == "Muon":  # groups split by muon_groups, each half's settings in it
         return Muon(groups, adam_w_mode=p.adam_w_mode)

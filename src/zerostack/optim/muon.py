@@ -12,8 +12,8 @@ Every other parameter (DeepSpeed's rule: fewer than two dimensions, or a name wi
 "lm_head") takes the auxiliary Adam, with decoupled weight decay (``adam_w_mode``, the default)
 or L2. The two steps above the orthogonalisation are elementwise, so the momentum is held
 wherever the parameter's other state is, a ZeRO piece included; only the orthogonalisation needs
-the whole matrix. Where the optimizer steps pieces, ``matrices`` (given by the ZeRO strategy:
-:class:`zerostack.zero.matrices.MatrixPieces`) gathers each piece's look-ahead into whole
+the whole matrix. Where the optimizer steps pieces, ``whole`` (given by the engine:
+:class:`zerostack.zero.whole_params.WholeParams`) gathers each piece's look-ahead into whole
 matrices, orthogonalises those this piece touches and returns the piece's part; without it each
 tensor is a whole parameter.
 
@@ -111,7 +111,7 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay``); ``adam_w_mode``: the Adam groups' weight decay decoupled (true) or
     added to the gradient. State: ``momentum_buffer`` (Muon), ``step``, ``exp_avg``,
     ``exp_avg_sq`` (Adam), each the shape of its parameter. See the module for the update and
-    for ``matrices``."""
+    for ``whole``."""
 
     def __init__(self, params, *, adam_w_mode: bool = True) -> None:
         groups = list(params)
@@ -132,8 +132,8 @@ class Muon(torch.optim.Optimizer):
                 g.setdefault("weight_decay", 0.0)
         super().__init__(groups, {})
         self.adam_w_mode = adam_w_mode
-        # set by the ZeRO strategy where the tensors stepped are pieces of matrices
-        self.matrices = None
+        # set by the engine where the tensors stepped are pieces of parameters
+        self.whole = None
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -163,8 +163,8 @@ class Muon(torch.optim.Optimizer):
             def ortho(u: torch.Tensor, method: str = method) -> torch.Tensor:
                 return orthogonalize(u, method)
 
-            if self.matrices is not None and self.matrices.holds(p):
-                update = self.matrices.apply(p, look, ortho)
+            if self.whole is not None and self.whole.holds(p):
+                update = self.whole.apply(p, look, ortho)
             elif p.ndim >= 2:
                 update = ortho(look)
             else:

@@ -26,8 +26,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..comm import Comm
-    from .matrices import MatrixPieces
     from .stage3.coordinator import ParamCoordinator
+    from .whole_params import WholeParams
 
 
 def tally(held, by_device: bool = False) -> dict:
@@ -178,7 +178,7 @@ class ZeroStrategy(TrainStep, CheckpointView, ParamAccess, Protocol):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held: params, grads, master."""
 
-    def describe_matrices(self, pieces: MatrixPieces) -> None:
+    def describe_pieces(self, pieces: WholeParams) -> None:
         """Tell ``pieces`` which parts of which parameters each master holds (Muon)."""
 
     def held(self) -> Iterator[tuple[str, str, int]]:

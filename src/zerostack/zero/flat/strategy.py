@@ -43,11 +43,11 @@ from torch import nn
 from ...comm import Comm
 from ...core.pinned import host_empty
 from ...core.precision import Precision
-from ..matrices import MatrixPieces
 from ..offload.host import HostOffload, host_offload
 from ..offload.masters import master_store
 from ..reducer import hook_grads
 from ..strategy import ForwardsCheckpointView, StepSequence, sync_from_rank0
+from ..whole_params import WholeParams
 from .buffers import FlatBuffers
 from .checkpoint import FlatCheckpoint
 from .grads import GradBuffer
@@ -258,9 +258,9 @@ class ShardedDataParallel(StepSequence, ForwardsCheckpointView):
         every rank holds all of it, so nothing is gathered."""
         p.data.copy_(value.view_as(p))
 
-    def describe_matrices(self, pieces: MatrixPieces) -> None:
+    def describe_pieces(self, pieces: WholeParams) -> None:
         """Each bucket's master: rank ``w`` of its cut holds piece ``w`` of the bucket, and each
-        parameter is a range of it (see :mod:`..matrices`)."""
+        parameter is a range of it (see :mod:`..whole_params`)."""
         for st in self.flat.buckets:
             fg = self.flat.group_of(st)
             spans = [fg.layout.piece(st.bucket, w) for w in range(fg.layout.world)]

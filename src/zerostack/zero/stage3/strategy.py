@@ -23,12 +23,12 @@ from torch import nn
 
 from ...comm import Comm
 from ...core.precision import Precision
-from ..matrices import MatrixPieces
 from ..offload.host import HostOffload, host_device, host_offload
 from ..offload.masters import GradFiles, GradShards, master_store
 from ..offload.param_swap import ParamSwapper, ResidentPieces, offload_pieces
 from ..reducer import hook_grads
 from ..strategy import ForwardsCheckpointView, StepSequence, sync_from_rank0
+from ..whole_params import WholeParams
 from .checkpoint import Stage3Checkpoint
 from .collectives import Subgroup
 from .coordinator import ParamCoordinator
@@ -265,9 +265,9 @@ class Stage3(StepSequence, ForwardsCheckpointView):
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
 
-    def describe_matrices(self, pieces: MatrixPieces) -> None:
+    def describe_pieces(self, pieces: WholeParams) -> None:
         """Each group's master: its parameters' pieces end to end, the same widths on every
-        rank of their axis (see :mod:`..matrices`)."""
+        rank of their axis (see :mod:`..whole_params`)."""
         for g in self.groups:
             at, matrices = 0, []
             for p in g.params:

@@ -295,8 +295,9 @@ MODULES: dict[str, dict[str, Api]] = {
         "deepspeed.ops.adam.FusedAdam": _served(
             "torch's Adam with DeepSpeed's arguments (decoupled decay when adam_w_mode)"
         ),
-        "deepspeed.ops.lamb.FusedLamb": _no(
-            "no LAMB: optimizer types are Adam, AdamW, SGD, Lion, Adagrad, Muon"
+        "deepspeed.ops.lamb.FusedLamb": _served(
+            "zerostack.optim.Lamb (torch code) with DeepSpeed's arguments; the trust ratio per "
+            "parameter at every ZeRO stage (DeepSpeed's ZeRO: per flat partition)"
         ),
         "deepspeed.ops.lion.DeepSpeedCPULion": _served(
             "zerostack.optim.Lion (torch code) with DeepSpeed's arguments; equal to DeepSpeed's "

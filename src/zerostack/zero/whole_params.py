@@ -1,21 +1,26 @@
-"""Where the pieces of the masters meet as whole matrices: Muon's orthogonalisation
-(:mod:`zerostack.optim.muon`) needs each weight matrix whole, and under ZeRO a rank's master
-holds pieces of several.
+"""Where the pieces of the masters meet as whole parameters: Muon's orthogonalisation
+(:mod:`zerostack.optim.muon`) needs each weight matrix whole, LAMB's trust ratio
+(:mod:`zerostack.optim.lamb`) each parameter's norms, and under ZeRO a rank's master holds
+pieces of several parameters.
 
 A stage describes each master it hands the optimizer as the parameters it holds part of, each
 parameter as ``(rank, lo, hi)`` runs in the parameter's flat order (rank ``rank``'s master
-holds that run at ``[lo, hi)``; every rank's master has the same length and layout). At the
-step, the tensor the optimizer gives (a master-shaped look-ahead) is all-gathered over the
-master's axis, on the compute device (an offloaded master's too), each matrix this rank holds
-part of is put together and transformed whole, and this rank's runs of the results come back
-in the master's shape, where the master is. Every rank of the axis transforms the matrices it
-touches; a matrix cut over two ranks is transformed on both, which gives both the same bits.
+holds that run at ``[lo, hi)``; every rank's master has the same length and layout).
 
-Under tensor parallelism a rank's parameter is its tp slice: the slices of a split matrix are
+- :meth:`WholeParams.apply`: the tensor the optimizer gives (master-shaped) is all-gathered over
+  the master's axis, on the compute device (an offloaded master's too), each parameter this rank
+  holds part of is put together and transformed whole, and this rank's runs of the results come
+  back in the master's shape, where the master is. A parameter cut over two ranks is
+  transformed on both, which gives both the same bits.
+- :meth:`WholeParams.norms`: each parameter's norm, its squares summed over this rank's runs and
+  all-reduced (one small vector per master), spread over the parameter's elements.
+
+Under tensor parallelism a rank's parameter is its tp slice: the slices of a split parameter are
 all-gathered over the tp axis and joined (``split``'s ``(dim, chunks)`` of the parameter, the
-engine's ``join`` and ``split`` functions: the tensor-parallel package's), the whole matrix is
-transformed, and this rank's slice of the result kept. Every tp rank gathers every split matrix
-of its masters, in the masters' order, whether its own pieces touch it or not.
+engine's ``join`` and ``cut`` functions: the tensor-parallel package's), the whole is
+transformed, and this rank's slice of the result kept; a norm's squares are summed over tp too
+(a replicated parameter's are not). Every tp rank gathers every split parameter of its masters,
+in the masters' order, whether its own pieces touch it or not.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ class _Master:
     matrices: tuple[tuple[torch.Size, tuple[Run, ...], Spec], ...]
 
 
-class MatrixPieces:
-    """The masters of one model whose elements are pieces of matrices (see the module).
+class WholeParams:
+    """The masters of one model, as pieces of its parameters (see the module).
     ``split(p)``: parameter ``p``'s tp split (None for every parameter without tp), ``join``
     and ``cut``: whole from the tp slices and a tp slice from the whole."""
 
@@ -102,6 +107,34 @@ class MatrixPieces:
                     out[lo:hi] = done[at : at + hi - lo]
                 at += hi - lo
         return out.view(value.shape).to(value.device)
+
+    def norms(self, master, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """For each of ``values`` (shaped as ``master``): a tensor of its shape whose elements
+        hold the norm of the whole parameter they belong to (padding 0). Collectives over the
+        master's axis (when cut) and tp (when > 1)."""
+        m = self._masters[master]
+        device = self.comm.topo.device
+        flats = [v.detach().reshape(-1).to(device, torch.float32) for v in values]
+        sums = torch.zeros(len(flats), len(m.matrices), dtype=torch.float32, device=device)
+        for j, (_, runs, _) in enumerate(m.matrices):
+            for r, lo, hi in runs:
+                if r == m.rank:
+                    for i, f in enumerate(flats):
+                        sums[i, j] += f[lo:hi].square().sum()
+        if m.world > 1:
+            self.comm.all_reduce(sums, axis=m.axis)
+        if self.comm.topo.tp > 1:
+            split = torch.tensor([spec is not None for _, _, spec in m.matrices], device=device)
+            cut = sums * split
+            self.comm.all_reduce(cut, axis="tp")
+            sums = torch.where(split, cut, sums)
+        out = [torch.zeros_like(f) for f in flats]
+        for j, (_, runs, _) in enumerate(m.matrices):
+            for r, lo, hi in runs:
+                if r == m.rank:
+                    for i in range(len(flats)):
+                        out[i][lo:hi] = sums[i, j].sqrt()
+        return [o.view(v.shape).to(v.device) for o, v in zip(out, values, strict=True)]
 
     def _tp_whole(self, local: torch.Tensor, spec: tuple[int, int]) -> torch.Tensor:
         """The whole matrix from every tp rank's slice (``local`` this rank's)."""
