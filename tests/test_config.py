@@ -149,8 +149,14 @@ def test_defaults_match_deepspeed():
         "hysteresis": 2,
         "consecutive_hysteresis": False,
         "min_loss_scale": 1.0,
+        "fp16_master_weights_and_grads": False,
     }
-    assert cfg.bf16.model_dump() == {"enabled": False, "immediate_grad_update": False}
+    assert cfg.bf16.model_dump() == {
+        "enabled": False,
+        "immediate_grad_update": False,
+        "bf16_master_weights_and_grads": False,
+        "bf16_optimizer_states": False,
+    }
     assert cfg.zero_optimization.model_dump() == {
         "stage": 0,
         "allgather_partitions": True,

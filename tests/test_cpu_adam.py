@@ -239,15 +239,15 @@ def test_loads_torch_adamw_state_dict():
     assert_same_run(ours, ref, ours_p, ref_p)
 
 
-def test_rejects_amsgrad_low_precision_params_and_bad_betas():
+def test_rejects_amsgrad_other_dtypes_and_bad_betas():
     with pytest.raises(ValueError, match="amsgrad"):
         CPUAdam(make_params(), amsgrad=True)
-    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
-    with pytest.raises(ValueError, match="torch.float16"):
-        CPUAdam([half])
+    double = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="torch.float64"):
+        CPUAdam([double])
     opt = CPUAdam(make_params())
-    with pytest.raises(ValueError, match="torch.bfloat16"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).bfloat16())]})
+    with pytest.raises(ValueError, match="torch.float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
     assert len(opt.param_groups) == 1
     with pytest.raises(ValueError, match=r"betas\[1\]"):
         CPUAdam(make_params(), betas=(0.9, 1.0))
@@ -268,3 +268,41 @@ def test_loads_int_steps_as_deepspeed_saves_them():
     for i, (a, b) in enumerate(zip(resumed_p, params, strict=True)):
         assert torch.equal(a, b), f"param {i}"
     assert resumed.state[resumed_p[0]]["step"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_param_steps_in_fp32_with_fp32_moments_and_is_rounded(dtype):
+    """DeepSpeed's CPU Adam on 16-bit masters (``*_master_weights_and_grads``): the moments in
+    fp32, the step in fp32 from the 16-bit value, the result rounded into the param; bit for
+    bit torch's AdamW on an fp32 copy rounded after each step."""
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(33, generator=gen).to(dtype)
+    ours = torch.nn.Parameter(start.clone())
+    ref = torch.nn.Parameter(start.float())
+    opt = CPUAdam([ours], lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(5):
+        g = torch.randn(33, generator=gen)
+        ours.grad, ref.grad = g.to(dtype), g.to(dtype).float()
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            ref.copy_(ref.to(dtype).float())
+        assert torch.equal(ours.detach().float(), ref.detach())
+    assert opt.state[ours]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt.state[ours]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
+
+
+def test_without_fp32_optimizer_states_the_moments_are_the_params_dtype():
+    gen = torch.Generator().manual_seed(4)
+    start = torch.randn(17, generator=gen).bfloat16()
+    ours, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = CPUAdam([ours], lr=1e-2, fp32_optimizer_states=False)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, fused=True)
+    for _ in range(4):
+        g = torch.randn(17, generator=gen).bfloat16()
+        ours.grad, ref.grad = g, g.clone()
+        opt.step()
+        ref_opt.step()
+        assert torch.equal(ours.detach(), ref.detach())
+    assert opt.state[ours]["exp_avg"].dtype == torch.bfloat16

@@ -4,9 +4,12 @@
 
 psi parameters, N data-parallel ranks, Adam (two fp32 moments, 8 psi). Mixed precision keeps an
 fp32 master (4 psi) beside the 16-bit parameters and gradients; fp32 training updates the
-parameters in place (no master). Stage 2 keeps its gradient pieces in fp32, so its gradient term
-is 4 psi / N in both precisions (DESIGN.md's table writes 2 psi / N for mixed precision; the
-issue asks for fp32 pieces, which also keeps accumulation over micro-steps exact).
+parameters in place (no master), and so does bf16 with 16-bit masters ("bf16-masters":
+``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``), whose gradient pieces and
+moments are bf16 too (2 psi / N, 4 psi / N). Stage 2 keeps its gradient pieces in fp32
+otherwise, so its gradient term is 4 psi / N in both precisions (DESIGN.md's table writes
+2 psi / N for mixed precision; the issue asks for fp32 pieces, which also keeps accumulation
+over micro-steps exact).
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ pytestmark = pytest.mark.distributed  # every test here starts ranks
 def expected(stage: int, precision: str, psi: float, n: int) -> dict[str, float]:
     """Bytes per rank: (parameters, gradients, fp32 master, Adam moments) for each stage."""
     p = 4 if precision == "fp32" else 2  # parameter and (stages 0-1) gradient bytes
-    m = 0 if precision == "fp32" else 4  # a separate fp32 master only in mixed precision
+    m = 4 if precision == "bf16" else 0  # a separate fp32 master only beside bf16 weights
+    sixteen = precision == "bf16-masters"  # bf16 masters (the weights), gradients, moments
+    g, o = (2, 4) if sixteen else (4, 8)  # gradient pieces (stages 2-3), moments
     table = {
-        0: (p, p, m, 8),
-        1: (p, p, m / n, 8 / n),
-        2: (p, 4 / n, m / n, 8 / n),
-        3: (p / n, 4 / n, m / n, 8 / n),
+        0: (p, p, m, o),
+        1: (p, p, m / n, o / n),
+        2: (p, g / n, m / n, o / n),
+        3: (p / n, g / n, m / n, o / n),
     }[stage]
     keys = ("params", "grads", "master", "optimizer")
     out = {k: v * psi for k, v in zip(keys, table, strict=True)}
@@ -48,7 +53,10 @@ def _engine(stage: int, precision: str, reduce_scatter: bool | None = None):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
     }
-    if precision != "fp32":
+    if precision == "bf16-masters":
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                       "bf16_optimizer_states": True}  # fmt: skip
+    elif precision != "fp32":
         cfg[precision] = {"enabled": True}
     model = tiny_gpt()
     psi = sum(p.numel() for p in model.parameters())
@@ -64,8 +72,11 @@ def _breakdown(rank, world, stage, precision):
     return psi, engine.memory_breakdown()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "stage,precision",
+    [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
+    + [(s, "bf16-masters") for s in (1, 2, 3)],
+)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.slow
 def test_bytes_per_rank_match_the_zero_formulas(stage, precision, world):
@@ -124,7 +135,9 @@ def pool_expected(
     if stage not in (1, 2) or n == 1:
         return 0.0
     p = 4 if precision == "fp32" else 2
-    rs, mixed = reduce_scatter is not False, precision != "fp32"
+    # "mixed": an fp32 master beside bf16 weights (bf16 masters are gathered in place, and the
+    # reduced rows go straight into the bf16 shard, as in fp32)
+    rs, mixed = reduce_scatter is not False, precision == "bf16"
     if point == "backward" and stage == 2:
         return p * psi * (1 + rs + rs * mixed / n)
     return min(p * psi * ((stage == 2) + rs + mixed / n), p * psi)
@@ -183,6 +196,7 @@ def _census(rank, world, cases):
 
 CASES = [(stage, precision, None) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 CASES += [(stage, precision, False) for stage in (1, 2) for precision in ("fp32", "bf16")]
+CASES += [(stage, "bf16-masters", None) for stage in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -225,7 +225,10 @@ def _optimizer_factory(optimizer, cfg: ZeroStackConfig):
         return optimizer
     offload = cfg.zero_optimization.offload_optimizer
     offloaded = offload is not None and offload.device != "none"
-    return lambda flat_groups: build_optimizer(cfg.optimizer, flat_groups, offload=offloaded)
+    fp32_states = not cfg.bf16.bf16_optimizer_states  # beside 16-bit masters: the CPU Adam's
+    return lambda flat_groups: build_optimizer(
+        cfg.optimizer, flat_groups, offload=offloaded, fp32_states=fp32_states
+    )
 
 
 def _no_optimizer(flat_groups):

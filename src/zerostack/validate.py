@@ -84,6 +84,7 @@ def validate(
     _check_random_ltd(cfg, topo, model)
     _check_torch_autocast(cfg, topo, stage, model)
     _check_muon(cfg, topo, model)
+    _check_sixteen_bit_masters(cfg, stage, optimizer)
     batch = cfg.resolve_batch(topo.data_parallel_size)  # batch errors before any work
     if isinstance(model, PipelineModule):
         _check_pipeline(model, cfg, stage, batch[2])
@@ -97,6 +98,50 @@ def _check_deepspeed_files(cfg, topo: Topology, stage: int, forward_only: bool, 
     why = "a forward-only engine" if forward_only else refusal(cfg, topo, stage, model)
     if cfg.checkpoint.deepspeed_files and why:
         raise ConfigError(f"checkpoint.deepspeed_files with {why}")
+
+
+def _check_sixteen_bit_masters(cfg, stage: int, optimizer) -> None:
+    """DeepSpeed's rules for ``bf16.bf16_master_weights_and_grads``, ``bf16.bf16_optimizer_states``
+    and ``fp16.fp16_master_weights_and_grads``: ZeRO 1-3; fp32 moments beside 16-bit masters only
+    in the CPU Adam (the optimizer offloaded to host memory). Each refusal names its keys."""
+    bf16, fp16, zero = cfg.bf16, cfg.fp16, cfg.zero_optimization
+    flags = [
+        ("bf16.bf16_master_weights_and_grads", bf16.bf16_master_weights_and_grads, bf16.enabled),
+        ("bf16.bf16_optimizer_states", bf16.bf16_optimizer_states, bf16.enabled),
+        ("fp16.fp16_master_weights_and_grads", fp16.fp16_master_weights_and_grads, fp16.enabled),
+    ]
+    on = [(key, enabled) for key, flag, enabled in flags if flag]
+    if not on:
+        return
+    key, enabled = on[0]
+    block = key.split(".")[0]
+    offload = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    cpu_adam = (
+        optimizer is None
+        and cfg.optimizer is not None
+        and cfg.optimizer.type in ("Adam", "AdamW")
+        and not cfg.optimizer.params.torch_adam
+    )
+    why = None
+    if not enabled:
+        why = f"{key} without {block}.enabled: the weights are not {block}"
+    elif stage not in (1, 2, 3):
+        why = f"{key} at zero_optimization.stage {stage}: only ZeRO stages 1-3 keep masters"
+    elif bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        why = "bf16.bf16_optimizer_states without bf16.bf16_master_weights_and_grads"
+    elif offload == "nvme":
+        why = f"{key} with offload_optimizer on NVMe: 16-bit masters in files (not yet)"
+    elif not bf16.bf16_optimizer_states and offload != "cpu":
+        other = " or bf16.bf16_optimizer_states" if block == "bf16" else ""
+        why = (
+            f"{key} without the optimizer offloaded to the CPU: fp32 moments beside 16-bit "
+            "masters are the CPU Adam's (DeepSpeed's rule); set zero_optimization."
+            f'offload_optimizer.device to "cpu"{other}'
+        )
+    elif offload == "cpu" and not cpu_adam:
+        why = f"{key} with the optimizer offloaded: only the config's Adam or AdamW (the CPU Adam)"
+    if why:
+        raise ConfigError(why)
 
 
 def _check_muon(cfg, topo: Topology, model) -> None:

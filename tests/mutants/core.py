@@ -139,4 +139,18 @@ MUTANTS: list[Mutant] = [
         "from torch import nn\n\nfrom .clock import device_clock  # noqa: F401\n",
         ("tests/test_architecture.py::test_the_layers_contract_is_kept",),
     ),
+    Mutant(
+        "16-bit masters: the config's keys ignored (a separate fp32 master kept)",
+        "core/precision.py",
+        "        master = compute if sixteen else torch.float32\n",
+        "        master = torch.float32\n",
+        ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
+    ),
+    Mutant(
+        "16-bit masters: stage 2-3 gradient pieces kept in fp32 beside them",
+        "core/precision.py",
+        "        if self.master_dtype != torch.float32:  # 16-bit",
+        "        if False:  # 16-bit",
+        ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
+    ),
 ]

@@ -201,4 +201,13 @@ MUTANTS: list[Mutant] = [
         "update = m / denom",
         ("tests/test_lamb.py::test_each_step_is_fusedlambs_kernel_arithmetic[decay-eps-inside]",),
     ),
+    Mutant(
+        "CPUAdam: a 16-bit param stepped with 16-bit moments though fp32_optimizer_states",
+        "optim/cpu_adam.py",
+        "wide = p.dtype != torch.float32 and self.fp32_optimizer_states",
+        "wide = False",
+        (
+            "tests/test_cpu_adam.py::test_a_16_bit_param_steps_in_fp32_with_fp32_moments_and_is_rounded[dtype0]",
+        ),
+    ),
 ]

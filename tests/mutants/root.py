@@ -380,4 +380,22 @@ MUTANTS: list[Mutant] = [
         "        why = None\n",
         ("tests/test_muon.py::test_layouts_not_served_yet_are_refused_at_initialize",),
     ),
+    Mutant(
+        "bf16_optimizer_states offloaded: the CPU Adam's moments kept in fp32",
+        "compose.py",
+        "    fp32_states = not cfg.bf16.bf16_optimizer_states",
+        "    fp32_states = True",
+        (
+            "tests/test_sixteen_bit_masters.py::test_losses_are_deepspeeds[bf16_states_zero2_offload]",
+        ),
+    ),
+    Mutant(
+        "16-bit masters at ZeRO stage 0 reach the engine (not refused)",
+        "validate.py",
+        '    elif stage not in (1, 2, 3):\n        why = f"{key} at zero_optimization.stage',
+        '    elif False:\n        why = f"{key} at zero_optimization.stage',
+        (
+            "tests/test_sixteen_bit_masters.py::test_what_deepspeed_refuses_is_refused_naming_the_keys",
+        ),
+    ),
 ]

@@ -1493,4 +1493,13 @@ MUTANTS: list[Mutant] = [
         "            pass\n",
         ("tests/test_parity.py::test_matches_single_process_at_every_step[lamb-tp2xdp2]",),
     ),
+    Mutant(
+        "stages 1-2: full_master all-gathers 16-bit pieces into an fp32 buffer (garbage)",
+        "zero/flat/checkpoint.py",
+        "master = self.master_value(st.master).to(full.device, torch.float32)",
+        "master = self.master_value(st.master).to(full.device)",
+        (
+            "tests/test_sixteen_bit_masters.py::test_at_dp2_the_pieces_step_as_one_process_within_bf16s_rounding",
+        ),
+    ),
 ]

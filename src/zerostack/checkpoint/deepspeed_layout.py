@@ -38,6 +38,8 @@ def refusal(cfg, topo, stage: int, model=None) -> str | None:
         parts.append("zero_optimization.elastic_checkpoint")
     if cfg.checkpoint.async_save:
         parts.append("checkpoint.async_save")
+    if cfg.bf16.bf16_master_weights_and_grads or cfg.fp16.fp16_master_weights_and_grads:
+        parts.append("16-bit master weights (*_master_weights_and_grads)")
     if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
         parts.append("optimizer.type Muon (its halves keep different moments)")
     if not parts:

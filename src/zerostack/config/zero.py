@@ -53,6 +53,9 @@ class FP16Config(_Model):
     """Refill the hysteresis on every step without overflow."""
     min_loss_scale: PositiveFloat = 1.0
     """Lower bound of the dynamic loss scale."""
+    fp16_master_weights_and_grads: bool = False
+    """Keep the masters and the gradients they are handed in fp16 (ZeRO 1-3 with the optimizer
+    offloaded to the CPU, as DeepSpeed: its CPU Adam keeps fp32 moments)."""
 
 
 class BF16Config(_Model):
@@ -62,6 +65,12 @@ class BF16Config(_Model):
     """Train in bf16 with fp32 master weights (no loss scaling needed)."""
     immediate_grad_update: bool = False
     """Accepted for DeepSpeed compatibility; no effect (see zerostack.config.keys)."""
+    bf16_master_weights_and_grads: bool = False
+    """Keep the masters and the gradients they are handed in bf16 (ZeRO 1-3): 2 bytes each per
+    parameter instead of 4. As DeepSpeed, without ``bf16_optimizer_states`` the optimizer must
+    be offloaded (its CPU Adam keeps fp32 moments)."""
+    bf16_optimizer_states: bool = False
+    """Keep the optimizer's moments in bf16 too (needs ``bf16_master_weights_and_grads``)."""
 
 
 # DeepSpeed's spellings of a dtype (its DtypeEnum; communication_data_type in any case).

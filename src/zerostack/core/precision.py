@@ -1,8 +1,10 @@
 """Mixed-precision policy (one object) and DeepSpeed's dynamic loss scaler for fp16.
 
-The policy says which dtype the model computes in, whether fp32 master weights are kept, which
-dtype gradients are reduced in over dp (``communication_data_type``) and which they are summed in
-across micro-batches (``data_types.grad_accum_dtype``)::
+The policy says which dtype the model computes in, which dtype the master weights and the
+gradients they are handed are kept in (fp32 unless ``bf16.bf16_master_weights_and_grads`` or
+``fp16.fp16_master_weights_and_grads``), which dtype gradients are reduced in over dp
+(``communication_data_type``) and which they are summed in across micro-batches
+(``data_types.grad_accum_dtype``)::
 
     policy = Precision.from_config(cfg)     # fp32, fp16 or bf16
     policy.reduce_dtype                     # torch.float32 with communication_data_type "fp32"
@@ -28,13 +30,18 @@ class Precision:
     """``communication_data_type`` (None: the compute dtype, DeepSpeed's default)."""
     grad_accum_dtype: torch.dtype | None = None
     """``data_types.grad_accum_dtype`` (None: the stage's default, see :meth:`accum_dtype`)."""
+    master_dtype: torch.dtype = torch.float32
+    """The masters' and their gradients' dtype: the compute dtype with DeepSpeed's
+    ``*_master_weights_and_grads`` keys (ZeRO 1-3), else fp32."""
 
     @classmethod
     def from_config(cls, cfg) -> Precision:
         compute = DTYPES[cfg.model_dtype]
         comm = cfg.communication_data_type
         accum = cfg.data_types.grad_accum_dtype
-        return cls(compute, comm and DTYPES[comm], accum and DTYPES[accum])
+        sixteen = cfg.bf16.bf16_master_weights_and_grads or cfg.fp16.fp16_master_weights_and_grads
+        master = compute if sixteen else torch.float32
+        return cls(compute, comm and DTYPES[comm], accum and DTYPES[accum], master)
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -44,9 +51,12 @@ class Precision:
     def accum_dtype(self, stage: int) -> torch.dtype:
         """The dtype a ZeRO ``stage`` sums gradients in across micro-batches: the configured one,
         else the compute dtype at stages 0-1 (the local full gradients, as DeepSpeed) and fp32 at
-        stages 2-3 (the reduced pieces; DeepSpeed keeps them in the compute dtype)."""
+        stages 2-3 (the reduced pieces; DeepSpeed keeps them in the compute dtype), or the
+        masters' 16-bit dtype where they are kept in it."""
         if self.grad_accum_dtype is not None:
             return self.grad_accum_dtype
+        if self.master_dtype != torch.float32:  # 16-bit masters and gradients: DeepSpeed's
+            return self.master_dtype
         return self.compute_dtype if stage < 2 else torch.float32
 
     @property

@@ -26,7 +26,9 @@ def _fused_ok(groups: list[dict]) -> bool:
     return all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
 
 
-def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    spec, groups: list[dict], *, offload: bool = False, fp32_states: bool = True
+) -> torch.optim.Optimizer:
     """A torch optimizer over ``groups`` from the config's ``optimizer`` block.
 
     DeepSpeed's meaning of ``type``: "Adam" steps with decoupled weight decay (AdamW) unless
@@ -34,9 +36,11 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
     has one for the device (on CPU it is several times faster than the default loop). With the
     optimizer offloaded, Adam and AdamW are :class:`CPUAdam` (as DeepSpeed uses its CPU Adam).
     ``torch_adam`` asks for torch.optim's default implementation instead, offloaded or not (as
-    DeepSpeed's ``torch_adam`` does). "Lion" is :class:`Lion` (DeepSpeed's FusedLion, or its CPU
-    Lion when offloaded: one update), "Adagrad" torch's Adagrad (DeepSpeed's choice without
-    offload; its CPU Adagrad is the same update at torch's defaults). Both update each element
+    DeepSpeed's ``torch_adam`` does); ``fp32_states``: its moments in fp32 beside 16-bit
+    masters (false with ``bf16_optimizer_states``). "Lion" is :class:`Lion` (DeepSpeed's
+    FusedLion, or its CPU Lion when offloaded: one update), "Adagrad" torch's Adagrad
+    (DeepSpeed's choice without offload; its CPU Adagrad is the same update at torch's
+    defaults). Both update each element
     from its own gradient and state alone, so they step shards as they step whole tensors.
     "Lamb" is :class:`Lamb` (DeepSpeed's FusedLamb, whose trust ratio here is each parameter's).
     "Muon" is :class:`Muon` over groups :func:`.muon.muon_groups` split (whose pieces of
@@ -54,6 +58,7 @@ def build_optimizer(spec, groups: list[dict], *, offload: bool = False) -> torch
                 weight_decay=p.weight_decay,
                 amsgrad=p.amsgrad,
                 adamw_mode=decoupled,
+                fp32_optimizer_states=fp32_states,
             )
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         kwargs = dict(

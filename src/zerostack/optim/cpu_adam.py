@@ -1,4 +1,4 @@
-"""CPUAdam: Adam/AdamW on fp32 CPU tensors with ``DeepSpeedCPUAdam``'s API, on torch's kernel.
+"""CPUAdam: Adam/AdamW on CPU tensors with ``DeepSpeedCPUAdam``'s API, on torch's kernel.
 
 The step runs torch's fused CPU Adam kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``):
 one vectorised pass per tensor, multi-threaded (``torch.set_num_threads``), that updates param,
@@ -36,7 +36,7 @@ _NO_BIAS_CORRECTION_STEP = 2.0**62
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam (``adamw_mode=False``) or AdamW over fp32 CPU params, in place.
+    """Adam (``adamw_mode=False``) or AdamW over CPU params, in place.
 
     Arguments are DeepSpeed's ``DeepSpeedCPUAdam``'s; ``lr``, ``betas``, ``eps``,
     ``weight_decay``, ``bias_correction`` and ``adamw_mode`` may also be set per param group.
@@ -45,10 +45,12 @@ class CPUAdam(torch.optim.Optimizer):
     state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``, so
     state dicts load across CPUAdam, ``torch.optim.Adam`` and ``torch.optim.AdamW``.
 
-    Params must be fp32 on the CPU; gradients of another floating dtype are cast. Params whose
+    Params are fp32, bf16 or fp16 on the CPU; gradients of another floating dtype are cast. A
+    16-bit param (DeepSpeed's ``*_master_weights_and_grads``) keeps fp32 moments with
+    ``fp32_optimizer_states`` (the default, DeepSpeed's): the step runs in fp32 on a copy and
+    the result is rounded into the param; without it the moments are in the param's dtype and
+    the kernel steps the 16-bit tensors (it computes in fp32 and rounds each). Params whose
     ``grad`` is None are skipped: they get no update and no state. ``amsgrad`` is not supported.
-    ``fp32_optimizer_states`` is accepted for compatibility: with fp32 params the states are fp32
-    either way.
     """
 
     def __init__(
@@ -129,21 +131,24 @@ class CPUAdam(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise ValueError(f"{where}, param {j}: CPUAdam does not support sparse gradients")
             state = self.state[p]
+            wide = p.dtype != torch.float32 and self.fp32_optimizer_states  # fp32 moments
             if not state:
+                moments = torch.float32 if wide else p.dtype
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = torch.zeros(p.shape, dtype=moments, device=p.device)
             else:  # maybe loaded from DeepSpeedCPUAdam (an int step) or torch (strided moments)
                 if not torch.is_tensor(state["step"]):
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key] = state[key].contiguous()
-            # The kernel walks raw memory: every operand must be contiguous and fp32.
-            work = p if p.is_contiguous() else p.contiguous()
+            # The kernel walks raw memory: every operand contiguous and in one dtype (fp32, or
+            # the 16-bit param's with 16-bit moments)
+            work = p.float() if wide else p if p.is_contiguous() else p.contiguous()
             if work is not p:
                 write_back.append((p, work))
             params.append(work)
-            grads.append(grad.to(torch.float32).contiguous())
+            grads.append(grad.to(work.dtype).contiguous())
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
@@ -187,10 +192,9 @@ def _check_group(group: dict, where: str) -> None:
         if float(group[key]) < 0.0:
             raise ValueError(f"{where}: {key} = {group[key]} is negative")
     for j, p in enumerate(group["params"]):
-        if p.dtype != torch.float32:
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
-                f"{where}, param {j}: dtype {p.dtype}; CPUAdam steps fp32 params only "
-                "(keep fp32 master weights and pass the low-precision copy as step(copy_to=...))"
+                f"{where}, param {j}: dtype {p.dtype}; CPUAdam steps fp32, bf16 or fp16 params"
             )
         if p.device.type != "cpu":
             raise ValueError(f"{where}, param {j}: on {p.device}; CPUAdam steps CPU params only")

@@ -62,15 +62,17 @@ class FlatBuffers:
         shard_device = host_device() if host.offloads else device
         shard_device = shard_device if shard_grads else None
 
+        master_dtype = precision.master_dtype  # fp32, or 16 bits (*_master_weights_and_grads)
+
         def master_for(numel: int) -> torch.Tensor | None:
-            """A zeroed fp32 master: in host memory when offloaded (pinned if asked and a GPU
-            is there), else on the device; None where the master is the parameter buffer's
-            own piece (fp32, not offloaded)."""
+            """A zeroed master in the masters' dtype: in host memory when offloaded (pinned if
+            asked and a GPU is there), else on the device; None where the master is the
+            parameter buffer's own piece (the same dtype, not offloaded)."""
             if host.offloads:
-                return host_zeros(numel, torch.float32, host.pin)
-            if dtype == torch.float32:
+                return host_zeros(numel, master_dtype, host.pin)
+            if dtype == master_dtype:
                 return None
-            return torch.zeros(numel, dtype=torch.float32, device=device)  # padding stays 0
+            return torch.zeros(numel, dtype=master_dtype, device=device)  # padding stays 0
 
         parts = flat_parts(groups, shared, comm.topo, sharded=sharded, prescale=prescale)
         for g, (i, options, fcut, params) in enumerate(parts):

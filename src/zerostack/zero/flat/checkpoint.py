@@ -52,7 +52,7 @@ class FlatCheckpoint:
             for b in fg.buckets:
                 st = self.flat.buckets[b]
                 region = full[st.bucket.start : st.bucket.end]
-                master = self.master_value(st.master).to(full.device)
+                master = self.master_value(st.master).to(full.device, torch.float32)
                 if fg.cut.world == 1:
                     region.copy_(master)
                 else:

@@ -169,24 +169,25 @@ class ShardedDataParallel(StepSequence, ForwardsCheckpointView):
         ]
         if not views:
             return torch.zeros((), dtype=torch.float32, device=self.comm.topo.device)
-        return torch.stack(torch._foreach_norm(views)).square().sum()
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum()
 
     def _prepare_step(self, loss_scale: float) -> float:
-        """Wait for the reduction and hand each master its fp32 gradient, still summed over dp
-        and scaled; return the factor that averages and unscales it."""
+        """Wait for the reduction and hand each master its gradient in the master's dtype
+        (fp32, or 16 bits), still summed over dp and scaled; return the factor that averages and
+        unscales it."""
         self.grads.finish_grad_sync()
         self.downloads.settle()
         on_device = not self.grads.shard_held  # a shard is where the optimizer steps already
         down = self.downloads.gpu and self.offload != "none" and on_device
         for st in self.flat.buckets:
-            grad = self.grads.grad_piece(st)
+            grad, dtype = self.grads.grad_piece(st), st.master.dtype
             if self.offload != "none" and on_device:
-                if st.host_grad is None:  # fp32, in host memory, where the optimizer steps
-                    st.host_grad = host_empty(grad.numel(), torch.float32, self.host.pin)
+                if st.host_grad is None:  # the master's dtype, in host memory, where it steps
+                    st.host_grad = host_empty(grad.numel(), dtype, self.host.pin)
                 # queued one after another (pinned: without stopping the host), waited for
                 # once below, where each blocking copy waited for the whole stream
                 grad = st.host_grad.copy_(grad, non_blocking=down)
-            st.master.grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
+            st.master.grad = grad if grad.dtype == dtype else grad.to(dtype)
             st.piece = None
         if down:
             copied = torch.cuda.Event()

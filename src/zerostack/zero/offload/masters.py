@@ -121,7 +121,8 @@ def master_store(
 class GradShards:
     """Stage 3's gradients in memory: one flat shard per (sub-)group, in ``dtype`` (fp32, or
     ``data_types.grad_accum_dtype``), each parameter's gradient a view of it (``st.grad``); the
-    master takes the shard (an fp32 copy of it in another dtype) as its ``.grad``."""
+    master takes the shard (a copy of it in the master's dtype where that differs) as its
+    ``.grad``."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device  # where reduced pieces are added (host memory when offloaded)
@@ -149,9 +150,9 @@ class GradShards:
         return p._zs.grad
 
     def hand_to(self, groups: Iterable) -> None:
-        """Each master gets its gradient shard as ``.grad``."""
+        """Each master gets its gradient shard as ``.grad``, in the master's dtype."""
         for g in groups:
-            g.master.grad = g.grad_shard.to(torch.float32)
+            g.master.grad = g.grad_shard.to(g.master.dtype)
 
     def scale(self, groups: Iterable, factor: float) -> None:
         for g in groups:

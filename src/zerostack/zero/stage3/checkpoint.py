@@ -58,8 +58,8 @@ class Stage3Checkpoint:
         self.swapper.fetch([p for p in params if p not in self.trainable])
         masters = []
         for p, st in zip(params, states, strict=True):
-            m = trained[p] if p in trained else st.piece.float()
-            m = m.to(device)
+            m = trained[p] if p in trained else st.piece
+            m = m.to(device, torch.float32)  # a 16-bit master too
             masters.append(st.like(m))
         for p, full in zip(params, gather_full(masters, self.comm), strict=True):
             out[p] = full

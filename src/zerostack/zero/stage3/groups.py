@@ -48,9 +48,22 @@ def sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Pa
 
 
 def make_group(
-    params, options, index, *, dtype, pin, device, offload, swapper, grads, store, meter
+    params,
+    options,
+    index,
+    *,
+    dtype,
+    pin,
+    device,
+    offload,
+    swapper,
+    grads,
+    store,
+    meter,
+    master_dtype=torch.float32,
 ) -> Group:
-    """One (sub-)group's fp32 master: this rank's pieces of ``params`` end to end (on the host
+    """One (sub-)group's master in ``master_dtype`` (fp32, or 16 bits: then, in memory, the
+    compute-dtype pieces themselves): this rank's pieces of ``params`` end to end (on the host
     when ``offload`` is not "none"), its compute-dtype pieces and gradient shard as views each
     parameter keeps. ``swapper`` says where the pieces live, ``grads`` gives the shard where the
     fp32 gradients are summed, ``store`` keeps the master, ``meter`` counts the pieces."""
@@ -59,14 +72,14 @@ def make_group(
         swapper.fetch(swapped)
     swapped = set(swapped)
     total = sum(p._zs.piece.numel() for p in params) or 1
-    master = torch.zeros(total, dtype=torch.float32, device=device)
+    master = torch.zeros(total, dtype=master_dtype, device=device)
     off = 0
     for p in params:
         pn = p._zs.piece.numel()
         master[off : off + pn].copy_(p._zs.piece)
         off += pn
     # The group's pieces, end to end; the per-parameter pieces they replace are freed.
-    pieces = master if dtype == torch.float32 else master.to(dtype)
+    pieces = master if dtype == master.dtype else master.to(dtype)
     if offload != "none":
         master = to_host(master, pin)  # a host copy, separate even in fp32
     grad_shard = grads.shard_for(master)

@@ -128,6 +128,7 @@ class Stage3(StepSequence, ForwardsCheckpointView):
                     grads=self.grads,
                     store=self.store,
                     meter=self.meter,
+                    master_dtype=precision.master_dtype,
                 )
                 self.groups.append(group)
         self._group_of.update({g.master: g for g in self.groups})
