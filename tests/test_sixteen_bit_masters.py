@@ -254,3 +254,30 @@ def test_a_checkpoint_resumes_exactly_and_loads_into_fp32_masters(load_plain, tm
             assert resumed == uninterrupted
             for k, v in end.items():
                 assert torch.equal(got[k], v), k
+
+
+def _offloaded_bytes(rank, world, states):
+    config = golden.config("bf16_zero2_offload")
+    config["bf16"] = {**config["bf16"], "bf16_optimizer_states": states}
+    config["train_micro_batch_size_per_gpu"] = golden.MICRO // world
+    engine, *_ = zerostack.initialize(model=golden.model(), config=config)
+    per, ids = golden.MICRO // world, golden.batches()[0]
+    engine.backward(engine(ids[rank * per : (rank + 1) * per]))
+    engine.step()
+    out = engine.memory_breakdown()
+    engine.destroy()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("states", [False, True])
+def test_offloaded_bytes_per_parameter_are_the_formula(states):
+    """ZeRO 2 at dp 2, the optimizer in host memory: bf16 weights (2 psi), this rank's bf16
+    gradient piece and master (2 psi / N each) and its moments, fp32 (8 psi / N) or bf16
+    (4 psi / N). The tiny model's size divides evenly: no padding."""
+    psi, n = sum(p.numel() for p in golden.model().parameters()), 2
+    for got in run_distributed(_offloaded_bytes, n, args=(states,)):
+        moments = 4 if states else 8
+        want = {"params": 2 * psi, "grads": 2 * psi / n, "master": 2 * psi / n,
+                "optimizer": moments * psi / n}  # fmt: skip
+        assert {k: got[k] for k in want} == want, got
