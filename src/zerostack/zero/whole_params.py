@@ -113,14 +113,16 @@ class WholeParams:
         hold the norm of the whole parameter they belong to (padding 0). Collectives over the
         master's axis (when cut) and tp (when > 1)."""
         m = self._masters[master]
-        device = self.comm.topo.device
-        flats = [v.detach().reshape(-1).to(device, torch.float32) for v in values]
-        sums = torch.zeros(len(flats), len(m.matrices), dtype=torch.float32, device=device)
+        device, home = self.comm.topo.device, values[0].device
+        flats = [v.detach().reshape(-1) for v in values]  # summed where they are (the host's
+        # when offloaded): only the small vector of sums goes to the compute device
+        sums = torch.zeros(len(flats), len(m.matrices), dtype=torch.float32, device=home)
         for j, (_, runs, _) in enumerate(m.matrices):
             for r, lo, hi in runs:
                 if r == m.rank:
                     for i, f in enumerate(flats):
-                        sums[i, j] += f[lo:hi].square().sum()
+                        sums[i, j] += f[lo:hi].float().square().sum()
+        sums = sums.to(device)
         if m.world > 1:
             self.comm.all_reduce(sums, axis=m.axis)
         if self.comm.topo.tp > 1:
@@ -128,13 +130,14 @@ class WholeParams:
             cut = sums * split
             self.comm.all_reduce(cut, axis="tp")
             sums = torch.where(split, cut, sums)
-        out = [torch.zeros_like(f) for f in flats]
+        norms = sums.sqrt().to(home)
+        out = [torch.zeros(f.numel(), dtype=torch.float32, device=home) for f in flats]
         for j, (_, runs, _) in enumerate(m.matrices):
             for r, lo, hi in runs:
                 if r == m.rank:
                     for i in range(len(flats)):
-                        out[i][lo:hi] = sums[i, j].sqrt()
-        return [o.view(v.shape).to(v.device) for o, v in zip(out, values, strict=True)]
+                        out[i][lo:hi] = norms[i, j]
+        return [o.view(v.shape) for o, v in zip(out, values, strict=True)]
 
     def _tp_whole(self, local: torch.Tensor, spec: tuple[int, int]) -> torch.Tensor:
         """The whole matrix from every tp rank's slice (``local`` this rank's)."""
