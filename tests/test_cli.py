@@ -224,6 +224,14 @@ def test_batch_options_override_a_config_file(tmp_path):
     assert load_config(cfg).resolve_batch(2) == (64, 8, 4)
 
 
+def test_bf16_on_the_command_line_keeps_the_files_other_bf16_keys(tmp_path):
+    path = tmp_path / "ds.json"
+    block = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    path.write_text(json.dumps({"bf16": block}))
+    cfg = _build_config(_parser().parse_args(["train", "--config", str(path), "--bf16"]))
+    assert cfg["bf16"] == {**block, "enabled": True}
+
+
 @pytest.mark.slow
 def test_a_timed_out_command_is_killed_with_everything_it_started():
     child = "import time; time.sleep(120)"  # stands in for torchrun's ranks

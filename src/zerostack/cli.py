@@ -215,10 +215,10 @@ def _build_config(args) -> dict:
         cfg.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.sp > 1:
         cfg["sequence_parallel_size"] = args.sp
-    if args.fp16:
-        cfg["fp16"] = {"enabled": True}
+    if args.fp16:  # the file's other keys of the block stay (its 16-bit masters, say)
+        cfg.setdefault("fp16", {})["enabled"] = True
     if args.bf16:
-        cfg["bf16"] = {"enabled": True}
+        cfg.setdefault("bf16", {})["enabled"] = True
     if args.offload is not None:
         zero = cfg.setdefault("zero_optimization", {})
         zero.setdefault("stage", 2)  # offload needs stage >= 1
