@@ -398,4 +398,11 @@ MUTANTS: list[Mutant] = [
             "tests/test_sixteen_bit_masters.py::test_what_deepspeed_refuses_is_refused_naming_the_keys",
         ),
     ),
+    Mutant(
+        "zerostack train --bf16 replaces the config file's bf16 block",
+        "cli.py",
+        '        cfg.setdefault("bf16", {})["enabled"] = True',
+        '        cfg["bf16"] = {"enabled": True}',
+        ("tests/test_cli.py::test_bf16_on_the_command_line_keeps_the_files_other_bf16_keys",),
+    ),
 ]
