@@ -378,3 +378,31 @@ def test_the_momentum_reshards_onto_another_layout(save_stage, load_stage, tmp_p
     [got] = run_distributed(_reshard, 1, args=(str(tmp_path), None, load_stage))
     for a, b in zip(got, want, strict=True):
         assert abs(a - b) <= TOL * abs(b), (got, want)
+
+
+def as_deepspeed(script: str, case: str) -> list[str]:
+    """DeepSpeed's golden script ``scripts/<script>`` itself, unmodified, run on zerostack as
+    ``python -m zerostack.as_deepspeed <script> --case <case>`` (one rank, in a process of its
+    own: the script sets its own rendezvous variables): its stdout lines."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "scripts")}
+    argv = ["-m", "zerostack.as_deepspeed", os.path.join(ROOT, "scripts", script), "--case", case]
+    run = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3_init"])
+def test_deepspeeds_own_script_runs_unmodified_on_zerostack(name):
+    """scripts/muon_golden.py's case, as DeepSpeed ran it (``import deepspeed``, zero.Init,
+    ``param.use_muon``), under ``python -m zerostack.as_deepspeed``: DeepSpeed's losses."""
+    lines = as_deepspeed("muon_golden.py", name)
+    losses = json.loads(next(x for x in lines if x.startswith("LOSSES "))[len("LOSSES ") :])
+    muon = json.loads(next(x for x in lines if x.startswith("MUON "))[len("MUON ") :])
+    theirs = GOLDEN["cases"][name]
+    for a, b in zip(losses, theirs, strict=True):
+        assert abs(a - b) <= TOL * abs(b), (losses, theirs)
+    assert muon == GOLDEN["use_muon"][name]

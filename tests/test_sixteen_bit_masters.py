@@ -281,3 +281,19 @@ def test_offloaded_bytes_per_parameter_are_the_formula(states):
         want = {"params": 2 * psi, "grads": 2 * psi / n, "master": 2 * psi / n,
                 "optimizer": moments * psi / n}  # fmt: skip
         assert {k: got[k] for k in want} == want, got
+
+
+@pytest.mark.parametrize("name", ["bf16_states_zero2", "bf16_zero3_offload"])
+def test_deepspeeds_own_script_runs_unmodified_on_zerostack(name):
+    """scripts/sixteen_bit_golden.py's case, as DeepSpeed ran it, under ``python -m
+    zerostack.as_deepspeed``: DeepSpeed's losses (as in :func:`test_losses_are_deepspeeds`)."""
+    from tests.test_muon import as_deepspeed
+
+    lines = as_deepspeed("sixteen_bit_golden.py", name)
+    line = next(x for x in lines if x.startswith("FIGURES "))
+    losses = json.loads(line[len("FIGURES ") :])["losses"]
+    theirs = GOLDEN["cases"][name]["losses"]
+    if name in SAME_ARITHMETIC:
+        assert losses == theirs
+    for a, b in zip(losses, theirs, strict=True):
+        assert abs(a - b) <= 2**-7 * abs(b), (name, losses, theirs)
