@@ -215,9 +215,8 @@ def test_layouts_not_served_yet_are_refused_at_initialize(tmp_path):
 
 
 def _resume(rank, world, stage, root):
-    """Six steps in one run, and three, a save, a load into other weights and three more:
-    (the two runs' last three losses, their weights and optimizer states at the end)."""
-    from tests.support.models import batch, tiny_gpt
+    """tests/support/models.py's resume_pair with Muon's config."""
+    from tests.support.models import resume_pair
 
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -225,37 +224,7 @@ def _resume(rank, world, stage, root):
         "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-3}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
-
-    def steps(engine, first):
-        out = []
-        for step in range(first, first + 3):
-            x, y = batch(step, 2 * world)
-            loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
-
-    def state(engine):
-        out = {f"param/{k}": v.clone() for k, v in engine.full_state_dict().items()}
-        for i, m in enumerate(engine.zero.masters()):
-            for k, v in engine.zero.read_master(m, engine.optimizer).items():
-                out[f"master{i}/{k}"] = v.clone()
-        return out
-
-    whole, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
-    steps(whole, 0)
-    uninterrupted = steps(whole, 3)
-    first, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
-    steps(first, 0)
-    first.save_checkpoint(root)
-    second, *_ = zerostack.initialize(model=tiny_gpt(seed=7), config=config)
-    second.load_checkpoint(root)
-    resumed = steps(second, 3)
-    out = uninterrupted, resumed, state(whole), state(second)
-    for engine in (whole, first, second):
-        engine.destroy()
-    return out
+    return resume_pair(rank, world, config, root)
 
 
 @pytest.mark.distributed

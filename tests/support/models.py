@@ -92,3 +92,45 @@ def tiny_transformer():
     from zerostack.estimate import Transformer
 
     return Transformer.from_gpt_config(TINY)
+
+
+def resume_pair(rank: int, world: int, config: dict, root: str) -> tuple:
+    """On ``world`` ranks (this one ``rank``), the tiny GPT with ``config`` (2 sequences a rank):
+    six steps in one run, and three, a save under ``root``, a load into other weights and three
+    more. Returns the two runs' last three losses and their states at the end: the full weights
+    (``param/<name>``) and each master's value and optimizer state (``master<i>/<kind>``, its
+    step count too where it keeps one) as the checkpoint reads them."""
+    import zerostack
+
+    def steps(engine, first):
+        out = []
+        for step in range(first, first + 3):
+            x, y = batch(step, 2 * world)
+            loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    def state(engine):
+        out = {f"param/{k}": v.clone() for k, v in engine.full_state_dict().items()}
+        for i, m in enumerate(engine.zero.masters()):
+            for k, v in engine.zero.read_master(m, engine.optimizer).items():
+                out[f"master{i}/{k}"] = v.clone()
+            if "step" in engine.optimizer.state[m]:  # e.g. Adagrad's (its lr_decay reads it)
+                out[f"master{i}/step"] = engine.optimizer.state[m]["step"].clone()
+        return out
+
+    whole, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    steps(whole, 0)
+    uninterrupted = steps(whole, 3)
+    first, *_ = zerostack.initialize(model=tiny_gpt(), config=config)
+    steps(first, 0)
+    first.save_checkpoint(root)
+    second, *_ = zerostack.initialize(model=tiny_gpt(seed=7), config=config)
+    second.load_checkpoint(root)
+    resumed = steps(second, 3)
+    out = uninterrupted, resumed, state(whole), state(second)
+    for engine in (whole, first, second):
+        engine.destroy()
+    return out
