@@ -1452,10 +1452,10 @@ MUTANTS: list[Mutant] = [
         ("tests/test_memory.py::test_bytes_per_rank_match_the_zero_formulas[2-3-bf16]",),
     ),
     Mutant(
-        "Muon under ZeRO: a matrix put together from this rank's pieces alone (the others zero)",
+        "Muon under ZeRO: a matrix put together from the first rank's rows alone",
         "zero/whole_params.py",
-        "whole = torch.cat([rows[r, lo:hi] for r, lo, hi in runs]).view(shape)",
-        "whole = torch.cat([rows[r, lo:hi] * (r == m.rank) for r, lo, hi in runs]).view(shape)",
+        "whole = torch.cat([rows[r, lo:hi] for r, lo, hi in mat.runs]).view(mat.shape)",
+        "whole = torch.cat([rows[0, lo:hi] for r, lo, hi in mat.runs]).view(mat.shape)",
         ("tests/test_parity.py::test_matches_single_process_at_every_step[muon-dp2]",),
     ),
     Mutant(

@@ -23,6 +23,18 @@ from collections.abc import Callable
 import torch
 
 
+def adam_moments(state: dict, p: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """``p``'s Adam-style state in torch's layout (``step``, a float32 scalar tensor;
+    ``exp_avg``, ``exp_avg_sq`` shaped as ``p``), made on first use, the step counted: ``(the
+    step number, exp_avg, exp_avg_sq)``. LAMB's and Muon's auxiliary Adam's."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+    state["step"] += 1
+    return float(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (see the module); DeepSpeed's FusedLamb arguments."""
 
@@ -69,14 +81,8 @@ class Lamb(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = float(state["step"])
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                t, m, v = adam_moments(self.state[p], p)
+                g = p.grad
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 denom = (v + eps).sqrt() if group["eps_inside_sqrt"] else v.sqrt().add_(eps)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from .lamb import adam_moments
+
 NS_STEPS = 5
 _A, _B, _C = 3.4445, -4.7750, 2.0315  # the quintic's coefficients (Jordan's)
 NS_METHODS = ("gram", "standard")
@@ -180,15 +182,8 @@ class Muon(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            t = float(state["step"])
+            t, m, v = adam_moments(self.state[p], p)
             grad = p.grad if self.adam_w_mode or wd == 0 else p.grad.add(p, alpha=wd)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
             m.lerp_(grad, 1 - b1)
             v.lerp_(grad.square(), 1 - b2)
             update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)

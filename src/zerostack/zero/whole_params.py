@@ -39,11 +39,18 @@ Spec = tuple[int, int] | None  # a tp-split parameter's (dim, chunks); None: who
 
 
 @dataclass(frozen=True)
+class _Matrix:
+    shape: torch.Size
+    runs: tuple[Run, ...]  # every rank's, in the parameter's flat order
+    mine: tuple[tuple[int, int, int], ...]  # this rank's: (lo, hi, where in the parameter)
+    spec: Spec
+
+
+@dataclass(frozen=True)
 class _Master:
     axis: str
     world: int
-    rank: int
-    matrices: tuple[tuple[torch.Size, tuple[Run, ...], Spec], ...]
+    matrices: tuple[_Matrix, ...]
 
 
 class WholeParams:
@@ -64,9 +71,14 @@ class WholeParams:
             shape = torch.Size(shape)
             if sum(hi - lo for _, lo, hi in runs) != shape.numel():
                 raise ValueError(f"the runs of a {tuple(shape)} matrix do not cover it")
+            mine, at = [], 0  # this rank's runs, each with where it starts in the parameter
+            for r, lo, hi in runs:
+                if r == rank:
+                    mine.append((lo, hi, at))
+                at += hi - lo
             spec = self._split(p) if self.comm.topo.tp > 1 else None
-            out.append((shape, tuple(runs), spec))
-        self._masters[master] = _Master(axis, world, rank, tuple(out))
+            out.append(_Matrix(shape, tuple(runs), tuple(mine), spec))
+        self._masters[master] = _Master(axis, world, tuple(out))
 
     def holds(self, master) -> bool:
         return master in self._masters
@@ -87,25 +99,22 @@ class WholeParams:
         else:
             rows = flat.view(1, -1)
         out = torch.zeros_like(flat)
-        for shape, runs, spec in m.matrices:
-            mine = any(r == m.rank for r, _, _ in runs)
-            if not mine and spec is None:
+        for mat in m.matrices:
+            spec = mat.spec
+            if not mat.mine and spec is None:
                 continue
-            whole = torch.cat([rows[r, lo:hi] for r, lo, hi in runs]).view(shape)
+            whole = torch.cat([rows[r, lo:hi] for r, lo, hi in mat.runs]).view(mat.shape)
             if spec is not None:  # this rank's tp slice: the others' joined to it
                 whole = self._tp_whole(whole, spec)
-            if not mine:
+            if not mat.mine:
                 continue
             done = fn(whole)
             if spec is not None:
                 done = self._cut(done, parts=self.comm.topo.tp, rank=self.comm.topo.rank("tp"),
                                  dim=spec[0], chunks=spec[1])  # fmt: skip
             done = done.reshape(-1)
-            at = 0
-            for r, lo, hi in runs:
-                if r == m.rank:
-                    out[lo:hi] = done[at : at + hi - lo]
-                at += hi - lo
+            for lo, hi, at in mat.mine:
+                out[lo:hi] = done[at : at + hi - lo]
         return out.view(value.shape).to(value.device)
 
     def norms(self, master, values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -117,26 +126,24 @@ class WholeParams:
         flats = [v.detach().reshape(-1) for v in values]  # summed where they are (the host's
         # when offloaded): only the small vector of sums goes to the compute device
         sums = torch.zeros(len(flats), len(m.matrices), dtype=torch.float32, device=home)
-        for j, (_, runs, _) in enumerate(m.matrices):
-            for r, lo, hi in runs:
-                if r == m.rank:
-                    for i, f in enumerate(flats):
-                        sums[i, j] += f[lo:hi].float().square().sum()
+        for j, mat in enumerate(m.matrices):
+            for lo, hi, _ in mat.mine:
+                for i, f in enumerate(flats):
+                    sums[i, j] += f[lo:hi].float().square().sum()
         sums = sums.to(device)
         if m.world > 1:
             self.comm.all_reduce(sums, axis=m.axis)
         if self.comm.topo.tp > 1:
-            split = torch.tensor([spec is not None for _, _, spec in m.matrices], device=device)
+            split = torch.tensor([mat.spec is not None for mat in m.matrices], device=device)
             cut = sums * split
             self.comm.all_reduce(cut, axis="tp")
             sums = torch.where(split, cut, sums)
         norms = sums.sqrt().to(home)
         out = [torch.zeros(f.numel(), dtype=torch.float32, device=home) for f in flats]
-        for j, (_, runs, _) in enumerate(m.matrices):
-            for r, lo, hi in runs:
-                if r == m.rank:
-                    for i in range(len(flats)):
-                        out[i][lo:hi] = norms[i, j]
+        for j, mat in enumerate(m.matrices):
+            for lo, hi, _ in mat.mine:
+                for i in range(len(flats)):
+                    out[i][lo:hi] = norms[i, j]
         return [o.view(v.shape) for o, v in zip(out, values, strict=True)]
 
     def _tp_whole(self, local: torch.Tensor, spec: tuple[int, int]) -> torch.Tensor:
