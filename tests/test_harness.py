@@ -207,3 +207,26 @@ def test_concurrent_runs_get_their_own_port_held_for_the_whole_run():
         (port,) = {r[0] for r in results}
         ports.add(port)
     assert len(ports) == 2
+
+
+def test_the_cpu_census_charges_a_test_the_cpu_of_its_processes():
+    """tests/support/suite_cpu.py: a subprocess's CPU counts while it runs and after it is
+    reaped (half a second of it here, spun in the child)."""
+    import subprocess
+    import sys
+
+    from tests.support.suite_cpu import tree_cpu
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\nprint()"
+    before = tree_cpu()
+    subprocess.run([sys.executable, "-c", spin.format(0.5)], check=True)
+    assert 0.5 <= tree_cpu() - before < 5.0  # reaped: its parent's children's time
+    child = subprocess.Popen([sys.executable, "-c", spin.format(60)], stdout=subprocess.PIPE)
+    try:
+        time.sleep(1.0)
+        live = tree_cpu()
+        time.sleep(1.0)
+        assert tree_cpu() - live >= 0.3  # still running: its own time, read from /proc
+    finally:
+        child.kill()
+        child.wait()
