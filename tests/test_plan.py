@@ -168,3 +168,37 @@ def test_the_dp_collectives_are_what_the_engine_issues(gas):
         c = Candidate(2, 1, 1, stage, 1, gas, "none", "none", precision="fp32")
         got = predict(Transformer.from_gpt_config(WIDE), 2 * gas, c, hw).dp_exposed_s
         assert got == pytest.approx(want), (stage, got, want)
+
+
+def test_published_runs_are_whole_layouts_with_their_sources():
+    """benchmarks/published/runs.csv (issue 56): every row a layout of exactly its GPUs whose
+    batch its data-parallel ranks divide, naming its source, table and row, and whether its
+    figures were checked there; benchmarks/published.py prices each row it can model and says
+    why not for the others."""
+    import csv
+    import importlib.util
+    import math
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "published", os.path.join(root, "benchmarks", "published.py")
+    )
+    published = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(published)
+    with open(published.RUNS) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 30 and len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        grid = int(r["tp"]) * int(r["pp"]) * int(r["cp"]) * int(r["dp"])
+        assert grid == int(r["gpus"]), r["id"]
+        assert int(r["batch"]) % (int(r["dp"]) * int(r["micro"] or 1)) == 0, r["id"]
+        assert r["source"] and r["where"] and r["checked"], r["id"]
+        assert r["gpu"] in ("a100-80gb", "h100-80gb"), r["id"]
+    result = published.evaluate(rows, with_search=False)
+    priced = [e for e in result["rows"] if not e["skipped"]]
+    assert len(priced) == result["priced"] >= 20
+    assert all(math.isfinite(e["predicted"]) and e["predicted"] > 0 for e in priced)
+    skipped = {e["id"]: e["skipped"] for e in result["rows"] if e["skipped"]}
+    assert skipped["llama3-405b-131k"] == "context parallelism"
+    assert skipped["megatron-8b"] == "fp8 compute"
