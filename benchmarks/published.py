@@ -81,8 +81,9 @@ def why_not(row: dict) -> str:
         return "context parallelism"
     if row["precision"] not in ("fp32", "fp16", "bf16"):
         return f"{row['precision']} compute"
-    if NOT_MODELLED in row["note"]:
-        return row["note"].split(":")[0]
+    for clause in row["note"].split(";"):  # "what: not modelled"
+        if clause.strip().endswith(NOT_MODELLED):
+            return clause.split(":")[0].strip()
     return ""
 
 
