@@ -142,11 +142,11 @@ def test_hf_config_through_the_command_line(tmp_path):
                 "--seq",
                 "8",
                 "--pp",
-                "2",
+                "4",
                 "--world",
-                "2",
+                "4",
             ],
-            "pp: 2 stages cannot split 3 layers evenly",
+            "pp: 4 stages for 3 layers",
         ),
         (["--params", "1e9", "--world", "4", "--ep", "3"], "split as tp 1 x pp 1 x ep 3"),
         (["--params", "1e9", "--world", "4", "--ep", "2"], "ep: 2 ranks split the experts"),
@@ -402,6 +402,37 @@ def test_estimate_from_the_model_description_matches_every_rank():
         for r in results:  # each rank's own tensors, pipeline stage by stage
             sizes, stage = r[name][4], r[name][5]
             assert sorted(model.rank_tensors(layout.tp, layout.pp, stage)) == sizes, name
+
+
+def _uneven_pipeline(rank, world, layers):
+    import dataclasses
+
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+    from zerostack.pipeline import PipelineModule
+
+    cfg = dataclasses.replace(TINY, n_layer=layers)
+    topo = zerostack.Topology.build(pp=world)
+    torch.manual_seed(0)
+    model = PipelineModule(
+        gpt_layers(cfg, topology=topo), topology=topo, loss_fn=GPTLoss(topo),
+        partition_method="type:Block",
+    )  # fmt: skip
+    return topo.rank("pp"), sorted(p.numel() for p in model.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layers,pp", [(3, 2), (5, 3)])
+def test_uneven_pipeline_stages_are_estimated_as_the_engine_cuts_them(layers, pp):
+    """When pp does not divide the layers, each stage's tensors are the engine's (the first
+    stages take the larger share): 3 layers on 2 stages are 2 + 1, 5 on 3 are 2 + 2 + 1."""
+    import dataclasses
+
+    from zerostack.estimate import Transformer
+
+    model = Transformer.from_gpt_config(dataclasses.replace(TINY, n_layer=layers))
+    assert sum(model.stage_layers(pp)) == layers and max(model.stage_layers(pp)) == 2
+    for stage, sizes in run_distributed(_uneven_pipeline, pp, args=(layers,)):
+        assert sorted(model.rank_tensors(1, pp, stage)) == sizes, stage
 
 
 def test_full_recompute_keeps_inputs_and_one_recomputed_layer():

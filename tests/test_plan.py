@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -202,3 +203,16 @@ def test_published_runs_are_whole_layouts_with_their_sources():
     skipped = {e["id"]: e["skipped"] for e in result["rows"] if e["skipped"]}
     assert skipped["llama3-405b-131k"] == "context parallelism"
     assert skipped["megatron-8b"] == "fp8 compute"
+
+
+def test_the_busiest_pipeline_stage_paces_an_uneven_split():
+    """3 layers on 2 stages: the first holds 2, so the step waits for 2/1.5 of an even share
+    of the compute (the planner priced 1.5 layers a stage before)."""
+    m = Transformer(layers=3, hidden=256, heads=8, vocab=1000, seq=128)
+    hw = profile("h100-80gb", gpus=4)
+    c = Candidate(dp=1, tp=2, pp=2, stage=0, micro_batch=1, gas=4)
+    p = predict(m, 4, c, hw)
+    even_share = model_flops(m, 4) / c.world / (hw.peak_flops * hw.matmul_efficiency)
+    assert p.compute_s == pytest.approx(even_share * 4 / 3, rel=1e-12)
+    even = predict(replace(m, layers=4), 4, c, hw)  # 2 layers a stage, evenly
+    assert p.tp_s == pytest.approx(even.tp_s, rel=1e-12)  # the busiest stage's collectives

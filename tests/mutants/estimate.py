@@ -87,4 +87,14 @@ MUTANTS: list[Mutant] = [
         "        out.scratch = 0",
         ("tests/test_estimate.py::test_model_states_are_the_per_stage_formulas[2-1-fp32]",),
     ),
+    Mutant(
+        "estimate: an uneven pipeline's larger share on its last stages",
+        "estimate/activations.py",
+        "    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))",
+        "    return tuple(reversed([b - a for a, b in zip(bounds, bounds[1:], strict=False)]))",
+        (
+            "tests/test_estimate.py::test_uneven_pipeline_stages_are_estimated_as_the_engine_cuts_them[3-2]",
+            "tests/test_estimate.py::test_uneven_pipeline_stages_are_estimated_as_the_engine_cuts_them[5-3]",
+        ),
+    ),
 ]

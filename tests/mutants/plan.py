@@ -54,4 +54,11 @@ MUTANTS: list[Mutant] = [
         "dp_s = _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
         ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
     ),
+    Mutant(
+        "plan: an uneven pipeline priced as if its layers divided evenly",
+        "plan/cost.py",
+        "    busiest = max(m.stage_layers(c.pp))",
+        "    busiest = m.layers / c.pp",
+        ("tests/test_plan.py::test_the_busiest_pipeline_stage_paces_an_uneven_split",),
+    ),
 ]

@@ -6,10 +6,24 @@ and dropout masks made explicit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .memory import EstimateError
 
 ROTARY = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma", "phi3"})
+
+
+@lru_cache(maxsize=256)
+def _stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """:meth:`Transformer.stage_layers`, once per (layers, pp): the partition searches every
+    span of layers (cubic in them), and the planner asks for it per candidate and stage."""
+    from ..pipeline.module import partition_layers
+
+    try:
+        bounds = partition_layers([None] * layers, pp, "uniform")
+    except ValueError as exc:
+        raise EstimateError(f"pp: {pp} stages for {layers} layers") from exc
+    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 @dataclass(frozen=True)
@@ -59,21 +73,26 @@ class Transformer:
         embeddings += self.seq * h if self.positions else 0
         return self.layers * per_layer + embeddings + (h + h * b)
 
+    def stage_layers(self, pp: int) -> list[int]:
+        """The layers each of ``pp`` pipeline stages holds, as the engine's ``uniform``
+        partition cuts them (:func:`zerostack.pipeline.module.partition_layers`): as even as can
+        be, the first stages taking the larger share (126 layers on 16 stages: 8 each, the last
+        6)."""
+        return list(_stage_layers(self.layers, pp))
+
     def rank_tensors(self, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
         """The element counts of the parameter tensors one rank holds, as the reference GPT lays
         them out: QKV, the MLP's first matrix (and their biases) and the token embedding split
-        over tp, the rest whole; ``layers / pp`` layers per pipeline stage, the embeddings on the
+        over tp, the rest whole; the stage's layers (:meth:`stage_layers`), the embeddings on the
         first stage, the final LayerNorm and the tied output layer (a copy of the token
         embedding) on the last."""
-        if self.layers % pp:
-            raise EstimateError(f"pp: {pp} stages cannot split {self.layers} layers evenly")
         if not 0 <= stage < pp:
             raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
         h, f, t, b = self.hidden, self.ffn_hidden, tp, self.bias
         layer = [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h]  # weights, LN scales
         if b:
             layer += [3 * h // t, h, f // t, h, h, h]  # QKV, proj, fc, out biases; LN shifts
-        out = layer * (self.layers // pp)
+        out = layer * self.stage_layers(pp)[stage]
         first, last = stage == 0, stage == pp - 1
         norm = [h, h] if b else [h]
         if first:
@@ -187,14 +206,13 @@ def stage_activation_bytes(
     flash: bool = False,
 ) -> float:
     """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
-    its ``layers / pp`` layers (1F1B: ``min(pp - stage, gas)``; no pipeline: 1), plus the
-    first stage's embedding-dropout mask and the last stage's final LayerNorm and output-layer
-    inputs and logits (compute dtype, and fp32 for the loss: Korthikanti's 4 s b v / t). With
-    full recompute, also the one layer whose activations backward is recomputing."""
+    its layers (:meth:`Transformer.stage_layers`; 1F1B: ``min(pp - stage, gas)`` micro-batches,
+    no pipeline: 1), plus the first stage's embedding-dropout mask and the last stage's final
+    LayerNorm and output-layer inputs and logits (compute dtype, and fp32 for the loss:
+    Korthikanti's 4 s b v / t). With full recompute, also the one layer whose activations
+    backward is recomputing."""
     if not 0 <= stage < pp:
         raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
-    if m.layers % pp:
-        raise EstimateError(f"pp: {pp} stages cannot split {m.layers} layers evenly")
     per_layer = layer_activation_bytes(
         m,
         micro_batch,
@@ -215,4 +233,4 @@ def stage_activation_bytes(
         extra += s * b * h / sp
     if stage == pp - 1:
         extra += 2 * d * s * b * h / sp + (d + 4) * s * b * m.vocab / tp
-    return in_flight * (per_layer * m.layers // pp + extra) + once
+    return in_flight * (per_layer * m.stage_layers(pp)[stage] + extra) + once

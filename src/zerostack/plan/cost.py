@@ -6,7 +6,8 @@ Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a glo
 * **compute**: the model's flops (:mod:`zerostack.profiling.flops`, Narayanan et al., SC'21:
   forward 24 B s l h^2 (1 + s / 6h) + 2 B s h V; backward twice that; full recompute one more
   forward, selective the attention core's 4 B s^2 l h again) split over dp x tp x pp, at
-  ``peak x matmul_efficiency``;
+  ``peak x matmul_efficiency``; when pp does not divide the layers, the busiest stage's share
+  (:meth:`~zerostack.estimate.Transformer.stage_layers`) paces the step;
 * **pipeline bubble**: the schedule run by :func:`zerostack.pipeline.simulate.simulate` (1F1B,
   or interleaved with ``chunks`` model chunks per rank; backward twice a forward), which also
   gives the micro-batches the first stage holds; past 20,000 instructions in all, the closed
@@ -176,7 +177,9 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     d = PRECISION_BYTES[c.precision]
     achieved = hw.peak_flops * hw.matmul_efficiency
     flops = model_flops(m, batch, recompute=c.recompute)
-    compute = flops / c.world / achieved
+    # the busiest pipeline stage paces the step: more than layers / pp when they do not divide
+    busiest = max(m.stage_layers(c.pp))
+    compute = flops / c.world / achieved * busiest * c.pp / m.layers
     backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
     bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]
     if hw.shared_cores:  # idle ranks lend their cores: the machine's throughput bounds the step
@@ -191,7 +194,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     # critical path. Ranks tp apart are adjacent (tp is the innermost axis of the grid).
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    big, small = tp_collectives(m.layers / c.pp, c.recompute)
+    big, small = tp_collectives(busiest, c.recompute)
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 
@@ -214,7 +217,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     else:
         # per micro-batch each fetch unit gathered in forward and again in backward, and the
         # gradients reduced; prefetched and asynchronous, so it overlaps compute where it can
-        units = stage3_fetch_units(m.layers / c.pp)
+        units = stage3_fetch_units(busiest)
         gathers = 2 * units * _ring(grads / units, c.dp, bw, lat)
         dp_s = c.gas * (gathers + _ring(grads, c.dp, bw, lat))
         overlap = compute
