@@ -7,8 +7,8 @@ within 5% of it.
     python benchmarks/published.py            # the table and the two figures
     python benchmarks/published.py --json     # the same as JSON
 
-Rows the cost model cannot price (context parallelism, FP8, torch.compile, asynchronous tensor
-parallelism) are listed with why and left out of both figures; their ``note`` column says so.
+Rows the cost model cannot price (context parallelism, FP8, asynchronous tensor parallelism)
+are listed with why and left out of both figures; their ``not_modelled`` column says what.
 Each row names its source and whether its figures were checked against it (``checked``: most
 are transcriptions so far, see the file).
 """
@@ -20,14 +20,90 @@ import csv
 import json
 import os
 import sys
+from dataclasses import dataclass, replace
 
 from zerostack.estimate import EstimateError, Transformer
-from zerostack.plan.cost import Candidate, model_flops, predict
+from zerostack.plan.cost import Candidate, Software, model_flops, predict
 from zerostack.plan.hardware import PlanError, profile
 from zerostack.plan.search import search
 
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "runs.csv")
-NOT_MODELLED = "not modelled"
+
+
+@dataclass(frozen=True)
+class System:
+    """What the software that made a row could run: how it implements a step (the cost model's
+    :class:`Software`), the ZeRO stages it has (0: replicated optimizer; Megatron's distributed
+    optimizer is 1; FSDP without resharding after forward 2, with it 3) and whether it offloads
+    the optimizer. The planner's search for a row is held to them."""
+
+    software: Software
+    stages: tuple[int, ...]
+    offload: bool
+    why: str
+
+
+_FUSED_2021 = Software(flash=False, fused=True, sequence_parallel=False, overlap_grad_reduce=False)
+SYSTEMS = {
+    "megatron-2021": System(
+        _FUSED_2021,
+        (0,),
+        False,
+        "Megatron-LM, April 2021: fused softmax, bias-GELU and bias-dropout-add kernels, no "
+        "FlashAttention or sequence parallelism, its own DDP reducing after backward, no ZeRO",
+    ),
+    "deepspeed-2021": System(
+        replace(_FUSED_2021, overlap_grad_reduce=True),
+        (3,),
+        False,
+        "DeepSpeed ZeRO-3 on Megatron's GPT, as Narayanan et al. ran it: a method compared "
+        "without tensor or pipeline parallelism",
+    ),
+    "megatron-deepspeed-2022": System(
+        _FUSED_2021,
+        (0, 1),
+        False,
+        "BigScience's Megatron-DeepSpeed: Megatron's kernels, DeepSpeed's pipeline engine "
+        "(gradients reduced after the last micro-batch) and ZeRO-1",
+    ),
+    "metaseq-2022": System(
+        replace(_FUSED_2021, overlap_grad_reduce=True),
+        (0, 1, 2, 3),
+        False,
+        "metaseq: Megatron's tensor parallelism and kernels under FairScale's FSDP",
+    ),
+    "llama3-2024": System(
+        Software(flash=True, fused=True, sequence_parallel=True),
+        (0, 1, 2, 3),
+        False,
+        "Meta's Llama 3 stack: FlashAttention, fused kernels, FSDP with 4D parallelism",
+    ),
+    "torchtitan-2024": System(
+        Software(flash=True, fused=False, sequence_parallel=True),
+        (0, 1, 2, 3),
+        False,
+        "torchtitan, eager: scaled_dot_product_attention, one kernel per elementwise op, FSDP2",
+    ),
+    "torchtitan-2024-compile": System(
+        Software(flash=True, fused=True, sequence_parallel=True),
+        (0, 1, 2, 3),
+        False,
+        "torchtitan with torch.compile: the elementwise work fused",
+    ),
+    "megatron-core-2025": System(
+        Software(flash=True, fused=True, sequence_parallel=True),
+        (0, 1, 2, 3),
+        False,
+        "Megatron Core 0.14 (Megatron Bridge 25.11): cuDNN attention, Transformer Engine's "
+        "fused kernels, the distributed optimizer and Megatron FSDP",
+    ),
+    "megascale-2024": System(
+        Software(flash=True, fused=True, sequence_parallel=True),
+        (0, 1, 2),
+        False,
+        "MegaScale (ByteDance): Megatron-LM with its own kernels, overlap and ZeRO-2 sharding",
+    ),
+}
 
 
 def model_of(row: dict) -> Transformer:
@@ -62,6 +138,7 @@ def candidate_of(row: dict) -> Candidate:
         recompute=row["recompute"],
         precision=row["precision"],
         chunks=int(row["chunks"]),
+        software=SYSTEMS[row["system"]].software,
     )
 
 
@@ -81,13 +158,11 @@ def why_not(row: dict) -> str:
         return "context parallelism"
     if row["precision"] not in ("fp32", "fp16", "bf16"):
         return f"{row['precision']} compute"
-    for clause in row["note"].split(";"):  # "what: not modelled"
-        if clause.strip().endswith(NOT_MODELLED):
-            return clause.split(":")[0].strip()
-    return ""
+    return row["not_modelled"]
 
 
-def evaluate(rows: list[dict], with_search: bool = True) -> dict:
+def evaluate(rows: list[dict], with_search: bool = True, **overrides) -> dict:
+    """Each row priced on its bundled profile (``overrides``: fields of it replaced)."""
     out = []
     for row in rows:
         entry = {"id": row["id"], "metric": row["metric"], "published": float(row["value"])}
@@ -96,7 +171,7 @@ def evaluate(rows: list[dict], with_search: bool = True) -> dict:
             out.append(entry)
             continue
         m, c = model_of(row), candidate_of(row)
-        hw = profile(row["gpu"], gpus=int(row["gpus"]))
+        hw = profile(row["gpu"], gpus=int(row["gpus"]), **overrides)
         try:
             p = predict(m, int(row["batch"]), c, hw)
         except EstimateError as exc:  # a layout the estimator refuses (uneven pipeline stages)
@@ -107,7 +182,17 @@ def evaluate(rows: list[dict], with_search: bool = True) -> dict:
         entry["error"] = entry["predicted"] / entry["published"] - 1
         if with_search:
             try:
-                best = search(m, hw, int(row["batch"]), precision=c.precision).best
+                system = SYSTEMS[row["system"]]
+                best = search(
+                    m,
+                    hw,
+                    int(row["batch"]),
+                    precision=c.precision,
+                    software=c.software,
+                    stages=system.stages,
+                    offload=system.offload,
+                    recompute=(c.recompute,),
+                ).best
                 entry["best"] = best.candidate.__dict__
                 entry["match"] = p.step_s <= best.step_s * 1.05
             except PlanError as exc:  # the published layout does not fit the planner's memory
@@ -123,13 +208,50 @@ def evaluate(rows: list[dict], with_search: bool = True) -> dict:
     }
 
 
+DERATES = [round(0.5 + 0.025 * i, 3) for i in range(21)]  # 0.5 .. 1.0
+LINKS = [round(0.5 + 0.05 * i, 2) for i in range(11)]
+
+
+def fit(rows: list[dict]) -> dict:
+    """The two fitted figures of the nominal profiles, ``kernel_derate`` and ``link_efficiency``,
+    swept over a grid: the pair with the least mean absolute error over every priced row, and,
+    to show what fitting them buys, the leave-one-out error (each row predicted with the pair
+    fitted to the others)."""
+    errors = {}
+    for g in DERATES:
+        for e in LINKS:
+            result = evaluate(rows, with_search=False, kernel_derate=g, link_efficiency=e)
+            errors[g, e] = {r["id"]: abs(r["error"]) for r in result["rows"] if not r["skipped"]}
+    ids = list(next(iter(errors.values())))
+    best = min(errors, key=lambda k: sum(errors[k].values()))
+    held_out = []
+    for row in ids:
+        others = min(errors, key=lambda k: sum(v for i, v in errors[k].items() if i != row))
+        held_out.append(errors[others][row])
+    return {
+        "kernel_derate": best[0],
+        "link_efficiency": best[1],
+        "mape": sum(errors[best].values()) / len(ids),
+        "leave_one_out_mape": sum(held_out) / len(ids),
+        "rows": len(ids),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-search", action="store_true", help="skip the layout search per row")
+    p.add_argument("--fit", action="store_true", help="fit the profiles' two derating figures")
     args = p.parse_args()
     with open(RUNS) as f:
         rows = list(csv.DictReader(f))
+    if args.fit:
+        f = fit(rows)
+        print(json.dumps(f) if args.json else
+              f"kernel_derate {f['kernel_derate']}, link_efficiency {f['link_efficiency']}: "
+              f"mean absolute error {f['mape']:.1%} over {f['rows']} rows; each row predicted "
+              f"with the pair fitted to the others: {f['leave_one_out_mape']:.1%}")  # fmt: skip
+        return 0
     result = evaluate(rows, with_search=not args.no_search)
     if args.json:
         print(json.dumps(result, indent=1))

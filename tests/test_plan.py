@@ -12,6 +12,8 @@ from zerostack.config import load_config
 from zerostack.estimate import Transformer
 from zerostack.models import GPT, GPTConfig
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
+from zerostack.plan.cost import Software, attention_core_flops, compute_seconds, hbm_bytes
+from zerostack.plan.hardware import PROFILES
 from zerostack.plan.search import search
 
 from tests.support.models import batch, run_cli
@@ -89,7 +91,7 @@ def test_json_output_has_the_ranking():
     [
         (
             ["--hardware", "x100"],
-            "--hardware: 'x100' is not one of a100-80gb, h100-80gb, h200-141gb",
+            "--hardware: 'x100' is not one of a100-80gb, b200-180gb, h100-80gb, h200-141gb",
         ),
         (["--gpu-memory", "0.001"], "no layout fits 8 x a100-80gb"),
         (["--gpus", "12", "--gpus-per-node", "8"], "gpus: 12 is not a whole number of nodes of 8"),
@@ -180,12 +182,14 @@ def test_published_runs_are_whole_layouts_with_their_sources():
     import importlib.util
     import math
     import os
+    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location(
         "published", os.path.join(root, "benchmarks", "published.py")
     )
     published = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = published  # its dataclasses look their module up
     spec.loader.exec_module(published)
     with open(published.RUNS) as f:
         rows = list(csv.DictReader(f))
@@ -196,13 +200,23 @@ def test_published_runs_are_whole_layouts_with_their_sources():
         assert int(r["batch"]) % (int(r["dp"]) * int(r["micro"] or 1)) == 0, r["id"]
         assert r["source"] and r["where"] and r["checked"], r["id"]
         assert r["gpu"] in ("a100-80gb", "h100-80gb"), r["id"]
+        assert r["system"] in published.SYSTEMS, r["id"]
+        assert int(r["stage"]) in published.SYSTEMS[r["system"]].stages, r["id"]
     result = published.evaluate(rows, with_search=False)
     priced = [e for e in result["rows"] if not e["skipped"]]
-    assert len(priced) == result["priced"] >= 20
+    assert len(priced) == result["priced"] >= 28
     assert all(math.isfinite(e["predicted"]) and e["predicted"] > 0 for e in priced)
     skipped = {e["id"]: e["skipped"] for e in result["rows"] if e["skipped"]}
     assert skipped["llama3-405b-131k"] == "context parallelism"
     assert skipped["megatron-8b"] == "fp8 compute"
+    assert skipped["megascale-175b"].startswith("parallel block")
+    # the cost model against the record (issue 56's goal: within 15% on average), with the
+    # nominal profiles' two fitted figures what the fit over these rows gives, not set by hand
+    assert result["mape"] <= 0.15, result["mape"]
+    fitted = published.fit(rows)
+    for name in ("kernel_derate", "link_efficiency"):
+        assert all(getattr(hw, name) == fitted[name] for hw in PROFILES.values()), name
+    assert fitted["leave_one_out_mape"] <= 0.15, fitted
 
 
 def test_the_busiest_pipeline_stage_paces_an_uneven_split():
@@ -212,7 +226,75 @@ def test_the_busiest_pipeline_stage_paces_an_uneven_split():
     hw = profile("h100-80gb", gpus=4)
     c = Candidate(dp=1, tp=2, pp=2, stage=0, micro_batch=1, gas=4)
     p = predict(m, 4, c, hw)
-    even_share = model_flops(m, 4) / c.world / (hw.peak_flops * hw.matmul_efficiency)
+    even_share = compute_seconds(m, 4, c, hw)
     assert p.compute_s == pytest.approx(even_share * 4 / 3, rel=1e-12)
     even = predict(replace(m, layers=4), 4, c, hw)  # 2 layers a stage, evenly
     assert p.tp_s == pytest.approx(even.tp_s, rel=1e-12)  # the busiest stage's collectives
+
+
+def test_the_step_outside_the_matmuls_is_counted_per_kernel():
+    """hbm_bytes against a count by hand for one GPT layer and one Llama layer (tp 2, the
+    replicated width split only under sequence parallelism), and compute_seconds as the
+    roofline of its parts: matmuls at the matmul rate, flash attention's causal half at its
+    own, the bytes at the memory bandwidth."""
+    d, t, tokens = 2, 2, 4 * 64  # bf16, tp 2, a batch of 4 sequences of 64 on one dp rank
+    gpt = Transformer(layers=2, hidden=32, heads=4, vocab=100, seq=64)  # dropout, LayerNorm
+    c = Candidate(dp=1, tp=t, pp=1, stage=0, micro_batch=4, gas=1)
+    h, f = 32, 128
+    # forward per token: 2 LayerNorms (2d each, h/t under sp), 2 residuals behind eager dropout
+    # (3d + 2d + a mask byte), GELU over f/t (2d); backward twice that
+    forward = 2 * 2 * d * h / t + 2 * (3 * d + 2 * d + 1) * h / t + 2 * d * f / t
+    loss = (2 * d + 40) * 100 / t  # eager fp32 softmax over the vocabulary, forward + backward
+    assert hbm_bytes(gpt, 4, c) == pytest.approx(tokens * (3 * forward * 2 + loss), rel=1e-12)
+    whole = replace(c, software=Software(sequence_parallel=False))
+    replicated = 2 * 2 * d * h + 2 * (5 * d + 1) * h + 2 * d * f / t
+    assert hbm_bytes(gpt, 4, whole) == pytest.approx(tokens * (3 * replicated * 2 + loss))
+    scores = replace(c, software=Software(flash=False, fused=True))  # materialised, fused
+    fused = 2 * 2 * d * h / t + 2 * (3 * d + 1) * h / t + 2 * d * f / t
+    core = (4 * d + 2 * d + 1) * 4 / t * 64  # written, softmaxed, dropped out, read
+    want = tokens * (3 * (fused + core) * 2 + (2 * d + 8) * 100 / t)
+    assert hbm_bytes(gpt, 4, scores) == pytest.approx(want, rel=1e-12)
+
+    llama = Transformer(
+        layers=2, hidden=32, heads=4, kv_heads=2, vocab=100, seq=64, ffn=96, gated=True,
+        positions=False, dropout=False, bias=False, tied=False,
+    )  # fmt: skip
+    full = replace(c, recompute="full")
+    kv = 16
+    forward = 2 * (4 * d + 28) * h / t + 2 * 3 * d * h / t + 5 * d * 96 / t
+    forward += (2 * d + 16) * (h + kv) / t  # rotary through fp32 complex numbers
+    assert hbm_bytes(llama, 4, full) == pytest.approx(tokens * (4 * forward * 2 + loss))
+
+    hw = profile("h100-80gb", gpus=2)
+    flops = model_flops(gpt, 4) - attention_core_flops(gpt, 4)
+    rate = hw.peak_flops * hw.kernel_derate
+    want = (
+        flops / (rate * hw.matmul_efficiency) / 2
+        + attention_core_flops(gpt, 4) / 2 / (rate * hw.attention_efficiency) / 2
+        + hbm_bytes(gpt, 4, c) / (hw.hbm_bw * hw.kernel_derate)
+    )
+    assert compute_seconds(gpt, 4, c, hw) == pytest.approx(want, rel=1e-12)
+
+
+def test_software_that_cannot_overlap_or_regathers_pays_for_it():
+    """Stage 3 under full recompute gathers each layer a third time (zerostack's engine does,
+    as DeepSpeed's: measured with the CommLog, 3 gathers per block's large weights instead of
+    2); Megatron's 2021 DDP reduces after backward, so its all-reduce is all exposed."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("a100-80gb", gpus=64)
+    z3 = Candidate(dp=64, tp=1, pp=1, stage=3, micro_batch=1, gas=1, recompute="full")
+    units = 8 + 3
+    psi_bytes = m.params * 2
+    one = (63 / 64) * psi_bytes / units / (hw.inter_bw * hw.link_efficiency)
+    one += 63 * hw.inter_latency
+    reduce = (63 / 64) * psi_bytes / (hw.inter_bw * hw.link_efficiency) + 63 * hw.inter_latency
+    p = predict(m, 64, z3, hw)
+    assert p.dp_s == pytest.approx(3 * units * one + reduce, rel=1e-9)
+    once = predict(m, 64, replace(z3, software=Software(regather=False)), hw)
+    assert once.dp_s == pytest.approx(2 * units * one + reduce, rel=1e-9)
+
+    ddp = Candidate(dp=64, tp=1, pp=1, stage=0, micro_batch=1, gas=1)
+    after = predict(m, 64, replace(ddp, software=Software(overlap_grad_reduce=False)), hw)
+    assert after.dp_exposed_s == pytest.approx(after.dp_s, rel=1e-12)
+    during = predict(m, 64, ddp, hw)
+    assert during.dp_exposed_s == pytest.approx(max(0.0, during.dp_s - 2 / 3 * during.compute_s))

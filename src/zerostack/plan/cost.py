@@ -42,6 +42,29 @@ from .hardware import Hardware
 
 
 @dataclass(frozen=True)
+class Software:
+    """How the step is implemented, which sets what it spends beyond its matmuls.
+
+    ``flash``: the attention core is one fused kernel (FlashAttention; torch's
+    ``scaled_dot_product_attention`` on a GPU, as zerostack's models call it); False: the s x s
+    scores are materialised and pass through HBM (scale, mask, softmax, dropout), as Megatron
+    and DeepSpeed ran before 2022. ``fused``: elementwise work is fused (Megatron's and Apex's
+    kernels, or ``torch.compile``); False: eager PyTorch, one kernel per operation.
+    ``sequence_parallel``: under tp, the LayerNorms, dropouts and residuals are split over the
+    tp ranks (Korthikanti et al. 2022); False: every tp rank runs them whole.
+    ``overlap_grad_reduce``: data parallelism's gradient reduction runs during backward (as
+    zerostack, DDP, DeepSpeed and FSDP do); False: after it (Megatron-LM's own DDP until 2023).
+    ``regather``: stage 3 gathers a layer's parameters again for its recomputed forward
+    (DeepSpeed's hooks release them after every forward); False: backward's gather serves it."""
+
+    flash: bool = True
+    fused: bool = False
+    sequence_parallel: bool = True
+    overlap_grad_reduce: bool = True
+    regather: bool = True
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One layout to price: the grid, ZeRO stage, micro-batch, recompute and offload."""
 
@@ -55,6 +78,7 @@ class Candidate:
     offload: str = "none"
     precision: str = "bf16"
     chunks: int = 1  # model chunks per pipeline rank (2: the interleaved schedule)
+    software: Software = Software()
 
     @property
     def world(self) -> int:
@@ -76,7 +100,8 @@ class Candidate:
             micro_batch=self.micro_batch,
             gas=self.gas,
             recompute=self.recompute,
-            sequence_parallel=self.tp > 1,
+            sequence_parallel=self.tp > 1 and self.software.sequence_parallel,
+            flash=self.software.flash,
             in_flight=pipeline(self.pp, self.gas, self.chunks)[1],
         )
 
@@ -119,6 +144,73 @@ def model_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float
     return total
 
 
+CAUSAL = 0.5  # a causal mask leaves the fused attention kernel half the square to compute
+
+
+def attention_core_flops(m: Transformer, batch: int, *, recompute: str = "none") -> float:
+    """The attention core's share of :func:`model_flops`: 4 B s^2 l h a forward (Q K^T and the
+    weighted sum of V, counted over the whole square as Narayanan et al. count it), three
+    forwards' worth with backward, one more when recompute runs it again."""
+    passes = 3 + (1 if recompute in ("full", "selective") else 0)
+    return 4 * batch * m.seq * m.seq * m.hidden * m.layers * passes
+
+
+def hbm_bytes(m: Transformer, batch: int, c: Candidate) -> float:
+    """Bytes one rank moves through device memory in one step outside the matmuls, at an even
+    share of the layers (the caller scales to the busiest stage): what the elementwise kernels
+    read and write, counted per operation (``d`` bytes per element, dropout masks 1 byte).
+
+    Per token and layer, forward: two norms (LayerNorm one kernel, 2 d; an eager RMSNorm
+    upcasts, squares, averages, scales and casts back, 4 d + 28, fused 2 d); two residual
+    additions (3 d), each behind a dropout when there is one (eager 2 d more; a mask byte);
+    the MLP's activation over its width (GELU 2 d; SwiGLU eager 5 d, fused 3 d); rotary
+    positions on Q and K (eager through fp32 complex numbers, 2 d + 16; fused 2 d); unless the
+    attention is flash, its scores, a / t x s per token (written, softmaxed: fused 2 d,
+    eager scale, mask and softmax 6 d; dropped out: 2 d and a mask byte; read), and the loss
+    over the vocabulary (eager fp32 softmax and its gradient 2 d + 40, fused 2 d + 8, per
+    token and vocabulary entry over t). Backward moves twice the forward's bytes; a recomputed
+    forward moves them again (selective recompute: the scores only). Widths split over tp are
+    divided by t; the norms and residuals only under sequence parallelism."""
+    k, d, t = c.software, PRECISION_BYTES[c.precision], c.tp
+    h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
+    whole = h / (t if k.sequence_parallel else 1)  # the replicated width under tp
+    if m.gated:  # Llama-style: RMSNorm, SwiGLU
+        norm = 2 * d if k.fused else 4 * d + 28
+        act = (3 if k.fused else 5) * d * f / t
+    else:
+        norm, act = 2 * d, 2 * d * f / t
+    dropout = ((0 if k.fused else 2 * d) + 1) if m.dropout else 0
+    per_token = 2 * norm * whole + 2 * (3 * d + dropout) * whole + act
+    if not m.positions:
+        per_token += (2 * d if k.fused else 2 * d + 16) * (h + kv) / t
+    forwards = 3 + (1 if c.recompute == "full" else 0)
+    layer = per_token * forwards
+    if not k.flash:
+        score = (4 * d if k.fused else 8 * d) + ((2 * d + 1) if m.dropout else 0)
+        layer += score * m.heads / t * m.seq * (3 + (c.recompute != "none"))
+    tokens = batch * m.seq / c.dp
+    loss = (2 * d + (8 if k.fused else 40)) * m.vocab / t / c.pp
+    return tokens * (layer * m.layers / c.pp + loss)
+
+
+def compute_seconds(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> float:
+    """Seconds one rank computes in one step at an even share of the layers: the matmuls at
+    ``matmul_efficiency`` of peak, the attention core at ``attention_efficiency`` (flash, its
+    causal half) or as matmuls (materialised scores), and :func:`hbm_bytes` at the device's
+    memory bandwidth, one after another (a roofline per kernel: a transformer's kernels are
+    each either compute or memory bound)."""
+    rate = hw.peak_flops * hw.kernel_derate
+    matmul = rate * hw.matmul_efficiency
+    total = model_flops(m, batch, recompute=c.recompute)
+    core = attention_core_flops(m, batch, recompute=c.recompute)
+    if c.software.flash and hw.attention_efficiency:
+        attention = core * CAUSAL / (rate * hw.attention_efficiency)
+    else:
+        attention = core / matmul
+    memory = hbm_bytes(m, batch, c) / (hw.hbm_bw * hw.kernel_derate)
+    return ((total - core) / matmul + attention) / c.world + memory
+
+
 def _ring(nbytes: float, n: int, bw: float, latency: float, passes: int = 1) -> float:
     """Seconds of ``passes`` ring reduce-scatters / all-gathers of ``nbytes`` over ``n`` ranks."""
     if n <= 1:
@@ -129,8 +221,8 @@ def _ring(nbytes: float, n: int, bw: float, latency: float, passes: int = 1) -> 
 def _link(hw: Hardware, span: int) -> tuple[float, float]:
     """Bandwidth and latency of a group whose ranks are ``span`` devices apart end to end."""
     if span <= hw.gpus_per_node:
-        return hw.intra_bw, hw.intra_latency
-    return hw.inter_bw, hw.inter_latency
+        return hw.intra_bw * hw.link_efficiency, hw.intra_latency
+    return hw.inter_bw * hw.link_efficiency, hw.inter_latency
 
 
 @dataclass
@@ -175,11 +267,10 @@ def tp_collectives(layers: float, recompute: str = "none") -> tuple[float, float
 def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Prediction:
     """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
     d = PRECISION_BYTES[c.precision]
-    achieved = hw.peak_flops * hw.matmul_efficiency
     flops = model_flops(m, batch, recompute=c.recompute)
     # the busiest pipeline stage paces the step: more than layers / pp when they do not divide
     busiest = max(m.stage_layers(c.pp))
-    compute = flops / c.world / achieved * busiest * c.pp / m.layers
+    compute = compute_seconds(m, batch, c, hw) * busiest * c.pp / m.layers
     backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
     bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]
     if hw.shared_cores:  # idle ranks lend their cores: the machine's throughput bounds the step
@@ -208,17 +299,20 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     grads = psi * d
     # stages 1-3: the gradient norm's all-reduce over the shards (stage 0 has whole gradients)
     norm = _ring(4, c.dp, bw, lat, passes=2) if c.stage else 0.0
+    # the gradients' reduction overlaps backward (the last micro-batch's, with accumulation)
+    overlap = backward / c.gas if c.software.overlap_grad_reduce else 0.0
     if c.stage <= 1:
         dp_s = _ring(grads, c.dp, bw, lat, passes=2)  # all-reduce (or reduce-scatter + gather)
-        overlap = backward
     elif c.stage == 2:
         dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)
-        overlap = backward
+        overlap = backward if c.software.overlap_grad_reduce else 0.0
     else:
-        # per micro-batch each fetch unit gathered in forward and again in backward, and the
-        # gradients reduced; prefetched and asynchronous, so it overlaps compute where it can
+        # per micro-batch each fetch unit gathered in forward, again for a recomputed forward
+        # (Software.regather) and in backward, and the gradients reduced; prefetched and
+        # asynchronous, so it overlaps compute where it can
         units = stage3_fetch_units(busiest)
-        gathers = 2 * units * _ring(grads / units, c.dp, bw, lat)
+        passes = 2 + (c.recompute == "full" and c.software.regather)
+        gathers = passes * units * _ring(grads / units, c.dp, bw, lat)
         dp_s = c.gas * (gathers + _ring(grads, c.dp, bw, lat))
         overlap = compute
     if hw.shared_cores:  # collectives run on the cores compute needs

@@ -32,6 +32,18 @@ class Hardware:
     memory_bytes: float
     peak_flops: float  # per device, in the training dtype
     matmul_efficiency: float = 0.6  # achieved / peak on a transformer's matmuls
+    # the attention core (FlashAttention's fused kernel): achieved / peak in the flops it
+    # really runs (causal: half the square); 0: as matmul_efficiency (a calibrated machine,
+    # whose layer measurement already holds it)
+    attention_efficiency: float = 0.0
+    hbm_bw: float = float("inf")  # device memory bandwidth (inf: elementwise work is in the
+    # measured efficiency, as a calibrated machine's is)
+    # what a training step's kernels reach of each kernel's own benchmark above (smaller shapes
+    # than the best, gaps between launches, interference with communication), and NCCL's bus
+    # bandwidth of the links' line rate: fitted to the published runs for the nominal profiles
+    # (benchmarks/published.py --fit), 1 for a calibrated machine (measured as a step runs)
+    kernel_derate: float = 1.0
+    link_efficiency: float = 1.0
     intra_bw: float = 150 * GB  # inside a node, per device
     inter_bw: float = 12.5 * GB  # between nodes, per device
     intra_latency: float = 5e-6
@@ -55,15 +67,42 @@ class Hardware:
         for name in ("memory_bytes", "peak_flops", "intra_bw", "inter_bw"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"{name}: {getattr(self, name)} must be positive")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise PlanError(f"matmul_efficiency: {self.matmul_efficiency} is not in (0, 1]")
+        fractions = (
+            "matmul_efficiency",
+            "attention_efficiency",
+            "kernel_derate",
+            "link_efficiency",
+        )
+        for name in fractions:
+            value = getattr(self, name)
+            if not 0 < value <= 1 and not (name == "attention_efficiency" and value == 0):
+                raise PlanError(f"{name}: {value} is not in (0, 1]")
+        if self.hbm_bw <= 0:
+            raise PlanError(f"hbm_bw: {self.hbm_bw} must be positive")
 
     def scaled(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
 
-# Nominal profiles: peak dense bf16/fp16 tensor-core figures from the vendors' data sheets,
-# NVLink / InfiniBand per-device one-direction bandwidths as commonly configured.
+# Nominal profiles, each figure with its source:
+# * peak: the vendors' data sheets, dense bf16/fp16 tensor cores (A100 312 TFLOP/s; H100 and H200
+#   SXM 989; HGX B200 2,250), HBM bandwidth likewise (A100 80GB 2.039 TB/s; H100 SXM 3.35;
+#   H200 4.8; B200 8.0);
+# * matmul_efficiency: the Maximum Achievable Matmul FLOPS measured with mamf-finder.py over
+#   bf16 shapes (stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable
+#   Matmul FLOPS comparison table"): A100 SXM 267.9 of 312 (85.9%), H100 SXM 792.1 of 989
+#   (80.1%); H200 and B200 are not in it: the H100's fraction is used (H200 is the same chip);
+# * attention_efficiency: FlashAttention-2 (Dao 2023, arXiv 2307.08691, section 4.1): forward
+#   and backward reach 50-73% of the A100's peak (0.55 taken, the causal, 2k-8k end) and up to
+#   335 TFLOP/s on an H100 (0.34); B200 assumed as H100;
+# * links: NVLink 3 600 GB/s and NVLink 4 900 GB/s bidirectional per GPU (300 and 450 one way);
+#   NVLink 5 1.8 TB/s (900 one way); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200,
+#   B200) InfiniBand adapter per GPU, as DGX A100/H100/B200 have: 25 and 50 GB/s one way.
+# * kernel_derate and link_efficiency: fitted together to the 28 published runs the cost model
+#   prices (benchmarks/published.py --fit: 9.5% mean absolute error, and 9.5% for each row
+#   predicted with the pair fitted to the others).
+FITTED = {"kernel_derate": 0.775, "link_efficiency": 0.9}
+
 PROFILES: dict[str, Hardware] = {
     "a100-80gb": Hardware(
         name="a100-80gb",
@@ -71,11 +110,14 @@ PROFILES: dict[str, Hardware] = {
         gpus_per_node=8,
         memory_bytes=80 * GB,
         peak_flops=312e12,
-        matmul_efficiency=0.65,
-        intra_bw=300 * GB,  # NVLink 3: 600 GB/s bidirectional
-        inter_bw=25 * GB,  # 8 x 200 Gb/s HDR per node: 200 Gb/s per device
+        matmul_efficiency=0.859,
+        attention_efficiency=0.55,
+        hbm_bw=2039 * GB,
+        intra_bw=300 * GB,
+        inter_bw=25 * GB,
         host_bw=25 * GB,
         device_adam_bytes_per_s=1.6e12,
+        **FITTED,
     ),
     "h100-80gb": Hardware(
         name="h100-80gb",
@@ -83,11 +125,14 @@ PROFILES: dict[str, Hardware] = {
         gpus_per_node=8,
         memory_bytes=80 * GB,
         peak_flops=989e12,
-        matmul_efficiency=0.55,
-        intra_bw=450 * GB,  # NVLink 4: 900 GB/s bidirectional
-        inter_bw=50 * GB,  # 8 x 400 Gb/s NDR per node
+        matmul_efficiency=0.801,
+        attention_efficiency=0.34,
+        hbm_bw=3350 * GB,
+        intra_bw=450 * GB,
+        inter_bw=50 * GB,
         host_bw=50 * GB,
         device_adam_bytes_per_s=2.8e12,
+        **FITTED,
     ),
     "h200-141gb": Hardware(
         name="h200-141gb",
@@ -95,11 +140,29 @@ PROFILES: dict[str, Hardware] = {
         gpus_per_node=8,
         memory_bytes=141 * GB,
         peak_flops=989e12,
-        matmul_efficiency=0.55,
+        matmul_efficiency=0.801,
+        attention_efficiency=0.34,
+        hbm_bw=4800 * GB,
         intra_bw=450 * GB,
         inter_bw=50 * GB,
         host_bw=50 * GB,
         device_adam_bytes_per_s=4.0e12,
+        **FITTED,
+    ),
+    "b200-180gb": Hardware(
+        name="b200-180gb",
+        gpus=8,
+        gpus_per_node=8,
+        memory_bytes=180 * GB,
+        peak_flops=2250e12,
+        matmul_efficiency=0.801,
+        attention_efficiency=0.34,
+        hbm_bw=8000 * GB,
+        intra_bw=900 * GB,
+        inter_bw=50 * GB,
+        host_bw=64 * GB,
+        device_adam_bytes_per_s=6.4e12,
+        **FITTED,
     ),
 }
 

@@ -5,7 +5,8 @@ The search space is the grid (tp x pp x dp = gpus), the ZeRO stage, the micro-ba
 family of layouts:
 
 * tp divides the heads and stays inside a node (its all-reduces are on the critical path);
-* pp divides the layers; under a pipeline zerostack runs ZeRO stage 0 or 1 (stages 2-3 are not
+* pp divides the layers or is a power of two up to them (the busiest stage of an uneven split
+  paces the step); under a pipeline zerostack runs ZeRO stage 0 or 1 (stages 2-3 are not
   searched there);
 * dp divides the global batch and the micro-batch divides each rank's share;
 * the predicted bytes per rank fit ``memory_fraction`` of the device (the rest is the allocator's
@@ -24,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..estimate import Transformer
-from .cost import Candidate, Prediction, predict
+from .cost import Candidate, Prediction, Software, predict
 from .hardware import GB, Hardware, PlanError
 
 RECOMPUTE = ("none", "selective", "full")
@@ -32,6 +33,12 @@ RECOMPUTE = ("none", "selective", "full")
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _pipeline_sizes(layers: int) -> list[int]:
+    """Pipeline sizes to try: the divisors of the layers and the powers of two up to them (an
+    uneven split, priced by its busiest stage, as the engine's partition cuts it)."""
+    return sorted(set(_divisors(layers)) | set(_powers_of_two(layers)))
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -66,9 +73,15 @@ def search(
     precision: str = "bf16",
     memory_fraction: float = 0.9,
     offload: bool = True,
+    software: Software | None = None,
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    recompute: tuple[str, ...] = RECOMPUTE,
 ) -> Plan:
-    """Every layout of ``m`` on ``hw.gpus`` devices for a global batch of ``batch`` sequences."""
+    """Every layout of ``m`` on ``hw.gpus`` devices for a global batch of ``batch`` sequences:
+    ``software`` as implemented, ZeRO ``stages`` and ``recompute`` kinds among those given
+    (what another system can run, when a plan is held to its published runs)."""
     t0 = time.perf_counter()
+    software = software or Software()
     if batch < 1:
         raise PlanError(f"--batch: {batch} is not a positive number of sequences")
     dropped: Counter[str] = Counter()
@@ -84,7 +97,7 @@ def search(
         if tp > hw.gpus_per_node:
             dropped[f"tp {tp}: spans nodes ({hw.gpus_per_node} devices per node)"] += 1
             continue
-        for pp in _divisors(m.layers):
+        for pp in _pipeline_sizes(m.layers):
             if hw.gpus % (tp * pp):
                 continue  # not a grid of this many devices: not a layout at all
             dp = hw.gpus // (tp * pp)
@@ -92,17 +105,17 @@ def search(
                 dropped[f"dp {dp}: does not divide the batch of {batch}"] += 1
                 continue
             per_rank = batch // dp
-            stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            allowed = [z for z in stages if pp == 1 or z <= 1]
             for mb in _powers_of_two(per_rank):
                 if per_rank % mb:
                     continue
                 gas = per_rank // mb
-                for stage, chunks in itertools.product(stages, _chunks(m, pp, gas)):
+                for stage, chunks in itertools.product(allowed, _chunks(m, pp, gas)):
                     wheres = ("none", "cpu") if offload and stage > 0 else ("none",)
-                    for where, recompute in itertools.product(wheres, RECOMPUTE):
+                    for where, kind in itertools.product(wheres, recompute):
                         considered += 1
                         c = Candidate(
-                            dp, tp, pp, stage, mb, gas, recompute, where, precision, chunks
+                            dp, tp, pp, stage, mb, gas, kind, where, precision, chunks, software
                         )
                         p = predict(m, batch, c, hw)
                         key = (tp, pp)
