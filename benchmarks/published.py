@@ -35,12 +35,14 @@ class System:
     """What the software that made a row could run: how it implements a step (the cost model's
     :class:`Software`), the ZeRO stages it has (0: replicated optimizer; Megatron's distributed
     optimizer is 1; FSDP without resharding after forward 2, with it 3) and whether it offloads
-    the optimizer. The planner's search for a row is held to them."""
+    the optimizer, and (``model_parallel``) whether the run let tensor and pipeline parallelism
+    in at all. The planner's search for a row is held to them."""
 
     software: Software
     stages: tuple[int, ...]
     offload: bool
     why: str
+    model_parallel: bool = True  # False: the run compared data parallelism alone
 
 
 _FUSED_2021 = Software(flash=False, fused=True, sequence_parallel=False, overlap_grad_reduce=False)
@@ -58,6 +60,7 @@ SYSTEMS = {
         False,
         "DeepSpeed ZeRO-3 on Megatron's GPT, as Narayanan et al. ran it: a method compared "
         "without tensor or pipeline parallelism",
+        model_parallel=False,
     ),
     "megatron-deepspeed-2022": System(
         _FUSED_2021,
@@ -192,6 +195,7 @@ def evaluate(rows: list[dict], with_search: bool = True, **overrides) -> dict:
                     stages=system.stages,
                     offload=system.offload,
                     recompute=(c.recompute,),
+                    model_parallel=system.model_parallel,
                 ).best
                 entry["best"] = best.candidate.__dict__
                 entry["match"] = p.step_s <= best.step_s * 1.05
@@ -237,11 +241,43 @@ def fit(rows: list[dict]) -> dict:
     }
 
 
+def plot(result: dict, path: str) -> None:
+    """Predicted over published, one point per priced row, against the published figure (log
+    axis: TFLOP/s and tokens/s share the picture); the 15% band, and names on the rows outside
+    it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    priced = [e for e in result["rows"] if not e["skipped"]]
+    for metric, marker in (("tflops_per_gpu", "o"), ("tokens_per_s_per_gpu", "s")):
+        rows = [e for e in priced if e["metric"] == metric]
+        ax.scatter([e["published"] for e in rows], [1 + e["error"] for e in rows],
+                   marker=marker, label=metric.replace("_", " "))  # fmt: skip
+        for e in rows:
+            if abs(e["error"]) > 0.15:
+                ax.annotate(e["id"], (e["published"], 1 + e["error"]), fontsize=6)
+    ax.axhline(1.0, linewidth=0.8)
+    for k in (0.85, 1.15):
+        ax.axhline(k, linestyle="--", linewidth=0.6, color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("published, per GPU (TFLOP/s or tokens/s)")
+    ax.set_ylabel("predicted / published")
+    ax.set_title(f"zerostack plan against {result['priced']} published runs: "
+                 f"mean absolute error {result['mape']:.1%}")  # fmt: skip
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-search", action="store_true", help="skip the layout search per row")
     p.add_argument("--fit", action="store_true", help="fit the profiles' two derating figures")
+    p.add_argument("--plot", metavar="PNG", help="draw predicted against published here")
     args = p.parse_args()
     with open(RUNS) as f:
         rows = list(csv.DictReader(f))
@@ -253,6 +289,8 @@ def main() -> int:
               f"with the pair fitted to the others: {f['leave_one_out_mape']:.1%}")  # fmt: skip
         return 0
     result = evaluate(rows, with_search=not args.no_search)
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -12,7 +12,13 @@ from zerostack.config import load_config
 from zerostack.estimate import Transformer
 from zerostack.models import GPT, GPTConfig
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
-from zerostack.plan.cost import Software, attention_core_flops, compute_seconds, hbm_bytes
+from zerostack.plan.cost import (
+    Software,
+    attention_core_flops,
+    compute_seconds,
+    dp_traffic,
+    hbm_bytes,
+)
 from zerostack.plan.hardware import PROFILES
 from zerostack.plan.search import search
 
@@ -277,24 +283,35 @@ def test_the_step_outside_the_matmuls_is_counted_per_kernel():
 
 
 def test_software_that_cannot_overlap_or_regathers_pays_for_it():
-    """Stage 3 under full recompute gathers each layer a third time (zerostack's engine does,
-    as DeepSpeed's: measured with the CommLog, 3 gathers per block's large weights instead of
-    2); Megatron's 2021 DDP reduces after backward, so its all-reduce is all exposed."""
+    """Stage 3 under full recompute gathers each layer again but its last matrix (zerostack's
+    engine does, as DeepSpeed's: tests/test_dryrun.py holds dp_traffic to its CommLog), and the
+    step prices those bytes over the ring; Megatron's 2021 DDP reduces after backward, so its
+    all-reduce is all exposed."""
     m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
     hw = profile("a100-80gb", gpus=64)
     z3 = Candidate(dp=64, tp=1, pp=1, stage=3, micro_batch=1, gas=1, recompute="full")
-    units = 8 + 3
-    psi_bytes = m.params * 2
-    one = (63 / 64) * psi_bytes / units / (hw.inter_bw * hw.link_efficiency)
-    one += 63 * hw.inter_latency
-    reduce = (63 / 64) * psi_bytes / (hw.inter_bw * hw.link_efficiency) + 63 * hw.inter_latency
-    p = predict(m, 64, z3, hw)
-    assert p.dp_s == pytest.approx(3 * units * one + reduce, rel=1e-9)
-    once = predict(m, 64, replace(z3, software=Software(regather=False)), hw)
-    assert once.dp_s == pytest.approx(2 * units * one + reduce, rel=1e-9)
+    once = replace(z3, software=Software(regather=False))
+    qkv, proj, fc = 3 * 1024 * 1024, 1024 * 1024, 4 * 1024 * 1024  # the last (fc2) stays held
+    extra = dp_traffic(m, z3)["all_gather"] - dp_traffic(m, once)["all_gather"]
+    assert extra == 8 * (qkv + proj + fc) * 2  # bf16, pieces of 64 whole blocks: no padding
+    bw = hw.inter_bw * hw.link_efficiency
+    seconds = predict(m, 64, z3, hw).dp_s - predict(m, 64, once, hw).dp_s
+    assert seconds == pytest.approx(63 / 64 * extra / bw + 8 * 63 * hw.inter_latency, rel=1e-9)
 
     ddp = Candidate(dp=64, tp=1, pp=1, stage=0, micro_batch=1, gas=1)
     after = predict(m, 64, replace(ddp, software=Software(overlap_grad_reduce=False)), hw)
     assert after.dp_exposed_s == pytest.approx(after.dp_s, rel=1e-12)
     during = predict(m, 64, ddp, hw)
     assert during.dp_exposed_s == pytest.approx(max(0.0, during.dp_s - 2 / 3 * during.compute_s))
+
+
+def test_a_search_held_to_a_systems_reach():
+    """What another system could run (benchmarks/published.py holds each row's search to it):
+    the stages, the recompute kinds and, without model parallelism, dp alone."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("a100-80gb", gpus=16)
+    free = search(m, hw, 64)
+    assert {(p.candidate.tp, p.candidate.pp) for p in free.ranked} != {(1, 1)}
+    held = search(m, hw, 64, stages=(3,), recompute=("full",), model_parallel=False)
+    assert {(p.candidate.tp, p.candidate.pp, p.candidate.dp) for p in held.ranked} == {(1, 1, 16)}
+    assert {(p.candidate.stage, p.candidate.recompute) for p in held.ranked} == {(3, "full")}

@@ -168,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", default=None, help="a tag other than the latest")
     c.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
     from zerostack.checkpoint.convert import add_parser as add_convert
+    from zerostack.dryrun import add_parser as add_dryrun
     from zerostack.estimate.command import add_parser as add_estimate
     from zerostack.launcher.runner import add_parser as add_launch
     from zerostack.plan.command import add_parser as add_plan
@@ -175,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     add_convert(sub)
     add_estimate(sub)
     add_plan(sub)
+    add_dryrun(sub)
     add_launch(sub)
     return p
 
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     elif args.command == "plan":
         from zerostack.plan.command import run
+
+        return run(args)
+    elif args.command == "dryrun":
+        from zerostack.dryrun import run
 
         return run(args)
     elif args.command == "launch":

@@ -277,8 +277,13 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
+        """The rank's device: its GPU, the CPU, or, under torch's ``fake`` process group (a dry
+        run: :mod:`zerostack.dryrun`), the meta device, where tensors have shapes and no
+        data."""
         if self.mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
+        if dist.is_initialized() and dist.get_backend() == "fake":
+            return torch.device("meta")
         return torch.device("cpu")
 
     def coords(self) -> dict[str, int]:

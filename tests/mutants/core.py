@@ -153,4 +153,11 @@ MUTANTS: list[Mutant] = [
         "        if False:  # 16-bit",
         ("tests/test_memory.py::test_live_storage_census_matches_the_zero_formulas[2]",),
     ),
+    Mutant(
+        "storage identity by data pointer: every meta tensor looks shared",
+        "core/storage.py",
+        "    return a.untyped_storage()._cdata == b.untyped_storage()._cdata",
+        "    return a.data_ptr() == b.data_ptr()",
+        ("tests/test_dryrun.py::test_the_engine_at_1024_ranks_holds_what_the_estimate_says",),
+    ),
 ]

@@ -69,7 +69,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "estimate: the tied output layer left off the last pipeline stage",
         "estimate/activations.py",
-        "out += norm + ([self.vocab * h // t] if pp > 1 else [])",
+        "out += norm + ([vocab] if pp > 1 or not self.tied else [])",
         "out += norm",
         ("tests/test_estimate.py::test_estimate_from_the_model_description_matches_every_rank",),
     ),
@@ -96,5 +96,26 @@ MUTANTS: list[Mutant] = [
             "tests/test_estimate.py::test_uneven_pipeline_stages_are_estimated_as_the_engine_cuts_them[3-2]",
             "tests/test_estimate.py::test_uneven_pipeline_stages_are_estimated_as_the_engine_cuts_them[5-3]",
         ),
+    ),
+    Mutant(
+        "estimate: a Hugging Face model's embeddings split over tp as the reference GPT's",
+        "estimate/activations.py",
+        "        vocab = self.vocab * h // (t if self.vocab_parallel else 1)",
+        "        vocab = self.vocab * h // t",
+        ("tests/test_dryrun.py::test_the_engine_at_1024_ranks_holds_what_the_estimate_says",),
+    ),
+    Mutant(
+        "estimate: grouped-query attention's K and V counted as wide as Q",
+        "estimate/activations.py",
+        "            layer = [h, h * h // t, kv * h // t, kv * h // t, h * h // t]",
+        "            layer = [h, h * h // t, h * h // t, h * h // t, h * h // t]",
+        ("tests/test_dryrun.py::test_the_engine_at_1024_ranks_holds_what_the_estimate_says",),
+    ),
+    Mutant(
+        "estimate: an untied output layer left off the last stage without a pipeline",
+        "estimate/activations.py",
+        "            out += norm + ([vocab] if pp > 1 or not self.tied else [])",
+        "            out += norm + ([vocab] if pp > 1 else [])",
+        ("tests/test_dryrun.py::test_the_engine_at_1024_ranks_holds_what_the_estimate_says",),
     ),
 ]

@@ -50,8 +50,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: stage 2 reduces once per step, not per micro-batch",
         "plan/cost.py",
-        "dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
-        "dp_s = _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)",
+        '        dp_s = c.gas * _ring(traffic.get("reduce_scatter", 0) / c.gas, c.dp, bw, lat)',
+        '        dp_s = _ring(traffic.get("reduce_scatter", 0), c.dp, bw, lat)',
         ("tests/test_plan.py::test_the_dp_collectives_are_what_the_engine_issues",),
     ),
     Mutant(
@@ -85,9 +85,12 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: stage 3 under recompute gathers each layer twice, not three times",
         "plan/cost.py",
-        '        passes = 2 + (c.recompute == "full" and c.software.regather)',
-        "        passes = 2",
-        ("tests/test_plan.py::test_software_that_cannot_overlap_or_regathers_pays_for_it",),
+        '    if c.recompute == "full" and c.software.regather:\n        # the recomputed',
+        "    if False:\n        # the recomputed",
+        (
+            "tests/test_plan.py::test_software_that_cannot_overlap_or_regathers_pays_for_it",
+            "tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_collectives",
+        ),
     ),
     Mutant(
         "plan: a reduction after backward priced as overlapping it",
@@ -109,5 +112,43 @@ MUTANTS: list[Mutant] = [
         "        inter_bw=25 * GB,\n        host_bw=25 * GB,",
         "        inter_bw=25 * GB / 8,\n        host_bw=25 * GB,",
         ("tests/test_plan.py::test_published_runs_are_whole_layouts_with_their_sources",),
+    ),
+    Mutant(
+        "plan: stage 3's gather volume off by the data-parallel factor",
+        "plan/cost.py",
+        "        return sum(piece_numel(n, c.dp) for n in tensors) * c.dp",
+        "        return sum(piece_numel(n, c.dp) for n in tensors)",
+        ("tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_collectives",),
+    ),
+    Mutant(
+        "plan: the recomputed forward regathers the layer's last matrix too",
+        "plan/cost.py",
+        "        gathers += max(m.stage_layers(c.pp)) * padded(layer[:-1])",
+        "        gathers += max(m.stage_layers(c.pp)) * padded(layer)",
+        (
+            "tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_collectives",
+            "tests/test_plan.py::test_software_that_cannot_overlap_or_regathers_pays_for_it",
+        ),
+    ),
+    Mutant(
+        "plan: the tied output layer's extra gather of the embedding left out",
+        "plan/cost.py",
+        "        gathers += padded([embedding])",
+        "        pass",
+        ("tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_collectives",),
+    ),
+    Mutant(
+        "plan: the parameters each rank keeps whole not refreshed after the step",
+        "plan/cost.py",
+        "    all_gather = c.gas * gathers + padded(small)  # after the step: the kept parameters",
+        "    all_gather = c.gas * gathers",
+        ("tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_collectives",),
+    ),
+    Mutant(
+        "plan: a search held to data parallelism still tries tensor parallelism",
+        "plan/search.py",
+        "    for tp in _powers_of_two(hw.gpus if model_parallel else 1):",
+        "    for tp in _powers_of_two(hw.gpus):",
+        ("tests/test_plan.py::test_a_search_held_to_a_systems_reach",),
     ),
 ]

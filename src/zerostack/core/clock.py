@@ -54,6 +54,9 @@ class HostScalar:
         self.event = torch.cuda.Event() if gpu else None
 
     def start(self, t: torch.Tensor) -> None:
+        if t.is_meta:  # a dry run's value has no data: it reads as 0 (finite, nothing clipped)
+            self.host.zero_()
+            return
         self.host.copy_(t.detach(), non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()

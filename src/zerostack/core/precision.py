@@ -200,7 +200,7 @@ def autocast_state(t: torch.Tensor) -> tuple[str, bool, torch.dtype]:
     device the tensors are on). Under a user's ``torch.autocast``, forward's ``F.linear`` computes
     in bf16 and backward, outside the context, would multiply a bf16 gradient by an fp32
     weight."""
-    kind = t.device.type
+    kind = "cpu" if t.is_meta else t.device.type  # a dry run's meta tensors: as the CPU's
     return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
 

@@ -21,6 +21,8 @@ import mmap
 
 import torch
 
+from .storage import same_storage
+
 MIN_BYTES = 8 << 20
 """Smallest buffer given a mapping of its own. A fresh mapping costs the kernel's zeroing of its
 pages at every allocation; below this size that cost (measured: +10-25% step time at 19M
@@ -90,7 +92,7 @@ class Pool:
                 continue
             t = t.view(-1)  # taken back flat, whatever shape it was given in (a matrix)
             free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
-            if len(free) < self.keep and all(f.data_ptr() != t.data_ptr() for f in free):
+            if len(free) < self.keep and not any(same_storage(f, t) for f in free):
                 free.append(t)
 
     def kept(self) -> list[torch.Tensor]:

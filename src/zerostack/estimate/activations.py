@@ -42,6 +42,8 @@ class Transformer:
     gated: bool = False  # a gated MLP (SwiGLU: gate, up and down matrices), as Llama's
     positions: bool = True  # learned position embeddings (GPT-2); False: rotary, no table
     tied: bool = True  # the output layer is the token embedding (False: its own matrix)
+    vocab_parallel: bool = True  # the embedding and output layer split over tp (zerostack's
+    # GPT); False: whole on every tp rank (a Hugging Face model under AutoTP)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -80,25 +82,40 @@ class Transformer:
         6)."""
         return list(_stage_layers(self.layers, pp))
 
+    def layer_tensors(self, tp: int = 1) -> list[int]:
+        """One layer's parameter tensors on a tp rank, in the order the layer uses them (its
+        last matrix is the MLP's output projection): see :meth:`rank_tensors`."""
+        h, f, t, b, kv = self.hidden, self.ffn_hidden, tp, self.bias, self.kv_hidden
+        if self.gated:
+            layer = [h, h * h // t, kv * h // t, kv * h // t, h * h // t]  # norm, q, k, v, o
+            layer += [h, f * h // t, f * h // t, h * f // t]  # norm; gate, up, down
+            if b:
+                layer += [h // t, kv // t, kv // t, h, h, h]  # q, k, v, o biases; norm shifts
+            return layer
+        layer = [h, (h + 2 * kv) * h // t, h * h // t, h, f * h // t, h * f // t]
+        if b:  # LN shifts, QKV, proj, fc, out biases
+            layer += [h, h, (h + 2 * kv) // t, h, f // t, h]
+        return layer
+
     def rank_tensors(self, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
-        """The element counts of the parameter tensors one rank holds, as the reference GPT lays
-        them out: QKV, the MLP's first matrix (and their biases) and the token embedding split
-        over tp, the rest whole; the stage's layers (:meth:`stage_layers`), the embeddings on the
-        first stage, the final LayerNorm and the tied output layer (a copy of the token
-        embedding) on the last."""
+        """The element counts of the parameter tensors one rank holds, as the models lay them
+        out: zerostack's reference GPT (fused QKV, the MLP's first matrix and their biases, and
+        the token embedding split over tp; the rest whole) or, for a gated model, a Hugging Face
+        Llama under AutoTP (Q, K, V, the output projection, gate, up and down split over tp; the
+        norms and, unless ``vocab_parallel``, the embedding and output layer whole); the stage's
+        layers (:meth:`stage_layers`), the embeddings on the first stage, the final norm and the
+        output layer on the last (a tied one as a copy of the token embedding, when pp > 1)."""
         if not 0 <= stage < pp:
             raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
-        h, f, t, b = self.hidden, self.ffn_hidden, tp, self.bias
-        layer = [3 * h * h // t, h * h // t, f * h // t, h * f // t, h, h]  # weights, LN scales
-        if b:
-            layer += [3 * h // t, h, f // t, h, h, h]  # QKV, proj, fc, out biases; LN shifts
-        out = layer * self.stage_layers(pp)[stage]
+        h, t, b = self.hidden, tp, self.bias
+        out = self.layer_tensors(tp) * self.stage_layers(pp)[stage]
         first, last = stage == 0, stage == pp - 1
         norm = [h, h] if b else [h]
+        vocab = self.vocab * h // (t if self.vocab_parallel else 1)
         if first:
-            out += [self.vocab * h // t, self.seq * h]
+            out += [vocab] + ([self.seq * h] if self.positions else [])
         if last:
-            out += norm + ([self.vocab * h // t] if pp > 1 else [])
+            out += norm + ([vocab] if pp > 1 or not self.tied else [])
         return out
 
     @classmethod
@@ -141,6 +158,7 @@ class Transformer:
             gated=rotary,
             positions=not rotary,
             tied=bool(config.get("tie_word_embeddings", not rotary)),
+            vocab_parallel=False,  # AutoTP leaves a Hugging Face model's embeddings whole
         )
 
 

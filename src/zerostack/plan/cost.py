@@ -264,6 +264,58 @@ def tp_collectives(layers: float, recompute: str = "none") -> tuple[float, float
     return big, layers * 6 + 4
 
 
+@lru_cache(maxsize=4096)
+def _rank_sizes(m: Transformer, tp: int, pp: int) -> tuple[int, ...]:
+    """The parameter tensors of the pipeline stage holding the most (:meth:`Transformer.
+    rank_tensors`)."""
+    return tuple(max((m.rank_tensors(tp, pp, s) for s in range(pp)), key=sum))
+
+
+def dp_traffic(m: Transformer, c: Candidate, persistence: int = 100_000) -> dict[str, float]:
+    """Bytes one step's data-parallel collectives carry, by kind, on the rank holding the most
+    parameters, as zerostack's strategies issue them and its CommLog counts them (an
+    all-gather's output, a reduce-scatter's input, in the compute dtype; the gradient norm's
+    4-byte all-reduce apart): stage 0 all-reduces the gradients once; stage 1 reduce-scatters
+    them and gathers the stepped pieces; stage 2 reduce-scatters every micro-batch; stage 3
+    also gathers every parameter of at least ``persistence`` elements in forward and in
+    backward (and, when :class:`Software` regathers, for a recomputed forward: each layer's but
+    its last matrix, which backward finds still held), a tied output layer the embedding once
+    more, and after the step the small parameters every rank keeps whole; every tensor padded
+    to ``dp`` whole pieces (:func:`~zerostack.zero.partition.piece_numel`).
+    ``tests/test_dryrun.py`` holds it to the engine's own collectives at 1,024 ranks. Bucket
+    padding at stages 1-2 (under 8 x dp elements per bucket) is left out."""
+    from ..zero.partition import piece_numel
+
+    d = PRECISION_BYTES[c.precision]
+    sizes = _rank_sizes(m, c.tp, c.pp)
+    psi = sum(sizes)
+    if c.dp == 1:
+        return {}
+    if c.stage == 0:
+        return {"all_reduce": psi * d}
+    if c.stage == 1:
+        return {"reduce_scatter": psi * d, "all_gather": psi * d}
+    if c.stage == 2:
+        return {"reduce_scatter": c.gas * psi * d, "all_gather": psi * d}
+
+    def padded(tensors) -> int:  # each parameter cut into dp pieces of whole 16-byte blocks
+        return sum(piece_numel(n, c.dp) for n in tensors) * c.dp
+
+    big = [n for n in sizes if n >= persistence]
+    small = [n for n in sizes if n < persistence]
+    gathers = 2 * padded(big)  # forward and backward
+    if c.recompute == "full" and c.software.regather:
+        # the recomputed forward gathers each layer again but its last matrix, which is still
+        # held when that layer's backward starts
+        layer = [n for n in m.layer_tensors(c.tp) if n >= persistence]
+        gathers += max(m.stage_layers(c.pp)) * padded(layer[:-1])
+    embedding = m.vocab * m.hidden // (c.tp if m.vocab_parallel else 1)
+    if m.tied and c.pp == 1 and embedding >= persistence:
+        gathers += padded([embedding])  # the output layer gathers the embedding once more
+    all_gather = c.gas * gathers + padded(small)  # after the step: the kept parameters
+    return {"all_gather": all_gather * d, "reduce_scatter": c.gas * padded(sizes) * d}
+
+
 def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Prediction:
     """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
     d = PRECISION_BYTES[c.precision]
@@ -294,26 +346,27 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0
 
     # data parallelism: dp ranks are tp apart
-    psi = m.params / (c.tp * c.pp)
+    traffic = dp_traffic(m, c)
+    psi = sum(_rank_sizes(m, c.tp, c.pp))
     bw, lat = _link(hw, c.tp * c.dp)
-    grads = psi * d
     # stages 1-3: the gradient norm's all-reduce over the shards (stage 0 has whole gradients)
     norm = _ring(4, c.dp, bw, lat, passes=2) if c.stage else 0.0
     # the gradients' reduction overlaps backward (the last micro-batch's, with accumulation)
     overlap = backward / c.gas if c.software.overlap_grad_reduce else 0.0
-    if c.stage <= 1:
-        dp_s = _ring(grads, c.dp, bw, lat, passes=2)  # all-reduce (or reduce-scatter + gather)
-    elif c.stage == 2:
-        dp_s = c.gas * _ring(grads, c.dp, bw, lat) + _ring(grads, c.dp, bw, lat)
+    if c.stage <= 1:  # one all-reduce (stage 1: a reduce-scatter and a gather, as many bytes)
+        dp_s = _ring(traffic.get("all_reduce", traffic.get("reduce_scatter", 0)), c.dp, bw, lat, 2)
+    elif c.stage == 2:  # a reduce-scatter per micro-batch, the stepped pieces gathered once
+        dp_s = c.gas * _ring(traffic.get("reduce_scatter", 0) / c.gas, c.dp, bw, lat)
+        dp_s += _ring(traffic.get("all_gather", 0), c.dp, bw, lat)
         overlap = backward if c.software.overlap_grad_reduce else 0.0
     else:
-        # per micro-batch each fetch unit gathered in forward, again for a recomputed forward
-        # (Software.regather) and in backward, and the gradients reduced; prefetched and
+        # per micro-batch about one gather per layer (stage3_fetch_units) forward and backward,
+        # one per layer for a recomputed forward, and the gradients reduced; prefetched and
         # asynchronous, so it overlaps compute where it can
-        units = stage3_fetch_units(busiest)
-        passes = 2 + (c.recompute == "full" and c.software.regather)
-        gathers = passes * units * _ring(grads / units, c.dp, bw, lat)
-        dp_s = c.gas * (gathers + _ring(grads, c.dp, bw, lat))
+        again = busiest if c.recompute == "full" and c.software.regather else 0  # recompute
+        gathers = c.gas * (2 * stage3_fetch_units(busiest) + again)
+        dp_s = _ring(traffic.get("all_gather", 0), c.dp, bw, 0.0) + gathers * (c.dp - 1) * lat
+        dp_s += c.gas * _ring(traffic.get("reduce_scatter", 0) / c.gas, c.dp, bw, lat)
         overlap = compute
     if hw.shared_cores:  # collectives run on the cores compute needs
         overlap = 0.0

@@ -76,10 +76,12 @@ def search(
     software: Software | None = None,
     stages: tuple[int, ...] = (0, 1, 2, 3),
     recompute: tuple[str, ...] = RECOMPUTE,
+    model_parallel: bool = True,
 ) -> Plan:
     """Every layout of ``m`` on ``hw.gpus`` devices for a global batch of ``batch`` sequences:
     ``software`` as implemented, ZeRO ``stages`` and ``recompute`` kinds among those given
-    (what another system can run, when a plan is held to its published runs)."""
+    (what another system can run, when a plan is held to its published runs);
+    ``model_parallel=False``: data parallelism alone (tp = pp = 1)."""
     t0 = time.perf_counter()
     software = software or Software()
     if batch < 1:
@@ -90,14 +92,14 @@ def search(
     budget = memory_fraction * hw.memory_bytes
     smallest: dict[tuple[int, int], float] = {}  # (tp, pp) -> its smallest layout's bytes
     fits: set[tuple[int, int]] = set()
-    for tp in _powers_of_two(hw.gpus):
+    for tp in _powers_of_two(hw.gpus if model_parallel else 1):
         if m.heads % tp:
             dropped[f"tp {tp}: does not divide {m.heads} heads"] += 1
             continue
         if tp > hw.gpus_per_node:
             dropped[f"tp {tp}: spans nodes ({hw.gpus_per_node} devices per node)"] += 1
             continue
-        for pp in _pipeline_sizes(m.layers):
+        for pp in _pipeline_sizes(m.layers) if model_parallel else (1,):
             if hw.gpus % (tp * pp):
                 continue  # not a grid of this many devices: not a layout at all
             dp = hw.gpus // (tp * pp)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...comm import Comm
+from ...core.storage import same_storage
 from ..strategy import tally
 from .buffers import FlatBuffers
 from .write_back import WriteBack
@@ -148,7 +149,7 @@ class FlatCheckpoint:
         masters = []
         for st in self.flat.buckets:
             base = self.flat.group_of(st).params_flat
-            if not base.data_ptr() <= st.master.data_ptr() < base.data_ptr() + base.nbytes:
+            if not same_storage(st.master, base):
                 masters.append(st.master)
         scratch = list(self.flat.pool.kept())  # bucket-sized buffers kept for the next backward
         kinds = {"params": params, "grads": grads, "master": masters, "scratch": scratch}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...core.storage import same_storage
 from ..offload.host import to_host
 
 
@@ -28,7 +29,7 @@ class Group:
     def separate_master(self) -> bool:
         """Whether the fp32 master has storage of its own (not the pieces themselves, as in
         fp32 training with the pieces in memory)."""
-        return self.pieces is None or self.pieces.data_ptr() != self.master.data_ptr()
+        return self.pieces is None or not same_storage(self.pieces, self.master)
 
 
 def sub_groups(params: list[nn.Parameter], limit: int | None) -> list[list[nn.Parameter]]:
