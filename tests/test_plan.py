@@ -315,3 +315,14 @@ def test_a_search_held_to_a_systems_reach():
     held = search(m, hw, 64, stages=(3,), recompute=("full",), model_parallel=False)
     assert {(p.candidate.tp, p.candidate.pp, p.candidate.dp) for p in held.ranked} == {(1, 1, 16)}
     assert {(p.candidate.stage, p.candidate.recompute) for p in held.ranked} == {(3, "full")}
+
+
+def test_interleaving_crosses_a_stage_boundary_per_chunk():
+    """With 2 model chunks per rank, each micro-batch's activation and gradient cross twice as
+    many stage boundaries: the pipeline's sends double while the bubble halves."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("h100-80gb", gpus=32)
+    one = Candidate(dp=4, tp=2, pp=4, stage=0, micro_batch=1, gas=8)
+    two = replace(one, chunks=2)
+    assert predict(m, 32, two, hw).pp_s == pytest.approx(2 * predict(m, 32, one, hw).pp_s)
+    assert predict(m, 32, two, hw).bubble_s < predict(m, 32, one, hw).bubble_s

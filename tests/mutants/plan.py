@@ -151,4 +151,11 @@ MUTANTS: list[Mutant] = [
         "    for tp in _powers_of_two(hw.gpus):",
         ("tests/test_plan.py::test_a_search_held_to_a_systems_reach",),
     ),
+    Mutant(
+        "plan: an interleaved pipeline's sends priced as one chunk's",
+        "plan/cost.py",
+        "    pp_s = 2 * c.gas * c.chunks * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
+        "    pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
+        ("tests/test_plan.py::test_interleaving_crosses_a_stage_boundary_per_chunk",),
+    ),
 ]

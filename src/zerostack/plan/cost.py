@@ -14,7 +14,8 @@ Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a glo
   form the simulator agrees with, ``(pp - 1) / (gas x chunks)``;
 * **tensor parallelism**: per layer and micro-batch, 2 all-reduces of ``b s h`` values in forward
   and 2 in backward (2 more per recomputed forward), never overlapped;
-* **pipeline sends**: an activation and its gradient per micro-batch per stage boundary;
+* **pipeline sends**: an activation and its gradient per micro-batch per stage boundary, each of
+  a rank's ``chunks`` model chunks its own boundary;
 * **data parallelism**, per step, as zerostack's strategies issue them (``psi`` = parameters of one
   tp x pp slice): stages 0-1 reduce the gradients once and (stage 1) gather the stepped pieces;
   stage 2 reduce-scatters every micro-step; stage 3 also all-gathers the parameters for forward
@@ -341,9 +342,10 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 
-    # pipeline: stage boundaries are tp x dp devices apart
+    # pipeline: stage boundaries are tp x dp devices apart; each of a rank's chunks sends an
+    # activation forward and a gradient back per micro-batch (interleaving crosses more)
     bw, lat = _link(hw, c.tp * c.dp * 2)
-    pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0
+    pp_s = 2 * c.gas * c.chunks * (act / c.tp / bw + lat) if c.pp > 1 else 0.0
 
     # data parallelism: dp ranks are tp apart
     traffic = dp_traffic(m, c)
