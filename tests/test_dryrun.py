@@ -156,3 +156,16 @@ def test_bad_input_is_one_line(tmp_path, argv, message):
     cfg.write_text('{"train_batch_size": 1024}')
     code, out, err = run_cli("dryrun", str(cfg), "--world", "1024", *argv)
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_the_meta_device_is_the_dry_runs_alone():
+    """Engines keep their tensors on the meta device only inside on_meta(): a fake process
+    group alone (scripts/gpu_check.py's fake-dp8 trains real tensors through one) does not."""
+    from zerostack.topology import _META, on_meta
+
+    with on_meta():
+        assert _META[0]
+    assert not _META[0]
+    with pytest.raises(RuntimeError), on_meta():
+        raise RuntimeError("a failed dry run")
+    assert not _META[0]

@@ -1,8 +1,8 @@
 """A dry run: the real engine built and stepped as one rank of a large world, in one process.
 
 torch's ``fake`` process group answers every collective at once and moves nothing; the model is
-built on the meta device (shapes and dtypes, no storage), and the engine, seeing the fake group,
-keeps all its own tensors there too (:attr:`zerostack.Topology.device`). So zerostack's own code
+built on the meta device (shapes and dtypes, no storage), and the engine, built and run inside
+:func:`zerostack.topology.on_meta`, keeps all its own tensors there too. So zerostack's own code
 partitions, slices, buckets and issues its collectives for rank ``rank`` of ``world`` exactly as
 it would on the cluster, at any model size, in a few seconds and a few hundred MB of host memory.
 
@@ -148,10 +148,10 @@ def _model_of(args):
 
 
 def _fake_world(rank: int, world: int) -> None:
-    if dist.is_initialized():
-        raise PlanError("dry run: a process group is already initialised in this process")
     if not 0 <= rank < world:
         raise PlanError(f"--rank: {rank} is not in 0..{world - 1}")
+    if dist.is_initialized():
+        raise PlanError("dry run: a process group is already initialised in this process")
     try:  # registers the "fake" backend with torch.distributed
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as exc:  # pragma: no cover - every torch this library supports has it
@@ -195,6 +195,7 @@ def dry_run(
     micro-batch of ``seq`` tokens through gradient accumulation's boundary), and tear the group
     down. The config's ``watchdog`` is switched off (its heartbeats need a real store)."""
     from .compat.deepspeed import native_initialize  # zerostack.initialize
+    from .topology import on_meta
 
     t0 = time.perf_counter()
     _fake_world(rank, world)
@@ -202,26 +203,27 @@ def dry_run(
         with torch.device("meta"):
             model = build()
         cfg = {**config, "watchdog": {"enabled": False}}
-        engine, *_ = native_initialize(model=model, config=cfg)
-        topo = engine.topology
-        setup = len(engine.comm.log.records)
-        micro = engine.train_micro_batch_size_per_gpu()
-        for _ in range(engine.gradient_accumulation_steps()):
-            if step is None:
-                default_step(engine, seq, micro, vocab)
-            else:
-                step(engine)
-        records = engine.comm.log.records
-        out = DryRun(
-            world=world,
-            rank=rank,
-            grid={"dp": topo.dp, "tp": topo.tp, "pp": topo.pp},
-            stage=engine.zero_optimization_stage(),
-            model_states=engine.memory_breakdown(),
-            collectives=_tally(records[setup:]),
-            setup=_tally(records[:setup]),
-        )
-        engine.destroy()
+        with on_meta():
+            engine, *_ = native_initialize(model=model, config=cfg)
+            topo = engine.topology
+            setup = len(engine.comm.log.records)
+            micro = engine.train_micro_batch_size_per_gpu()
+            for _ in range(engine.gradient_accumulation_steps()):
+                if step is None:
+                    default_step(engine, seq, micro, vocab)
+                else:
+                    step(engine)
+            records = engine.comm.log.records
+            out = DryRun(
+                world=world,
+                rank=rank,
+                grid={"dp": topo.dp, "tp": topo.tp, "pp": topo.pp},
+                stage=engine.zero_optimization_stage(),
+                model_states=engine.memory_breakdown(),
+                collectives=_tally(records[setup:]),
+                setup=_tally(records[:setup]),
+            )
+            engine.destroy()
     finally:
         dist.destroy_process_group()
     out.seconds = time.perf_counter() - t0

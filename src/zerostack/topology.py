@@ -33,6 +33,7 @@ beside its expert-data-parallel one).
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import product
@@ -61,6 +62,20 @@ class TopologyError(ConfigError):
     """The requested grid does not fit the world (sizes, divisibility) or combines axes that do
     not run together yet; a ``ConfigError``, as ``initialize`` raises it when it builds the grid
     from the config."""
+
+
+_META = [False]  # inside on_meta(): every engine keeps its tensors on the meta device
+
+
+@contextmanager
+def on_meta():
+    """Engines built and run inside keep every tensor on the meta device (shapes, no storage):
+    :mod:`zerostack.dryrun`, under torch's fake process group."""
+    _META[0] = True
+    try:
+        yield
+    finally:
+        _META[0] = False
 
 
 @dataclass
@@ -277,13 +292,12 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        """The rank's device: its GPU, the CPU, or, under torch's ``fake`` process group (a dry
-        run: :mod:`zerostack.dryrun`), the meta device, where tensors have shapes and no
-        data."""
+        """The rank's device: its GPU, the CPU, or, inside :func:`on_meta` (a dry run,
+        :mod:`zerostack.dryrun`), the meta device, where tensors have shapes and no data."""
+        if _META[0]:
+            return torch.device("meta")
         if self.mesh.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
-        if dist.is_initialized() and dist.get_backend() == "fake":
-            return torch.device("meta")
         return torch.device("cpu")
 
     def coords(self) -> dict[str, int]:

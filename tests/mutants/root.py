@@ -405,4 +405,11 @@ MUTANTS: list[Mutant] = [
         '        cfg["bf16"] = {"enabled": True}',
         ("tests/test_cli.py::test_bf16_on_the_command_line_keeps_the_files_other_bf16_keys",),
     ),
+    Mutant(
+        "the meta device left on after a dry run",
+        "topology.py",
+        "    finally:\n        _META[0] = False",
+        "    finally:\n        pass",
+        ("tests/test_dryrun.py::test_the_meta_device_is_the_dry_runs_alone",),
+    ),
 ]
