@@ -71,9 +71,7 @@ def _dry_runs(cases) -> list[dict]:
 
     out = []
     for name, stage, tp, recompute in cases:
-        vocab = 50304 if name == "gpt" else MODELS[name]["vocab_size"]
-        r = dry_run(_builder(name, recompute), _config(stage, tp), world=WORLD, rank=RANK,
-                    seq=SEQ, vocab=vocab)  # fmt: skip
+        r = dry_run(_builder(name, recompute), _config(stage, tp), world=WORLD, rank=RANK, seq=SEQ)
         out.append(r.as_dict())
     return out
 

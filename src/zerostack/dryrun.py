@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .estimate.command import MODEL_KEYS, add_model_arguments
 from .plan.hardware import PlanError
 
 
@@ -92,11 +93,7 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="the ds_config (JSON) to initialize with")
     p.add_argument("--world", type=int, required=True, help="ranks in all")
     p.add_argument("--rank", type=int, default=0, help="the rank to build (default 0)")
-    m = p.add_argument_group("the model")
-    m.add_argument("--hf-config", help="a Hugging Face config.json (a causal LM)")
-    for name in ("layers", "hidden", "heads", "vocab"):
-        m.add_argument(f"--{name}", type=int, help="zerostack's reference GPT, when no --hf-config")
-    m.add_argument("--seq", type=int, help="tokens per sequence (default: the config's longest)")
+    add_model_arguments(p.add_argument_group("the model (zerostack's GPT, or --hf-config)"))
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -108,8 +105,8 @@ def run(args) -> int:
     try:
         with open(args.config) as f:
             config = json.load(f)
-        build, seq, vocab = _model_of(args)
-        result = dry_run(build, config, world=args.world, rank=args.rank, seq=seq, vocab=vocab)
+        build, seq = _model_of(args)
+        result = dry_run(build, config, world=args.world, rank=args.rank, seq=seq)
     except (OSError, json.JSONDecodeError, PlanError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +115,7 @@ def run(args) -> int:
 
 
 def _model_of(args):
-    """A builder of the model the command line names, its sequence length and vocabulary."""
+    """A builder of the model the command line names, and its sequence length."""
     if args.hf_config:
         import json
 
@@ -130,8 +127,8 @@ def _model_of(args):
         seq = args.seq or raw.get("max_position_embeddings")
         if not seq:
             raise PlanError("--seq: the config names no max_position_embeddings; give one")
-        return (lambda: AutoModelForCausalLM.from_config(config)), seq, config.vocab_size
-    shape = {n: getattr(args, n) for n in ("layers", "hidden", "heads", "vocab", "seq")}
+        return (lambda: AutoModelForCausalLM.from_config(config)), seq
+    shape = {n: getattr(args, n) for n in MODEL_KEYS}
     missing = [n for n, v in shape.items() if v is None]
     if missing:
         raise PlanError(f"--{missing[0]}: needed for the reference GPT (or give --hf-config)")
@@ -144,7 +141,7 @@ def _model_of(args):
         n_head=shape["heads"],
         d_model=shape["hidden"],
     )
-    return (lambda: GPT(cfg)), shape["seq"], shape["vocab"]
+    return (lambda: GPT(cfg)), shape["seq"]
 
 
 def _fake_world(rank: int, world: int) -> None:
@@ -168,7 +165,7 @@ def _tally(records) -> dict[tuple[str, str], tuple[int, int]]:
     return {key: (count[key], size[key]) for key in sorted(count)}
 
 
-def default_step(engine, seq: int, micro_batch: int, vocab: int) -> None:
+def default_step(engine, seq: int, micro_batch: int) -> None:
     """Forward, backward and step on one micro-batch of token ids: a Hugging Face causal LM
     (``input_ids`` and ``labels``, its ``loss``) or zerostack's GPT (``engine(x, y)``)."""
     x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
@@ -187,7 +184,6 @@ def dry_run(
     world: int,
     rank: int = 0,
     seq: int,
-    vocab: int = 2,
     step: Callable | None = None,
 ) -> DryRun:
     """Build ``build()`` on the meta device, ``zerostack.initialize`` it with ``config`` as rank
@@ -210,7 +206,7 @@ def dry_run(
             micro = engine.train_micro_batch_size_per_gpu()
             for _ in range(engine.gradient_accumulation_steps()):
                 if step is None:
-                    default_step(engine, seq, micro, vocab)
+                    default_step(engine, seq, micro)
                 else:
                     step(engine)
             records = engine.comm.log.records

@@ -198,8 +198,8 @@ def compute_seconds(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> f
     """Seconds one rank computes in one step at an even share of the layers: the matmuls at
     ``matmul_efficiency`` of peak, the attention core at ``attention_efficiency`` (flash, its
     causal half) or as matmuls (materialised scores), and :func:`hbm_bytes` at the device's
-    memory bandwidth, one after another (a roofline per kernel: a transformer's kernels are
-    each either compute or memory bound)."""
+    memory bandwidth, each rate times ``kernel_derate``, one after another (a roofline per
+    kernel: a transformer's kernels are each either compute or memory bound)."""
     rate = hw.peak_flops * hw.kernel_derate
     matmul = rate * hw.matmul_efficiency
     total = model_flops(m, batch, recompute=c.recompute)
