@@ -4,8 +4,9 @@ For Llama-3 70B (tp 8, ZeRO-3 and ZeRO-1) and Llama-3 405B (tp 8, ZeRO-3), the r
 built and stepped as one rank of 64, 256, 1,024 and 4,096 ranks (``zerostack dryrun``: torch's
 fake process group, the model on the meta device), each in a fresh process so its peak host
 memory is its own; then ``zerostack plan``'s search over every layout of the 405B model on as
-many H100s. Each row: seconds and peak RSS, the rank's model-state bytes and one step's
-data-parallel traffic beside what ``zerostack estimate`` and the cost model say.
+many H100s. Each row: seconds and peak RSS, the rank's model-state bytes, the activations its
+forward keeps for backward (as a GPU's FlashAttention would) and one step's data-parallel
+traffic, beside what ``zerostack estimate`` and the cost model say.
 
     python benchmarks/dryrun.py            # the table (about 2 minutes here)
     python benchmarks/dryrun.py --json
@@ -50,7 +51,13 @@ def _one(name: str, stage: int, world: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zerostack.dryrun import dry_run
-    from zerostack.estimate import Layout, Transformer, estimate
+    from zerostack.estimate import (
+        Layout,
+        Transformer,
+        estimate,
+        layer_activation_bytes,
+        stage_activation_bytes,
+    )
     from zerostack.plan.cost import Candidate, dp_traffic
 
     raw = MODELS[name]
@@ -80,6 +87,12 @@ def _one(name: str, stage: int, world: int) -> dict:
         "peak_rss_bytes": run.peak_rss_bytes,
         "model_state_bytes": sum(run.model_states[k] for k in kinds),
         "states_equal_estimate": all(run.model_states[k] == states[k] for k in kinds),
+        "activation_bytes": run.activations["forward"],
+        "activations_equal_estimate": run.activations
+        == {
+            "forward": stage_activation_bytes(m, 1, tp=TP, flash=True),
+            "layer": layer_activation_bytes(m, 1, tp=TP, flash=True),
+        },
         "dp_traffic_bytes": sum(got.values()),
         "traffic_equals_cost_model": got == traffic,
     }
@@ -133,11 +146,13 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{'model':12} {'stage':>5} {'world':>6} {'s':>6} {'RSS GB':>7} {'states GB':>10} "
-          f"{'= estimate':>10} {'dp GB/step':>11} {'= cost model':>12}")  # fmt: skip
+          f"{'= estimate':>10} {'act GB':>7} {'= estimate':>10} {'dp GB/step':>11} "
+          f"{'= cost model':>12}")  # fmt: skip
     for r in result["dry_runs"]:
         print(f"{r['model']:12} {r['stage']:>5} {r['world']:>6} {r['seconds']:6.1f} "
               f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['model_state_bytes'] / 1e9:10.2f} "
-              f"{str(r['states_equal_estimate']):>10} {r['dp_traffic_bytes'] / 1e9:11.1f} "
+              f"{str(r['states_equal_estimate']):>10} {r['activation_bytes'] / 1e9:7.2f} "
+              f"{str(r['activations_equal_estimate']):>10} {r['dp_traffic_bytes'] / 1e9:11.1f} "
               f"{str(r['traffic_equals_cost_model']):>12}")  # fmt: skip
     print("the planner's search, Llama-3 405B, 8K tokens, 2,048 sequences, on H100s:")
     for r in result["searches"]:

@@ -13,7 +13,13 @@ import multiprocessing
 
 import pytest
 
-from zerostack.estimate import Layout, Transformer, estimate
+from zerostack.estimate import (
+    Layout,
+    Transformer,
+    estimate,
+    layer_activation_bytes,
+    stage_activation_bytes,
+)
 from zerostack.models import GPTConfig
 from zerostack.plan.cost import Candidate, dp_traffic
 
@@ -29,8 +35,16 @@ LLAMA_70B = dict(
 LLAMA_405B = dict(
     LLAMA_70B, hidden_size=16384, intermediate_size=53248, num_attention_heads=128
 )  # fmt: skip
-MODELS = {"gpt": GPT_CFG, "llama-70b": LLAMA_70B, "llama-405b": LLAMA_405B}
+MODELS = {
+    "gpt": GPT_CFG,
+    "gpt-dropout": dataclasses.replace(GPT_CFG, dropout=0.1),  # two sequences per micro-batch
+    "llama-70b": LLAMA_70B,
+    "llama-405b": LLAMA_405B,
+}
+MICRO = {"gpt-dropout": 2}
 CASES = [
+    ("gpt-dropout", 1, 1, "none"),
+    ("gpt-dropout", 1, 8, "none"),
     *[("gpt", stage, tp, "none") for stage in range(4) for tp in (1, 8)],
     ("gpt", 3, 1, "full"),
     ("gpt", 3, 8, "full"),
@@ -40,10 +54,10 @@ CASES = [
 ]
 
 
-def _config(stage: int, tp: int) -> dict:
+def _config(stage: int, tp: int, micro: int = 1) -> dict:
     config = {
-        "train_batch_size": WORLD // tp * GAS,
-        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": WORLD // tp * GAS * micro,
+        "train_micro_batch_size_per_gpu": micro,
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -54,10 +68,10 @@ def _config(stage: int, tp: int) -> dict:
 
 
 def _builder(name: str, recompute: str):
-    if name == "gpt":
+    if name.startswith("gpt"):
         from zerostack.models import GPT
 
-        cfg = dataclasses.replace(GPT_CFG, checkpoint_every=1 if recompute == "full" else 0)
+        cfg = dataclasses.replace(MODELS[name], checkpoint_every=1 if recompute == "full" else 0)
         return lambda: GPT(cfg)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,7 +85,8 @@ def _dry_runs(cases) -> list[dict]:
 
     out = []
     for name, stage, tp, recompute in cases:
-        r = dry_run(_builder(name, recompute), _config(stage, tp), world=WORLD, rank=RANK, seq=SEQ)
+        config = _config(stage, tp, MICRO.get(name, 1))
+        r = dry_run(_builder(name, recompute), config, world=WORLD, rank=RANK, seq=SEQ)
         out.append(r.as_dict())
     return out
 
@@ -84,8 +99,8 @@ def results() -> dict:
 
 
 def _model(name: str) -> Transformer:
-    if name == "gpt":
-        return Transformer.from_gpt_config(GPT_CFG)
+    if name.startswith("gpt"):
+        return Transformer.from_gpt_config(MODELS[name])
     return Transformer.from_hf_config(MODELS[name], SEQ)
 
 
@@ -109,7 +124,7 @@ def test_the_engine_at_1024_ranks_holds_what_the_estimate_says(results):
         assert run["grid"] == {"dp": WORLD // tp, "tp": tp, "pp": 1} and run["stage"] == stage
         layout = Layout(dp=WORLD // tp, tp=tp, stage=stage, precision="bf16")
         want = estimate(m.params, layout, model=m)["model_states"]
-        slack = _bucket_slack(m, tp, stage) if name == "gpt" else 0
+        slack = _bucket_slack(m, tp, stage) if name.startswith("gpt") else 0
         for kind in ("params", "grads", "master", "optimizer"):
             got = run["model_states"][kind]
             assert want[kind] <= got <= want[kind] + 2 * slack, (name, stage, tp, kind, got, want)
@@ -124,8 +139,8 @@ def test_one_step_at_1024_ranks_issues_the_cost_models_collectives(results):
     1-2's bucket padding on the GPT."""
     for (name, stage, tp, recompute), run in results.items():
         m = _model(name)
-        c = Candidate(dp=WORLD // tp, tp=tp, pp=1, stage=stage, micro_batch=1, gas=GAS,
-                      recompute=recompute)  # fmt: skip
+        c = Candidate(dp=WORLD // tp, tp=tp, pp=1, stage=stage, micro_batch=MICRO.get(name, 1),
+                      gas=GAS, recompute=recompute)  # fmt: skip
         want = dp_traffic(m, c)
         got = {
             key.split("/")[0]: v["bytes"]
@@ -133,12 +148,34 @@ def test_one_step_at_1024_ranks_issues_the_cost_models_collectives(results):
             if key.endswith("/dp") and v["bytes"] > 4  # the gradient norm's scalar apart
         }
         assert set(got) == set(want), (name, stage, tp, got, want)
-        slack = _bucket_slack(m, tp, stage) * GAS if name == "gpt" else 0
+        slack = _bucket_slack(m, tp, stage) * GAS if name.startswith("gpt") else 0
         for kind, value in want.items():
             assert value <= got[kind] <= value + slack, (name, stage, tp, recompute, kind)
         if stage == 3 and recompute == "full":  # the recompute's gathers are in the count
             plain = results[name, stage, tp, "none"]["collectives"]["all_gather/dp"]["bytes"]
             assert got["all_gather"] > plain
+
+
+def test_the_activations_the_forward_keeps_are_the_estimates(results):
+    """A census of what autograd saves for backward in the first micro-batch's forward
+    (attention and dropout as a GPU's kernels keep them: FlashAttention's output and
+    log-sum-exp, 1-byte masks), parameters apart, against ``layer_activation_bytes(flash=True)``
+    for the second block and ``stage_activation_bytes`` for the whole forward, to the byte:
+    Hugging Face's RMSNorm with its fp32 copy, grouped-query keys and values, SwiGLU's four wide
+    tensors, the norms' statistics, the rotary tables, the vocab-parallel masks, the loss's
+    fp32 log-probabilities, dropout masks over two sequences. Under full recompute a block keeps
+    its input; the estimate's one recomputed layer is held in backward, not the forward."""
+    for (name, stage, tp, recompute), run in results.items():
+        m, micro = _model(name), MICRO.get(name, 1)
+        assert run["flash"], name
+        got = run["activations"]
+        assert got["layer"] == layer_activation_bytes(
+            m, micro, tp=tp, recompute=recompute, flash=True
+        ), (name, stage, tp, recompute)
+        whole = stage_activation_bytes(m, micro, tp=tp, recompute=recompute, flash=True)
+        if recompute == "full":
+            whole -= layer_activation_bytes(m, micro, tp=tp, flash=True)
+        assert got["forward"] == whole, (name, stage, tp, recompute)
 
 
 @pytest.mark.parametrize(

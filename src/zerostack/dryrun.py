@@ -8,8 +8,16 @@ it would on the cluster, at any model size, in a few seconds and a few hundred M
 
 What one step reports, for comparison with the arithmetic of ``zerostack estimate`` and
 ``zerostack plan``: the rank's model-state bytes by kind (``engine.memory_breakdown()``, the
-census of the tensors it holds), and every collective the step issued, by kind, axis and bytes
-(the CommLog, which records what was asked of the process group).
+census of the tensors it holds), every collective the step issued, by kind, axis and bytes (the
+CommLog, which records what was asked of the process group), and the activation bytes the first
+micro-batch's forward keeps for backward (a census of what autograd saves: each storage once,
+parameters apart), for one transformer block and for the whole forward.
+
+Attention and dropout are counted as a GPU's kernels keep them, whatever this machine's torch
+would do with meta tensors (:class:`_AsOnGPU`): ``scaled_dot_product_attention`` without a mask
+keeps what FlashAttention keeps, its query, key, value, output (laid out (batch, sequence,
+heads, head size), so the output projection reads it without a copy) and the fp32 log-sum-exp
+per head and token; dropout keeps a 1-byte mask.
 
 Values are not computed: a dry run says how much and how many, never what (the loss is a meta
 tensor; the gradient norm reads as 0, so nothing is clipped and no step is skipped).
@@ -25,7 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from .estimate.command import MODEL_KEYS, add_model_arguments
 from .plan.hardware import PlanError
@@ -43,6 +53,8 @@ class DryRun:
     model_states: dict[str, int]
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     setup: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)  # "layer", "forward": bytes
+    flash: bool = True  # every attention was counted as FlashAttention keeps it
     seconds: float = 0.0
     peak_rss_bytes: int = 0
 
@@ -58,6 +70,19 @@ class DryRun:
             "model states (bytes): "
             + ", ".join(f"{k} {v:,}" for k, v in self.model_states.items())
             + f"; total {sum(self.model_states.values()) / GB:.3f} GB",
+            "activations kept for backward (one micro-batch): one block "
+            + (
+                f"{self.activations['layer']:,}"
+                if "layer" in self.activations
+                else "(no repeated blocks found)"
+            )
+            + f", the whole forward {self.activations.get('forward', 0) / GB:.3f} GB"
+            + (
+                " (attention as FlashAttention keeps it)"
+                if self.flash
+                else " (attention as "
+                "torch ran it on meta tensors: a mask was given, so not as FlashAttention)"
+            ),
             "one step's collectives:",
         ]
         for (op, axis), (n, b) in self.collectives.items():
@@ -76,6 +101,8 @@ class DryRun:
             "model_states": self.model_states,
             "collectives": flat(self.collectives),
             "setup": flat(self.setup),
+            "activations": self.activations,
+            "flash": self.flash,
             "seconds": self.seconds,
             "peak_rss_bytes": self.peak_rss_bytes,
         }
@@ -87,7 +114,8 @@ def add_parser(sub) -> None:
         help="build and step the real engine as one rank of a large world, without the world",
         description="Build zerostack's engine for one rank of --world ranks in this process "
         "(torch's fake process group, the model on the meta device) and run one optimizer "
-        "step: the rank's model-state bytes and every collective the step issues, by kind, "
+        "step: the rank's model-state bytes, the activations its forward keeps for backward "
+        "(as a GPU's FlashAttention would) and every collective the step issues, by kind, "
         "axis and bytes. No data and no devices: a 70B model at 1,024 ranks takes seconds.",
     )
     p.add_argument("config", help="the ds_config (JSON) to initialize with")
@@ -156,6 +184,121 @@ def _fake_world(rank: int, world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
+class _FlashAttention(torch.autograd.Function):
+    """Attention as FlashAttention keeps it for backward, in shapes only (meta tensors): the
+    query, key and value, the output (its storage laid out (batch, sequence, heads, head size),
+    as the CUDA kernel writes it) and the fp32 log-sum-exp per head and token."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, heads, s, _ = q.shape
+        out = q.new_empty(b, s, heads, v.shape[-1]).transpose(1, 2)
+        lse = q.new_empty(b, heads, s, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _AsOnGPU:
+    """For the dry run's length, two functions of ``torch.nn.functional`` keep for backward
+    what a GPU's kernels keep, not what this machine's torch would for meta tensors:
+
+    * ``scaled_dot_product_attention`` on 4-d meta tensors without a mask (causal or not,
+      grouped-query or not) is :class:`_FlashAttention` (torch's math path would keep the s x s
+      scores); with a mask it is torch's (which keeps them, as it would on a GPU too) and
+      ``flash`` turns False;
+    * ``dropout`` in training keeps a 1-byte mask (``torch.native_dropout``, the fused kernel a
+      GPU runs), not a noise tensor in the compute dtype.
+
+    The module attributes are replaced, not a torch function mode: modes are per thread, and
+    autograd may run a recomputed forward (activation checkpointing) on its own."""
+
+    def __init__(self) -> None:
+        self.flash = True
+        self.real = F.scaled_dot_product_attention, F.dropout
+
+    def attention(self, query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is None and query.is_meta and query.dim() == 4:
+            return _FlashAttention.apply(query, key, value)
+        self.flash = False
+        return self.real[0](query, key, value, attn_mask, *args, **kwargs)
+
+    def dropout(self, input, p=0.5, training=True, inplace=False):
+        if input.is_meta and training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return self.real[1](input, p, training, inplace)
+
+    def __enter__(self) -> _AsOnGPU:
+        F.scaled_dot_product_attention, F.dropout = self.attention, self.dropout
+        return self
+
+    def __exit__(self, *_) -> None:
+        F.scaled_dot_product_attention, F.dropout = self.real
+
+
+class _Census:
+    """The storages autograd saves for backward during the model's first forward, each counted
+    once, parameters (and the full weights stage 3 gathers into them), integer tensors and
+    scalars apart, as ``zerostack estimate`` counts activations (dropout's boolean masks
+    count): in all, and in spans cut where each repeated block (of the longest
+    ``nn.ModuleList`` of one class) returns, so a block's span holds what it saves and what is
+    saved on the way into it (a checkpoint keeping the block's input, before the block runs)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.recording = False
+        self.whole: dict[int, int] = {}
+        self.spans: list[dict[int, int]] = []
+        self.handles = [
+            model.register_forward_pre_hook(self._start),
+            model.register_forward_hook(self._stop),
+        ]
+        lists = [
+            m
+            for m in model.modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1
+        ]
+        for block in max(lists, key=len, default=[]):
+            self.handles.append(block.register_forward_hook(self._cut))
+
+    def _start(self, *_) -> None:
+        if not self.spans:  # the first forward only
+            self.recording = True
+            self.spans.append({})
+
+    def _stop(self, *_) -> None:
+        self.recording = False
+
+    def _cut(self, *_) -> None:
+        if self.recording:
+            self.spans.append({})
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base  # a weight is saved as a view (transposed)
+        weight = isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+        # token ids and targets (integers) and the loss's normalizer (a scalar); masks count
+        bookkeeping = t.dim() == 0 or not (t.is_floating_point() or t.dtype == torch.bool)
+        if self.recording and not weight and not bookkeeping:
+            storage = t.untyped_storage()
+            self.whole.setdefault(storage._cdata, storage.nbytes())
+            self.spans[-1].setdefault(storage._cdata, storage.nbytes())
+        return t
+
+    def figures(self) -> dict[str, int]:
+        """``forward``: bytes in all; ``layer``: what the second block's span keeps that the
+        first's did not (so what every block shares, as rotary tables, is not counted)."""
+        for h in self.handles:
+            h.remove()
+        out = {"forward": sum(self.whole.values())}
+        if len(self.spans) > 2:  # two blocks' spans and the rest
+            first, second = self.spans[:2]
+            out["layer"] = sum(n for key, n in second.items() if key not in first)
+        return out
+
+
 def _tally(records) -> dict[tuple[str, str], tuple[int, int]]:
     count: Counter = Counter()
     size: Counter = Counter()
@@ -163,6 +306,10 @@ def _tally(records) -> dict[tuple[str, str], tuple[int, int]]:
         count[r.op, r.axis] += 1
         size[r.op, r.axis] += r.bytes
     return {key: (count[key], size[key]) for key in sorted(count)}
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def default_step(engine, seq: int, micro_batch: int) -> None:
@@ -204,11 +351,13 @@ def dry_run(
             topo = engine.topology
             setup = len(engine.comm.log.records)
             micro = engine.train_micro_batch_size_per_gpu()
-            for _ in range(engine.gradient_accumulation_steps()):
-                if step is None:
-                    default_step(engine, seq, micro)
-                else:
-                    step(engine)
+            census = _Census(engine.module)
+            with _AsOnGPU() as kernels, saved_tensors_hooks(census.pack, _unpack):
+                for _ in range(engine.gradient_accumulation_steps()):
+                    if step is None:
+                        default_step(engine, seq, micro)
+                    else:
+                        step(engine)
             records = engine.comm.log.records
             out = DryRun(
                 world=world,
@@ -218,6 +367,8 @@ def dry_run(
                 model_states=engine.memory_breakdown(),
                 collectives=_tally(records[setup:]),
                 setup=_tally(records[:setup]),
+                activations=census.figures(),
+                flash=kernels.flash,
             )
             engine.destroy()
     finally:

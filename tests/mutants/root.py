@@ -412,4 +412,32 @@ MUTANTS: list[Mutant] = [
         "    finally:\n        pass",
         ("tests/test_dryrun.py::test_the_meta_device_is_the_dry_runs_alone",),
     ),
+    Mutant(
+        "dryrun: the flash stand-in keeps no log-sum-exp",
+        "dryrun.py",
+        "        ctx.save_for_backward(q, k, v, out, lse)",
+        "        ctx.save_for_backward(q, k, v, out)",
+        ("tests/test_dryrun.py::test_the_activations_the_forward_keeps_are_the_estimates",),
+    ),
+    Mutant(
+        "dryrun: attention's output laid out (batch, heads, sequence), so GPT copies it",
+        "dryrun.py",
+        "        out = q.new_empty(b, s, heads, v.shape[-1]).transpose(1, 2)",
+        "        out = q.new_empty(b, heads, s, v.shape[-1])",
+        ("tests/test_dryrun.py::test_the_activations_the_forward_keeps_are_the_estimates",),
+    ),
+    Mutant(
+        "dryrun: a weight saved as a (transposed) view counted as an activation",
+        "dryrun.py",
+        "        weight = isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)",
+        "        weight = isinstance(t, nn.Parameter)",
+        ("tests/test_dryrun.py::test_the_activations_the_forward_keeps_are_the_estimates",),
+    ),
+    Mutant(
+        "dryrun: dropout as this machine's torch keeps it on meta (a noise tensor), not a GPU",
+        "dryrun.py",
+        "        if input.is_meta and training and 0 < p < 1 and not inplace:",
+        "        if False:",
+        ("tests/test_dryrun.py::test_the_activations_the_forward_keeps_are_the_estimates",),
+    ),
 ]

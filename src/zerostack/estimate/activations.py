@@ -11,6 +11,12 @@ from functools import lru_cache
 from .memory import EstimateError
 
 ROTARY = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma", "phi3"})
+NORMS = {  # what one norm keeps for backward: bytes per element of its input, fp32 per token
+    "layer": (None, 8),  # LayerNorm: its input (the compute dtype), mean and rstd
+    "rms": (None, 4),  # a fused RMSNorm (Megatron's, Transformer Engine's): its input, rstd
+    "hf-rms": (4, 4),  # Hugging Face's eager RMSNorm: an fp32 copy of its input, rstd, and
+    # the normalized values in the compute dtype (the weight multiplies after the cast back)
+}
 
 
 @lru_cache(maxsize=256)
@@ -44,6 +50,9 @@ class Transformer:
     tied: bool = True  # the output layer is the token embedding (False: its own matrix)
     vocab_parallel: bool = True  # the embedding and output layer split over tp (zerostack's
     # GPT); False: whole on every tp rank (a Hugging Face model under AutoTP)
+    norm: str = "layer"  # what each norm keeps for backward: a key of NORMS
+    embedding_dropout: bool = True  # with dropout on, also after the embeddings (GPT-2's
+    # embd_pdrop, Megatron's); zerostack's GPT has none there
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -51,6 +60,15 @@ class Transformer:
                 raise EstimateError(f"{name}: {getattr(self, name)!r} is not a positive integer")
         if self.hidden % self.heads:
             raise EstimateError(f"hidden: {self.hidden} is not divisible by heads {self.heads}")
+        if self.norm not in NORMS:
+            raise EstimateError(f"norm: {self.norm!r} is not one of {', '.join(NORMS)}")
+
+    def norm_bytes(self, dtype_bytes: int) -> tuple[float, int]:
+        """What one norm keeps for backward besides its output: bytes per element of its input
+        (its input in the compute dtype, or Hugging Face's fp32 copy of it plus the normalized
+        values), and fp32 bytes per token (LayerNorm's mean and rstd, RMSNorm's rstd)."""
+        copy, per_token = NORMS[self.norm]
+        return (dtype_bytes if copy is None else copy + dtype_bytes), per_token
 
     @property
     def ffn_hidden(self) -> int:
@@ -129,6 +147,7 @@ class Transformer:
             seq=cfg.block_size,
             dropout=cfg.dropout > 0,
             bias=cfg.bias,
+            embedding_dropout=False,
         )
 
     @classmethod
@@ -136,7 +155,8 @@ class Transformer:
         """From a Hugging Face ``config.json`` (GPT-2, Llama, Mistral, GPT-NeoX, OPT, BERT key
         names); ``seq`` overrides the config's maximum length. Llama-style models (rotary
         positions: Llama, Mistral, Qwen2, ...) have a gated MLP, no biases, no position table,
-        grouped-query attention and, unless tied, their own output matrix."""
+        no residual dropout, grouped-query attention, Hugging Face's RMSNorm and, unless tied,
+        their own output matrix."""
 
         def pick(*names):
             for n in names:
@@ -146,6 +166,10 @@ class Transformer:
 
         rotary = config.get("model_type") in ROTARY or "rope_theta" in config
         heads = int(pick("num_attention_heads", "n_head"))
+        # residual dropout: GPT-2's resid_pdrop, BERT's hidden_dropout_prob; Llama-style
+        # models have none (only attention_dropout, which flash attention keeps no mask for)
+        residual = ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout")
+        dropout = next((config[k] for k in residual if k in config), 0.0 if rotary else 0.1)
         return cls(
             layers=int(pick("num_hidden_layers", "n_layer", "num_layers")),
             hidden=int(pick("hidden_size", "n_embd", "d_model")),
@@ -153,12 +177,14 @@ class Transformer:
             vocab=int(pick("vocab_size")),
             seq=int(seq or pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length")),
             ffn=int(config.get("intermediate_size") or config.get("n_inner") or 0),
+            dropout=float(dropout) > 0,
             bias=not rotary and bool(config.get("bias", True)),
             kv_heads=int(config.get("num_key_value_heads") or heads),
             gated=rotary,
             positions=not rotary,
             tied=bool(config.get("tie_word_embeddings", not rotary)),
             vocab_parallel=False,  # AutoTP leaves a Hugging Face model's embeddings whole
+            norm="hf-rms" if rotary else "layer",
         )
 
 
@@ -176,10 +202,14 @@ def layer_activation_bytes(
 
     Korthikanti et al., Table 2, with the compute dtype (``d`` bytes) and dropout masks
     (``m`` = 1 byte per element when dropout is on, else 0) made explicit; in 16-bit with
-    dropout it is their s b h (10 + 24 / t + 5 a s / (h t)):
+    dropout and LayerNorm it is their s b h (10 + 24 / t + 5 a s / (h t)), plus the norms'
+    statistics, 16 s b:
 
     * kept whole on every tp rank (split by t only under sequence parallelism): both LayerNorm
       inputs, the QKV input, the MLP input (4 d) and the two dropout masks (2 m), per s b h;
+      and what Korthikanti leaves out, each norm's fp32 statistics per token (8 bytes for
+      LayerNorm's mean and rstd, 4 for RMSNorm's rstd; :meth:`Transformer.norm_bytes` also
+      says what Hugging Face's eager RMSNorm keeps in place of its input);
     * split by t: Q, K, V and the projection input (4 d) and the MLP's two 4h-wide activations
       (8 d, scaled by ffn / 4h), per s b h;
     * the attention core, per a s^2 b / t: the softmax output (d), its dropout mask and output
@@ -198,7 +228,8 @@ def layer_activation_bytes(
     mask = 1 if m.dropout else 0
     wide = m.ffn_hidden / (4 * h)
     kv = m.kv_hidden / h  # K and V relative to Q (grouped-query attention keeps them smaller)
-    whole = (4 * d + 2 * mask) * sbh / sp
+    norm_input, norm_stats = m.norm_bytes(d)
+    whole = ((2 * norm_input + 2 * d + 2 * mask) * sbh + 2 * norm_stats * s * b) / sp
     mlp = 4 * 4 * wide if m.gated else 8 * wide  # gate, up, act(gate), product; or fc, gelu
     split = ((2 + 2 * kv) * d + mlp * d) * sbh / t
     if recompute == "selective":
@@ -225,10 +256,15 @@ def stage_activation_bytes(
 ) -> float:
     """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
     its layers (:meth:`Transformer.stage_layers`; 1F1B: ``min(pp - stage, gas)`` micro-batches,
-    no pipeline: 1), plus the first stage's embedding-dropout mask and the last stage's final
-    LayerNorm and output-layer inputs and logits (compute dtype, and fp32 for the loss:
-    Korthikanti's 4 s b v / t). With full recompute, also the one layer whose activations
-    backward is recomputing."""
+    no pipeline: 1), plus the first stage's embedding-dropout mask, a rotary model's cos and
+    sin tables (2 d s h / a, shared by its layers) and the last stage's final norm (as
+    :func:`layer_activation_bytes` counts a norm), the output layer's input and the loss's fp32
+    log-probabilities (Korthikanti's 4 s b v / t; the logits in the compute dtype are not kept,
+    and under AutoTP the output layer is whole: t = 1; split, the embedding and the loss each
+    keep a boolean per token, whether it falls in this rank's slice of the vocabulary). With
+    full recompute, also the one layer
+    whose activations backward is recomputing. Integer tensors (token ids, targets) and
+    scalars are not counted."""
     if not 0 <= stage < pp:
         raise EstimateError(f"stage: {stage} is not in 0..{pp - 1}")
     per_layer = layer_activation_bytes(
@@ -247,8 +283,14 @@ def stage_activation_bytes(
         once = layer_activation_bytes(
             m, micro_batch, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=d, flash=flash
         )
-    if stage == 0 and m.dropout:
+    if stage == 0 and m.dropout and m.embedding_dropout:
         extra += s * b * h / sp
-    if stage == pp - 1:
-        extra += 2 * d * s * b * h / sp + (d + 4) * s * b * m.vocab / tp
+    if not m.positions:  # rotary: the cos and sin tables every layer multiplies by
+        extra += 2 * d * s * (h // m.heads)
+    if m.vocab_parallel and tp > 1:  # which tokens fall outside this rank's vocabulary slice:
+        extra += s * b * ((stage == 0) + (stage == pp - 1))  # the embedding's, the loss's
+    if stage == pp - 1:  # the final norm's and the output layer's inputs, the loss's fp32
+        norm_input, norm_stats = m.norm_bytes(d)
+        extra += ((norm_input + d) * s * b * h + norm_stats * s * b) / sp
+        extra += 4 * s * b * m.vocab / (tp if m.vocab_parallel else 1)
     return in_flight * (per_layer * m.stage_layers(pp)[stage] + extra) + once
