@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from zerostack.estimate import EstimateError, Transformer
-from zerostack.plan.cost import Candidate, Software, model_flops, predict
+from zerostack.plan.cost import Candidate, Prediction, Software, model_flops, predict
 from zerostack.plan.hardware import PlanError, profile
 from zerostack.plan.search import search
 
@@ -123,26 +123,60 @@ def model_of(row: dict) -> Transformer:
         positions=row["gated"] != "1",  # the Llama rows are rotary; the GPT rows learned
         dropout=False,
         bias=row["gated"] != "1",
+        norm="rms" if row["gated"] == "1" else "layer",  # fused kernels: input and statistics
     )
 
 
-def candidate_of(row: dict) -> Candidate:
-    dp, batch = int(row["dp"]), int(row["batch"])
-    micro = int(row["micro"]) if row["micro"] else 1
-    if batch % (dp * micro):
-        raise PlanError(f"{row['id']}: batch {batch} is not a multiple of dp {dp} x micro {micro}")
-    return Candidate(
-        dp=dp,
-        tp=int(row["tp"]),
-        pp=int(row["pp"]),
-        stage=int(row["stage"]),
-        micro_batch=micro,
-        gas=batch // (dp * micro),
-        recompute=row["recompute"],
-        precision=row["precision"],
-        chunks=int(row["chunks"]),
-        software=SYSTEMS[row["system"]].software,
-    )
+def candidates_of(row: dict) -> list[Candidate]:
+    """The layouts the row's source allows: the one it gives, or, where it leaves a setting out,
+    each value the software could have run: an empty ``micro``, every micro-batch that divides
+    a replica's share of the batch; ``chunks`` ">1" (an interleaved schedule, its chunk count
+    not given), each count of 2 to 8 that divides the busiest stage's layers, where the
+    micro-batches are a multiple of the stages, as Megatron requires; an empty ``chunks`` (the
+    schedule not given), 1F1B as well."""
+    dp, pp, batch = int(row["dp"]), int(row["pp"]), int(row["batch"])
+    if batch % (dp * int(row["micro"] or 1)):
+        raise PlanError(f"{row['id']}: batch {batch} is not a multiple of dp {dp} x micro")
+    per_replica = batch // dp
+    micros = [int(row["micro"])] if row["micro"] else _divisors(per_replica)
+    out = []
+    for micro in micros:
+        gas = per_replica // micro
+        if row["chunks"] not in ("", ">1"):
+            chunks = [int(row["chunks"])]
+        else:
+            busiest = -(-int(row["layers"]) // pp)
+            chunks = [k for k in range(2, 9) if busiest % k == 0 and gas % pp == 0]
+            chunks = chunks if row["chunks"] else [1, *chunks]
+        out += [
+            Candidate(
+                dp=dp,
+                tp=int(row["tp"]),
+                pp=pp,
+                stage=int(row["stage"]),
+                micro_batch=micro,
+                gas=gas,
+                recompute=row["recompute"],
+                precision=row["precision"],
+                chunks=k,
+                software=SYSTEMS[row["system"]].software,
+            )
+            for k in chunks
+        ]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def as_published(row: dict, m: Transformer, batch: int, hw) -> Prediction:
+    """The row's layout as the cost model prices it: of :func:`candidates_of`, the fastest that
+    fits the device (as the search requires: 90% of its memory), or the fastest of all when
+    none does (the published run did fit)."""
+    predictions = [predict(m, batch, c, hw) for c in candidates_of(row)]
+    fitting = [p for p in predictions if p.memory_bytes <= 0.9 * hw.memory_bytes]
+    return min(fitting or predictions, key=lambda p: p.step_s)
 
 
 def metric(row: dict, m: Transformer, step_s: float, mfu: float) -> float:
@@ -173,14 +207,16 @@ def evaluate(rows: list[dict], with_search: bool = True, **overrides) -> dict:
         if entry["skipped"]:
             out.append(entry)
             continue
-        m, c = model_of(row), candidate_of(row)
+        m = model_of(row)
         hw = profile(row["gpu"], gpus=int(row["gpus"]), **overrides)
         try:
-            p = predict(m, int(row["batch"]), c, hw)
+            p = as_published(row, m, int(row["batch"]), hw)
         except EstimateError as exc:  # a layout the estimator refuses (uneven pipeline stages)
             entry["skipped"] = str(exc)
             out.append(entry)
             continue
+        c = p.candidate
+        entry["layout"] = {"micro_batch": c.micro_batch, "chunks": c.chunks}
         entry["predicted"] = metric(row, m, p.step_s, p.mfu)
         entry["error"] = entry["predicted"] / entry["published"] - 1
         if with_search:

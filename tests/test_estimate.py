@@ -496,3 +496,14 @@ def test_llama_style_flops_are_two_per_weight_per_token():
     want = 2 * s * weights + 2 * s * h * V + 4 * s * s * h * L
     got = transformer_flops(L, h, m.heads, V, s, 1, ffn=f, backward=False, kv_hidden=kv, gated=True)
     assert got == want
+
+
+def test_a_fused_swiglu_keeps_three_of_its_four_wide_tensors():
+    """Run eagerly, SwiGLU keeps gate, up, act(gate) and their product (the dry run's census
+    holds that to Hugging Face's Llama); one fused kernel (Megatron's, Transformer Engine's)
+    keeps its input and recomputes act(gate) in backward: d s b f / t less per layer."""
+    m = Transformer.from_hf_config(LLAMA2_7B, seq=512)
+    for tp in (1, 4):
+        eager = layer_activation_bytes(m, 2, tp=tp, flash=True)
+        fused = layer_activation_bytes(m, 2, tp=tp, flash=True, fused_mlp=True)
+        assert eager - fused == 2 * 512 * 2 * 11008 / tp

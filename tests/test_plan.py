@@ -18,6 +18,7 @@ from zerostack.plan.cost import (
     compute_seconds,
     dp_traffic,
     hbm_bytes,
+    head_seconds,
 )
 from zerostack.plan.hardware import PROFILES
 from zerostack.plan.search import search
@@ -226,14 +227,30 @@ def test_published_runs_are_whole_layouts_with_their_sources():
 
 
 def test_the_busiest_pipeline_stage_paces_an_uneven_split():
-    """3 layers on 2 stages: the first holds 2, so the step waits for 2/1.5 of an even share
-    of the compute (the planner priced 1.5 layers a stage before)."""
-    m = Transformer(layers=3, hidden=256, heads=8, vocab=1000, seq=128)
+    """3 layers on 2 stages: the first holds 2 layers, the last 1 and the whole output layer
+    (its matmuls and the loss: pp times its even share); the step waits for the busier (the
+    planner priced 1.5 layers a stage before, and the output layer spread over the stages).
+    With a vocabulary 50 times larger, the last stage is the busier."""
     hw = profile("h100-80gb", gpus=4)
     c = Candidate(dp=1, tp=2, pp=2, stage=0, micro_batch=1, gas=4)
+    for vocab, busier in ((1000, "first"), (50_000, "last")):
+        m = Transformer(layers=3, hidden=256, heads=8, vocab=vocab, seq=128)
+        p = predict(m, 4, c, hw)
+        head = head_seconds(m, 4, c, hw)
+        layer = (compute_seconds(m, 4, c, hw) - head) * 2 / 3
+        first, last = 2 * layer, layer + 2 * head
+        assert (first > last) == (busier == "first"), vocab
+        assert p.compute_s == pytest.approx(max(first, last), rel=1e-12), vocab
+    # the output layer is what grows with the vocabulary: model_flops' logits, hbm_bytes' loss
+    one = replace(m, vocab=1)
+    matmul = hw.peak_flops * hw.kernel_derate * hw.matmul_efficiency
+    flops = (model_flops(m, 4) - model_flops(one, 4)) / matmul / c.world
+    loss = (hbm_bytes(m, 4, c) - hbm_bytes(one, 4, c)) / (hw.hbm_bw * hw.kernel_derate)
+    assert head_seconds(m, 4, c, hw) - head_seconds(one, 4, c, hw) == pytest.approx(
+        flops + loss, rel=1e-12
+    )
+    m = Transformer(layers=3, hidden=256, heads=8, vocab=1000, seq=128)
     p = predict(m, 4, c, hw)
-    even_share = compute_seconds(m, 4, c, hw)
-    assert p.compute_s == pytest.approx(even_share * 4 / 3, rel=1e-12)
     even = predict(replace(m, layers=4), 4, c, hw)  # 2 layers a stage, evenly
     assert p.tp_s == pytest.approx(even.tp_s, rel=1e-12)  # the busiest stage's collectives
 
@@ -326,3 +343,21 @@ def test_interleaving_crosses_a_stage_boundary_per_chunk():
     two = replace(one, chunks=2)
     assert predict(m, 32, two, hw).pp_s == pytest.approx(2 * predict(m, 32, one, hw).pp_s)
     assert predict(m, 32, two, hw).bubble_s < predict(m, 32, one, hw).bubble_s
+
+
+def test_the_search_tries_every_grid_of_the_devices():
+    """Pipeline sizes are every divisor of the devices beside tp, even ones that leave the
+    layers uneven (70 layers on 24 GPUs, a batch of 64: dp is a power of two, so tp x pp has
+    the factor 3: pp 3, 6, 12 or 24, none of which divides 70, each priced at its busiest
+    stage); interleaving tries each chunk count up to 8 that divides a stage's layers, where
+    the micro-batches are a multiple of the stages."""
+    from zerostack.plan.search import _chunks
+
+    m = Transformer(layers=70, hidden=512, heads=8, vocab=32000, seq=512)
+    plan = search(m, profile("a100-80gb", gpus=24), 64)
+    assert {p.candidate.pp for p in plan.ranked} == {3, 6, 12, 24}
+    m = replace(m, layers=24)
+    assert _chunks(m, 4, 8) == (1, 2, 3, 6)  # 6 layers a stage
+    assert _chunks(m, 4, 6) == (1,)  # 6 micro-batches on 4 stages
+    assert _chunks(replace(m, layers=25), 4, 8) == (1,)  # uneven stages
+    assert _chunks(replace(m, layers=96), 4, 8) == (1, 2, 3, 4, 6, 8)  # 24 a stage, up to 8

@@ -176,6 +176,8 @@ def test_comm_per_layer(sp):
     if not sp:
         assert per_block == {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0}
         assert whole == {"all_reduce": 4 * L + 2, "all_gather": 0, "reduce_scatter": 0}
+        # an all-reduce is two ring passes (a reduce-scatter and an all-gather)
+        assert 2 * whole["all_reduce"] == tp_collectives(L, sequence_parallel=False)[0]
     else:  # each all-reduce becomes an all-gather + reduce-scatter pair, and the two column
         # layers (and the output layer) gather their input again in backward: they keep only
         # their sequence shard for it

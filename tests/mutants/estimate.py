@@ -160,4 +160,11 @@ MUTANTS: list[Mutant] = [
         "0.1)",
         ("tests/test_dryrun.py::test_the_activations_the_forward_keeps_are_the_estimates",),
     ),
+    Mutant(
+        "estimate: a fused SwiGLU counted as keeping all four of its wide tensors",
+        "estimate/activations.py",
+        "    mlp = (3 if fused_mlp else 4) * 4 * wide if m.gated else 8 * wide",
+        "    mlp = 4 * 4 * wide if m.gated else 8 * wide",
+        ("tests/test_estimate.py::test_a_fused_swiglu_keeps_three_of_its_four_wide_tensors",),
+    ),
 ]

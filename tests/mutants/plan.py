@@ -36,8 +36,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: the column layers' backward re-gather left out of the tp cost",
         "plan/cost.py",
-        'big = layers * (10 + (4 if recompute == "full" else 0)) + 5',
-        'big = layers * (8 + (4 if recompute == "full" else 0)) + 4',
+        "    return layers * (10 + 4 * again) + 5, layers * 6 + 4",
+        "    return layers * (8 + 4 * again) + 4, layers * 6 + 4",
         ("tests/test_tensor_parallel.py::test_comm_per_layer",),
     ),
     Mutant(
@@ -57,7 +57,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: an uneven pipeline priced as if its layers divided evenly",
         "plan/cost.py",
-        "    busiest = max(m.stage_layers(c.pp))",
+        "    busiest = max(stages)",
         "    busiest = m.layers / c.pp",
         ("tests/test_plan.py::test_the_busiest_pipeline_stage_paces_an_uneven_split",),
     ),
@@ -157,5 +157,40 @@ MUTANTS: list[Mutant] = [
         "    pp_s = 2 * c.gas * c.chunks * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
         "    pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
         ("tests/test_plan.py::test_interleaving_crosses_a_stage_boundary_per_chunk",),
+    ),
+    Mutant(
+        "plan: tensor parallelism without sequence parallelism priced as with it",
+        "plan/cost.py",
+        "    if not sequence_parallel:\n        return",
+        "    if False:\n        return",
+        ("tests/test_tensor_parallel.py::test_comm_per_layer",),
+    ),
+    Mutant(
+        "plan: the output layer spread over the pipeline's stages, not on the last",
+        "plan/cost.py",
+        "    compute = max(busiest * layer, stages[-1] * layer + head)",
+        "    compute = busiest * (layer + head / m.layers)",
+        ("tests/test_plan.py::test_the_busiest_pipeline_stage_paces_an_uneven_split",),
+    ),
+    Mutant(
+        "plan: the output layer's flops counted once, not forward and backward",
+        "plan/cost.py",
+        "    flops = 6 * batch * m.seq * m.hidden * m.vocab",
+        "    flops = 2 * batch * m.seq * m.hidden * m.vocab",
+        ("tests/test_plan.py::test_the_busiest_pipeline_stage_paces_an_uneven_split",),
+    ),
+    Mutant(
+        "plan: only pipelines that divide the layers searched",
+        "plan/search.py",
+        "    return [pp for pp in _divisors(devices) if pp <= layers]",
+        "    return [pp for pp in _divisors(layers) if devices % pp == 0]",
+        ("tests/test_plan.py::test_the_search_tries_every_grid_of_the_devices",),
+    ),
+    Mutant(
+        "plan: interleaving tried with two chunks only",
+        "plan/search.py",
+        "    return (1, *(k for k in range(2, 9) if (m.layers // pp) % k == 0))",
+        "    return (1, 2) if (m.layers // pp) % 2 == 0 else (1,)",
+        ("tests/test_plan.py::test_the_search_tries_every_grid_of_the_devices",),
     ),
 ]

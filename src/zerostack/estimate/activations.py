@@ -197,6 +197,7 @@ def layer_activation_bytes(
     recompute: str = "none",
     dtype_bytes: int = 2,
     flash: bool = False,
+    fused_mlp: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch.
 
@@ -211,7 +212,10 @@ def layer_activation_bytes(
       LayerNorm's mean and rstd, 4 for RMSNorm's rstd; :meth:`Transformer.norm_bytes` also
       says what Hugging Face's eager RMSNorm keeps in place of its input);
     * split by t: Q, K, V and the projection input (4 d) and the MLP's two 4h-wide activations
-      (8 d, scaled by ffn / 4h), per s b h;
+      (8 d, scaled by ffn / 4h), per s b h; a gated MLP (SwiGLU) keeps four ffn-wide tensors
+      run eagerly (gate, up, act(gate), their product) and three when ``fused_mlp`` (one
+      kernel keeps its input, gate and up, and recomputes its output in backward: Megatron's
+      and Transformer Engine's SwiGLU);
     * the attention core, per a s^2 b / t: the softmax output (d), its dropout mask and output
       (m + m d). ``flash``: a fused kernel keeps none of it, only the fp32 log-sum-exp, 4 a s b / t.
 
@@ -230,7 +234,8 @@ def layer_activation_bytes(
     kv = m.kv_hidden / h  # K and V relative to Q (grouped-query attention keeps them smaller)
     norm_input, norm_stats = m.norm_bytes(d)
     whole = ((2 * norm_input + 2 * d + 2 * mask) * sbh + 2 * norm_stats * s * b) / sp
-    mlp = 4 * 4 * wide if m.gated else 8 * wide  # gate, up, act(gate), product; or fc, gelu
+    # gate, up, act(gate), product (the fused kernel keeps no act(gate)); or fc, gelu
+    mlp = (3 if fused_mlp else 4) * 4 * wide if m.gated else 8 * wide
     split = ((2 + 2 * kv) * d + mlp * d) * sbh / t
     if recompute == "selective":
         core = 0.0
@@ -253,6 +258,7 @@ def stage_activation_bytes(
     recompute: str = "none",
     dtype_bytes: int = 2,
     flash: bool = False,
+    fused_mlp: bool = False,
 ) -> float:
     """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
     its layers (:meth:`Transformer.stage_layers`; 1F1B: ``min(pp - stage, gas)`` micro-batches,
@@ -275,13 +281,20 @@ def stage_activation_bytes(
         recompute=recompute,
         dtype_bytes=dtype_bytes,
         flash=flash,
+        fused_mlp=fused_mlp,
     )
     s, b, h, d = m.seq, micro_batch, m.hidden, dtype_bytes
     sp = tp if sequence_parallel else 1
     extra, once = 0.0, 0.0
     if recompute == "full":  # backward recomputes one layer at a time: its activations too
         once = layer_activation_bytes(
-            m, micro_batch, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=d, flash=flash
+            m,
+            micro_batch,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            dtype_bytes=d,
+            flash=flash,
+            fused_mlp=fused_mlp,
         )
     if stage == 0 and m.dropout and m.embedding_dropout:
         extra += s * b * h / sp

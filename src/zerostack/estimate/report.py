@@ -32,6 +32,7 @@ class Workload:
     recompute: str = "none"
     sequence_parallel: bool = False
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
+    fused_mlp: bool = False  # a gated MLP's activation as one kernel (Megatron's SwiGLU)
     in_flight: float = 0.0  # micro-batches the first pipeline stage holds (0: 1F1B's min(pp, gas))
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
     prefetch_bucket: int | None = None  # stage3_prefetch_bucket_size (None: 2 largest modules)
@@ -129,6 +130,7 @@ def estimate(
             recompute=work.recompute,
             dtype_bytes=PRECISION_BYTES[layout.precision],
             flash=work.flash,
+            fused_mlp=work.fused_mlp,
         )
         out["workload"] = asdict(work)
     out["total_bytes_per_rank"] = (

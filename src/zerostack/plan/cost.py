@@ -103,6 +103,7 @@ class Candidate:
             recompute=self.recompute,
             sequence_parallel=self.tp > 1 and self.software.sequence_parallel,
             flash=self.software.flash,
+            fused_mlp=self.software.fused,
             in_flight=pipeline(self.pp, self.gas, self.chunks)[1],
         )
 
@@ -190,8 +191,23 @@ def hbm_bytes(m: Transformer, batch: int, c: Candidate) -> float:
         score = (4 * d if k.fused else 8 * d) + ((2 * d + 1) if m.dropout else 0)
         layer += score * m.heads / t * m.seq * (3 + (c.recompute != "none"))
     tokens = batch * m.seq / c.dp
-    loss = (2 * d + (8 if k.fused else 40)) * m.vocab / t / c.pp
-    return tokens * (layer * m.layers / c.pp + loss)
+    return tokens * (layer * m.layers / c.pp + _loss_bytes(m, c) / c.pp)
+
+
+def _loss_bytes(m: Transformer, c: Candidate) -> float:
+    """HBM bytes per token of the loss over this tp rank's vocabulary (see :func:`hbm_bytes`)."""
+    d = PRECISION_BYTES[c.precision]
+    return (2 * d + (8 if c.software.fused else 40)) * m.vocab / c.tp
+
+
+def head_seconds(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> float:
+    """The output layer's share of :func:`compute_seconds` (its matmuls forward and backward,
+    never recomputed, and the loss's bytes), at the same even share over every rank. A
+    pipeline's last stage runs all of it: ``pp`` times this on each of its ranks."""
+    matmul = hw.peak_flops * hw.kernel_derate * hw.matmul_efficiency
+    flops = 6 * batch * m.seq * m.hidden * m.vocab
+    loss = batch * m.seq / c.dp * _loss_bytes(m, c) / c.pp
+    return flops / matmul / c.world + loss / (hw.hbm_bw * hw.kernel_derate)
 
 
 def compute_seconds(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> float:
@@ -256,13 +272,22 @@ def stage3_fetch_units(layers: float) -> float:
     return layers + 3
 
 
-def tp_collectives(layers: float, recompute: str = "none") -> tuple[float, float]:
-    """Collectives over the tp axis per micro-batch under sequence parallelism, forward and
-    backward through ``layers`` layers plus the embedding and the output layer: (activation-sized
-    all-gathers and reduce-scatters, small all-reduces of replicated parameters' gradients).
-    ``tests/test_tensor_parallel.py`` holds it to what the CommLog counts."""
-    big = layers * (10 + (4 if recompute == "full" else 0)) + 5
-    return big, layers * 6 + 4
+def tp_collectives(
+    layers: float, recompute: str = "none", sequence_parallel: bool = True
+) -> tuple[float, float]:
+    """Collectives over the tp axis per micro-batch, forward and backward through ``layers``
+    layers plus the embedding and the output layer: (activation-sized ring passes, small
+    all-reduces). Under sequence parallelism the passes are all-gathers and reduce-scatters
+    (the column layers gather their input again in backward) and the small all-reduces sum the
+    gradients of the parameters every tp rank holds whole (norms, row-parallel biases), which
+    each rank computed from its own part of the sequence. Without it, each layer all-reduces
+    (two passes) twice in forward and twice in backward, and the whole parameters' gradients
+    are equal on every tp rank already: only the loss's two small all-reduces remain.
+    ``tests/test_tensor_parallel.py`` holds both to what the CommLog counts."""
+    again = 1 if recompute == "full" else 0  # the recomputed forward's collectives
+    if not sequence_parallel:
+        return 2 * (layers * (4 + 2 * again) + 2), 2
+    return layers * (10 + 4 * again) + 5, layers * 6 + 4
 
 
 @lru_cache(maxsize=4096)
@@ -321,24 +346,29 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
     d = PRECISION_BYTES[c.precision]
     flops = model_flops(m, batch, recompute=c.recompute)
-    # the busiest pipeline stage paces the step: more than layers / pp when they do not divide
-    busiest = max(m.stage_layers(c.pp))
-    compute = compute_seconds(m, batch, c, hw) * busiest * c.pp / m.layers
+    # the busiest pipeline stage paces the step: more than layers / pp when they do not divide,
+    # and the last stage runs the output layer and the loss besides its layers
+    stages = m.stage_layers(c.pp)
+    busiest = max(stages)
+    head = head_seconds(m, batch, c, hw) * c.pp
+    layer = (compute_seconds(m, batch, c, hw) - head / c.pp) * c.pp / m.layers
+    compute = max(busiest * layer, stages[-1] * layer + head)
     backward = compute * 2 / (3 + (1 if c.recompute == "full" else 0))
     bubble = compute * pipeline(c.pp, c.gas, c.chunks)[0]
     if hw.shared_cores:  # idle ranks lend their cores: the machine's throughput bounds the step
         critical = (compute + bubble) * hw.shared_cores / c.world
         bubble = max(0.0, critical - compute)
 
-    # tensor parallelism (sequence parallel), per micro-batch (tp_collectives): per layer an
-    # all-gather before and a reduce-scatter after attention and the MLP, in forward, backward
-    # and a recomputed forward, the column layers' inputs gathered again in backward, and an
-    # all-reduce of each replicated parameter's gradient (two LayerNorms, two row-parallel
-    # biases); the embeddings and the vocabulary-parallel loss add a few. All are on the
-    # critical path. Ranks tp apart are adjacent (tp is the innermost axis of the grid).
+    # tensor parallelism, per micro-batch (tp_collectives): under sequence parallelism per
+    # layer an all-gather before and a reduce-scatter after attention and the MLP, in forward,
+    # backward and a recomputed forward, the column layers' inputs gathered again in backward,
+    # and an all-reduce of each replicated parameter's gradient (two LayerNorms, two
+    # row-parallel biases); without it an all-reduce in each place instead; the embeddings and
+    # the vocabulary-parallel loss add a few. All are on the critical path. Ranks tp apart are
+    # adjacent (tp is the innermost axis of the grid).
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    big, small = tp_collectives(busiest, c.recompute)
+    big, small = tp_collectives(busiest, c.recompute, c.software.sequence_parallel)
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 

@@ -101,7 +101,7 @@ class Hardware:
 # * kernel_derate and link_efficiency: fitted together to the 28 published runs the cost model
 #   prices (benchmarks/published.py --fit: 9.7% mean absolute error, and 9.7% for each row
 #   predicted with the pair fitted to the others).
-FITTED = {"kernel_derate": 0.8, "link_efficiency": 0.8}
+FITTED = {"kernel_derate": 0.75, "link_efficiency": 0.8}
 
 PROFILES: dict[str, Hardware] = {
     "a100-80gb": Hardware(

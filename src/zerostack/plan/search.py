@@ -35,10 +35,11 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _pipeline_sizes(layers: int) -> list[int]:
-    """Pipeline sizes to try: the divisors of the layers and the powers of two up to them (an
-    uneven split, priced by its busiest stage, as the engine's partition cuts it)."""
-    return sorted(set(_divisors(layers)) | set(_powers_of_two(layers)))
+def _pipeline_sizes(layers: int, devices: int) -> list[int]:
+    """Pipeline sizes to try: every one that divides the ``devices`` left beside tp, up to one
+    layer a stage (where the layers do not divide, an uneven split, priced by its busiest
+    stage, as the engine's partition cuts it: 70 layers on 12 stages of 384 GPUs)."""
+    return [pp for pp in _divisors(devices) if pp <= layers]
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -99,7 +100,7 @@ def search(
         if tp > hw.gpus_per_node:
             dropped[f"tp {tp}: spans nodes ({hw.gpus_per_node} devices per node)"] += 1
             continue
-        for pp in _pipeline_sizes(m.layers) if model_parallel else (1,):
+        for pp in _pipeline_sizes(m.layers, hw.gpus // tp) if model_parallel else (1,):
             if hw.gpus % (tp * pp):
                 continue  # not a grid of this many devices: not a layout at all
             dp = hw.gpus // (tp * pp)
@@ -137,11 +138,12 @@ def search(
 
 
 def _chunks(m: Transformer, pp: int, gas: int) -> tuple[int, ...]:
-    """1F1B (one chunk per rank) and, where the layers and micro-batches divide, interleaved
-    with two chunks."""
-    if pp > 1 and m.layers % (2 * pp) == 0 and gas % pp == 0:
-        return (1, 2)
-    return (1,)
+    """1F1B (one chunk per rank) and, where the micro-batches are a multiple of the stages and
+    the layers divide evenly, interleaved with each chunk count up to 8 that divides a stage's
+    layers (the engine's ``virtual_stages``; Megatron requires the same)."""
+    if pp == 1 or gas % pp or m.layers % pp:
+        return (1,)
+    return (1, *(k for k in range(2, 9) if (m.layers // pp) % k == 0))
 
 
 def ds_config(p: Prediction, batch: int) -> dict:
