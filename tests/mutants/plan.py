@@ -193,4 +193,18 @@ MUTANTS: list[Mutant] = [
         "    return (1, 2) if (m.layers // pp) % 2 == 0 else (1,)",
         ("tests/test_plan.py::test_the_search_tries_every_grid_of_the_devices",),
     ),
+    Mutant(
+        "plan: a tp all-reduce counted once per layer each way, not twice",
+        "plan/cost.py",
+        "        return 2 * (layers * (4 + 2 * again) + 2), 2",
+        "        return 2 * (layers * (2 + again) + 2), 2",
+        ("tests/test_tensor_parallel.py::test_comm_per_layer",),
+    ),
+    Mutant(
+        "plan: the interleaved pipeline's bubble without its chunk factor (closed form)",
+        "plan/cost.py",
+        "    return (pp - 1) / (gas * chunks), in_flight",
+        "    return (pp - 1) / gas, in_flight",
+        ("tests/test_plan.py::test_the_bubble_is_the_simulated_schedule",),
+    ),
 ]
