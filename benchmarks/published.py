@@ -208,7 +208,8 @@ def evaluate(rows: list[dict], with_search: bool = True, **overrides) -> dict:
             out.append(entry)
             continue
         m = model_of(row)
-        hw = profile(row["gpu"], gpus=int(row["gpus"]), **overrides)
+        fabric = row["fabric"] or None  # "": the profile's own
+        hw = profile(row["gpu"], gpus=int(row["gpus"]), fabric=fabric, **overrides)
         try:
             p = as_published(row, m, int(row["batch"]), hw)
         except EstimateError as exc:  # a layout the estimator refuses (uneven pipeline stages)

@@ -20,7 +20,7 @@ from zerostack.plan.cost import (
     hbm_bytes,
     head_seconds,
 )
-from zerostack.plan.hardware import PROFILES
+from zerostack.plan.hardware import FABRICS, PROFILES
 from zerostack.plan.search import search
 
 from tests.support.models import batch, run_cli
@@ -102,6 +102,8 @@ def test_json_output_has_the_ranking():
         ),
         (["--gpu-memory", "0.001"], "no layout fits 8 x a100-80gb"),
         (["--gpus", "12", "--gpus-per-node", "8"], "gpus: 12 is not a whole number of nodes of 8"),
+        (["--calibrate", "--fabric", "roce-400g"], "--fabric: --calibrate measures this machine"),
+        (["--fabric", "omni-path", "--inter-bw", "5"], "--fabric, --inter-bw: both set the"),
     ],
 )
 def test_bad_input_is_one_line(argv, message):
@@ -207,6 +209,7 @@ def test_published_runs_are_whole_layouts_with_their_sources():
         assert int(r["batch"]) % (int(r["dp"]) * int(r["micro"] or 1)) == 0, r["id"]
         assert r["source"] and r["where"] and r["checked"], r["id"]
         assert r["gpu"] in ("a100-80gb", "h100-80gb"), r["id"]
+        assert r["fabric"] in ("", *FABRICS), r["id"]  # "": the profile's own
         assert r["system"] in published.SYSTEMS, r["id"]
         assert int(r["stage"]) in published.SYSTEMS[r["system"]].stages, r["id"]
     result = published.evaluate(rows, with_search=False)
@@ -361,3 +364,21 @@ def test_the_search_tries_every_grid_of_the_devices():
     assert _chunks(m, 4, 6) == (1,)  # 6 micro-batches on 4 stages
     assert _chunks(replace(m, layers=25), 4, 8) == (1,)  # uneven stages
     assert _chunks(replace(m, layers=96), 4, 8) == (1, 2, 3, 4, 6, 8)  # 24 a stage, up to 8
+
+
+def test_the_fabrics_are_their_line_rates_per_device():
+    """Between nodes, one way, per device, from each source's figures: an HDR or NDR
+    InfiniBand or 400 Gb/s RoCE adapter per GPU; Jean Zay's four 100 Gb/s Omni-Path links per
+    eight GPUs (BLOOM). Each bundled profile carries its system's fabric; another replaces it."""
+    bits = 8
+    assert FABRICS == {
+        "infiniband-hdr": 200e9 / bits,
+        "infiniband-ndr": 400e9 / bits,
+        "roce-400g": 400e9 / bits,
+        "omni-path": 4 * 100e9 / bits / 8,
+    }
+    assert profile("a100-80gb").inter_bw == 25e9 and profile("h100-80gb").inter_bw == 50e9
+    hw = profile("a100-80gb", gpus=384, fabric="omni-path")
+    assert hw.inter_bw == 6.25e9 and hw.name == "a100-80gb+omni-path" and hw.gpus == 384
+    with pytest.raises(PlanError, match="--fabric: 'ib' is not one of infiniband-hdr"):
+        profile("h100-80gb", fabric="ib")

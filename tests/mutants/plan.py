@@ -107,10 +107,10 @@ MUTANTS: list[Mutant] = [
         ("tests/test_plan.py::test_software_that_cannot_overlap_or_regathers_pays_for_it",),
     ),
     Mutant(
-        "plan: the A100's InfiniBand in gigabits, not gigabytes, per second",
+        "plan: HDR InfiniBand in gigabits, not gigabytes, per second",
         "plan/hardware.py",
-        "        inter_bw=25 * GB,\n        host_bw=25 * GB,",
-        "        inter_bw=25 * GB / 8,\n        host_bw=25 * GB,",
+        '    "infiniband-hdr": 200e9 / 8,',
+        '    "infiniband-hdr": 200e9,',
         ("tests/test_plan.py::test_published_runs_are_whole_layouts_with_their_sources",),
     ),
     Mutant(
@@ -206,5 +206,19 @@ MUTANTS: list[Mutant] = [
         "    return (pp - 1) / (gas * chunks), in_flight",
         "    return (pp - 1) / gas, in_flight",
         ("tests/test_plan.py::test_the_bubble_is_the_simulated_schedule",),
+    ),
+    Mutant(
+        "plan: Omni-Path's links counted per node, not per device",
+        "plan/hardware.py",
+        '    "omni-path": 4 * 100e9 / 8 / 8,',
+        '    "omni-path": 4 * 100e9 / 8,',
+        ("tests/test_plan.py::test_the_fabrics_are_their_line_rates_per_device",),
+    ),
+    Mutant(
+        "plan: a fabric named but the profile's own kept",
+        "plan/hardware.py",
+        '        hw = hw.scaled(name=f"{hw.name}+{fabric}", inter_bw=FABRICS[fabric])',
+        '        hw = hw.scaled(name=f"{hw.name}+{fabric}")',
+        ("tests/test_plan.py::test_the_fabrics_are_their_line_rates_per_device",),
     ),
 ]

@@ -8,7 +8,7 @@ import sys
 
 from ..estimate import EstimateError, describe
 from ..estimate.command import MODEL_KEYS, add_model_arguments
-from .hardware import GB, PlanError, calibrate, profile
+from .hardware import FABRICS, GB, PlanError, calibrate, profile
 from .search import as_json, ds_config, render, search, torchrun_command
 
 
@@ -38,6 +38,11 @@ def add_parser(sub) -> None:
     h.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device")
     h.add_argument("--intra-bw", type=float, help="GB/s per device inside a node")
     h.add_argument("--inter-bw", type=float, help="GB/s per device between nodes")
+    h.add_argument(
+        "--fabric",
+        choices=list(FABRICS),
+        help="the network between nodes, in place of the profile's (its line rate per device)",
+    )
     p.add_argument("--no-offload", action="store_true", help="do not consider optimizer offload")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--out", help="write the best layout's ds_config here")
@@ -52,11 +57,15 @@ def _hardware(args, model):
         "intra_bw": args.intra_bw * GB if args.intra_bw else None,
         "inter_bw": args.inter_bw * GB if args.inter_bw else None,
     }
+    if args.fabric and args.inter_bw:
+        raise PlanError("--fabric, --inter-bw: both set the bandwidth between nodes; give one")
     if args.calibrate:
+        if args.fabric:
+            raise PlanError("--fabric: --calibrate measures this machine's own links")
         hw = calibrate(gpus=args.gpus, model=model)
         changes = {k: v for k, v in scale.items() if v is not None}
         return hw.scaled(**changes) if changes else hw
-    return profile(args.hardware, gpus=args.gpus, **scale)
+    return profile(args.hardware, gpus=args.gpus, fabric=args.fabric, **scale)
 
 
 def run(args) -> int:

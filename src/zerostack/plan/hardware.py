@@ -96,12 +96,31 @@ class Hardware:
 #   and backward reach 50-73% of the A100's peak (0.55 taken, the causal, 2k-8k end) and up to
 #   335 TFLOP/s on an H100 (0.34); B200 assumed as H100;
 # * links: NVLink 3 600 GB/s and NVLink 4 900 GB/s bidirectional per GPU (300 and 450 one way);
-#   NVLink 5 1.8 TB/s (900 one way); one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100, H200,
-#   B200) InfiniBand adapter per GPU, as DGX A100/H100/B200 have: 25 and 50 GB/s one way.
+#   NVLink 5 1.8 TB/s (900 one way); between nodes, the fabric (FABRICS, below).
 # * kernel_derate and link_efficiency: fitted together to the 28 published runs the cost model
-#   prices (benchmarks/published.py --fit: 9.7% mean absolute error, and 9.7% for each row
+#   prices (benchmarks/published.py --fit: 7.4% mean absolute error, and 7.7% for each row
 #   predicted with the pair fitted to the others).
 FITTED = {"kernel_derate": 0.75, "link_efficiency": 0.8}
+
+# Fabrics between nodes: one way, per device (``inter_bw``), at the line rate. Each profile
+# below carries the fabric its DGX/HGX system ships with (one adapter per GPU); ``profile(...,
+# fabric=...)`` puts another in:
+# * infiniband-hdr: one 200 Gb/s HDR adapter per GPU (DGX A100; Narayanan et al. 2021, section
+#   5: Selene's "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs" per server);
+# * infiniband-ndr: one 400 Gb/s NDR adapter per GPU (DGX H100, H200, B200);
+# * roce-400g: RDMA over Converged Ethernet at 400 Gb/s per GPU, as Llama 3 405B trained on it
+#   (the Llama 3 paper, arXiv 2407.21783, section 3.3.1: its RoCE and InfiniBand clusters both
+#   "leverage 400 Gbps interconnects between GPUs"); no latency of its own is known to us, so
+#   the profile's is kept;
+# * omni-path: Intel Omni-Path (100 Gb/s a link), four links per 8-GPU node, as BLOOM trained
+#   on Jean Zay (bigscience train/tr11-176B-ml/README.md: "8 GPUs per node ... 4 OmniPath
+#   links").
+FABRICS: dict[str, float] = {
+    "infiniband-hdr": 200e9 / 8,
+    "infiniband-ndr": 400e9 / 8,
+    "roce-400g": 400e9 / 8,
+    "omni-path": 4 * 100e9 / 8 / 8,
+}
 
 PROFILES: dict[str, Hardware] = {
     "a100-80gb": Hardware(
@@ -114,7 +133,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.55,
         hbm_bw=2039 * GB,
         intra_bw=300 * GB,
-        inter_bw=25 * GB,
+        inter_bw=FABRICS["infiniband-hdr"],
         host_bw=25 * GB,
         device_adam_bytes_per_s=1.6e12,
         **FITTED,
@@ -129,7 +148,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.34,
         hbm_bw=3350 * GB,
         intra_bw=450 * GB,
-        inter_bw=50 * GB,
+        inter_bw=FABRICS["infiniband-ndr"],
         host_bw=50 * GB,
         device_adam_bytes_per_s=2.8e12,
         **FITTED,
@@ -144,7 +163,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.34,
         hbm_bw=4800 * GB,
         intra_bw=450 * GB,
-        inter_bw=50 * GB,
+        inter_bw=FABRICS["infiniband-ndr"],
         host_bw=50 * GB,
         device_adam_bytes_per_s=4.0e12,
         **FITTED,
@@ -159,7 +178,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.34,
         hbm_bw=8000 * GB,
         intra_bw=900 * GB,
-        inter_bw=50 * GB,
+        inter_bw=FABRICS["infiniband-ndr"],
         host_bw=64 * GB,
         device_adam_bytes_per_s=6.4e12,
         **FITTED,
@@ -167,12 +186,19 @@ PROFILES: dict[str, Hardware] = {
 }
 
 
-def profile(name: str, *, gpus: int | None = None, **overrides) -> Hardware:
-    """A bundled profile (``gpus`` devices, the rest as bundled unless overridden)."""
+def profile(
+    name: str, *, gpus: int | None = None, fabric: str | None = None, **overrides
+) -> Hardware:
+    """A bundled profile (``gpus`` devices, between nodes ``fabric``, a key of
+    :data:`FABRICS`; the rest as bundled unless overridden)."""
     key = name.lower()
     if key not in PROFILES:
         raise PlanError(f"--hardware: {name!r} is not one of {', '.join(sorted(PROFILES))}")
     hw = PROFILES[key]
+    if fabric is not None:
+        if fabric not in FABRICS:
+            raise PlanError(f"--fabric: {fabric!r} is not one of {', '.join(FABRICS)}")
+        hw = hw.scaled(name=f"{hw.name}+{fabric}", inter_bw=FABRICS[fabric])
     changes = {k: v for k, v in overrides.items() if v is not None}
     if gpus is not None:
         changes["gpus"] = gpus
