@@ -21,7 +21,7 @@ from zerostack.estimate import (
     stage_activation_bytes,
 )
 from zerostack.models import GPTConfig
-from zerostack.plan.cost import Candidate, dp_traffic
+from zerostack.plan.cost import Candidate, dp_traffic, tp_collectives
 
 from tests.support.models import run_cli
 
@@ -154,6 +154,29 @@ def test_one_step_at_1024_ranks_issues_the_cost_models_collectives(results):
         if stage == 3 and recompute == "full":  # the recompute's gathers are in the count
             plain = results[name, stage, tp, "none"]["collectives"]["all_gather/dp"]["bytes"]
             assert got["all_gather"] > plain
+
+
+def test_one_step_at_1024_ranks_issues_the_cost_models_tp_all_reduces(results):
+    """Tensor parallelism without sequence parallelism, against ``tp_collectives``: the GPT's
+    two all-reduces a layer each way, its vocabulary-parallel embedding's and output layer's,
+    and its loss's two small ones (the maximum, b s fp32, and the two sums, 2 b s); the
+    Llama's AutoTP, whose column layers reading one input (q, k, v; gate, up) all-reduce its
+    gradient once, as the GPT's fused ones do, with whole embeddings; a recomputed forward's
+    again. Each activation all-reduce carries b s h in bf16; the gradient norm's 4 bytes once."""
+    for (name, stage, tp, recompute), run in results.items():
+        if tp == 1:
+            assert not any(key.endswith("/tp") for key in run["collectives"]), name
+            continue
+        m, micro = _model(name), MICRO.get(name, 1)
+        passes, small = tp_collectives(m.layers, recompute, False, m.vocab_parallel)
+        act = micro * SEQ * m.hidden * 2
+        loss = 3 * micro * SEQ * 4 if small else 0
+        want = {
+            "count": GAS * (passes // 2 + small) + 1,
+            "bytes": GAS * (passes // 2 * act + loss) + 4,
+        }
+        assert run["collectives"]["all_reduce/tp"] == want, (name, stage, tp, recompute)
+        assert {k for k in run["collectives"] if k.endswith("/tp")} == {"all_reduce/tp"}
 
 
 def test_the_activations_the_forward_keeps_are_the_estimates(results):

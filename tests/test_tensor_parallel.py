@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import zerostack
 from zerostack import ConfigError, Topology
@@ -365,3 +366,32 @@ def test_setup_errors_and_mpu():
     # tp peers (ranks 0 and 1) read the same batch; the dp peer (rank 2) another one
     assert torch.equal(results[0]["first"], results[1]["first"])
     assert not torch.equal(results[0]["first"], results[2]["first"])
+
+
+# ---------------------------------------------------------------- AutoTP's shared region entry
+def _shared_entry(rank, world):
+    from zerostack.tensor_parallel.autotp import TPLinear
+
+    topo = Topology.build(tp=world)
+    log = comm_for(topo).log
+    torch.manual_seed(0)
+    q, k = (TPLinear(nn.Linear(8, 8), mode="column", topology=topo) for _ in range(2))
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.no_grad():  # an entry made without grad is not reused with it
+        q(x)
+    start = len(log.records)
+    (q(x).sum() + k(x).sum()).backward()
+    once = [r.op for r in log.records[start:] if r.axis == "tp"]
+    separately = x.grad.clone()
+    x.grad = None
+    q(x).sum().backward()
+    k(x).sum().backward()
+    return once, torch.allclose(x.grad, separately, rtol=0, atol=1e-6), x.grad.abs().sum().item()
+
+
+def test_column_layers_reading_one_input_all_reduce_its_gradient_once():
+    """AutoTP: q and k read the same x; their input gradients are summed, then all-reduced
+    once (the all-reduce is linear: the same gradient as one all-reduce each). An entry made
+    under no_grad is not reused with grad on (x still gets its gradient)."""
+    for once, equal, size in run_distributed(_shared_entry, 2):
+        assert once == ["all_reduce"] and equal and size > 0

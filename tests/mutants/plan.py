@@ -161,8 +161,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: tensor parallelism without sequence parallelism priced as with it",
         "plan/cost.py",
-        "    if not sequence_parallel:\n        return",
-        "    if False:\n        return",
+        "    if not sequence_parallel:\n        ends",
+        "    if False:\n        ends",
         ("tests/test_tensor_parallel.py::test_comm_per_layer",),
     ),
     Mutant(
@@ -196,8 +196,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: a tp all-reduce counted once per layer each way, not twice",
         "plan/cost.py",
-        "        return 2 * (layers * (4 + 2 * again) + 2), 2",
-        "        return 2 * (layers * (2 + again) + 2), 2",
+        "        return 2 * (layers * (4 + 2 * again) + ends), ends",
+        "        return 2 * (layers * (2 + again) + ends), ends",
         ("tests/test_tensor_parallel.py::test_comm_per_layer",),
     ),
     Mutant(
@@ -220,5 +220,12 @@ MUTANTS: list[Mutant] = [
         '        hw = hw.scaled(name=f"{hw.name}+{fabric}", inter_bw=FABRICS[fabric])',
         '        hw = hw.scaled(name=f"{hw.name}+{fabric}")',
         ("tests/test_plan.py::test_the_fabrics_are_their_line_rates_per_device",),
+    ),
+    Mutant(
+        "plan: whole embeddings (AutoTP) priced with a vocabulary-parallel one's all-reduces",
+        "plan/cost.py",
+        "        ends = 2 if vocab_parallel else 0",
+        "        ends = 2",
+        ("tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_tp_all_reduces",),
     ),
 ]

@@ -67,4 +67,25 @@ MUTANTS: list[Mutant] = [
             "test_unmatched_layers_strict_mode_model_types_and_embeddings",
         ),
     ),
+    Mutant(
+        "autotp: each column layer all-reduces its input's gradient on its own",
+        "tensor_parallel/autotp.py",
+        "            return self._matmul(_enter(x, comm), self.bias)",
+        "            return self._matmul(copy_to_tp(x, comm), self.bias)",
+        (
+            "tests/test_tensor_parallel.py::"
+            "test_column_layers_reading_one_input_all_reduce_its_gradient_once",
+            "tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_tp_all_reduces",
+        ),
+    ),
+    Mutant(
+        "autotp: an entry made without grad reused with grad on",
+        "tensor_parallel/autotp.py",
+        "    key, state = id(x), (x._version, comm, torch.is_grad_enabled())",
+        "    key, state = id(x), (x._version, comm)",
+        (
+            "tests/test_tensor_parallel.py::"
+            "test_column_layers_reading_one_input_all_reduce_its_gradient_once",
+        ),
+    ),
 ]

@@ -273,7 +273,10 @@ def stage3_fetch_units(layers: float) -> float:
 
 
 def tp_collectives(
-    layers: float, recompute: str = "none", sequence_parallel: bool = True
+    layers: float,
+    recompute: str = "none",
+    sequence_parallel: bool = True,
+    vocab_parallel: bool = True,
 ) -> tuple[float, float]:
     """Collectives over the tp axis per micro-batch, forward and backward through ``layers``
     layers plus the embedding and the output layer: (activation-sized ring passes, small
@@ -282,11 +285,15 @@ def tp_collectives(
     gradients of the parameters every tp rank holds whole (norms, row-parallel biases), which
     each rank computed from its own part of the sequence. Without it, each layer all-reduces
     (two passes) twice in forward and twice in backward, and the whole parameters' gradients
-    are equal on every tp rank already: only the loss's two small all-reduces remain.
-    ``tests/test_tensor_parallel.py`` holds both to what the CommLog counts."""
+    are equal on every tp rank already: only the loss's two small all-reduces remain, and none
+    when the embedding and the output layer are whole on every tp rank (``vocab_parallel``
+    False: a Hugging Face model under AutoTP, whose column layers reading one input all-reduce
+    its gradient once). ``tests/test_tensor_parallel.py`` and ``tests/test_dryrun.py`` hold
+    them to what the CommLog counts."""
     again = 1 if recompute == "full" else 0  # the recomputed forward's collectives
     if not sequence_parallel:
-        return 2 * (layers * (4 + 2 * again) + 2), 2
+        ends = 2 if vocab_parallel else 0  # the embedding's all-reduce, the output layer's
+        return 2 * (layers * (4 + 2 * again) + ends), ends
     return layers * (10 + 4 * again) + 5, layers * 6 + 4
 
 
@@ -368,7 +375,9 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     # adjacent (tp is the innermost axis of the grid).
     bw, lat = _link(hw, c.tp)
     act = c.micro_batch * m.seq * m.hidden * d
-    big, small = tp_collectives(busiest, c.recompute, c.software.sequence_parallel)
+    big, small = tp_collectives(
+        busiest, c.recompute, c.software.sequence_parallel, m.vocab_parallel
+    )
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 

@@ -17,6 +17,7 @@ tensor-parallel layers), so the optimizer groups a user built before still apply
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -124,8 +125,7 @@ class TPLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = comm_for(self.topology)
         if self.mode == "column":
-            x = copy_to_tp(x, comm)
-            return self._matmul(x, self.bias)
+            return self._matmul(_enter(x, comm), self.bias)
         y = reduce_from_tp(self._matmul(x, None), comm)
         return y if self.bias is None else y + self.bias
 
@@ -138,6 +138,26 @@ class TPLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.mode}, weight={tuple(self.weight.shape)}, tp={self.topology.tp}"
+
+
+# id(an input) -> (it, weakly; (its version, the comm, grad mode); its entry into the tp
+# region): an entry lasts while the caller holds the input's Python object
+_ENTERED: dict[int, tuple] = {}
+
+
+def _enter(x: torch.Tensor, comm) -> torch.Tensor:
+    """``copy_to_tp(x)``, once for every column layer that reads the same ``x``: a Hugging Face
+    block hands one tensor to q, k and v (and to gate and up), and sharing one entry lets
+    autograd sum their input gradients before the all-reduce, so backward all-reduces once per
+    tensor, not once per layer (Megatron fuses those layers into one matrix for the same
+    reason). Always exact: the all-reduce is linear."""
+    key, state = id(x), (x._version, comm, torch.is_grad_enabled())
+    last = _ENTERED.get(key)
+    if last is not None and last[0]() is x and last[1] == state:
+        return last[2]
+    y = copy_to_tp(x, comm)
+    _ENTERED[key] = (weakref.ref(x, lambda _: _ENTERED.pop(key, None)), state, y)
+    return y
 
 
 def _cut(p: nn.Parameter, dim: int, tp: int, rank: int, chunks: int) -> nn.Parameter:
