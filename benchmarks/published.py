@@ -48,11 +48,12 @@ class System:
 _FUSED_2021 = Software(flash=False, fused=True, sequence_parallel=False, overlap_grad_reduce=False)
 SYSTEMS = {
     "megatron-2021": System(
-        _FUSED_2021,
+        replace(_FUSED_2021, scatter_gather=True),
         (0,),
         False,
         "Megatron-LM, April 2021: fused softmax, bias-GELU and bias-dropout-add kernels, no "
-        "FlashAttention or sequence parallelism, its own DDP reducing after backward, no ZeRO",
+        "FlashAttention or sequence parallelism, the pipeline's scatter/gather, its own DDP "
+        "reducing after backward, no ZeRO",
     ),
     "deepspeed-2021": System(
         replace(_FUSED_2021, overlap_grad_reduce=True),

@@ -21,7 +21,13 @@ from zerostack.estimate import (
     stage_activation_bytes,
 )
 from zerostack.models import GPTConfig
-from zerostack.plan.cost import Candidate, dp_traffic, tp_collectives
+from zerostack.plan.cost import (
+    Candidate,
+    Software,
+    dp_traffic,
+    pp_send_bytes,
+    tp_collectives,
+)
 
 from tests.support.models import run_cli
 
@@ -91,11 +97,89 @@ def _dry_runs(cases) -> list[dict]:
     return out
 
 
+# pipelines of the GPT (pp, tp, chunks per rank, the rank): its first stage (embedding, the
+# most parameters), interleaved; a middle one interleaved over tp 2; its last (final norm,
+# the tied head)
+PIPE_CASES = [(4, 1, 2, 3), (4, 2, 2, 300), (4, 1, 1, 1023)]
+PIPE_CFG = dataclasses.replace(GPT_CFG, n_layer=8)  # a block for each of 4 x 2 chunks
+PIPE_GAS = 8  # micro-batches a multiple of the stages, as the interleaved schedule needs
+
+
+def _pipe_runs(cases) -> list[dict]:
+    from zerostack import Topology
+    from zerostack.dryrun import dry_run
+    from zerostack.models.gpt_pipe import GPTLoss, gpt_layers
+    from zerostack.pipeline import PipelineModule
+
+    out = []
+    for pp, tp, chunks, rank in cases:
+
+        def build(pp=pp, tp=tp, chunks=chunks):
+            topo = Topology.build(pp=pp, tp=tp)
+            layers = gpt_layers(PIPE_CFG, topology=topo)
+            return PipelineModule(layers, topology=topo, loss_fn=GPTLoss(topo),
+                                  partition_method="type:Block", virtual_stages=chunks)  # fmt: skip
+
+        config = _config(1, tp)
+        config["train_batch_size"] = WORLD // (tp * pp) * PIPE_GAS
+        config["pipeline"] = {"stages": pp}
+        if chunks > 1:
+            config["pipeline"].update(schedule="interleaved", virtual_stages=chunks)
+        out.append(dry_run(build, config, world=WORLD, rank=rank, seq=SEQ).as_dict())
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         runs = pool.apply(_dry_runs, (CASES,))
     return dict(zip(CASES, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def pipe_results() -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        runs = pool.apply(_pipe_runs, (PIPE_CASES,))
+    return dict(zip(PIPE_CASES, runs, strict=True))
+
+
+def test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says(pipe_results):
+    """A PipelineModule of the GPT as three ranks of 1,024 (its stage's shapes learnt in this
+    process, no neighbour sending a header): each rank holds its stage's parameters as
+    ``Transformer.rank_tensors`` lays them out (an interleaved rank, its two chunks; within
+    stage 1's bucket padding), the first stage's data-parallel bytes are ``dp_traffic``'s, and each
+    rank sends and receives what ``pp_send_bytes`` says, per micro-batch and chunk: an
+    activation forward unless its virtual stage is the last, a gradient back unless it is the
+    first (zerostack sends a tp rank's activation whole, without sequence parallelism); the
+    interleaved rank's tp all-reduces are its own blocks', ``tp_collectives``."""
+    m = Transformer.from_gpt_config(PIPE_CFG)
+    for (pp, tp, chunks, rank), run in pipe_results.items():
+        dp = WORLD // (tp * pp)
+        stage = rank // (dp * tp)  # the grid is (pp, dp, tp), pp outermost
+        assert run["grid"] == {"dp": dp, "tp": tp, "pp": pp} and not run["activations"]
+        held, slack = 2 * sum(m.rank_tensors(tp, pp, stage)), _bucket_slack(m, tp, 1)
+        assert held <= run["model_states"]["params"] <= held + 2 * slack, rank
+        c = Candidate(dp=dp, tp=tp, pp=pp, stage=1, micro_batch=1, gas=PIPE_GAS, chunks=chunks,
+                      software=Software(sequence_parallel=False))  # fmt: skip
+        if stage == 0:
+            got = {k.split("/")[0]: v["bytes"] for k, v in run["collectives"].items()
+                   if k.endswith("/dp") and v["bytes"] > 4}  # fmt: skip
+            want = dp_traffic(m, c)
+            assert set(got) == set(want), rank
+            assert all(want[k] <= got[k] <= want[k] + slack for k in want), (rank, got, want)
+        if tp > 1:  # its blocks' two all-reduces a layer each way, and once more forward as
+            # it learns the shapes; the gradient norm's 4 bytes
+            layers = PIPE_CFG.n_layer // pp
+            passes, _ = tp_collectives(layers, "none", False, vocab_parallel=False)
+            count = PIPE_GAS * passes // 2 + 2 * layers
+            act = SEQ * m.hidden * 2
+            want = {"count": count + 1, "bytes": count * act + 4}
+            assert run["collectives"]["all_reduce/tp"] == want, rank
+        virtual = [chunk * pp + stage for chunk in range(chunks)]
+        sends = PIPE_GAS * sum((v < pp * chunks - 1) + (v > 0) for v in virtual)
+        for op in ("send", "recv"):
+            want = {"count": sends, "bytes": sends * pp_send_bytes(m, c)}
+            assert run["collectives"][f"{op}/pp"] == want, (rank, op)
 
 
 def _model(name: str) -> Transformer:

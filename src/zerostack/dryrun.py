@@ -38,6 +38,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .estimate.command import MODEL_KEYS, add_model_arguments
+from .pipeline.module import PipelineModule
 from .plan.hardware import PlanError
 
 
@@ -70,24 +71,29 @@ class DryRun:
             "model states (bytes): "
             + ", ".join(f"{k} {v:,}" for k, v in self.model_states.items())
             + f"; total {sum(self.model_states.values()) / GB:.3f} GB",
-            "activations kept for backward (one micro-batch): one block "
-            + (
-                f"{self.activations['layer']:,}"
-                if "layer" in self.activations
-                else "(no repeated blocks found)"
-            )
-            + f", the whole forward {self.activations.get('forward', 0) / GB:.3f} GB"
-            + (
-                " (attention as FlashAttention keeps it)"
-                if self.flash
-                else " (attention as "
-                "torch ran it on meta tensors: a mask was given, so not as FlashAttention)"
-            ),
+            self._activation_line(),
             "one step's collectives:",
         ]
         for (op, axis), (n, b) in self.collectives.items():
             lines.append(f"  {op:>15} over {axis:<3} {n:>6} calls {b / GB:12.3f} GB")
         return "\n".join(lines)
+
+    def _activation_line(self) -> str:
+        from .plan.hardware import GB
+
+        if not self.activations:
+            return "activations: not counted for a pipeline yet"
+        a = self.activations
+        block = f"{a['layer']:,}" if "layer" in a else "(no repeated blocks found)"
+        how = (
+            "attention as FlashAttention keeps it"
+            if self.flash
+            else "attention as torch ran it on meta tensors: a mask was given"
+        )
+        return (
+            f"activations kept for backward (one micro-batch): one block {block}, the whole "
+            f"forward {a['forward'] / GB:.3f} GB ({how})"
+        )
 
     def as_dict(self) -> dict:
         def flat(d):
@@ -248,11 +254,14 @@ class _Census:
     ``nn.ModuleList`` of one class) returns, so a block's span holds what it saves and what is
     saved on the way into it (a checkpoint keeping the block's input, before the block runs)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module | None) -> None:
         self.recording = False
         self.whole: dict[int, int] = {}
         self.spans: list[dict[int, int]] = []
-        self.handles = [
+        self.handles = []
+        if model is None:  # a pipeline: its forward runs chunk by chunk (not counted yet)
+            return
+        self.handles += [
             model.register_forward_pre_hook(self._start),
             model.register_forward_hook(self._stop),
         ]
@@ -292,6 +301,8 @@ class _Census:
         first's did not (so what every block shares, as rotary tables, is not counted)."""
         for h in self.handles:
             h.remove()
+        if not self.handles:
+            return {}
         out = {"forward": sum(self.whole.values())}
         if len(self.spans) > 2:  # two blocks' spans and the rest
             first, second = self.spans[:2]
@@ -335,29 +346,40 @@ def dry_run(
 ) -> DryRun:
     """Build ``build()`` on the meta device, ``zerostack.initialize`` it with ``config`` as rank
     ``rank`` of ``world`` under the fake process group, run ``step(engine)`` (default: one
-    micro-batch of ``seq`` tokens through gradient accumulation's boundary), and tear the group
-    down. The config's ``watchdog`` is switched off (its heartbeats need a real store)."""
+    micro-batch of ``seq`` tokens through gradient accumulation's boundary; a
+    :class:`~zerostack.pipeline.PipelineModule`, one ``train_batch``, ``step`` called once), and
+    tear the group down. The config's ``watchdog`` is switched off (its heartbeats need a real
+    store). ``build`` runs after the group exists, so it may build a topology (a pipeline's).
+    A pipeline's activations are not counted yet (``activations`` is empty)."""
     from .compat.deepspeed import native_initialize  # zerostack.initialize
     from .topology import on_meta
 
     t0 = time.perf_counter()
     _fake_world(rank, world)
     try:
-        with torch.device("meta"):
-            model = build()
         cfg = {**config, "watchdog": {"enabled": False}}
         with on_meta():
+            with torch.device("meta"):
+                model = build()
             engine, *_ = native_initialize(model=model, config=cfg)
             topo = engine.topology
             setup = len(engine.comm.log.records)
-            micro = engine.train_micro_batch_size_per_gpu()
-            census = _Census(engine.module)
+            micro, gas = (
+                engine.train_micro_batch_size_per_gpu(),
+                engine.gradient_accumulation_steps(),
+            )
+            pipeline = isinstance(engine.module, PipelineModule)
+            census = _Census(None if pipeline else engine.module)
             with _AsOnGPU() as kernels, saved_tensors_hooks(census.pack, _unpack):
-                for _ in range(engine.gradient_accumulation_steps()):
-                    if step is None:
-                        default_step(engine, seq, micro)
-                    else:
+                if step is not None:
+                    for _ in range(1 if pipeline else gas):
                         step(engine)
+                elif pipeline:  # one train_batch runs the accumulation's micro-batches
+                    x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
+                    engine.train_batch(iter([(x, x)] * gas))
+                else:
+                    for _ in range(gas):
+                        default_step(engine, seq, micro)
             records = engine.comm.log.records
             out = DryRun(
                 world=world,

@@ -213,4 +213,11 @@ MUTANTS: list[Mutant] = [
             "test_compiled_parallel_checkpointed_and_llama_blocks_train_as_eager[tp2-1]",
         ),
     ),
+    Mutant(
+        "comm: a dry run's point-to-point ops batched as a real run's (meta has no backend)",
+        "comm/grid.py",
+        "            if all(t.is_meta for _, t, _ in ops):",
+        "            if False:",
+        ("tests/test_dryrun.py::test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says",),
+    ),
 ]

@@ -156,4 +156,25 @@ MUTANTS: list[Mutant] = [
         'run."""',
         ("tests/test_pipeline.py::test_reset_activation_shape_lets_the_next_batch_change_shape",),
     ),
+    Mutant(
+        "pipeline: a dry run's shapes learnt in the layers' own dtype, not the engine's",
+        "pipeline/module.py",
+        "        return spec.build().to(dtype) if isinstance(spec, LayerSpec) else spec",
+        "        return spec.build() if isinstance(spec, LayerSpec) else spec",
+        ("tests/test_dryrun.py::test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says",),
+    ),
+    Mutant(
+        "pipeline: a dry run's own chunks' collectives left out as it learns the shapes",
+        "pipeline/executor.py",
+        "                    self.comm.log = log if vs % self.p == self.stage else others",
+        "                    self.comm.log = others",
+        ("tests/test_dryrun.py::test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says",),
+    ),
+    Mutant(
+        "pipeline: a dry run's received shape kept for the sending chunk",
+        "pipeline/executor.py",
+        "                        self._meta_in[(vs + 1) // self.p] = (x.shape, x.dtype)",
+        "                        self._meta_in[vs // self.p] = (x.shape, x.dtype)",
+        ("tests/test_dryrun.py::test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says",),
+    ),
 ]

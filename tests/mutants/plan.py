@@ -154,9 +154,19 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "plan: an interleaved pipeline's sends priced as one chunk's",
         "plan/cost.py",
-        "    pp_s = 2 * c.gas * c.chunks * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
-        "    pp_s = 2 * c.gas * (act / c.tp / bw + lat) if c.pp > 1 else 0.0",
+        "    pp_s = 2 * c.gas * c.chunks * (pp_send_bytes(m, c) / bw + lat) if c.pp > 1 else 0.0",
+        "    pp_s = 2 * c.gas * (pp_send_bytes(m, c) / bw + lat) if c.pp > 1 else 0.0",
         ("tests/test_plan.py::test_interleaving_crosses_a_stage_boundary_per_chunk",),
+    ),
+    Mutant(
+        "plan: a pipeline's sends split over tp without sequence parallelism or scatter/gather",
+        "plan/cost.py",
+        "    split = c.tp if k.sequence_parallel or k.scatter_gather else 1",
+        "    split = c.tp",
+        (
+            "tests/test_dryrun.py::"
+            "test_a_pipeline_at_1024_ranks_holds_and_sends_what_the_planner_says",
+        ),
     ),
     Mutant(
         "plan: tensor parallelism without sequence parallelism priced as with it",

@@ -182,6 +182,9 @@ class PipelineExecutor:
         """
         was_training = self.module.training
         device = self.comm.topo.device
+        if device.type == "meta":
+            self._learn_shapes_here(data_iter)
+            return
         self.module.eval()
         try:
             with (
@@ -214,6 +217,34 @@ class PipelineExecutor:
                     self.comm.p2p([("send", out, rank)], axis="pp")
         finally:
             self.module.train(was_training)
+        self._shapes_known = True
+
+    def _learn_shapes_here(self, data_iter: Iterator | None) -> None:
+        """:meth:`learn_shapes` in a dry run (:mod:`zerostack.dryrun`: meta tensors, no other
+        rank to send a header): this process runs micro-batch 0 through the layers of every
+        virtual stage up to the last, each built afresh on the meta device in this rank's
+        parameters' dtype (no grad), and keeps the shapes at this rank's boundaries. What the
+        other ranks' layers issue (tensor parallelism's collectives) stays out of this rank's
+        CommLog; its own chunks' are in it, as their forward here is the one the cluster runs."""
+        from ..comm.records import CommLog
+
+        self._load(0, data_iter)
+        x, tied, parts = self._first_input(0), {}, self.module.parts
+        dtype = next(p.dtype for p in self.module.parameters() if p.is_floating_point())
+        log, others = self.comm.log, CommLog()
+        try:
+            with torch.no_grad(), torch.device("meta"):
+                for vs in range(self.last_vs):
+                    self.comm.log = log if vs % self.p == self.stage else others
+                    for idx in range(parts[vs], parts[vs + 1]):
+                        x = self.module.layer_alone(idx, tied, dtype)(x)
+                    x = x.contiguous()
+                    if vs % self.p == self.stage:  # this rank sends it
+                        self._meta_out[vs // self.p] = (x.shape, x.dtype)
+                    if (vs + 1) % self.p == self.stage:  # this rank receives it
+                        self._meta_in[(vs + 1) // self.p] = (x.shape, x.dtype)
+        finally:
+            self.comm.log = log
         self._shapes_known = True
 
     # ------------------------------------------------------------------ compute

@@ -258,6 +258,19 @@ class PipelineModule(nn.Module):
                 "nn.Module or a callable"
             )
 
+    def layer_alone(self, idx: int, tied: dict, dtype: torch.dtype) -> Callable:
+        """Layer ``idx`` built afresh as a callable, its floating-point parameters in ``dtype``,
+        whichever rank holds it (a dry run runs the layers before this rank's on the meta
+        device to learn its activations' shapes); tied layers share their module through
+        ``tied``."""
+        spec = self.layer_specs[idx]
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build().to(dtype)
+            module, fn = tied[spec.key], spec.forward_fn
+            return (lambda x: fn(module, x)) if fn else module
+        return spec.build().to(dtype) if isinstance(spec, LayerSpec) else spec
+
     def stage_of(self, idx: int) -> int:
         """The pp stage whose chunk holds layer ``idx``."""
         for part in range(len(self.parts) - 1):

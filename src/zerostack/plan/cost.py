@@ -56,13 +56,18 @@ class Software:
     ``overlap_grad_reduce``: data parallelism's gradient reduction runs during backward (as
     zerostack, DDP, DeepSpeed and FSDP do); False: after it (Megatron-LM's own DDP until 2023).
     ``regather``: stage 3 gathers a layer's parameters again for its recomputed forward
-    (DeepSpeed's hooks release them after every forward); False: backward's gather serves it."""
+    (DeepSpeed's hooks release them after every forward); False: backward's gather serves it.
+    ``scatter_gather``: without sequence parallelism, each tp rank sends 1/tp of an activation
+    to the next pipeline stage, whose tp ranks all-gather it (Megatron's scatter/gather,
+    Narayanan et al. 2021, section 4.1); False: each tp rank sends it whole, as zerostack's
+    pipeline does (with sequence parallelism the activation is already 1/tp)."""
 
     flash: bool = True
     fused: bool = False
     sequence_parallel: bool = True
     overlap_grad_reduce: bool = True
     regather: bool = True
+    scatter_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,15 @@ def _loss_bytes(m: Transformer, c: Candidate) -> float:
     """HBM bytes per token of the loss over this tp rank's vocabulary (see :func:`hbm_bytes`)."""
     d = PRECISION_BYTES[c.precision]
     return (2 * d + (8 if c.software.fused else 40)) * m.vocab / c.tp
+
+
+def pp_send_bytes(m: Transformer, c: Candidate) -> float:
+    """Bytes one tp rank sends across a pipeline stage boundary per micro-batch and direction:
+    an activation (or its gradient), 1/tp of it under sequence parallelism or Megatron's
+    scatter/gather (:class:`Software`), whole otherwise."""
+    k = c.software
+    split = c.tp if k.sequence_parallel or k.scatter_gather else 1
+    return c.micro_batch * m.seq * m.hidden * PRECISION_BYTES[c.precision] / split
 
 
 def head_seconds(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> float:
@@ -384,7 +398,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     # pipeline: stage boundaries are tp x dp devices apart; each of a rank's chunks sends an
     # activation forward and a gradient back per micro-batch (interleaving crosses more)
     bw, lat = _link(hw, c.tp * c.dp * 2)
-    pp_s = 2 * c.gas * c.chunks * (act / c.tp / bw + lat) if c.pp > 1 else 0.0
+    pp_s = 2 * c.gas * c.chunks * (pp_send_bytes(m, c) / bw + lat) if c.pp > 1 else 0.0
 
     # data parallelism: dp ranks are tp apart
     traffic = dp_traffic(m, c)
