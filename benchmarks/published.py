@@ -56,7 +56,7 @@ SYSTEMS = {
         "reducing after backward, no ZeRO",
     ),
     "deepspeed-2021": System(
-        replace(_FUSED_2021, overlap_grad_reduce=True),
+        replace(_FUSED_2021, overlap_grad_reduce=True, prefetch="matrix"),
         (3,),
         False,
         "DeepSpeed ZeRO-3 on Megatron's GPT, as Narayanan et al. ran it: a method compared "

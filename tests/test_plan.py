@@ -227,6 +227,24 @@ def test_published_runs_are_whole_layouts_with_their_sources():
     for name in ("kernel_derate", "link_efficiency"):
         assert all(getattr(hw, name) == fitted[name] for hw in PROFILES.values()), name
     assert fitted["leave_one_out_mape"] <= 0.15, fitted
+    # Narayanan et al.'s Table 2: PTD-P ahead of ZeRO-3 at 175B on 384, 768 and 1,536 GPUs
+    # (153, 149, 141 against 144, 88, 44 TFLOP/s), ZeRO-3 halving as the GPUs double
+    got = {e["id"]: e["predicted"] for e in priced}
+    for gpus in (384, 768, 1536):
+        assert got[f"zero3-175b-{gpus}"] < got[f"ptdp-175b-{gpus}"], gpus
+    assert got["zero3-175b-1536"] < 0.6 * got["zero3-175b-768"] < 0.6 * got["zero3-175b-384"]
+
+
+def test_a_matrix_gather_overlaps_only_the_matrix_before_it():
+    """DeepSpeed's ZeRO-3 prefetches one matrix ahead: each phase takes
+    sum_j max(s_j, r s_(j+1)) over its compute, cyclically over the layers' matrices. Equal
+    matrices: the aggregate max(1, r); a GPT layer's (3, 1, 4, 4) at r = 1: the 4-matrix after
+    the 1-matrix waits 3 of its compute, so 15/12, not 1."""
+    from zerostack.plan.cost import matrix_chain
+
+    assert matrix_chain(0.5, [2, 2, 2]) == 1 and matrix_chain(3.0, [2, 2, 2]) == 3
+    assert matrix_chain(1.0, [3, 1, 4, 4]) == pytest.approx(15 / 12)
+    assert matrix_chain(100.0, [3, 1, 4, 4]) == pytest.approx(100.0)
 
 
 def test_the_busiest_pipeline_stage_paces_an_uneven_split():

@@ -238,4 +238,18 @@ MUTANTS: list[Mutant] = [
         "        ends = 2",
         ("tests/test_dryrun.py::test_one_step_at_1024_ranks_issues_the_cost_models_tp_all_reduces",),
     ),
+    Mutant(
+        "plan: DeepSpeed's one-matrix prefetch priced as a whole layer's",
+        "plan/cost.py",
+        '        if c.software.prefetch == "matrix":',
+        "        if False:",
+        ("tests/test_plan.py::test_published_runs_are_whole_layouts_with_their_sources",),
+    ),
+    Mutant(
+        "plan: a matrix's gather overlapping its own compute, not the one before",
+        "plan/cost.py",
+        "    return sum(max(sizes[j], ratio * sizes[(j + 1) % n]) for j in range(n)) / sum(sizes)",
+        "    return sum(max(sizes[j], ratio * sizes[j]) for j in range(n)) / sum(sizes)",
+        ("tests/test_plan.py::test_a_matrix_gather_overlaps_only_the_matrix_before_it",),
+    ),
 ]

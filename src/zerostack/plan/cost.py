@@ -60,7 +60,13 @@ class Software:
     ``scatter_gather``: without sequence parallelism, each tp rank sends 1/tp of an activation
     to the next pipeline stage, whose tp ranks all-gather it (Megatron's scatter/gather,
     Narayanan et al. 2021, section 4.1); False: each tp rank sends it whole, as zerostack's
-    pipeline does (with sequence parallelism the activation is already 1/tp)."""
+    pipeline does (with sequence parallelism the activation is already 1/tp).
+    ``prefetch``: how far ahead stage 3 gathers. "layer": the next layer's parameters while
+    this layer computes (FSDP's block ahead; zerostack's bucket of the two largest modules), so
+    only what the gathers exceed of the compute is exposed; "matrix": the next matrix only,
+    while this one computes (DeepSpeed's ``stage3_prefetch_bucket_size``, 5e7 elements by
+    default, holds less than one matrix of a 100B-scale model), so a large matrix's gather
+    waits on a small one's compute (:func:`matrix_chain`)."""
 
     flash: bool = True
     fused: bool = False
@@ -68,6 +74,7 @@ class Software:
     overlap_grad_reduce: bool = True
     regather: bool = True
     scatter_gather: bool = False
+    prefetch: str = "layer"
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,16 @@ def _loss_bytes(m: Transformer, c: Candidate) -> float:
     """HBM bytes per token of the loss over this tp rank's vocabulary (see :func:`hbm_bytes`)."""
     d = PRECISION_BYTES[c.precision]
     return (2 * d + (8 if c.software.fused else 40)) * m.vocab / c.tp
+
+
+def matrix_chain(ratio: float, sizes: list[int]) -> float:
+    """A phase's time over its compute when each matrix's gather, ``ratio`` times its compute,
+    overlaps only the compute of the matrix before it, over a stack of layers whose matrices
+    have ``sizes`` in the order they run: sum_j max(s_j, ratio s_(j+1)) / sum_j s_j (the last
+    matrix's successor the next layer's first). 1 when every gather hides, ``ratio`` when the
+    link never rests, more than both in between when the sizes differ."""
+    n = len(sizes)
+    return sum(max(sizes[j], ratio * sizes[(j + 1) % n]) for j in range(n)) / sum(sizes)
 
 
 def pp_send_bytes(m: Transformer, c: Candidate) -> float:
@@ -420,9 +437,20 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         # asynchronous, so it overlaps compute where it can
         again = busiest if c.recompute == "full" and c.software.regather else 0  # recompute
         gathers = c.gas * (2 * stage3_fetch_units(busiest) + again)
-        dp_s = _ring(traffic.get("all_gather", 0), c.dp, bw, 0.0) + gathers * (c.dp - 1) * lat
-        dp_s += c.gas * _ring(traffic.get("reduce_scatter", 0) / c.gas, c.dp, bw, lat)
+        gather_s = _ring(traffic.get("all_gather", 0), c.dp, bw, 0.0) + gathers * (c.dp - 1) * lat
+        reduce_s = c.gas * _ring(traffic.get("reduce_scatter", 0) / c.gas, c.dp, bw, lat)
+        dp_s = gather_s + reduce_s
         overlap = compute
+        if c.software.prefetch == "matrix":  # forward, then backward (and its recompute)
+            passes = 3 if again else 2
+            forward = compute / (4 if c.recompute == "full" else 3)
+            phases = [
+                (forward, gather_s / passes, 1),
+                (compute - forward, gather_s * (passes - 1) / passes + reduce_s, -1),
+            ]
+            sizes = [n for n in m.layer_tensors(c.tp) if n >= 100_000]  # gathered ones
+            took = sum(t * matrix_chain(g / t, sizes[::order]) for t, g, order in phases)
+            overlap = dp_s - (took - compute)
     if hw.shared_cores:  # collectives run on the cores compute needs
         overlap = 0.0
     dp_exposed = max(0.0, dp_s - overlap) + norm  # the norm waits for the last reduction

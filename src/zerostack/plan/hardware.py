@@ -98,9 +98,9 @@ class Hardware:
 # * links: NVLink 3 600 GB/s and NVLink 4 900 GB/s bidirectional per GPU (300 and 450 one way);
 #   NVLink 5 1.8 TB/s (900 one way); between nodes, the fabric (FABRICS, below).
 # * kernel_derate and link_efficiency: fitted together to the 28 published runs the cost model
-#   prices (benchmarks/published.py --fit: 7.4% mean absolute error, and 7.7% for each row
+#   prices (benchmarks/published.py --fit: 5.7% mean absolute error, and 5.7% for each row
 #   predicted with the pair fitted to the others).
-FITTED = {"kernel_derate": 0.75, "link_efficiency": 0.8}
+FITTED = {"kernel_derate": 0.75, "link_efficiency": 0.85}
 
 # Fabrics between nodes: one way, per device (``inter_bw``), at the line rate. Each profile
 # below carries the fabric its DGX/HGX system ships with (one adapter per GPU); ``profile(...,
