@@ -52,6 +52,8 @@ def test_the_published_1t_layout():
     theirs = Candidate(dp=6, tp=8, pp=64, stage=1, micro_batch=1, gas=512, recompute="full")
     p = predict(GPT_1T, 3072, theirs, hw)
     assert p.hfu == pytest.approx(0.52, abs=0.05), p.as_dict()
+    # 1F1B's bubble on 64 stages over 512 micro-batches: (pp - 1) / gas of the compute
+    assert p.bubble_s == pytest.approx(p.compute_s * 63 / 512, rel=1e-12)
     assert p.memory_bytes < 0.9 * hw.memory_bytes  # it fits in 80 GB, as it did
 
 
