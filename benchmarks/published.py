@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from zerostack.estimate import EstimateError, Transformer
 from zerostack.plan.cost import Candidate, Prediction, Software, model_flops, predict
 from zerostack.plan.hardware import PlanError, profile
-from zerostack.plan.search import search
+from zerostack.plan.search import _divisors, search
 
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "runs.csv")
 
@@ -165,10 +165,6 @@ def candidates_of(row: dict) -> list[Candidate]:
             for k in chunks
         ]
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def as_published(row: dict, m: Transformer, batch: int, hw) -> Prediction:

@@ -335,7 +335,10 @@ def _rank_sizes(m: Transformer, tp: int, pp: int) -> tuple[int, ...]:
     return tuple(max((m.rank_tensors(tp, pp, s) for s in range(pp)), key=sum))
 
 
-def dp_traffic(m: Transformer, c: Candidate, persistence: int = 100_000) -> dict[str, float]:
+PERSISTENCE = 100_000  # stage3_param_persistence_threshold's default: smaller ones stay whole
+
+
+def dp_traffic(m: Transformer, c: Candidate, persistence: int = PERSISTENCE) -> dict[str, float]:
     """Bytes one step's data-parallel collectives carry, by kind, on the rank holding the most
     parameters, as zerostack's strategies issue them and its CommLog counts them (an
     all-gather's output, a reduce-scatter's input, in the compute dtype; the gradient norm's
@@ -448,7 +451,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
                 (forward, gather_s / passes, 1),
                 (compute - forward, gather_s * (passes - 1) / passes + reduce_s, -1),
             ]
-            sizes = [n for n in m.layer_tensors(c.tp) if n >= 100_000]  # gathered ones
+            sizes = [n for n in m.layer_tensors(c.tp) if n >= PERSISTENCE]  # gathered ones
             took = sum(t * matrix_chain(g / t, sizes[::order]) for t, g, order in phases)
             overlap = dp_s - (took - compute)
     if hw.shared_cores:  # collectives run on the cores compute needs
