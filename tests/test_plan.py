@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from zerostack.config import load_config
-from zerostack.estimate import Transformer
+from zerostack.estimate import Transformer, estimate
 from zerostack.models import GPT, GPTConfig
 from zerostack.plan import Candidate, PlanError, model_flops, predict, profile
 from zerostack.plan.cost import (
@@ -212,6 +212,7 @@ def test_published_runs_are_whole_layouts_with_their_sources():
         assert r["source"] and r["where"] and r["checked"], r["id"]
         assert r["gpu"] in ("a100-80gb", "h100-80gb"), r["id"]
         assert r["fabric"] in ("", *FABRICS), r["id"]  # "": the profile's own
+        assert all(r[k] == "" or float(r[k]) > 0 for k in ("memory_gb", "hbm_tb_s")), r["id"]
         assert r["system"] in published.SYSTEMS, r["id"]
         assert int(r["stage"]) in published.SYSTEMS[r["system"]].stages, r["id"]
     result = published.evaluate(rows, with_search=False)
@@ -222,6 +223,12 @@ def test_published_runs_are_whole_layouts_with_their_sources():
     assert skipped["llama3-405b-131k"] == "context parallelism"
     assert skipped["megatron-8b"] == "fp8 compute"
     assert skipped["megascale-175b"].startswith("parallel block")
+    # the layouts that ran and that the planner may choose (they fit 90% of the device by the
+    # estimator): all but four, each with its reason in docs/results/plan.md; ZeRO-3 at 530B on
+    # 640 GPUs fits as DeepSpeed gathers (a matrix at a time), Llama 3 on 16K GPUs as its
+    # pipeline splits the layers (one fewer on the first and last stages)
+    tight = {"llama3-405b-8k", "titan-8b-fsdp", "titan-8b-fsdp-compile", "opt-175b"}
+    assert {e["id"] for e in priced if not e["fits"]} == tight
     # the cost model against the record (issue 56's goal: within 15% on average), with the
     # nominal profiles' two fitted figures what the fit over these rows gives, not set by hand
     assert result["mape"] <= 0.15, result["mape"]
@@ -342,7 +349,53 @@ def test_software_that_cannot_overlap_or_regathers_pays_for_it():
     after = predict(m, 64, replace(ddp, software=Software(overlap_grad_reduce=False)), hw)
     assert after.dp_exposed_s == pytest.approx(after.dp_s, rel=1e-12)
     during = predict(m, 64, ddp, hw)
-    assert during.dp_exposed_s == pytest.approx(max(0.0, during.dp_s - 2 / 3 * during.compute_s))
+    slowed = during.dp_s * hw.overlap_slowdown / (1 + hw.overlap_slowdown)
+    window = 2 / 3 * during.compute_s  # backward
+    assert during.dp_exposed_s == pytest.approx(max(during.dp_s - window, slowed), rel=1e-12)
+
+
+def test_compute_beside_a_collective_runs_slower():
+    """A collective overlapping compute slows it by ``overlap_slowdown`` f (Lee et al. 2025:
+    18.9%): of D seconds of collectives over W seconds of compute, the step grows by
+    D f / (1 + f) when W hides them, by D - W when they outlast W (1 + f), and by all of D where
+    nothing overlaps; f = 0 is the free overlap the model had before."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("a100-80gb", gpus=64)
+    assert hw.overlap_slowdown == 0.189
+    f = hw.overlap_slowdown / (1 + hw.overlap_slowdown)
+    for gpus, micro, hidden in ((8, 8, True), (64, 1, False)):  # in one node; over InfiniBand
+        c = Candidate(dp=gpus, tp=1, pp=1, stage=0, micro_batch=micro, gas=1)
+        p = predict(m, micro * gpus, c, profile("a100-80gb", gpus=gpus))
+        window = 2 / 3 * p.compute_s  # the gradients reduce during backward
+        assert (p.dp_s * (1 + hw.overlap_slowdown) < window) == hidden, gpus
+        assert p.dp_exposed_s == pytest.approx(max(p.dp_s * f, p.dp_s - window), rel=1e-12)
+        free = profile("a100-80gb", gpus=gpus).scaled(overlap_slowdown=0)
+        free = predict(m, micro * gpus, c, free)
+        assert free.dp_exposed_s == pytest.approx(max(0.0, p.dp_s - window), abs=1e-15)
+        assert p.step_s - free.step_s == pytest.approx(p.dp_exposed_s - free.dp_exposed_s)
+    after = replace(c, software=Software(overlap_grad_reduce=False))
+    assert predict(m, 64, after, hw).dp_exposed_s == pytest.approx(p.dp_s, rel=1e-12)
+    with pytest.raises(PlanError, match=r"overlap_slowdown: 1 is not in \[0, 1\)"):
+        hw.scaled(overlap_slowdown=1)
+
+
+def test_megatron_2021_steps_an_fp32_copy_of_its_gradients():
+    """Megatron-LM's 2021 fp16 optimizer casts every gradient it steps to fp32 after backward
+    (``Software.step_grad_copy``): the rank's peak is its states plus the larger of its
+    activations and 4 bytes a parameter it steps (all of its slice at stage 0, 1/dp at 1)."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("a100-80gb", gpus=16)
+    # the copy outgrows the activations (170 MB against 144) at stage 0 and micro-batch 1 only
+    for stage, micro, grows in ((0, 1, True), (0, 8, False), (1, 1, False)):
+        c = Candidate(dp=4, tp=2, pp=2, stage=stage, micro_batch=micro, gas=4, precision="fp16")
+        copy = replace(c, software=Software(step_grad_copy=True))
+        est = estimate(int(m.params), c.layout(), model=m, work=c.workload())
+        stepped = est["params_per_model_parallel_rank"] / (4 if stage else 1)
+        act = est["activation_bytes_per_rank"]
+        assert predict(m, 64, c, hw).memory_bytes == est["total_bytes_per_rank"]
+        want = est["total_bytes_per_rank"] - act + max(act, 4 * stepped)
+        assert predict(m, 64, copy, hw).memory_bytes == pytest.approx(want, rel=1e-12)
+        assert (4 * stepped > act) == grows, (stage, micro)
 
 
 def test_a_search_held_to_a_systems_reach():
@@ -384,6 +437,48 @@ def test_the_search_tries_every_grid_of_the_devices():
     assert _chunks(m, 4, 6) == (1,)  # 6 micro-batches on 4 stages
     assert _chunks(replace(m, layers=25), 4, 8) == (1,)  # uneven stages
     assert _chunks(replace(m, layers=96), 4, 8) == (1, 2, 3, 4, 6, 8)  # 24 a stage, up to 8
+    # Llama 3's split counts the embedding and the output layer as layers: 126 + 2 on 16
+    # stages, 8 units a stage, so interleaving divides them though 16 does not divide 126
+    llama = replace(m, layers=126, ends_as_layers=True)
+    assert llama.stage_layers(16) == [7, *[8] * 14, 7] and llama.stage_layers(1) == [126]
+    assert replace(llama, ends_as_layers=False).stage_layers(16) == [8] * 15 + [6]
+    assert _chunks(llama, 16, 16) == (1, 2, 4, 8)
+    assert _chunks(replace(llama, ends_as_layers=False), 16, 16) == (1,)
+
+
+def test_zero_beside_a_pipeline_is_what_the_software_composes():
+    """zerostack (as DeepSpeed) refuses ZeRO-2 and -3 with a pipeline, so its plans hold pp > 1
+    to stages 0-1; software that runs FSDP under a pipeline (Llama 3, torchtitan:
+    ``pipeline_zero`` 3) is searched at every stage there."""
+    m = Transformer(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024)
+    hw = profile("a100-80gb", gpus=16)
+    ours = search(m, hw, 64, offload=False)
+    staged = {(p.candidate.pp > 1, p.candidate.stage) for p in ours.ranked}
+    assert staged == {(False, 0), (False, 1), (False, 2), (False, 3), (True, 0), (True, 1)}
+    fsdp = search(m, hw, 64, offload=False, software=Software(pipeline_zero=3))
+    assert {p.candidate.stage for p in fsdp.ranked if p.candidate.pp > 1} == {0, 1, 2, 3}
+
+
+def test_deepspeed_2021_holds_a_matrix_and_the_next_not_layers():
+    """Stage 3's transient buffers (estimate's ``buffer_bytes_per_rank``): zerostack gathers a
+    layer at a time and prefetches two more, DeepSpeed's 2021 ZeRO-3 (``prefetch="matrix"``) a
+    module at a time, the next one ahead: the largest matrix (a GPT MLP's 4h x h, or the
+    embedding where larger) twice, beside the reduce bucket."""
+    m = Transformer(layers=4, hidden=1024, heads=16, vocab=2000, seq=1024)
+    hw = profile("a100-80gb", gpus=8)
+    c = Candidate(dp=8, tp=1, pp=1, stage=3, micro_batch=1, gas=1, precision="fp16")
+    deepspeed = replace(c, software=Software(prefetch="matrix"))
+    layer_wise = predict(m, 8, c, hw).memory_bytes
+    est = estimate(int(m.params), c.layout(), model=m, work=c.workload())
+    assert layer_wise == est["total_bytes_per_rank"]
+    matrix, bucket = 4 * 1024 * 1024, min(5e8, sum(m.rank_tensors()))
+    held = est["total_bytes_per_rank"] - est["buffer_bytes_per_rank"] + 2 * (2 * matrix + bucket)
+    assert predict(m, 8, deepspeed, hw).memory_bytes == held
+    big = replace(m, vocab=50000)  # the embedding (50000 x 1024) outgrows the MLP's 4096 x 1024
+    est = estimate(int(big.params), c.layout(), model=big, work=c.workload())
+    bucket = min(5e8, sum(big.rank_tensors()))
+    held = est["total_bytes_per_rank"] - est["buffer_bytes_per_rank"]
+    assert predict(big, 8, deepspeed, hw).memory_bytes == held + 2 * (2 * 50000 * 1024 + bucket)
 
 
 def test_the_fabrics_are_their_line_rates_per_device():

@@ -167,4 +167,11 @@ MUTANTS: list[Mutant] = [
         "    mlp = 4 * 4 * wide if m.gated else 8 * wide",
         ("tests/test_estimate.py::test_a_fused_swiglu_keeps_three_of_its_four_wide_tensors",),
     ),
+    Mutant(
+        "estimate: Llama 3's split with the ends counted but no layer taken off the end stages",
+        "estimate/activations.py",
+        "        split[0], split[-1] = split[0] - 1, split[-1] - 1",
+        "        split[0], split[-1] = split[0], split[-1] - 2",
+        ("tests/test_plan.py::test_the_search_tries_every_grid_of_the_devices",),
+    ),
 ]

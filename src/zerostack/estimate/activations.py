@@ -53,6 +53,10 @@ class Transformer:
     norm: str = "layer"  # what each norm keeps for backward: a key of NORMS
     embedding_dropout: bool = True  # with dropout on, also after the embeddings (GPT-2's
     # embd_pdrop, Megatron's); zerostack's GPT has none there
+    ends_as_layers: bool = False  # the pipeline split counts the embedding and the output
+    # layer as a layer each, so the first and last stages hold one layer fewer (Llama 3's
+    # training, arXiv 2407.21783 section 3.3.2; Megatron Core's account_for_embedding_ and
+    # account_for_loss_in_pipeline_split); False: the engine's uniform partition
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -97,8 +101,13 @@ class Transformer:
         """The layers each of ``pp`` pipeline stages holds, as the engine's ``uniform``
         partition cuts them (:func:`zerostack.pipeline.module.partition_layers`): as even as can
         be, the first stages taking the larger share (126 layers on 16 stages: 8 each, the last
-        6)."""
-        return list(_stage_layers(self.layers, pp))
+        6); with ``ends_as_layers``, 128 units cut so and the first and last stages' embedding
+        and output layer taken out (7, then 8 on each of 14 stages, then 7)."""
+        if not self.ends_as_layers or pp == 1:
+            return list(_stage_layers(self.layers, pp))
+        split = list(_stage_layers(self.layers + 2, pp))
+        split[0], split[-1] = split[0] - 1, split[-1] - 1
+        return split
 
     def layer_tensors(self, tp: int = 1) -> list[int]:
         """One layer's parameter tensors on a tp rank, in the order the layer uses them (its

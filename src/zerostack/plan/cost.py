@@ -20,7 +20,8 @@ Pure arithmetic. For a GPT-style :class:`~zerostack.estimate.Transformer`, a glo
   tp x pp slice): stages 0-1 reduce the gradients once and (stage 1) gather the stepped pieces;
   stage 2 reduce-scatters every micro-step; stage 3 also all-gathers the parameters for forward
   and again for backward every micro-step. Gradient reduction overlaps backward; stage 3's
-  gathers overlap compute (prefetch): only what exceeds the overlapped compute is exposed;
+  gathers overlap compute (prefetch): what exceeds the overlapped compute is exposed, and the
+  compute runs slower beside the collectives (``Hardware.overlap_slowdown``);
 * **optimizer**: Adam on the device (memory bound), or offloaded: gradients to the host,
   CPU Adam, the parameters back.
 
@@ -31,7 +32,7 @@ runs at the inter-node bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from ..estimate import Layout, Transformer, Workload, estimate
@@ -66,7 +67,14 @@ class Software:
     only what the gathers exceed of the compute is exposed; "matrix": the next matrix only,
     while this one computes (DeepSpeed's ``stage3_prefetch_bucket_size``, 5e7 elements by
     default, holds less than one matrix of a 100B-scale model), so a large matrix's gather
-    waits on a small one's compute (:func:`matrix_chain`)."""
+    waits on a small one's compute (:func:`matrix_chain`).
+    ``step_grad_copy``: the optimizer step casts the 16-bit gradients it steps to an fp32 copy
+    that lives beside the model states until the next step's ``zero_grad`` (Megatron-LM's fp16
+    optimizer in 2021, ``main_param.grad = model_param.grad.float()``, before its fp32 gradient
+    buffers); backward's activations are freed by then, so the rank's peak is the larger of the
+    two on top of its states. False: gradients are stepped where they are (zerostack).
+    ``pipeline_zero``: the highest ZeRO stage the software runs beside a pipeline (zerostack,
+    as DeepSpeed, 1; FSDP under a pipeline, as Llama 3 and torchtitan train, 3)."""
 
     flash: bool = True
     fused: bool = False
@@ -75,6 +83,8 @@ class Software:
     regather: bool = True
     scatter_gather: bool = False
     prefetch: str = "layer"
+    step_grad_copy: bool = False
+    pipeline_zero: int = 1
 
 
 @dataclass(frozen=True)
@@ -456,7 +466,11 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
             overlap = dp_s - (took - compute)
     if hw.shared_cores:  # collectives run on the cores compute needs
         overlap = 0.0
-    dp_exposed = max(0.0, dp_s - overlap) + norm  # the norm waits for the last reduction
+    # compute beside a collective runs 1 + f times slower (Hardware.overlap_slowdown): over the
+    # dp_s seconds the collectives take it does dp_s / (1 + f) of its work, so the step grows
+    # by dp_s f / (1 + f), or by what the collectives outlast the compute when that is more
+    slowed = hw.overlap_slowdown / (1 + hw.overlap_slowdown) if overlap > 0 else 1.0
+    dp_exposed = max(dp_s - overlap, dp_s * slowed, 0.0) + norm  # the norm waits for the last
 
     shard = psi / (c.dp if c.stage > 0 else 1)
     if c.offload == "none":
@@ -465,7 +479,17 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         optimizer = shard * (4 + d) / hw.host_bw + shard / hw.cpu_adam_params_per_s
 
     step = compute + bubble + tp_s + pp_s + dp_exposed + optimizer
-    est = estimate(int(m.params), c.layout(), model=m, work=c.workload())
+    work, largest = c.workload(), None
+    if c.stage == 3 and c.software.prefetch == "matrix":
+        # DeepSpeed gathers module by module: the matrix in use and the one prefetched next
+        embedding = m.vocab * m.hidden // (c.tp if m.vocab_parallel else 1)
+        largest = max(*m.layer_tensors(c.tp), embedding)
+        work = replace(work, prefetch_bucket=largest)
+    est = estimate(int(m.params), c.layout(), model=m, work=work, largest_layer=largest)
+    memory = est["total_bytes_per_rank"]
+    if c.software.step_grad_copy and d < 4:  # fp32 copies of the stepped gradients, after backward
+        stepped = est["params_per_model_parallel_rank"] / (c.dp if c.stage else 1)
+        memory += max(0.0, 4 * stepped - est["activation_bytes_per_rank"])
     useful = model_flops(m, batch)
     return Prediction(
         candidate=c,
@@ -477,7 +501,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         dp_s=dp_s,
         dp_exposed_s=dp_exposed,
         optimizer_s=optimizer,
-        memory_bytes=est["total_bytes_per_rank"],
+        memory_bytes=memory,
         mfu=useful / (step * c.world * hw.peak_flops),
         hfu=flops / (step * c.world * hw.peak_flops),
     )

@@ -44,6 +44,9 @@ class Hardware:
     # (benchmarks/published.py --fit), 1 for a calibrated machine (measured as a step runs)
     kernel_derate: float = 1.0
     link_efficiency: float = 1.0
+    # how much slower compute runs while a collective overlaps it (0.189: 18.9% slower); a
+    # calibrated machine's 0 (its ranks share cores and do not overlap)
+    overlap_slowdown: float = 0.0
     intra_bw: float = 150 * GB  # inside a node, per device
     inter_bw: float = 12.5 * GB  # between nodes, per device
     intra_latency: float = 5e-6
@@ -77,6 +80,8 @@ class Hardware:
             value = getattr(self, name)
             if not 0 < value <= 1 and not (name == "attention_efficiency" and value == 0):
                 raise PlanError(f"{name}: {value} is not in (0, 1]")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise PlanError(f"overlap_slowdown: {self.overlap_slowdown} is not in [0, 1)")
         if self.hbm_bw <= 0:
             raise PlanError(f"hbm_bw: {self.hbm_bw} must be positive")
 
@@ -101,6 +106,11 @@ class Hardware:
 #   prices (benchmarks/published.py --fit: 5.7% mean absolute error, and 5.7% for each row
 #   predicted with the pair fitted to the others).
 FITTED = {"kernel_derate": 0.75, "link_efficiency": 0.85}
+# * overlap_slowdown: compute running beside collectives (NCCL's kernels take SMs and memory
+#   bandwidth) is slower by 18.9% on average, measured on A100s and H100s (Lee et al. 2025,
+#   "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+#   Learning", arXiv 2507.03114, abstract); taken as published, not fitted.
+OVERLAP_SLOWDOWN = 0.189
 
 # Fabrics between nodes: one way, per device (``inter_bw``), at the line rate. Each profile
 # below carries the fabric its DGX/HGX system ships with (one adapter per GPU); ``profile(...,
@@ -137,6 +147,7 @@ PROFILES: dict[str, Hardware] = {
         host_bw=25 * GB,
         device_adam_bytes_per_s=1.6e12,
         **FITTED,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
     ),
     "h100-80gb": Hardware(
         name="h100-80gb",
@@ -152,6 +163,7 @@ PROFILES: dict[str, Hardware] = {
         host_bw=50 * GB,
         device_adam_bytes_per_s=2.8e12,
         **FITTED,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
     ),
     "h200-141gb": Hardware(
         name="h200-141gb",
@@ -167,6 +179,7 @@ PROFILES: dict[str, Hardware] = {
         host_bw=50 * GB,
         device_adam_bytes_per_s=4.0e12,
         **FITTED,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
     ),
     "b200-180gb": Hardware(
         name="b200-180gb",
@@ -182,6 +195,7 @@ PROFILES: dict[str, Hardware] = {
         host_bw=64 * GB,
         device_adam_bytes_per_s=6.4e12,
         **FITTED,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
     ),
 }
 

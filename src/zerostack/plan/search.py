@@ -108,7 +108,7 @@ def search(
                 dropped[f"dp {dp}: does not divide the batch of {batch}"] += 1
                 continue
             per_rank = batch // dp
-            allowed = [z for z in stages if pp == 1 or z <= 1]
+            allowed = [z for z in stages if pp == 1 or z <= software.pipeline_zero]
             for mb in _powers_of_two(per_rank):
                 if per_rank % mb:
                     continue
@@ -140,10 +140,12 @@ def search(
 def _chunks(m: Transformer, pp: int, gas: int) -> tuple[int, ...]:
     """1F1B (one chunk per rank) and, where the micro-batches are a multiple of the stages and
     the layers divide evenly, interleaved with each chunk count up to 8 that divides a stage's
-    layers (the engine's ``virtual_stages``; Megatron requires the same)."""
-    if pp == 1 or gas % pp or m.layers % pp:
+    layers (the engine's ``virtual_stages``; Megatron requires the same), the embedding and the
+    output layer counted as layers where the split counts them (``ends_as_layers``)."""
+    units = m.layers + (2 if m.ends_as_layers else 0)
+    if pp == 1 or gas % pp or units % pp:
         return (1,)
-    return (1, *(k for k in range(2, 9) if (m.layers // pp) % k == 0))
+    return (1, *(k for k in range(2, 9) if (units // pp) % k == 0))
 
 
 def ds_config(p: Prediction, batch: int) -> dict:
