@@ -77,10 +77,11 @@ SYSTEMS = {
         "(gradients reduced after the last micro-batch) and ZeRO-1",
     ),
     "metaseq-2022": System(
-        replace(_FUSED_2021, overlap_grad_reduce=True),
+        replace(_FUSED_2021, overlap_grad_reduce=True, distribute_saved=True),
         (0, 1, 2, 3),
         False,
-        "metaseq: Megatron's tensor parallelism and kernels under FairScale's FSDP",
+        "metaseq: Megatron's tensor parallelism and kernels under FairScale's FSDP, the kept "
+        "layer inputs split over tp (opt_baselines.py: --distribute-checkpointed-activations)",
     ),
     "llama3-2024": System(
         Software(flash=True, fused=True, sequence_parallel=True, pipeline_zero=3),

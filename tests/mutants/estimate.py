@@ -174,4 +174,11 @@ MUTANTS: list[Mutant] = [
         "        split[0], split[-1] = split[0], split[-1] - 2",
         ("tests/test_plan.py::test_the_search_tries_every_grid_of_the_devices",),
     ),
+    Mutant(
+        "estimate: a distributed checkpoint kept whole on every tp rank",
+        "estimate/activations.py",
+        "        return d * sbh / (t if sequence_parallel or distribute_saved else 1)",
+        "        return d * sbh / (t if sequence_parallel else 1)",
+        ("tests/test_plan.py::test_distributed_checkpoints_keep_a_tp_share_and_gather_it_again",),
+    ),
 ]

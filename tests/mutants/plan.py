@@ -308,4 +308,18 @@ MUTANTS: list[Mutant] = [
         "        largest = max(m.layer_tensors(c.tp))",
         ("tests/test_plan.py::test_deepspeed_2021_holds_a_matrix_and_the_next_not_layers",),
     ),
+    Mutant(
+        "plan: distributed checkpoints gathered for free in backward",
+        "plan/cost.py",
+        "    big += busiest if c.distributes_saved else 0",
+        "    big += 0",
+        ("tests/test_plan.py::test_distributed_checkpoints_keep_a_tp_share_and_gather_it_again",),
+    ),
+    Mutant(
+        "plan: checkpoints distributed under sequence parallelism too (gathered twice)",
+        "plan/cost.py",
+        "        return k.distribute_saved and not k.sequence_parallel and self.tp > 1 and full",
+        "        return k.distribute_saved and self.tp > 1 and full",
+        ("tests/test_plan.py::test_distributed_checkpoints_keep_a_tp_share_and_gather_it_again",),
+    ),
 ]

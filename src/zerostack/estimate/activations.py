@@ -207,6 +207,7 @@ def layer_activation_bytes(
     dtype_bytes: int = 2,
     flash: bool = False,
     fused_mlp: bool = False,
+    distribute_saved: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch.
 
@@ -229,7 +230,10 @@ def layer_activation_bytes(
       (m + m d). ``flash``: a fused kernel keeps none of it, only the fp32 log-sum-exp, 4 a s b / t.
 
     ``recompute``: "none"; "selective" (the attention core is recomputed: its terms go);
-    "full" (only the layer's input is kept: d s b h, split by t under sequence parallelism).
+    "full" (only the layer's input is kept: d s b h, split by t under sequence parallelism,
+    or where ``distribute_saved``: each tp rank keeps 1/t of it and backward gathers it again,
+    as Megatron's ``--distribute-saved-activations`` and metaseq's
+    ``--distribute-checkpointed-activations``).
     """
     if recompute not in ("none", "selective", "full"):
         raise EstimateError(f"recompute: {recompute!r} is not none, selective or full")
@@ -237,7 +241,7 @@ def layer_activation_bytes(
     sp = t if sequence_parallel else 1
     sbh = s * b * h
     if recompute == "full":
-        return d * sbh / sp
+        return d * sbh / (t if sequence_parallel or distribute_saved else 1)
     mask = 1 if m.dropout else 0
     wide = m.ffn_hidden / (4 * h)
     kv = m.kv_hidden / h  # K and V relative to Q (grouped-query attention keeps them smaller)
@@ -268,6 +272,7 @@ def stage_activation_bytes(
     dtype_bytes: int = 2,
     flash: bool = False,
     fused_mlp: bool = False,
+    distribute_saved: bool = False,
 ) -> float:
     """Activation bytes a pipeline stage holds at its peak: ``in_flight`` micro-batches through
     its layers (:meth:`Transformer.stage_layers`; 1F1B: ``min(pp - stage, gas)`` micro-batches,
@@ -291,6 +296,7 @@ def stage_activation_bytes(
         dtype_bytes=dtype_bytes,
         flash=flash,
         fused_mlp=fused_mlp,
+        distribute_saved=distribute_saved,
     )
     s, b, h, d = m.seq, micro_batch, m.hidden, dtype_bytes
     sp = tp if sequence_parallel else 1

@@ -33,6 +33,8 @@ class Workload:
     sequence_parallel: bool = False
     flash: bool = True  # torch's scaled_dot_product_attention keeps no s x s scores
     fused_mlp: bool = False  # a gated MLP's activation as one kernel (Megatron's SwiGLU)
+    distribute_saved: bool = False  # full recompute's kept inputs split over tp (Megatron's
+    # --distribute-saved-activations)
     in_flight: float = 0.0  # micro-batches the first pipeline stage holds (0: 1F1B's min(pp, gas))
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements)
     prefetch_bucket: int | None = None  # stage3_prefetch_bucket_size (None: 2 largest modules)
@@ -131,6 +133,7 @@ def estimate(
             dtype_bytes=PRECISION_BYTES[layout.precision],
             flash=work.flash,
             fused_mlp=work.fused_mlp,
+            distribute_saved=work.distribute_saved,
         )
         out["workload"] = asdict(work)
     out["total_bytes_per_rank"] = (

@@ -74,7 +74,11 @@ class Software:
     buffers); backward's activations are freed by then, so the rank's peak is the larger of the
     two on top of its states. False: gradients are stepped where they are (zerostack).
     ``pipeline_zero``: the highest ZeRO stage the software runs beside a pipeline (zerostack,
-    as DeepSpeed, 1; FSDP under a pipeline, as Llama 3 and torchtitan train, 3)."""
+    as DeepSpeed, 1; FSDP under a pipeline, as Llama 3 and torchtitan train, 3).
+    ``distribute_saved``: without sequence parallelism, full recompute's kept layer inputs are
+    split over the tp ranks, and backward all-gathers each before recomputing its layer
+    (Megatron's ``--distribute-saved-activations``, metaseq's
+    ``--distribute-checkpointed-activations``)."""
 
     flash: bool = True
     fused: bool = False
@@ -85,6 +89,7 @@ class Software:
     prefetch: str = "layer"
     step_grad_copy: bool = False
     pipeline_zero: int = 1
+    distribute_saved: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,14 @@ class Candidate:
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def distributes_saved(self) -> bool:
+        """Whether full recompute's kept inputs are split over tp (``Software.distribute_saved``;
+        under sequence parallelism they are split already)."""
+        k = self.software
+        full = self.recompute == "full"
+        return k.distribute_saved and not k.sequence_parallel and self.tp > 1 and full
+
     def layout(self) -> Layout:
         return Layout(
             dp=self.dp,
@@ -126,6 +139,7 @@ class Candidate:
             sequence_parallel=self.tp > 1 and self.software.sequence_parallel,
             flash=self.software.flash,
             fused_mlp=self.software.fused,
+            distribute_saved=self.distributes_saved,
             in_flight=pipeline(self.pp, self.gas, self.chunks)[1],
         )
 
@@ -422,6 +436,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
     big, small = tp_collectives(
         busiest, c.recompute, c.software.sequence_parallel, m.vocab_parallel
     )
+    big += busiest if c.distributes_saved else 0  # backward gathers each kept input again
     per_micro = big * _ring(act, c.tp, bw, lat) + small * _ring(4 * m.hidden, c.tp, bw, lat, 2)
     tp_s = c.gas * per_micro if c.tp > 1 else 0.0
 
