@@ -124,4 +124,32 @@ MUTANTS: list[Mutant] = [
             "tests/test_moe_routing.py::test_grouped_routing_keeps_to_the_best_groups",
         ),
     ),
+    Mutant(
+        "moe hf_experts: an expert's rows taken token by token, not in HF's choice-rank order",
+        "moe/hf_experts.py",
+        "    key = (flat[mine] * k + mine % k) * tokens + mine // k",
+        "    key = flat[mine] * tokens * k + mine",
+        ("tests/test_moe_hf_experts.py::test_the_routed_rows_give_the_models_experts_output",),
+    ),
+    Mutant(
+        "moe hf_experts: every slice cut from the first experts",
+        "moe/hf_experts.py",
+        "            piece = p.detach()[first : first + count].clone()",
+        "            piece = p.detach()[:count].clone()",
+        ("tests/test_moe_hf_experts.py::test_the_routed_rows_give_the_models_experts_output",),
+    ),
+    Mutant(
+        "moe hf_experts: other ranks' lower experts run as this slice's",
+        "moe/hf_experts.py",
+        "    mine = ((flat >= 0) & (flat < count)).nonzero().squeeze(1)",
+        "    mine = (flat < count).nonzero().squeeze(1)",
+        ("tests/test_moe_hf_experts.py::test_the_routed_rows_give_the_models_experts_output",),
+    ),
+    Mutant(
+        "moe hf_experts: the routing weights left out of the experts' rows",
+        "moe/hf_experts.py",
+        "        x[token], flat[order].unsqueeze(1), weights.reshape(-1)[order].unsqueeze(1)",
+        "        x[token], flat[order].unsqueeze(1), (weights.reshape(-1)[order] ** 0)[:, None]",
+        ("tests/test_moe_hf_experts.py::test_the_routed_rows_give_the_models_experts_output",),
+    ),
 ]
