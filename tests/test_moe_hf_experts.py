@@ -106,3 +106,16 @@ def test_bad_slices_and_routes_are_named():
         run_experts(experts, x, chosen, weights[:, :3])
     with pytest.raises(ExpertsError, match="Linear: no num_experts to cut by"):
         expert_slice(torch.nn.Linear(2, 2), 0, 1)
+
+
+def test_an_exchange_whose_counts_do_not_add_up_is_named():
+    """comm.functional.exchange checks its counts before any rank posts a collective."""
+    from types import SimpleNamespace
+
+    from zerostack.comm.functional import exchange
+
+    axis = SimpleNamespace(name="ep", size=2)
+    with pytest.raises(ValueError, match=r"ep: send \[2, 1\] and receive \[1, 1\] for 4 rows"):
+        exchange(torch.zeros(4, 3), [2, 1], [1, 1], axis)
+    with pytest.raises(ValueError, match="over 2 ranks"):
+        exchange(torch.zeros(4, 3), [4], [1, 1], axis)

@@ -152,4 +152,32 @@ MUTANTS: list[Mutant] = [
         "        x[token], flat[order].unsqueeze(1), (weights.reshape(-1)[order] ** 0)[:, None]",
         ("tests/test_moe_hf_experts.py::test_the_routed_rows_give_the_models_experts_output",),
     ),
+    Mutant(
+        "moe expert_parallel: a token sent to the wrong expert rank (expert mod ep)",
+        "moe/hf_experts.py",
+        "    dest = flat[order] // self.num_experts",
+        "    dest = flat[order] % axis.size",
+        ("tests/test_moe_expert_parallel.py::test_expert_parallel_is_the_whole_block",),
+    ),
+    Mutant(
+        "moe expert_parallel: the routing weights never applied to what comes back",
+        "moe/hf_experts.py",
+        "    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(1)",
+        "    weighted = back",
+        ("tests/test_moe_expert_parallel.py::test_expert_parallel_is_the_whole_block",),
+    ),
+    Mutant(
+        "moe expert_parallel: a rank with no rows leaves backward's exchange (a hang)",
+        "moe/hf_experts.py",
+        "    if not rows.shape[0]:",
+        "    if False:",
+        ("tests/test_moe_expert_parallel.py::test_a_rank_whose_experts_get_no_rows_still_exchanges",),
+    ),
+    Mutant(
+        "moe expert_parallel: received rows in source order, not the whole batch's",
+        "moe/hf_experts.py",
+        "    perm = torch.argsort(((expert * k + rank) * axis.size + source) * (1 << 31) + token)",
+        "    perm = torch.argsort(((expert * axis.size + source) * k + rank) * (1 << 31) + token)",
+        ("tests/test_moe_expert_parallel.py::test_expert_parallel_is_the_whole_block",),
+    ),
 ]

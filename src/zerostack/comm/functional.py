@@ -15,6 +15,8 @@ gather(..., grad_is_partial)   all-gather along ``dim``         reduce-scatter a
 reduce_scatter(x, dim, axis)   reduce-scatter along ``dim``     all-gather along ``dim``
 all_to_all(x, axis, s, g)      split ``s`` over the ranks,      the reverse exchange (split
                                join what arrives along ``g``    ``g``, join along ``s``)
+exchange(x, send, receive, a)  ``send[r]`` rows to rank ``r``,  the reverse exchange
+                               ``receive[s]`` from rank ``s``
 =============================  ===============================  ===============================
 
 Parts are in rank order: rank ``r`` keeps (and gathers into place) the ``r``-th of ``size``
@@ -73,11 +75,19 @@ class Axis:
         else:
             self.comm.all_reduce(x, axis=self.name)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int] | None = None,
+        in_splits: list[int] | None = None,
+    ) -> None:
         if self.comm is None:
-            collectives.all_to_all_single(out, inp, group=self.group)
+            collectives.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         else:
-            self.comm.all_to_all(out, inp, axis=self.name)
+            self.comm.all_to_all(
+                out, inp, axis=self.name, output_splits=out_splits, input_splits=in_splits
+            )
 
     def ring_shift(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every tensor of ``send`` to the next rank of the axis (``rank + 1``, wrapping), and
@@ -159,6 +169,24 @@ def _all_to_all(x: torch.Tensor, scatter: int, gather: int, axis: Axis) -> torch
     received = torch.empty_like(send)
     axis.all_to_all(received, send)
     return torch.cat(received.unbind(0), dim=gather)  # row s came from rank s: in order
+
+
+def _exchange(x: torch.Tensor, send: list[int], receive: list[int], axis: Axis) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    axis.all_to_all(out, x, list(receive), list(send))
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, receive, axis):
+        ctx.send, ctx.receive, ctx.axis = send, receive, axis
+        return _exchange(x, send, receive, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.receive, ctx.send, ctx.axis), None, None, None
 
 
 class _Copy(torch.autograd.Function):
@@ -271,3 +299,17 @@ def all_to_all(x: torch.Tensor, axis: Axis, scatter_dim: int, gather_dim: int) -
     if axis.size == 1:
         return x
     return _apply(_AllToAll, x, axis, scatter_dim % x.dim(), gather_dim % x.dim())
+
+
+def exchange(x: torch.Tensor, send: list[int], receive: list[int], axis: Axis) -> torch.Tensor:
+    """Rows of ``x`` (its first dimension) to the axis's ranks in order, ``send[r]`` to rank
+    ``r``; what arrives, ``receive[s]`` rows from rank ``s``, in rank order (mixture-of-experts'
+    dispatch, whose counts vary per step). Backward sends the gradients back the same way."""
+    if len(send) != axis.size or len(receive) != axis.size or sum(send) != x.shape[0]:
+        raise ValueError(
+            f"{axis.name}: send {list(send)} and receive {list(receive)} for {x.shape[0]} rows "
+            f"over {axis.size} ranks"
+        )
+    if axis.size == 1:
+        return x
+    return _apply(_Exchange, x, tuple(send), tuple(receive), axis)

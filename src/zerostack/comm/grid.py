@@ -184,15 +184,26 @@ class Comm:
         return gloo._gloo(group if group is not None else self.group(axis))
 
     def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, axis: str = "dp", async_op=False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        axis: str = "dp",
+        async_op=False,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
     ) -> Handle | None:
         """Row ``r`` of ``input`` (N equal rows, flattened) goes to the axis's rank ``r``;
-        ``output``'s row ``s`` comes from rank ``s``. Logged as the bytes this rank sends."""
+        ``output``'s row ``s`` comes from rank ``s``; or, given the splits, ``input_splits[r]``
+        leading-dimension rows to rank ``r`` and ``output_splits[s]`` from rank ``s``. Logged as
+        the bytes this rank sends."""
         return self._run(
             "all_to_all",
             axis,
             input.numel() * input.element_size(),
-            lambda g, a: dist.all_to_all_single(output, input, group=g, async_op=a),
+            lambda g, a: dist.all_to_all_single(
+                output, input, output_splits, input_splits, group=g, async_op=a
+            ),
             async_op,
         )
 

@@ -3,8 +3,8 @@ top-2 gating with capacity, token dropping and the auxiliary loss; Residual MoE;
 ``ep_size > 1`` the experts split over the grid's ep axis) and
 :func:`~zerostack.moe.utils.split_params_into_different_moe_groups_for_optimizer`; and
 :mod:`~zerostack.moe.routing` and :mod:`~zerostack.moe.hf_experts`, Hugging Face MoE blocks'
-top-k routing and their experts cut by expert (issue 53's AutoEP, not wired into a layer
-yet)."""
+top-k routing and their experts run expert-parallel inside the model's own block (issue 53's
+AutoEP; not yet reached from ``initialize``'s config)."""
 
 from .layer import MoE
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
