@@ -407,6 +407,26 @@ def dp_traffic(m: Transformer, c: Candidate, persistence: int = PERSISTENCE) -> 
     return {"all_gather": all_gather * d, "reduce_scatter": c.gas * padded(sizes) * d}
 
 
+def memory_bytes(m: Transformer, c: Candidate) -> float:
+    """Bytes one rank of ``c`` holds at its peak: :func:`~zerostack.estimate.estimate`'s (which
+    describes zerostack's engine), with the habits of the software ``c`` runs on that differ:
+    DeepSpeed's module-by-module stage 3 gathers (``prefetch="matrix"``) and Megatron 2021's
+    fp32 gradient copy (``step_grad_copy``)."""
+    d = PRECISION_BYTES[c.precision]
+    work, largest = c.workload(), None
+    if c.stage == 3 and c.software.prefetch == "matrix":
+        # DeepSpeed gathers module by module: the matrix in use and the one prefetched next
+        embedding = m.vocab * m.hidden // (c.tp if m.vocab_parallel else 1)
+        largest = max(*m.layer_tensors(c.tp), embedding)
+        work = replace(work, prefetch_bucket=largest)
+    est = estimate(int(m.params), c.layout(), model=m, work=work, largest_layer=largest)
+    memory = est["total_bytes_per_rank"]
+    if c.software.step_grad_copy and d < 4:  # fp32 copies of the stepped gradients, after backward
+        stepped = est["params_per_model_parallel_rank"] / (c.dp if c.stage else 1)
+        memory += max(0.0, 4 * stepped - est["activation_bytes_per_rank"])
+    return memory
+
+
 def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Prediction:
     """Seconds per step and bytes per rank of candidate ``c`` (see the module docstring)."""
     d = PRECISION_BYTES[c.precision]
@@ -494,17 +514,6 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         optimizer = shard * (4 + d) / hw.host_bw + shard / hw.cpu_adam_params_per_s
 
     step = compute + bubble + tp_s + pp_s + dp_exposed + optimizer
-    work, largest = c.workload(), None
-    if c.stage == 3 and c.software.prefetch == "matrix":
-        # DeepSpeed gathers module by module: the matrix in use and the one prefetched next
-        embedding = m.vocab * m.hidden // (c.tp if m.vocab_parallel else 1)
-        largest = max(*m.layer_tensors(c.tp), embedding)
-        work = replace(work, prefetch_bucket=largest)
-    est = estimate(int(m.params), c.layout(), model=m, work=work, largest_layer=largest)
-    memory = est["total_bytes_per_rank"]
-    if c.software.step_grad_copy and d < 4:  # fp32 copies of the stepped gradients, after backward
-        stepped = est["params_per_model_parallel_rank"] / (c.dp if c.stage else 1)
-        memory += max(0.0, 4 * stepped - est["activation_bytes_per_rank"])
     useful = model_flops(m, batch)
     return Prediction(
         candidate=c,
@@ -516,7 +525,7 @@ def predict(m: Transformer, batch: int, c: Candidate, hw: Hardware) -> Predictio
         dp_s=dp_s,
         dp_exposed_s=dp_exposed,
         optimizer_s=optimizer,
-        memory_bytes=memory,
+        memory_bytes=memory_bytes(m, c),
         mfu=useful / (step * c.world * hw.peak_flops),
         hfu=flops / (step * c.world * hw.peak_flops),
     )
